@@ -1,0 +1,29 @@
+"""gradcomp: communication-efficient distributed deep learning over torch.distributed.
+
+    import gradcomp
+    compressor = gradcomp.make("topk", density=0.01, error_feedback=True)
+    aggregator = gradcomp.GradientAggregator(model, compressor)   # after init_process_group
+    ...; loss.backward(); aggregator.step(); optimizer.step()
+"""
+
+from gradcomp.compressors import Compressor, Slot
+from gradcomp.errors import ConfigError, GradcompError, NonFiniteGradientError, WireError
+from gradcomp.feedback import ErrorFeedback
+from gradcomp.registry import available, make, register
+from gradcomp.train import (
+    CompressionHookState,
+    GradientAggregator,
+    GradientExchange,
+    compression_hook,
+    register_ddp_hook,
+)
+from gradcomp.transport import ByteCounter, DistTransport, SimulatedCluster, Transport, WorkerLostError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ByteCounter", "CompressionHookState", "Compressor", "ConfigError", "DistTransport", "ErrorFeedback",
+    "GradcompError", "GradientAggregator", "GradientExchange", "NonFiniteGradientError", "SimulatedCluster",
+    "Slot", "Transport", "WireError", "WorkerLostError", "available", "compression_hook", "make", "register",
+    "register_ddp_hook",
+]

@@ -1,0 +1,7 @@
+"""Built-in compressors; importing this package registers them all."""
+
+from gradcomp.compressors.base import Compressor, Fields, Slot
+from gradcomp.compressors.dense import BFloat16, Float16, NoCompression
+from gradcomp.compressors.sparse import RandomK, Threshold, TopK
+
+__all__ = ["BFloat16", "Compressor", "Fields", "Float16", "NoCompression", "RandomK", "Slot", "Threshold", "TopK"]

@@ -1,0 +1,112 @@
+"""The compressor interface that every method implements.
+
+A compressor is pure tensor math. It turns one flat float tensor into a *message*: a list of field tensors
+whose wire layout it describes with `FieldSpec`s (see `gradcomp.wire`). It never talks to a process group.
+
+What a compressor declares (class attributes):
+
+- ``summable``: messages of different workers can be added field by field and the sum decompresses to the sum
+  of the decompressed messages (fp32, fp16, random-k with a shared seed, random-block). The exchange then uses
+  a plain allreduce on the fields instead of gathering encoded buffers.
+- ``unbiased``: E[decompress(compress(x))] = x.
+- ``omega``: the variance parameter of class B(omega), E||C(x)||^2 <= (omega + 1)||x||^2, where the paper gives
+  one; None otherwise.
+
+State that must survive a checkpoint (residuals, momentum, RNG position) lives behind
+``state_dict()`` / ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from gradcomp.errors import ConfigError
+from gradcomp.wire import FieldSpec
+
+Fields = list[Tensor]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor that is compressed, identified the same way on every worker.
+
+    ``index`` is the tensor's position in the model's (or DDP bucket list's) order; together with the run
+    seed and the step it derives shared randomness, so workers draw the same random positions without talking.
+    """
+
+    name: str
+    index: int
+    numel: int
+
+
+def shared_seed(seed: int, step: int, index: int, salt: str = "") -> int:
+    """A 63-bit seed derived from (run seed, step, tensor index): identical on every worker, fresh each step."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{index}:{salt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def shared_generator(seed: int, step: int, index: int, device: torch.device, salt: str = "") -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(shared_seed(seed, step, index, salt))
+    return gen
+
+
+def check_density(density: float) -> float:
+    density = float(density)
+    if not (0.0 < density <= 1.0):
+        raise ConfigError(f"density must lie in (0, 1], got {density}")
+    return density
+
+
+def kept_count(density: float, numel: int) -> int:
+    """k = ceil(p * d), at least 1 for a non-empty tensor and never more than d."""
+    if numel == 0:
+        return 0
+    k = int(-(-density * numel // 1))  # ceil without float surprises for exact products
+    return max(1, min(numel, k))
+
+
+class Compressor(ABC):
+    """Base class: subclasses set ``name`` and implement compress / decompress / specs."""
+
+    name: ClassVar[str] = ""
+    summable: ClassVar[bool] = False
+    unbiased: ClassVar[bool] = False
+    omega: float | None = None
+
+    def params(self) -> dict[str, Any]:
+        """The constructor arguments, for reports and for rebuilding the same compressor."""
+        return {}
+
+    @abstractmethod
+    def specs(self, slot: Slot) -> list[FieldSpec]:
+        """The wire layout of this slot's message; the receiver calls it too, to validate what it decodes."""
+
+    @abstractmethod
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        """Compress the flat float tensor ``x`` (``x.numel() == slot.numel``) into message fields."""
+
+    @abstractmethod
+    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        """The dense flat float32 tensor a message stands for. Pure: never changes the compressor's state."""
+
+    def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+        """Add the decompressed message into ``out``; sparse compressors override it to scatter-add."""
+        out += self.decompress(fields, slot, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ConfigError(f"compressor {self.name!r} keeps no state but got keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,1 @@
+"""Experiments: datasets, models, the training runner and its launcher, benchmarks."""

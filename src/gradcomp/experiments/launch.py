@@ -1,0 +1,106 @@
+"""Starting workers: spawned processes over gloo on 127.0.0.1, a torchrun launch, or the simulated cluster.
+
+``launch(cfg)`` returns the summary dict on the calling process (for torchrun: on rank 0; other ranks get
+None). Spawned workers find each other through a free TCP port on 127.0.0.1; every collective has a time-out
+(``cfg.timeout_s``), so a worker that disappears makes the others fail instead of hanging, and
+torch.multiprocessing re-raises the first worker's error in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gradcomp.experiments.runner import TrainConfig, run_simulated, run_worker, summarize
+from gradcomp.transport.dist import DistTransport
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _device_for(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _train_in_group(cfg: TrainConfig, device: torch.device, started: float) -> dict[str, Any] | None:
+    """Runs inside an initialised process group; rank 0 returns the summary."""
+    transport = DistTransport()
+    stats = run_worker(cfg, transport, device)
+    everyone: list[Any] = [None] * transport.world_size
+    dist.all_gather_object(everyone, stats)  # after training: not booked on the transport's counters
+    if transport.rank != 0:
+        return None
+    return summarize(cfg, everyone, time.perf_counter() - started, backend=transport.backend)
+
+
+def _spawned_worker(rank: int, cfg: TrainConfig, port: int, result_path: str, started: float) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.workers))
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    device = _device_for(cfg, rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=cfg.workers,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
+    try:
+        result = _train_in_group(cfg, device, started)
+        if result is not None:
+            with open(result_path, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(cfg: TrainConfig) -> dict[str, Any] | None:
+    cfg.validate()
+    started = time.perf_counter()
+    if cfg.simulate:
+        result = run_simulated(cfg, torch.device(cfg.device))
+        result.pop("final_state", None)
+        return result
+    if launched_by_torchrun():
+        return _launched_worker(cfg, started)
+    with tempfile.TemporaryDirectory(prefix="gradcomp-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        mp.spawn(_spawned_worker, args=(cfg, free_port(), result_path, started), nprocs=cfg.workers, join=True)
+        with open(result_path) as f:
+            return json.load(f)
+
+
+def _launched_worker(cfg: TrainConfig, started: float) -> dict[str, Any] | None:
+    world = int(os.environ["WORLD_SIZE"])
+    if world != cfg.workers:
+        cfg.workers = world  # torchrun decides the world size
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = _device_for(cfg, local_rank)
+    if not dist.is_initialized():
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    if int(os.environ["RANK"]) != 0:
+        cfg.progress = False
+    try:
+        return _train_in_group(cfg, device, started)
+    finally:
+        dist.destroy_process_group()

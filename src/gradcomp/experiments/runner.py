@@ -1,0 +1,368 @@
+"""`gradcomp train`: data-parallel training with a compressor, on real worker processes or a simulated cluster.
+
+Three ways to run the same training:
+
+- spawned: ``launch`` starts W worker processes itself (torch.multiprocessing, gloo on 127.0.0.1, a free port);
+- torchrun: when RANK / WORLD_SIZE are set, this process is one worker of an existing launch (gloo, or NCCL
+  with ``--device cuda``);
+- simulated (``--simulate``): one process, one model, W simulated workers whose gradients are computed one
+  after another and exchanged through ``SimulatedCluster`` — the same exchange and protocol code.
+
+Every worker holds a replica initialised from the same seed and reads its own disjoint shard of each epoch's
+shared permutation. The result dict (also ``--json``) carries the bits each worker sent and received as
+counted by the transport, the time split, and the test accuracy of the (identical) replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gradcomp.errors import ConfigError
+from gradcomp.experiments.data import Dataset, evaluate, load_dataset, shard_indices
+from gradcomp.experiments.models import build_model
+from gradcomp.registry import make
+from gradcomp.train.aggregator import GRANULARITIES, GradientAggregator
+from gradcomp.train.exchange import TOPOLOGIES
+from gradcomp.transport.base import ByteCounter, Transport
+from gradcomp.transport.sim import SimulatedCluster
+
+
+@dataclass
+class TrainConfig:
+    compressor: str = "none"
+    params: dict[str, Any] = field(default_factory=dict)
+    error_feedback: bool = False
+    granularity: str = "layer"
+    topology: str = "auto"
+    server_compressor: str | None = None
+    server_params: dict[str, Any] = field(default_factory=dict)
+    server_error_feedback: bool = True
+    workers: int = 4
+    epochs: float = 1.0
+    steps: int | None = None
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    dataset: str = "mnist"
+    data_root: str | None = None
+    model: str = "cnn"
+    seed: int = 0
+    simulate: bool = False
+    device: str = "cpu"
+    eval_every: int = 0
+    progress: bool = True
+    timeout_s: float = 900.0
+
+    def validate(self) -> None:
+        """Everything that can be checked before a worker starts; raises ConfigError."""
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if not self.epochs > 0:
+            raise ConfigError(f"epochs must be > 0, got {self.epochs}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.granularity not in GRANULARITIES:
+            raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device cuda asked for, but torch sees no CUDA device")
+        compressor, server = self.build_compressors()
+        if self.topology == "allreduce" and not compressor.summable:
+            raise ConfigError(f"compressor {self.compressor!r} is not summable: use topology allgather or ps")
+        if server is not None and self.topology != "ps":
+            raise ConfigError("--server-compressor needs --topology ps")
+
+    def build_compressors(self):
+        compressor = make(self.compressor, error_feedback=self.error_feedback, **self.params)
+        server = None
+        if self.server_compressor is not None:
+            server = make(self.server_compressor, error_feedback=self.server_error_feedback, **self.server_params)
+        return compressor, server
+
+    def label(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.params.items())
+        text = f"{self.compressor}({args})" if args else self.compressor
+        return text + (" + error feedback" if self.error_feedback else "")
+
+
+# -- one worker's training loop ------------------------------------------------------------------------------
+
+
+class Batches:
+    """The worker's batch for each step: its shard of the epoch's shared permutation, cut into batches."""
+
+    def __init__(self, data: Dataset, cfg: TrainConfig, rank: int):
+        self.data, self.cfg, self.rank = data, cfg, rank
+        self.per_epoch = (data.train_x.shape[0] // cfg.workers) // cfg.batch_size
+        if self.per_epoch < 1:
+            raise ConfigError(
+                f"{data.train_x.shape[0]} training examples cannot give each of {cfg.workers} workers "
+                f"a batch of {cfg.batch_size}"
+            )
+        self._epoch, self._indices = -1, None
+
+    def total_steps(self) -> int:
+        if self.cfg.steps is not None:
+            return self.cfg.steps
+        return max(1, math.ceil(self.cfg.epochs * self.per_epoch))
+
+    def get(self, step: int, device: torch.device):
+        epoch, i = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            n = self.data.train_x.shape[0]
+            self._indices = shard_indices(n, self.rank, self.cfg.workers, epoch, self.cfg.seed)
+            self._epoch = epoch
+        rows = self._indices[i * self.cfg.batch_size : (i + 1) * self.cfg.batch_size]
+        return self.data.train_x[rows].to(device), self.data.train_y[rows].to(device)
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def compute_gradients(model: nn.Module, xb, yb) -> float:
+    model.zero_grad(set_to_none=False)
+    loss = F.cross_entropy(model(xb), yb)
+    loss.backward()
+    return float(loss.detach())
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """A short hash of every parameter's exact bytes: equal digests mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        raw = p.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8)
+        h.update(raw.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool, label: str):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, unit="step", dynamic_ncols=True, leave=True)
+
+    def update(self, loss: float, counter: ByteCounter) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", up=_human_bits(8 * counter.bytes_up), refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Curves:
+    """Training loss every few steps, and test accuracy every ``eval_every`` steps."""
+
+    def __init__(self, total: int, cfg: TrainConfig):
+        self.every = max(1, total // 50)
+        self.eval_every = cfg.eval_every
+        self.loss: list[tuple[int, float]] = []
+        self.accuracy: list[tuple[int, float]] = []
+
+    def record(self, step: int, loss: float, model: nn.Module, data: Dataset, evaluate_now: bool) -> None:
+        if step % self.every == 0:
+            self.loss.append((step, loss))
+        if evaluate_now and self.eval_every and (step + 1) % self.eval_every == 0:
+            self.accuracy.append((step + 1, evaluate(model, data.test_x, data.test_y)))
+
+
+def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> dict[str, Any]:
+    """Train one replica over ``transport``; returns this worker's local statistics."""
+    data = load_dataset(cfg.dataset, cfg.data_root)
+    model = build_model(cfg.model, data, cfg.seed).to(device)
+    optimizer = make_optimizer(model, cfg)
+    compressor, server = cfg.build_compressors()
+    aggregator = GradientAggregator(
+        model, compressor, transport, granularity=cfg.granularity, topology=cfg.topology, server_compressor=server
+    )
+    batches = Batches(data, cfg, transport.rank)
+    total = batches.total_steps()
+    lead = transport.rank == 0
+    progress = Progress(total, cfg.progress and lead, cfg.label())
+    curves = Curves(total, cfg)
+    compute_s, loss = 0.0, float("nan")
+    for step in range(total):
+        started = time.perf_counter()
+        xb, yb = batches.get(step, device)
+        loss = compute_gradients(model, xb, yb)
+        compute_s += time.perf_counter() - started
+        aggregator.step()
+        started = time.perf_counter()
+        optimizer.step()
+        compute_s += time.perf_counter() - started
+        curves.record(step, loss, model, data, evaluate_now=lead)
+        progress.update(loss, transport.counter)
+    progress.close()
+    return {
+        "rank": transport.rank,
+        "steps": total,
+        "epochs": total / batches.per_epoch,
+        "compute_s": compute_s,
+        "compress_s": aggregator.exchange.compress_s,
+        "communicate_s": aggregator.exchange.communicate_s,
+        "counter": transport.counter.as_dict(),
+        "digest": parameter_digest(model),
+        "final_loss": loss,
+        "test_accuracy": evaluate(model, data.test_x, data.test_y) if lead else None,
+        "loss_curve": curves.loss,
+        "accuracy_curve": curves.accuracy,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+# -- the simulated cluster -----------------------------------------------------------------------------------
+
+
+def run_simulated(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any]:
+    """The same training with W simulated workers in this process; returns the summary dict."""
+    device = device or torch.device("cpu")
+    started = time.perf_counter()
+    data = load_dataset(cfg.dataset, cfg.data_root)
+    model = build_model(cfg.model, data, cfg.seed).to(device)
+    optimizer = make_optimizer(model, cfg)
+    batches = [Batches(data, cfg, rank) for rank in range(cfg.workers)]
+    total = batches[0].total_steps()
+    compute_s = [0.0] * cfg.workers
+    with SimulatedCluster(cfg.workers, timeout=cfg.timeout_s) as cluster:
+        aggregators = []
+        for transport in cluster.transports:
+            compressor, server = cfg.build_compressors()
+            aggregators.append(
+                GradientAggregator(
+                    model, compressor, transport,
+                    granularity=cfg.granularity, topology=cfg.topology, server_compressor=server,
+                )
+            )
+        progress = Progress(total, cfg.progress, cfg.label() + " [simulated]")
+        curves = Curves(total, cfg)
+        params = [p for _, p in aggregators[0].named]
+        loss = float("nan")
+        for step in range(total):
+            grads, losses = [], []
+            for rank in range(cfg.workers):
+                t0 = time.perf_counter()
+                xb, yb = batches[rank].get(step, device)
+                losses.append(compute_gradients(model, xb, yb))
+                grads.append([p.grad.detach().clone() for p in params])
+                compute_s[rank] += time.perf_counter() - t0
+            averaged = cluster.run(lambda t: aggregators[t.rank].aggregate(grads[t.rank]))[0]
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for p, a in zip(params, averaged):
+                    p.grad.copy_(a)
+            optimizer.step()
+            shared = time.perf_counter() - t0
+            compute_s = [c + shared for c in compute_s]
+            loss = losses[0]
+            curves.record(step, loss, model, data, evaluate_now=True)
+            progress.update(loss, cluster.transports[0].counter)
+        progress.close()
+    digest = parameter_digest(model)
+    stats = [
+        {
+            "rank": rank,
+            "steps": total,
+            "epochs": total / batches[rank].per_epoch,
+            "compute_s": compute_s[rank],
+            "compress_s": aggregators[rank].exchange.compress_s,
+            "communicate_s": aggregators[rank].exchange.communicate_s,
+            "counter": cluster.transports[rank].counter.as_dict(),
+            "digest": digest,
+            "final_loss": loss,
+            "test_accuracy": evaluate(model, data.test_x, data.test_y) if rank == 0 else None,
+            "loss_curve": curves.loss,
+            "accuracy_curve": curves.accuracy,
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+        }
+        for rank in range(cfg.workers)
+    ]
+    result = summarize(cfg, stats, time.perf_counter() - started, backend="simulated")
+    result["final_state"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return result
+
+
+# -- summary -------------------------------------------------------------------------------------------------
+
+
+def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float, backend: str) -> dict[str, Any]:
+    """One result dict from every worker's local statistics (bits are per-worker means of measured counts)."""
+    workers = len(stats)
+    lead = stats[0]
+    counters = [ByteCounter(**s["counter"]) for s in stats]
+    num_parameters = lead["num_parameters"]
+    steps = lead["steps"]
+    bits_up = [8 * c.bytes_up for c in counters]
+    bits_down = [8 * c.bytes_down for c in counters]
+    dense_bits = 32 * num_parameters * steps  # fp32 allreduce hands the transport 4 bytes per parameter
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    up, down = mean(bits_up), mean(bits_down)
+    return {
+        "compressor": cfg.compressor,
+        "params": dict(cfg.params),
+        "error_feedback": cfg.error_feedback,
+        "granularity": cfg.granularity,
+        "topology": cfg.topology,
+        "server_compressor": cfg.server_compressor,
+        "server_params": dict(cfg.server_params),
+        "workers": workers,
+        "steps": steps,
+        "epochs": lead["epochs"],
+        "batch_size": cfg.batch_size,
+        "lr": cfg.lr,
+        "momentum": cfg.momentum,
+        "dataset": cfg.dataset,
+        "model": cfg.model,
+        "num_parameters": num_parameters,
+        "seed": cfg.seed,
+        "backend": backend,
+        "simulate": cfg.simulate,
+        "test_accuracy": lead["test_accuracy"],
+        "final_loss": lead["final_loss"],
+        "bits_up_per_worker": up,
+        "bits_down_per_worker": down,
+        "bits_up_by_worker": bits_up,
+        "bits_down_by_worker": bits_down,
+        "dense_bits_per_worker": dense_bits,
+        "compression_ratio_up": dense_bits / up if up else math.inf,
+        "compression_ratio_down": dense_bits / down if down else math.inf,
+        "padding_bits": mean([8 * c.padding_bytes for c in counters]),
+        "control_bits": mean([8 * (c.up_control + c.down_control) for c in counters]),
+        "server_bits_in": sum(8 * c.server_in for c in counters),
+        "server_bits_out": sum(8 * c.server_out for c in counters),
+        "wall_time_s": wall_time_s,
+        "compute_s": mean([s["compute_s"] for s in stats]),
+        "compress_s": mean([s["compress_s"] for s in stats]),
+        "communicate_s": mean([s["communicate_s"] for s in stats]),
+        "replicas_identical": len({s["digest"] for s in stats}) == 1,
+        "parameter_digest": lead["digest"],
+        "loss_curve": lead["loss_curve"],
+        "accuracy_curve": lead["accuracy_curve"],
+        "torch_version": torch.__version__,
+    }

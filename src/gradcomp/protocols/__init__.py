@@ -1,0 +1,16 @@
+"""Protocols: how message buffers move and combine over a transport.
+
+- ``allreduce_sum``: summable messages (plain elementwise sum of the fields).
+- ``allgather_buffers``: every worker gets every worker's encoded buffer (sizes differ: exchange sizes, pad to
+  the largest, cut the padding off again; padding is booked apart from payload).
+- ``parameter_server``: one rank gathers the buffers, aggregates them (and may compress the aggregate
+  downstream) with a callable it is given, and broadcasts the result.
+
+Protocols know buffers and sizes, never compressors: what to do with the buffers is the caller's business.
+"""
+
+from gradcomp.protocols.allgather import allgather_buffers
+from gradcomp.protocols.allreduce import allreduce_sum
+from gradcomp.protocols.parameter_server import parameter_server
+
+__all__ = ["allgather_buffers", "allreduce_sum", "parameter_server"]

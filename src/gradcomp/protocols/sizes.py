@@ -1,0 +1,22 @@
+"""Variable-size buffers over equal-size collectives: size exchange, padding, unpadding."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gradcomp.transport.base import CONTROL, Transport
+
+
+def exchange_sizes(transport: Transport, buffer: Tensor) -> list[int]:
+    """Every worker's buffer length in bytes (one int64 per worker, booked as control traffic)."""
+    mine = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
+    return [int(s.item()) for s in transport.all_gather(mine, kind=CONTROL)]
+
+
+def pad_to(buffer: Tensor, size: int) -> Tensor:
+    if buffer.numel() == size:
+        return buffer
+    padded = torch.zeros(size, dtype=torch.uint8, device=buffer.device)
+    padded[: buffer.numel()] = buffer
+    return padded

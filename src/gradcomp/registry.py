@@ -1,0 +1,98 @@
+"""The compressor registry: ``gradcomp.make(name, **params)`` and the CLI's ``--compressor NAME --param k=v``.
+
+Both paths build the same object. Unknown names and bad parameters raise ConfigError before anything is sent.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+from gradcomp.errors import ConfigError
+
+_REGISTRY: dict[str, type] = {}
+T = TypeVar("T", bound=type)
+
+
+def register(cls: T) -> T:
+    """Class decorator: registers a Compressor subclass under its ``name``."""
+    name = getattr(cls, "name", "")
+    if not name:
+        raise TypeError(f"{cls.__name__} has no name")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise TypeError(f"compressor name {name!r} registered twice")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def available() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def compressor_class(name: str) -> type:
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown compressor {name!r}; available: {', '.join(available())}") from None
+
+
+def make(name: str, *, error_feedback: bool = False, **params: Any):
+    """Build a registered compressor; ``error_feedback=True`` wraps it in ErrorFeedback."""
+    cls = compressor_class(name)
+    signature = inspect.signature(cls.__init__)
+    accepted = [p for p in signature.parameters if p != "self"]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"compressor {name!r} has no parameter {', '.join(map(repr, unknown))}; "
+            f"its parameters: {', '.join(accepted) or '(none)'}"
+        )
+    try:
+        compressor = cls(**params)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad parameters for compressor {name!r}: {exc}") from exc
+    if error_feedback:
+        from gradcomp.feedback import ErrorFeedback
+
+        compressor = ErrorFeedback(compressor)
+    return compressor
+
+
+def parse_param_strings(items: Iterable[str]) -> dict[str, Any]:
+    """``["density=0.01", "scale=true"]`` → ``{"density": 0.01, "scale": True}`` (ints, floats, bools, strings)."""
+    params: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--param expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if not key.isidentifier():
+            raise ConfigError(f"bad parameter name {key!r}")
+        params[key] = _parse_value(raw.strip())
+    return params
+
+
+def _parse_value(raw: str) -> Any:
+    lowered = raw.lower()
+    if lowered in ("true", "yes", "on"):
+        return True
+    if lowered in ("false", "no", "off"):
+        return False
+    if lowered in ("none", "null"):
+        return None
+    for convert in (int, float):
+        try:
+            return convert(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _load_builtin() -> None:
+    # Importing the package registers every built-in compressor.
+    import gradcomp.compressors  # noqa: F401

@@ -1,0 +1,147 @@
+"""The transport interface: four collectives over tensors, and honest byte counters.
+
+A transport moves tensors; it knows nothing of compressors. Every byte of every tensor handed to a collective
+is counted, from the point of view of one worker:
+
+- ``all_reduce_sum(t)``: the worker sends t and receives the reduced t: up += t.nbytes, down += t.nbytes.
+- ``all_gather(t)``: the worker sends t and receives the W - 1 other workers' tensors:
+  up += t.nbytes, down += (W - 1) * t.nbytes.
+- ``gather(t, root)`` (parameter-server uplink): every worker, the root's own worker role included, sends t
+  (up += t.nbytes); the root's server role receives all W tensors (server_in += W * t.nbytes). The server is
+  accounted as a separate logical machine even though it lives in the root's process.
+- ``broadcast(t, root)`` (parameter-server downlink): the root's server role sends t once per worker
+  (server_out += W * t.nbytes) and every worker receives it (down += t.nbytes).
+
+Each call names its kind: ``payload`` (messages), ``control`` (size exchanges). Padding that equal-size
+collectives need is passed in by the protocol (``pad_up``, ``pad_down``) and booked apart from the payload.
+Wall-clock time spent inside collectives is accumulated in ``seconds``.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from torch import Tensor
+
+PAYLOAD = "payload"
+CONTROL = "control"
+
+
+@dataclass
+class ByteCounter:
+    up_payload: int = 0
+    up_padding: int = 0
+    up_control: int = 0
+    down_payload: int = 0
+    down_padding: int = 0
+    down_control: int = 0
+    server_in: int = 0
+    server_out: int = 0
+    collectives: int = 0
+    seconds: float = 0.0
+
+    def book(self, kind: str, up: int, down: int, pad_up: int = 0, pad_down: int = 0) -> None:
+        if kind == CONTROL:
+            self.up_control += up
+            self.down_control += down
+        else:
+            self.up_payload += up - pad_up
+            self.down_payload += down - pad_down
+            self.up_padding += pad_up
+            self.down_padding += pad_down
+
+    @property
+    def bytes_up(self) -> int:
+        """Everything this worker sent except padding: messages plus size exchanges."""
+        return self.up_payload + self.up_control
+
+    @property
+    def bytes_down(self) -> int:
+        return self.down_payload + self.down_control
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.up_padding + self.down_padding
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def snapshot(self) -> ByteCounter:
+        return ByteCounter(**asdict(self))
+
+
+class Transport(ABC):
+    """One worker's view of the collectives. Subclasses implement the underscored primitives."""
+
+    rank: int
+    world_size: int
+
+    def __init__(self) -> None:
+        self.counter = ByteCounter()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        result = fn(*args)
+        self._sync()
+        self.counter.seconds += time.perf_counter() - start
+        self.counter.collectives += 1
+        return result
+
+    def _sync(self) -> None:
+        """Wait for asynchronous device work so timings are true (CUDA); nothing to do on the CPU."""
+
+    def all_reduce_sum(self, t: Tensor, kind: str = PAYLOAD) -> Tensor:
+        """Elementwise sum over workers; returns a new tensor, identical on every worker."""
+        result = self._timed(self._all_reduce_sum, t.contiguous())
+        self.counter.book(kind, up=t.nbytes, down=t.nbytes)
+        return result
+
+    def all_gather(self, t: Tensor, kind: str = PAYLOAD, pad_up: int = 0, pad_down: int = 0) -> list[Tensor]:
+        """Every worker's tensor, in rank order. All workers must pass tensors of the same shape and dtype."""
+        result = self._timed(self._all_gather, t.contiguous())
+        self.counter.book(kind, up=t.nbytes, down=(self.world_size - 1) * t.nbytes, pad_up=pad_up, pad_down=pad_down)
+        return result
+
+    def gather(
+        self, t: Tensor, root: int, kind: str = PAYLOAD, pad_up: int = 0, pad_in: int = 0
+    ) -> list[Tensor] | None:
+        """The root gets every worker's tensor in rank order; the others get None. Equal shapes required.
+
+        ``pad_in`` (root only) is the padding in all the tensors the server receives, not booked as server input.
+        """
+        result = self._timed(self._gather, t.contiguous(), root)
+        self.counter.book(kind, up=t.nbytes, down=0, pad_up=pad_up)
+        if self.rank == root:
+            self.counter.server_in += self.world_size * t.nbytes - pad_in
+        return result
+
+    def broadcast(self, t: Tensor, root: int, kind: str = PAYLOAD) -> Tensor:
+        """The root's ``t`` on every worker; the others pass a tensor of the right shape and dtype to fill."""
+        result = self._timed(self._broadcast, t.contiguous(), root)
+        self.counter.book(kind, up=0, down=t.nbytes)
+        if self.rank == root:
+            self.counter.server_out += self.world_size * t.nbytes
+        return result
+
+    @abstractmethod
+    def _all_reduce_sum(self, t: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def _all_gather(self, t: Tensor) -> list[Tensor]: ...
+
+    @abstractmethod
+    def _gather(self, t: Tensor, root: int) -> list[Tensor] | None: ...
+
+    @abstractmethod
+    def _broadcast(self, t: Tensor, root: int) -> Tensor: ...

@@ -1,0 +1,65 @@
+"""Transport over a torch.distributed process group: gloo on CPU, NCCL on GPU.
+
+Tensors must live where the backend wants them (CPU for gloo, the rank's CUDA device for NCCL); the
+exchange keeps everything on the gradients' device, so DDP and plain training loops need no copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradcomp.errors import ConfigError
+from gradcomp.transport.base import Transport
+
+
+class DistTransport(Transport):
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError(
+                "torch.distributed is not initialized: call torch.distributed.init_process_group first "
+                "(or use gradcomp.SimulatedCluster for an in-process run)"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+
+    @property
+    def device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _sync(self) -> None:
+        if self.backend == "nccl":
+            torch.cuda.synchronize()
+
+    def _group_rank(self, rank: int) -> int:
+        """torch.distributed's gather/broadcast take global ranks; translate a rank within our group."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _all_reduce_sum(self, t: Tensor) -> Tensor:
+        out = t.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def _all_gather(self, t: Tensor) -> list[Tensor]:
+        outs = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(outs, t, group=self.group)
+        return outs
+
+    def _gather(self, t: Tensor, root: int) -> list[Tensor] | None:
+        if self.rank == root:
+            outs = [torch.empty_like(t) for _ in range(self.world_size)]
+            dist.gather(t, gather_list=outs, dst=self._group_rank(root), group=self.group)
+            return outs
+        dist.gather(t, gather_list=None, dst=self._group_rank(root), group=self.group)
+        return None
+
+    def _broadcast(self, t: Tensor, root: int) -> Tensor:
+        out = t.clone() if self.rank == root else t
+        dist.broadcast(out, src=self._group_rank(root), group=self.group)
+        return out

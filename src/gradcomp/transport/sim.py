@@ -1,0 +1,120 @@
+"""A simulated cluster: W workers inside one process, one thread each, running the real protocol code.
+
+Each worker gets a ``SimTransport`` whose collectives meet at a shared rendezvous (a ``threading.Barrier``):
+every worker deposits its tensor, one worker combines, everyone takes a private copy of the result. Sums are
+taken in rank order, so results are deterministic and identical on every worker. Byte counting is the base
+class's, the same as for the process-group transport, so a simulated run reports the same bits as a real one.
+
+A worker that raises aborts the rendezvous; the others fail fast with ``WorkerLostError`` instead of
+hanging, and ``SimulatedCluster.run`` re-raises the original error. A rendezvous that waits longer than
+``timeout`` seconds fails the same way.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from torch import Tensor
+
+from gradcomp.errors import ConfigError, GradcompError
+from gradcomp.transport.base import Transport
+
+T = TypeVar("T")
+
+
+class WorkerLostError(GradcompError):
+    """Another simulated worker failed or timed out while this one waited at a collective."""
+
+
+class SimulatedCluster:
+    def __init__(self, world_size: int, timeout: float = 300.0):
+        if int(world_size) < 1:
+            raise ConfigError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = int(world_size)
+        self.timeout = float(timeout)
+        self._barrier = threading.Barrier(self.world_size, timeout=self.timeout)
+        self._slots: list[Tensor | None] = [None] * self.world_size
+        self._combined: object = None
+        self._pool = ThreadPoolExecutor(max_workers=self.world_size, thread_name_prefix="gradcomp-sim")
+        self.transports = [SimTransport(self, rank) for rank in range(self.world_size)]
+
+    def run(self, fn: Callable[[SimTransport], T]) -> list[T]:
+        """Run ``fn(transport)`` once per worker, concurrently; results in rank order."""
+        if self._barrier.broken:
+            self._barrier.reset()
+        futures = [self._pool.submit(self._guarded, fn, t) for t in self.transports]
+        errors = [f.exception() for f in futures]
+        primary = [e for e in errors if e is not None and not isinstance(e, WorkerLostError)]
+        if primary:
+            raise primary[0]
+        lost = [e for e in errors if e is not None]
+        if lost:
+            raise lost[0]
+        return [f.result() for f in futures]
+
+    def _guarded(self, fn: Callable[[SimTransport], T], transport: SimTransport) -> T:
+        try:
+            return fn(transport)
+        except BaseException:
+            self._barrier.abort()
+            raise
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> SimulatedCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _wait(self, rank: int) -> None:
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            raise WorkerLostError(
+                f"simulated worker {rank}: another worker failed or the rendezvous timed out "
+                f"after {self.timeout:.0f}s"
+            ) from None
+
+    def rendezvous(self, rank: int, tensor: Tensor, combine: Callable[[list[Tensor]], object]):
+        """Deposit ``tensor``; once all arrived, rank 0 computes ``combine(all tensors)``; all get it back."""
+        self._slots[rank] = tensor
+        self._wait(rank)
+        if rank == 0:
+            self._combined = combine(list(self._slots))  # type: ignore[arg-type]
+        self._wait(rank)
+        combined = self._combined
+        self._wait(rank)  # nobody may overwrite the slots before everyone has read
+        return combined
+
+
+def _sum_in_rank_order(tensors: list[Tensor]) -> Tensor:
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total += t
+    return total
+
+
+class SimTransport(Transport):
+    def __init__(self, cluster: SimulatedCluster, rank: int):
+        super().__init__()
+        self.cluster = cluster
+        self.rank = rank
+        self.world_size = cluster.world_size
+
+    def _all_reduce_sum(self, t: Tensor) -> Tensor:
+        return self.cluster.rendezvous(self.rank, t, _sum_in_rank_order).clone()
+
+    def _all_gather(self, t: Tensor) -> list[Tensor]:
+        return [x.clone() for x in self.cluster.rendezvous(self.rank, t, list)]
+
+    def _gather(self, t: Tensor, root: int) -> list[Tensor] | None:
+        everyone = self.cluster.rendezvous(self.rank, t, list)
+        return [x.clone() for x in everyone] if self.rank == root else None
+
+    def _broadcast(self, t: Tensor, root: int) -> Tensor:
+        return self.cluster.rendezvous(self.rank, t, lambda ts: ts[root]).clone()

@@ -1,0 +1,42 @@
+"""Wire layer of gradcomp: bit packing, Golomb–Rice position coding, checksums and the message container.
+
+Every function works on CPU and CUDA tensors with vectorized torch ops. Byte layouts are documented in the
+submodules: :mod:`.bits` (LSB-first fixed-width packing), :mod:`.golomb` (Rice codes of position gaps),
+:mod:`.checksum` (64-bit body checksum) and :mod:`.container` (20-byte header + one section per field).
+Decoders raise only :class:`gradcomp.errors.WireError` for bad bytes; encoders raise
+:class:`gradcomp.errors.ConfigError` for misuse.
+"""
+
+from gradcomp.wire.bits import bits_needed, pack_bits, pack_bool, unpack_bits, unpack_bool
+from gradcomp.wire.checksum import checksum64
+from gradcomp.wire.container import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    SECTION_HEADER_BYTES,
+    Codec,
+    FieldSpec,
+    decode,
+    encode,
+    encoded_size,
+)
+from gradcomp.wire.golomb import golomb_decode, golomb_encode, optimal_rice_parameter
+
+__all__ = [
+    "Codec",
+    "FieldSpec",
+    "encode",
+    "decode",
+    "encoded_size",
+    "HEADER_BYTES",
+    "SECTION_HEADER_BYTES",
+    "FORMAT_VERSION",
+    "pack_bits",
+    "unpack_bits",
+    "bits_needed",
+    "pack_bool",
+    "unpack_bool",
+    "golomb_encode",
+    "golomb_decode",
+    "optimal_rice_parameter",
+    "checksum64",
+]

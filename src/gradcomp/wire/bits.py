@@ -1,0 +1,190 @@
+"""Fixed-width bit packing of non-negative integers.
+
+Layout: value ``i`` of an array packed with ``width`` bits occupies the global bit positions
+``[i * width, (i + 1) * width)``; its least significant bit comes first. Global bit ``k`` is bit
+``k % 8`` (counted from the least significant bit) of byte ``k // 8``. The output therefore has
+``ceil(n * width / 8)`` bytes and the unused high bits of the last byte are zero. For widths that are
+multiples of 8 this is exactly the little-endian byte representation of each value; width 1 is the
+usual LSB-first bitmap.
+
+Implementation: every group of 8 values fills exactly ``width`` bytes, so the arrays are padded to a
+multiple of 8 values, reshaped to ``(groups, 8)`` (values) or ``(groups, width)`` (bytes) and each
+byte column is assembled from the (statically known) value columns that overlap it with shifts and
+ORs. The Python loops run over the at most ``width + 8`` (byte, value) pairs of one group, never over
+elements; every operation is a vectorized torch op on the input's device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradcomp.errors import ConfigError, WireError
+
+__all__ = ["pack_bits", "unpack_bits", "bits_needed", "pack_bool", "unpack_bool", "packed_nbytes"]
+
+_MAX_WIDTH = 32
+# Dtypes on which min/max are available; other integer dtypes (uint16/32/64) are widened to int64 first.
+_NATIVE_INT = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _check_width(width: object, exc: type[Exception] = ConfigError) -> int:
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= _MAX_WIDTH:
+        raise exc(f"bit width must be an int in [1, {_MAX_WIDTH}], got {width!r}")
+    return width
+
+
+def packed_nbytes(count: int, width: int) -> int:
+    """Number of bytes ``pack_bits`` produces for ``count`` values of ``width`` bits."""
+    return (count * width + 7) // 8
+
+
+def bits_needed(n: int) -> int:
+    """Bits needed to store any value in ``0 .. n-1`` (at least 1)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"bits_needed expects a non-negative int, got {n!r}")
+    return max(1, (n - 1).bit_length())
+
+
+def _work_dtype(width: int) -> torch.dtype:
+    # Largest intermediate: a value shifted left by up to 7 bits (pack) or a byte shifted left by
+    # up to width - 1 bits (unpack), i.e. < 2**(width + 8). uint8 arithmetic is fine for width <= 8
+    # because everything above bit 7 is discarded anyway.
+    if width <= 8:
+        return torch.uint8
+    if width <= 16:
+        return torch.int32
+    return torch.int64
+
+
+def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Pack a 1-D tensor whose values are already known to lie in [0, 2**width)."""
+    n = values.numel()
+    nbytes = packed_nbytes(n, width)
+    device = values.device
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    if width == 8:
+        return values.to(torch.uint8)
+    wd = _work_dtype(width)
+    v = values.to(wd)
+    groups = (n + 7) // 8
+    if groups * 8 != n:
+        v = torch.cat([v, torch.zeros(groups * 8 - n, dtype=wd, device=device)])
+    v = v.view(groups, 8)
+    cols = []
+    for t in range(width):  # byte t of each group covers bits [8t, 8t + 8) of the group
+        acc = None
+        for j in range(max(0, (8 * t) // width), min(7, (8 * t + 7) // width) + 1):
+            shift = j * width - 8 * t
+            part = v[:, j] << shift if shift >= 0 else v[:, j] >> (-shift)
+            acc = part if acc is None else acc | part
+        if wd != torch.uint8:
+            acc = acc & 0xFF
+        cols.append(acc.to(torch.uint8))
+    out = torch.stack(cols, dim=1).reshape(-1)
+    return out[:nbytes]
+
+
+def _unpack(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """Unpack ``count`` values (length already checked); returns the work dtype; checks padding."""
+    device = buf.device
+    wd = _work_dtype(width)
+    if count == 0:
+        return torch.empty(0, dtype=wd, device=device)
+    if width == 8:
+        return buf.to(wd)
+    groups = (count + 7) // 8
+    b = buf
+    if groups * width != b.numel():
+        b = torch.cat([b, torch.zeros(groups * width - b.numel(), dtype=torch.uint8, device=device)])
+    b = b.view(groups, width)
+    if wd != torch.uint8:
+        b = b.to(wd)
+    mask = (1 << width) - 1
+    cols = []
+    for j in range(8):  # value j of each group covers bits [j*width, (j+1)*width)
+        acc = None
+        for t in range((j * width) // 8, (j * width + width - 1) // 8 + 1):
+            shift = 8 * t - j * width
+            part = b[:, t] << shift if shift >= 0 else b[:, t] >> (-shift)
+            acc = part if acc is None else acc | part
+        if width < 8 or wd != torch.uint8:
+            acc = acc & mask
+        cols.append(acc)
+    out = torch.stack(cols, dim=1).reshape(-1)
+    if groups * 8 != count:
+        # Every bit after the last value lies in one of the padding value slots.
+        if bool(out[count:].any()):
+            raise WireError(f"nonzero padding bits after {count} values of {width} bits")
+        out = out[:count]
+    return out
+
+
+def _as_uint8_buffer(buf: object) -> torch.Tensor:
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8:
+        raise WireError(
+            f"expected a uint8 tensor, got {type(buf).__name__}"
+            + (f" of dtype {buf.dtype}" if isinstance(buf, torch.Tensor) else "")
+        )
+    return buf.reshape(-1)
+
+
+def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Pack non-negative integers into ``width`` bits each (LSB-first); returns a 1-D uint8 tensor.
+
+    ``values`` may have any integer (or bool) dtype and shape; it is flattened. Raises ConfigError for a
+    width outside [1, 32], a non-integer tensor, or a value outside [0, 2**width).
+    """
+    width = _check_width(width)
+    if not isinstance(values, torch.Tensor):
+        raise ConfigError(f"pack_bits expects a tensor, got {type(values).__name__}")
+    if values.dtype.is_floating_point or values.dtype.is_complex:
+        raise ConfigError(f"pack_bits expects an integer tensor, got dtype {values.dtype}")
+    v = values.detach().reshape(-1)
+    if v.dtype == torch.bool:
+        v = v.to(torch.uint8)
+    elif v.dtype not in _NATIVE_INT:
+        v = v.to(torch.int64)  # unsigned 16/32/64-bit: values >= 2**63 wrap negative and are rejected
+    if v.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=v.device)
+    lo, hi = torch.aminmax(v)
+    lo, hi = torch.stack([lo.to(torch.int64), hi.to(torch.int64)]).tolist()
+    if lo < 0 or hi >= (1 << width):
+        raise ConfigError(f"values must lie in [0, 2**{width}) to be packed with {width} bits, got range [{lo}, {hi}]")
+    return _pack(v, width)
+
+
+def unpack_bits(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: read ``count`` values of ``width`` bits; returns int64.
+
+    Raises WireError if the buffer length is not exactly ``ceil(count * width / 8)`` or a padding bit is set.
+    """
+    width = _check_width(width)
+    buf = _as_uint8_buffer(buf)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise WireError(f"invalid value count {count!r}")
+    expected = packed_nbytes(count, width)
+    if buf.numel() != expected:
+        raise WireError(
+            f"bit-packed buffer has {buf.numel()} bytes, expected {expected} for {count} values of {width} bits"
+        )
+    return _unpack(buf, width, count).to(torch.int64)
+
+
+def pack_bool(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a boolean (or 0/1 integer) tensor into a bitmap, 8 entries per byte, LSB-first."""
+    if not isinstance(mask, torch.Tensor):
+        raise ConfigError(f"pack_bool expects a tensor, got {type(mask).__name__}")
+    if mask.dtype == torch.bool:
+        return _pack(mask.detach().reshape(-1).to(torch.uint8), 1)
+    return pack_bits(mask, 1)
+
+
+def unpack_bool(buf: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bool`; returns a bool tensor of ``count`` entries."""
+    buf = _as_uint8_buffer(buf)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise WireError(f"invalid value count {count!r}")
+    if buf.numel() != packed_nbytes(count, 1):
+        raise WireError(f"bitmap has {buf.numel()} bytes, expected {packed_nbytes(count, 1)} for {count} bits")
+    return _unpack(buf, 1, count).to(torch.bool)

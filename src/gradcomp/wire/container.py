@@ -1,0 +1,339 @@
+"""Message container: a list of tensor fields serialized into one contiguous uint8 buffer.
+
+Both sides know the list of :class:`FieldSpec` (the receiver rebuilds it from its own configuration), so
+the buffer only carries what the receiver cannot know, and everything it carries is validated.
+
+Byte layout (all integers little-endian)::
+
+    header (HEADER_BYTES = 20):
+        0  magic        2 bytes  b"GC"
+        2  version      u8       FORMAT_VERSION = 1
+        3  flags        u8       0
+        4  n_sections   u16      number of fields
+        6  reserved     u16      0
+        8  body_length  u32      bytes after the header
+        12 checksum     u64      checksum64(body)
+    body: one section per field, in spec order (SECTION_HEADER_BYTES = 10 + data):
+        0  codec        u8       Codec value
+        1  param        u8       width (BITS), bits_needed(universe) (POSITIONS), b (GOLOMB), 0 (floats)
+        2  count        u32      number of elements
+        6  nbytes       u32      data bytes that follow
+        10 data         nbytes   F32/F16/BF16: raw little-endian values; BITS/POSITIONS: pack_bits
+                                 stream; GOLOMB: golomb_encode stream
+
+The decoder raises only :class:`WireError` for any buffer contents (sizes are checked against the bytes
+actually present before anything is allocated); misuse on either side (bad specs, fields that do not match
+their specs) raises :class:`ConfigError`. Raw float bytes use the host byte order, which is little-endian
+on every platform PyTorch supports.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from gradcomp.errors import ConfigError, WireError
+from gradcomp.wire.bits import _as_uint8_buffer, _pack, _unpack, bits_needed, pack_bits, packed_nbytes
+from gradcomp.wire.checksum import checksum64
+from gradcomp.wire.golomb import MAX_UNIVERSE, golomb_decode, golomb_encode, optimal_rice_parameter
+
+__all__ = [
+    "Codec",
+    "FieldSpec",
+    "encode",
+    "decode",
+    "encoded_size",
+    "HEADER_BYTES",
+    "SECTION_HEADER_BYTES",
+    "FORMAT_VERSION",
+    "MAGIC",
+]
+
+MAGIC = b"GC"
+FORMAT_VERSION = 1
+HEADER_BYTES = 20
+SECTION_HEADER_BYTES = 10
+_HEADER = struct.Struct("<2sBBHHIQ")
+_SECTION = struct.Struct("<BBII")
+assert _HEADER.size == HEADER_BYTES and _SECTION.size == SECTION_HEADER_BYTES
+_U32_MAX = (1 << 32) - 1
+_MAX_POSITIONS_UNIVERSE = 1 << 32  # bits_needed(universe) must fit pack_bits' 32-bit maximum
+
+
+class Codec(enum.IntEnum):
+    F32 = 1  # float32 values, raw little-endian bytes
+    F16 = 2  # float16
+    BF16 = 3  # bfloat16
+    BITS = 4  # unsigned ints bit-packed with `width` bits (pack_bits)
+    POSITIONS = 5  # sorted, strictly increasing positions in [0, universe): bits_needed(universe) bits each
+    GOLOMB = 6  # sorted positions in [0, universe), Golomb–Rice coded; b stored in the section header
+
+
+_FLOAT_DTYPES = {Codec.F32: torch.float32, Codec.F16: torch.float16, Codec.BF16: torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """What both sides know about one field. See the module docstring for the wire layout."""
+
+    codec: Codec
+    count: int | None = None  # exact element count when the receiver knows it, else None (variable)
+    max_count: int | None = None  # upper bound when count is None (required then)
+    width: int | None = None  # for BITS
+    universe: int | None = None  # for POSITIONS / GOLOMB
+    golomb_b: int | None = None  # for GOLOMB: parameter to encode with; None = optimal_rice_parameter(count/universe)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_spec(spec: object, i: int) -> Codec:
+    if not isinstance(spec, FieldSpec):
+        raise ConfigError(f"spec {i}: expected a FieldSpec, got {type(spec).__name__}")
+    try:
+        codec = Codec(spec.codec)
+    except ValueError:
+        raise ConfigError(f"spec {i}: unknown codec {spec.codec!r}") from None
+    if spec.count is not None:
+        if not _is_int(spec.count) or not 0 <= spec.count <= _U32_MAX:
+            raise ConfigError(f"spec {i}: count must be an int in [0, 2**32 - 1], got {spec.count!r}")
+    else:
+        if spec.max_count is None:
+            raise ConfigError(f"spec {i}: max_count is required when count is None")
+    if spec.max_count is not None and (not _is_int(spec.max_count) or spec.max_count < 0):
+        raise ConfigError(f"spec {i}: max_count must be a non-negative int, got {spec.max_count!r}")
+    if codec == Codec.BITS:
+        if not _is_int(spec.width) or not 1 <= spec.width <= 32:
+            raise ConfigError(f"spec {i}: BITS needs width in [1, 32], got {spec.width!r}")
+    if codec in (Codec.POSITIONS, Codec.GOLOMB):
+        limit = _MAX_POSITIONS_UNIVERSE if codec == Codec.POSITIONS else MAX_UNIVERSE
+        if not _is_int(spec.universe) or not 0 <= spec.universe <= limit:
+            raise ConfigError(f"spec {i}: {codec.name} needs universe in [0, {limit}], got {spec.universe!r}")
+        if spec.count is not None and spec.count > spec.universe:
+            raise ConfigError(f"spec {i}: count {spec.count} exceeds universe {spec.universe}")
+    if codec == Codec.GOLOMB and spec.golomb_b is not None:
+        if not _is_int(spec.golomb_b) or not 0 <= spec.golomb_b <= 31:
+            raise ConfigError(f"spec {i}: golomb_b must be in [0, 31], got {spec.golomb_b!r}")
+    return codec
+
+
+def _max_count(spec: FieldSpec) -> int:
+    m = spec.count if spec.count is not None else spec.max_count
+    m = min(m, _U32_MAX)
+    if spec.codec in (Codec.POSITIONS, Codec.GOLOMB):
+        m = min(m, spec.universe)
+    return m
+
+
+def _golomb_b(spec: FieldSpec, count: int) -> int:
+    if spec.golomb_b is not None:
+        return spec.golomb_b
+    return optimal_rice_parameter(count / spec.universe if spec.universe else 1.0)
+
+
+def _check_positions(pos: torch.Tensor, universe: int, exc: type[Exception], where: str) -> None:
+    if pos.numel() == 0:
+        return
+    if pos.numel() > 1 and bool((pos[1:] <= pos[:-1]).any()):
+        raise exc(f"{where}: positions are not strictly increasing")
+    lo, hi = int(pos[0]), int(pos[-1])
+    if lo < 0 or hi >= universe:
+        raise exc(f"{where}: positions must lie in [0, {universe}), got range [{lo}, {hi}]")
+
+
+def _encode_field(t: torch.Tensor, spec: FieldSpec, codec: Codec, i: int) -> tuple[int, torch.Tensor]:
+    """Returns (param, data bytes) for one field."""
+    where = f"field {i} ({codec.name})"
+    if codec in _FLOAT_DTYPES:
+        if not t.dtype.is_floating_point:
+            raise ConfigError(f"{where}: expected a floating-point tensor, got dtype {t.dtype}")
+        data = t.to(_FLOAT_DTYPES[codec]).contiguous().view(torch.uint8)
+        return 0, data
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        raise ConfigError(f"{where}: expected an integer tensor, got dtype {t.dtype}")
+    if codec == Codec.BITS:
+        return spec.width, pack_bits(t, spec.width)
+    if t.dtype == torch.bool:
+        raise ConfigError(f"{where}: positions must be an integer tensor, got dtype bool")
+    pos = t.to(torch.int64)
+    _check_positions(pos, spec.universe, ConfigError, where)
+    if codec == Codec.POSITIONS:
+        width = bits_needed(spec.universe)
+        return width, _pack(pos, width)
+    b = _golomb_b(spec, pos.numel())
+    data, _ = golomb_encode(pos, b)
+    return b, data
+
+
+def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.Tensor:
+    """Serialize ``fields`` (flattened) according to ``specs`` into one uint8 tensor.
+
+    The output lives on the device of the first field (CPU when there are none); other fields are moved
+    there. Raises ConfigError when a field does not match its spec.
+    """
+    fields = list(fields)
+    specs = list(specs)
+    if len(fields) != len(specs):
+        raise ConfigError(f"{len(fields)} fields but {len(specs)} specs")
+    if len(specs) > 0xFFFF:
+        raise ConfigError(f"at most 65535 fields per message, got {len(specs)}")
+    device = torch.device("cpu")
+    for i, f in enumerate(fields):
+        if not isinstance(f, torch.Tensor):
+            raise ConfigError(f"field {i}: expected a tensor, got {type(f).__name__}")
+    if fields:
+        device = fields[0].device
+    parts: list[torch.Tensor] = []
+    for i, (f, spec) in enumerate(zip(fields, specs)):
+        codec = _check_spec(spec, i)
+        t = f.detach().reshape(-1).to(device)
+        n = t.numel()
+        if spec.count is not None and n != spec.count:
+            raise ConfigError(f"field {i} ({codec.name}): {n} elements, spec expects exactly {spec.count}")
+        if spec.count is None and n > spec.max_count:
+            raise ConfigError(f"field {i} ({codec.name}): {n} elements exceed max_count {spec.max_count}")
+        if n > _U32_MAX:
+            raise ConfigError(f"field {i} ({codec.name}): {n} elements do not fit the u32 count")
+        param, data = _encode_field(t, spec, codec, i)
+        if data.numel() > _U32_MAX:
+            raise ConfigError(f"field {i} ({codec.name}): {data.numel()} data bytes do not fit the u32 size")
+        head = _SECTION.pack(int(codec), param, n, data.numel())
+        parts.append(torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device))
+        parts.append(data.reshape(-1))
+    body = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    if body.numel() > _U32_MAX:
+        raise ConfigError(f"message body of {body.numel()} bytes does not fit the u32 length")
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body.numel(), checksum64(body))
+    return torch.cat([torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), body])
+
+
+def _expected_nbytes(codec: Codec, param: int, count: int) -> int | None:
+    if codec in (Codec.F32,):
+        return 4 * count
+    if codec in (Codec.F16, Codec.BF16):
+        return 2 * count
+    if codec in (Codec.BITS, Codec.POSITIONS):
+        return packed_nbytes(count, param)
+    return None  # GOLOMB: variable
+
+
+def _read(buf: torch.Tensor, start: int, length: int) -> bytes:
+    return bytes(buf[start : start + length].tolist())
+
+
+def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
+    """Parse a buffer produced by :func:`encode` with the same ``specs``; returns one tensor per field.
+
+    Output dtypes: float32 / float16 / bfloat16 for the float codecs, int64 otherwise; outputs live on the
+    buffer's device. Raises WireError (only) for any malformed, truncated, oversized or corrupted buffer;
+    ConfigError for invalid specs.
+    """
+    specs = list(specs)
+    codecs = [_check_spec(s, i) for i, s in enumerate(specs)]
+    buf = _as_uint8_buffer(buf)
+    total = buf.numel()
+    if total < HEADER_BYTES:
+        raise WireError(f"truncated buffer: {total} bytes, shorter than the {HEADER_BYTES}-byte header")
+    magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack(
+        _read(buf, 0, HEADER_BYTES)
+    )
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r} (expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise WireError(f"unsupported format version {version} (this decoder reads version {FORMAT_VERSION})")
+    if flags != 0:
+        raise WireError(f"unsupported flags 0x{flags:02x} (expected 0)")
+    if reserved != 0:
+        raise WireError(f"nonzero reserved header field 0x{reserved:04x}")
+    if n_sections != len(specs):
+        raise WireError(f"header says {n_sections} sections, expected {len(specs)}")
+    got = total - HEADER_BYTES
+    if got < body_length:
+        raise WireError(f"truncated buffer: header says {body_length} body bytes, got {got}")
+    if got > body_length:
+        raise WireError(f"oversized buffer: header says {body_length} body bytes, got {got} (trailing bytes)")
+    if checksum64(buf[HEADER_BYTES:]) != checksum:
+        raise WireError("checksum mismatch: the message body is corrupted")
+
+    out: list[torch.Tensor] = []
+    off = HEADER_BYTES
+    for i, (spec, codec) in enumerate(zip(specs, codecs)):
+        where = f"section {i}"
+        if off + SECTION_HEADER_BYTES > total:
+            raise WireError(f"{where}: section header runs past the end of the body")
+        s_codec, param, count, nbytes = _SECTION.unpack(_read(buf, off, SECTION_HEADER_BYTES))
+        off += SECTION_HEADER_BYTES
+        if s_codec != codec:
+            name = Codec(s_codec).name if s_codec in Codec._value2member_map_ else "unknown"
+            raise WireError(f"{where}: codec {s_codec} ({name}) where {codec.name} expected")
+        if spec.count is not None and count != spec.count:
+            raise WireError(f"{where}: count {count} != expected {spec.count}")
+        if count > _max_count(spec):
+            raise WireError(f"{where}: count {count} exceeds the maximum {_max_count(spec)}")
+        if codec in _FLOAT_DTYPES and param != 0:
+            raise WireError(f"{where}: param {param} != 0 for a float codec")
+        if codec == Codec.BITS and param != spec.width:
+            raise WireError(f"{where}: bit width {param} != expected {spec.width}")
+        if codec == Codec.POSITIONS and param != bits_needed(spec.universe):
+            raise WireError(f"{where}: position width {param} != expected {bits_needed(spec.universe)}")
+        if codec == Codec.GOLOMB:
+            if param > 31:
+                raise WireError(f"{where}: Rice parameter {param} > 31")
+            if spec.golomb_b is not None and param != spec.golomb_b:
+                raise WireError(f"{where}: Rice parameter {param} != expected {spec.golomb_b}")
+        expected = _expected_nbytes(codec, param, count)
+        if expected is not None and nbytes != expected:
+            raise WireError(f"{where}: {nbytes} data bytes, expected {expected} for {count} elements")
+        if off + nbytes > total:
+            raise WireError(
+                f"{where}: {nbytes} data bytes run past the end of the body ({total - off} bytes left)"
+            )
+        data = buf[off : off + nbytes]
+        off += nbytes
+        if codec in _FLOAT_DTYPES:
+            out.append(data.clone().view(_FLOAT_DTYPES[codec]))  # clone: fresh, aligned storage
+        elif codec == Codec.BITS:
+            out.append(_unpack_checked(data, param, count, where))
+        elif codec == Codec.POSITIONS:
+            pos = _unpack_checked(data, param, count, where)
+            _check_positions(pos, spec.universe, WireError, where)
+            out.append(pos)
+        else:
+            try:
+                out.append(golomb_decode(data, param, count, spec.universe))
+            except WireError as e:
+                raise WireError(f"{where}: {e}") from None
+    if off != total:
+        raise WireError(f"trailing bytes: {total - off} bytes after the last section")
+    return out
+
+
+def _unpack_checked(data: torch.Tensor, width: int, count: int, where: str) -> torch.Tensor:
+    try:
+        return _unpack(data, width, count).to(torch.int64)
+    except WireError as e:
+        raise WireError(f"{where}: {e}") from None
+
+
+def encoded_size(specs: Sequence[FieldSpec], counts: Sequence[int] | None = None) -> int | None:
+    """Exact encoded size in bytes for fixed-width codecs, or None if a GOLOMB field makes it data-dependent.
+
+    ``counts`` gives the element count of each field (defaults to each spec's ``count``).
+    """
+    specs = list(specs)
+    total = HEADER_BYTES
+    for i, spec in enumerate(specs):
+        codec = _check_spec(spec, i)
+        n = counts[i] if counts is not None else spec.count
+        if n is None:
+            raise ConfigError(f"spec {i}: variable count; pass counts=")
+        if codec == Codec.GOLOMB:
+            return None
+        param = spec.width if codec == Codec.BITS else bits_needed(spec.universe) if codec == Codec.POSITIONS else 0
+        total += SECTION_HEADER_BYTES + _expected_nbytes(codec, param, n)
+    return total

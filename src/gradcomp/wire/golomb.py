@@ -1,0 +1,180 @@
+"""Golomb–Rice coding of sorted, strictly increasing positions (vectorized, CPU or CUDA).
+
+Coding: positions ``p_0 < p_1 < ...`` become gaps ``g_0 = p_0`` and ``g_i = p_i - p_{i-1} - 1``. With Rice
+parameter ``b`` each gap is written as ``q = g >> b`` one-bits, one zero-bit, then the remainder
+``r = g & (2**b - 1)`` in ``b`` bits, most significant bit first. Codes are concatenated and the bit stream
+is stored LSB-first in bytes (global bit ``k`` is bit ``k % 8`` of byte ``k // 8``, as in ``pack_bits``);
+the unused high bits of the last byte (at most 7) are zero. Neither ``b`` nor the count is stored in the
+stream; the caller transmits them (the container's section header does).
+
+Decoding uses no loop over codes: for every bit position ``i`` it computes where a code starting at ``i``
+would end, ``next(i) = (first zero bit at or after i) + 1 + b``, then finds the code starts
+``s_0 = 0, s_{j+1} = next(s_j)`` by pointer doubling in ``O(N log count)`` time and ``O(N)`` memory,
+``N = 8 * len(buf)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradcomp.errors import ConfigError, WireError
+from gradcomp.wire.bits import _as_uint8_buffer, _pack, _unpack
+
+__all__ = ["optimal_rice_parameter", "golomb_encode", "golomb_decode", "MAX_RICE_PARAMETER", "MAX_UNIVERSE"]
+
+MAX_RICE_PARAMETER = 31
+MAX_UNIVERSE = 1 << 62  # keeps every intermediate of the decoder inside int64
+_LN_PHI_MINUS_1 = math.log((math.sqrt(5.0) + 1.0) / 2.0 - 1.0)
+
+
+def optimal_rice_parameter(density: float) -> int:
+    """Rice parameter for positions of the given density (Sattler et al., Sparse Binary Compression).
+
+    ``b* = 1 + floor(log2(ln(phi - 1) / ln(1 - p)))`` with ``phi`` the golden ratio, clamped to [0, 31].
+    ``p = 1`` gives 0 and ``p = 0`` gives 31 (the limits of the formula).
+    """
+    try:
+        p = float(density)
+    except (TypeError, ValueError):
+        raise ConfigError(f"density must be a number in [0, 1], got {density!r}") from None
+    if not 0.0 <= p <= 1.0:  # also rejects NaN
+        raise ConfigError(f"density must be in [0, 1], got {density!r}")
+    if p >= 1.0:
+        return 0
+    ln1mp = math.log1p(-p)
+    if ln1mp == 0.0:
+        return MAX_RICE_PARAMETER
+    b = 1 + math.floor(math.log2(_LN_PHI_MINUS_1 / ln1mp))
+    return int(min(MAX_RICE_PARAMETER, max(0, b)))
+
+
+def _check_b(b: object, exc: type[Exception]) -> int:
+    if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_RICE_PARAMETER:
+        raise exc(f"Rice parameter b must be an int in [0, {MAX_RICE_PARAMETER}], got {b!r}")
+    return b
+
+
+def golomb_encode(positions: torch.Tensor, b: int) -> tuple[torch.Tensor, int]:
+    """Golomb–Rice code strictly increasing non-negative ``positions`` with parameter ``b``.
+
+    Returns ``(bytes, total_bits)``: a uint8 tensor of ``ceil(total_bits / 8)`` bytes on the input's device
+    and the number of meaningful bits. Raises ConfigError for an invalid ``b`` or positions that are not
+    integers, negative, or not strictly increasing.
+    """
+    b = _check_b(b, ConfigError)
+    if not isinstance(positions, torch.Tensor):
+        raise ConfigError(f"golomb_encode expects a tensor, got {type(positions).__name__}")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise ConfigError(f"positions must be an integer tensor, got dtype {positions.dtype}")
+    pos = positions.detach().reshape(-1).to(torch.int64)
+    device = pos.device
+    k = pos.numel()
+    if k == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device), 0
+    prev = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), pos[:-1]])
+    gaps = pos - prev - 1
+    if bool((gaps < 0).any()):
+        raise ConfigError("positions must be non-negative and strictly increasing")
+    q = gaps >> b
+    lengths = q + (1 + b)
+    ends = torch.cumsum(lengths, 0)
+    total = int(ends[-1])
+    starts = ends - lengths
+    # Unary parts: +1 at the start of each non-empty run of ones, -1 at its terminating zero; the running
+    # sum is then 1 exactly on the ones (runs never touch each other, so no position gets two marks).
+    delta = torch.zeros(total + 1, dtype=torch.int8, device=device)
+    nonempty = q > 0
+    delta[starts[nonempty]] = 1
+    delta[(starts + q)[nonempty]] = -1
+    bits = torch.cumsum(delta[:total], 0, dtype=torch.int8).view(torch.uint8)
+    if b:
+        r = gaps & ((1 << b) - 1)
+        rstart = starts + q + 1
+        for i in range(b):  # remainder bit i (MSB first); loop over the b bit slots, not over codes
+            bits[rstart + i] = ((r >> (b - 1 - i)) & 1).to(torch.uint8)
+    return _pack(bits, 1), total
+
+
+def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int) -> torch.Tensor:
+    """Decode ``count`` positions in ``[0, universe)`` from a Golomb–Rice stream with parameter ``b``.
+
+    Returns an int64 tensor on the buffer's device. Raises WireError when the stream is truncated, holds
+    more codes than ``count`` (more than 7 bits left over), has nonzero padding bits, decodes a position
+    ``>= universe``, or when ``count`` or ``b`` is invalid; ConfigError for an invalid ``universe``.
+    """
+    if isinstance(universe, bool) or not isinstance(universe, int) or not 0 <= universe <= MAX_UNIVERSE:
+        raise ConfigError(f"universe must be an int in [0, 2**62], got {universe!r}")
+    b = _check_b(b, WireError)
+    buf = _as_uint8_buffer(buf)
+    device = buf.device
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise WireError(f"golomb: invalid position count {count!r}")
+    nbytes = buf.numel()
+    if count == 0:
+        if nbytes:
+            raise WireError(f"golomb: {nbytes} bytes given for 0 positions (expected an empty stream)")
+        return torch.empty(0, dtype=torch.int64, device=device)
+    if count > universe:
+        raise WireError(f"golomb: {count} distinct positions cannot fit in a universe of {universe}")
+    n = 8 * nbytes
+    if count * (1 + b) > n:
+        raise WireError(
+            f"golomb: truncated stream: {count} codes need at least {count * (1 + b)} bits, got {n}"
+        )
+    if n > universe + count * b + 7:
+        # A valid stream has sum(q) <= universe - count, hence at most universe + count * b + 7 bits.
+        raise WireError(f"golomb: stream of {n} bits is too long for {count} positions below {universe}")
+    bits = _unpack(buf, 1, n)  # uint8 0/1, length n
+    idx_dtype = torch.int32 if n + 2 * MAX_RICE_PARAMETER + 4 < 2**31 else torch.int64
+    ar = torch.arange(n, dtype=idx_dtype, device=device)
+    sentinel_zero = torch.full((), n, dtype=idx_dtype, device=device)
+    nz = torch.where(bits == 0, ar, sentinel_zero)  # position of this bit if it is a zero, else n
+    nz = torch.cummin(nz.flip(0), 0).values.flip(0)  # first zero bit at or after i (n: none)
+    # next(i): start of the following code if a code starts at i; n + 1 marks "ran off the end".
+    off_end = torch.full((), n + 1, dtype=idx_dtype, device=device)
+    nxt = nz + (1 + b)
+    nxt = torch.where(nxt > n, off_end, nxt)
+    nxt = torch.cat([nxt, off_end.reshape(1), off_end.reshape(1)])  # next(n) = next(n + 1) = n + 1
+    starts = torch.zeros(1, dtype=idx_dtype, device=device)
+    jump = nxt  # jump = next applied m times, m = starts.numel()
+    while starts.numel() < count:
+        need = count - starts.numel()
+        starts = torch.cat([starts, jump[starts[:need]]])
+        if starts.numel() < count:
+            jump = jump[jump]
+    del jump
+    ends = nxt[starts]
+    bad = ends > n
+    if bool(bad.any()):
+        j = int(torch.nonzero(bad)[0, 0])
+        raise WireError(f"golomb: truncated stream: code {j} of {count} runs past the end of the {n}-bit stream")
+    end = int(ends[-1])
+    left = n - end
+    if left > 7:
+        raise WireError(
+            f"golomb: {left} bits left after {count} codes (at most 7 padding bits allowed): "
+            "the stream holds more codes than expected or is oversized"
+        )
+    if left and bool(bits[end:].any()):
+        raise WireError("golomb: nonzero padding bits after the last code")
+    zero_at = nz[starts].to(torch.int64)
+    starts = starts.to(torch.int64)
+    q = zero_at - starts
+    # Clamp q so that q << b cannot overflow; any clamped gap is >= universe and rejected below.
+    q = torch.clamp(q, max=(universe >> b) + 1)
+    gaps = q << b
+    if b:
+        r = torch.zeros_like(q)
+        for i in range(b):  # b bit slots, MSB first
+            r = (r << 1) | bits[zero_at + 1 + i].to(torch.int64)
+        gaps = gaps | r
+    gaps = torch.clamp(gaps, max=universe)
+    positions = torch.cumsum(gaps + 1, 0) - 1
+    # Partial sums grow by at most universe + 1 <= 2**62 + 1 per step, so the first position that
+    # reaches the universe is exact (no int64 wrap before it) and the max check below catches it.
+    last = int(positions.max())
+    if last >= universe:
+        raise WireError(f"golomb: decoded position {last} is outside the universe [0, {universe})")
+    return positions
