@@ -93,7 +93,7 @@ def _launched_worker(cfg: TrainConfig, started: float) -> dict[str, Any] | None:
     world = int(os.environ["WORLD_SIZE"])
     if world != cfg.workers:
         cfg.workers = world  # torchrun decides the world size
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device_for(cfg, local_rank)
     if not dist.is_initialized():
         backend = "nccl" if cfg.device == "cuda" else "gloo"

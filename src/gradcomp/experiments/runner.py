@@ -15,26 +15,20 @@ counted by the transport, the time split, and the test accuracy of the (identica
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import math
-import os
-import socket
-import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.data import Dataset, evaluate, load_dataset, shard_indices
 from gradcomp.experiments.models import build_model
+from gradcomp.experiments.report import human_bits
 from gradcomp.registry import make
 from gradcomp.train.aggregator import GRANULARITIES, GradientAggregator
 from gradcomp.train.exchange import TOPOLOGIES
@@ -169,7 +163,7 @@ class Progress:
 
     def update(self, loss: float, counter: ByteCounter) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", up=_human_bits(8 * counter.bytes_up), refresh=False)
+            self.bar.set_postfix(loss=f"{loss:.3f}", up=human_bits(8 * counter.bytes_up), refresh=False)
             self.bar.update(1)
 
     def close(self) -> None:
@@ -272,7 +266,7 @@ def run_simulated(cfg: TrainConfig, device: torch.device | None = None) -> dict[
                 losses.append(compute_gradients(model, xb, yb))
                 grads.append([p.grad.detach().clone() for p in params])
                 compute_s[rank] += time.perf_counter() - t0
-            averaged = cluster.run(lambda t: aggregators[t.rank].aggregate(grads[t.rank]))[0]
+            averaged = cluster.run(lambda t, grads=grads: aggregators[t.rank].aggregate(grads[t.rank]))[0]
             t0 = time.perf_counter()
             with torch.no_grad():
                 for p, a in zip(params, averaged):

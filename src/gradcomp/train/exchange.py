@@ -15,7 +15,8 @@ Before anything is sent, each tensor is checked: floating point, the slot's size
 NonFiniteGradientError naming the slot).
 
 Time is split honestly: ``communicate_s`` is the time inside collectives (the transport's clock), and
-``compress_s`` is everything else this object does (compress, encode, decode, decompress, average).
+``compress_s`` is everything else this object does (compress, encode, decode, decompress, average); a
+simulated worker's waits for the other workers' turns count as neither.
 """
 
 from __future__ import annotations
@@ -93,16 +94,19 @@ class GradientExchange:
                 raise ConfigError(f"{slot.name}: tensor has {t.numel()} elements, slot says {slot.numel}")
         if validate:
             check_gradients([s.name for s in slots], tensors)
-        started, comm_before = time.perf_counter(), self.transport.counter.seconds
+        started, blocked_before = time.perf_counter(), self._blocked_seconds()
         if self.topology == "allreduce":
             result = self._allreduce(slots, tensors, step)
         elif self.topology == "allgather":
             result = self._allgather(slots, tensors, step)
         else:
             result = self._parameter_server(slots, tensors, step)
-        comm = self.transport.counter.seconds - comm_before
-        self.compress_s += time.perf_counter() - started - comm
+        blocked = self._blocked_seconds() - blocked_before
+        self.compress_s += time.perf_counter() - started - blocked
         return result
+
+    def _blocked_seconds(self) -> float:
+        return self.transport.counter.seconds + self.transport.idle_seconds()
 
     # -- protocols -------------------------------------------------------------------------------------------
 

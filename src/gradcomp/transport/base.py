@@ -91,12 +91,17 @@ class Transport(ABC):
         return torch.device("cpu")
 
     def _timed(self, fn, *args):
-        start = time.perf_counter()
+        start, idle_before = time.perf_counter(), self.idle_seconds()
         result = fn(*args)
         self._sync()
-        self.counter.seconds += time.perf_counter() - start
+        idle = self.idle_seconds() - idle_before
+        self.counter.seconds += time.perf_counter() - start - idle
         self.counter.collectives += 1
         return result
+
+    def idle_seconds(self) -> float:
+        """Time spent waiting for other (simulated) workers to take their turn; not communication."""
+        return 0.0
 
     def _sync(self) -> None:
         """Wait for asynchronous device work so timings are true (CUDA); nothing to do on the CPU."""

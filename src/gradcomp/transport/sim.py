@@ -2,8 +2,17 @@
 
 Each worker gets a ``SimTransport`` whose collectives meet at a shared rendezvous (a ``threading.Barrier``):
 every worker deposits its tensor, one worker combines, everyone takes a private copy of the result. Sums are
-taken in rank order, so results are deterministic and identical on every worker. Byte counting is the base
+taken in rank order, so results are deterministic and identical on every worker.
+
+Only one worker computes at a time: a worker holds the cluster's baton (a lock) while it runs and lets go of
+it only while it waits at a rendezvous. Workers thus take turns between collectives instead of fighting over
+the GIL and the CPU cores (which made a 4-worker step several times slower than 4 sequential workers), and
+each torch operation still gets all of torch's intra-op threads. Byte counting is the base
 class's, the same as for the process-group transport, so a simulated run reports the same bits as a real one.
+
+A simulated worker's communication time is the time it spends inside collectives minus the time it waits
+for the other workers' turns: the cost of moving its tensors in memory, not of a network (see the latency-
+bandwidth model for that).
 
 A worker that raises aborts the rendezvous; the others fail fast with ``WorkerLostError`` instead of
 hanging, and ``SimulatedCluster.run`` re-raises the original error. A rendezvous that waits longer than
@@ -13,6 +22,7 @@ hanging, and ``SimulatedCluster.run`` re-raises the original error. A rendezvous
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -38,6 +48,7 @@ class SimulatedCluster:
         self._barrier = threading.Barrier(self.world_size, timeout=self.timeout)
         self._slots: list[Tensor | None] = [None] * self.world_size
         self._combined: object = None
+        self._baton = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=self.world_size, thread_name_prefix="gradcomp-sim")
         self.transports = [SimTransport(self, rank) for rank in range(self.world_size)]
 
@@ -56,11 +67,14 @@ class SimulatedCluster:
         return [f.result() for f in futures]
 
     def _guarded(self, fn: Callable[[SimTransport], T], transport: SimTransport) -> T:
+        self._baton.acquire()
         try:
             return fn(transport)
         except BaseException:
             self._barrier.abort()
             raise
+        finally:
+            self._baton.release()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -72,6 +86,8 @@ class SimulatedCluster:
         self.close()
 
     def _wait(self, rank: int) -> None:
+        started = time.perf_counter()
+        self._baton.release()
         try:
             self._barrier.wait()
         except threading.BrokenBarrierError:
@@ -79,6 +95,9 @@ class SimulatedCluster:
                 f"simulated worker {rank}: another worker failed or the rendezvous timed out "
                 f"after {self.timeout:.0f}s"
             ) from None
+        finally:
+            self._baton.acquire()
+            self.transports[rank].idle_s += time.perf_counter() - started
 
     def rendezvous(self, rank: int, tensor: Tensor, combine: Callable[[list[Tensor]], object]):
         """Deposit ``tensor``; once all arrived, rank 0 computes ``combine(all tensors)``; all get it back."""
@@ -105,6 +124,10 @@ class SimTransport(Transport):
         self.cluster = cluster
         self.rank = rank
         self.world_size = cluster.world_size
+        self.idle_s = 0.0
+
+    def idle_seconds(self) -> float:
+        return self.idle_s
 
     def _all_reduce_sum(self, t: Tensor) -> Tensor:
         return self.cluster.rendezvous(self.rank, t, _sum_in_rank_order).clone()

@@ -1,0 +1,133 @@
+"""The ``gradcomp`` command line: ``train``, ``bench``, ``list``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from gradcomp.errors import GradcompError
+from gradcomp.registry import parse_param_strings
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model with W workers and a compressor; report accuracy and bits")
+    p.add_argument("--compressor", default="none", help="registered compressor name (see `gradcomp list`)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="compressor parameter")
+    p.add_argument("--error-feedback", action="store_true", help="wrap the compressor in error feedback")
+    p.add_argument("--granularity", default="layer", choices=["layer", "model"])
+    p.add_argument("--topology", default="auto", choices=["auto", "allreduce", "allgather", "ps"])
+    p.add_argument("--server-compressor", default=None, help="downstream compressor of the parameter server")
+    p.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--no-server-error-feedback", action="store_true", help="no residual on the server")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--dataset", default="mnist", help="mnist, digits or synthetic")
+    p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
+    p.add_argument("--model", default="cnn", help="cnn or mlp")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulate", action="store_true", help="run the workers as a simulated cluster in-process")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--eval-every", type=int, default=0, help="also record test accuracy every N steps")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck collective fails")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the result as one JSON object")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from gradcomp.experiments.launch import launch
+    from gradcomp.experiments.runner import TrainConfig
+
+    cfg = TrainConfig(
+        compressor=args.compressor,
+        params=parse_param_strings(args.param),
+        error_feedback=args.error_feedback,
+        granularity=args.granularity,
+        topology=args.topology,
+        server_compressor=args.server_compressor,
+        server_params=parse_param_strings(args.server_param),
+        server_error_feedback=not args.no_server_error_feedback,
+        workers=args.workers,
+        epochs=args.epochs,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        dataset=args.dataset,
+        data_root=args.data,
+        model=args.model,
+        seed=args.seed,
+        simulate=args.simulate,
+        device=args.device,
+        eval_every=args.eval_every,
+        progress=not args.no_progress,
+        timeout_s=args.timeout,
+    )
+    result = launch(cfg)
+    if result is None:  # a non-zero torchrun rank
+        return 0
+    from gradcomp.experiments.report import format_summary
+
+    print(format_summary(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def _add_list(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("list", help="list the registered compressors and what they declare")
+
+
+def _list(args: argparse.Namespace) -> int:
+    import inspect
+
+    from gradcomp.registry import available, compressor_class
+
+    for name in available():
+        cls = compressor_class(name)
+        params = [
+            f"{p.name}={p.default!r}"
+            for p in inspect.signature(cls.__init__).parameters.values()
+            if p.name != "self" and p.default is not inspect.Parameter.empty
+        ]
+        flags = ("summable" if cls.summable else "gathered") + (", unbiased" if cls.unbiased else "")
+        print(f"{name:14s} {flags:20s} {' '.join(params)}")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from gradcomp.experiments import bench
+
+    bench.add_arguments(sub.add_parser("bench", help="throughput and bits per element of every compressor"))
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from gradcomp.experiments import bench
+
+    return bench.main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gradcomp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_bench(sub)
+    _add_list(sub)
+    args = parser.parse_args(argv)
+    handlers = {"train": _train, "bench": _bench, "list": _list}
+    try:
+        return handlers[args.command](args)
+    except GradcompError as exc:
+        print(f"gradcomp: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

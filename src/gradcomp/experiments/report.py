@@ -1,0 +1,40 @@
+"""Human-readable reports of run results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def human_bits(bits: float) -> str:
+    for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:.2f} {unit}"
+    return f"{bits:.0f} bit"
+
+
+def format_summary(r: dict[str, Any]) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in r["params"].items())
+    name = f"{r['compressor']}({params})" if params else r["compressor"]
+    if r["error_feedback"]:
+        name += " + error feedback"
+    up, down, dense = r["bits_up_per_worker"], r["bits_down_per_worker"], r["dense_bits_per_worker"]
+    ratio = lambda x: f"x{dense / x:,.1f} fewer than fp32" if x else "nothing sent"  # noqa: E731
+    rows = [
+        ("compressor", name),
+        ("workers / steps", f"{r['workers']} ({r['backend']}) / {r['steps']} ({r['epochs']:.2f} epochs)"),
+        ("test accuracy", f"{100 * r['test_accuracy']:.2f} %"),
+        ("bits up / worker", f"{human_bits(up)}  ({ratio(up)})"),
+        ("bits down / worker", f"{human_bits(down)}  ({ratio(down)})"),
+        ("fp32 would send", f"{human_bits(dense)} up per worker"),
+        ("padding", human_bits(r["padding_bits"]) + " per worker (not in the counts above)"),
+        (
+            "time",
+            f"compute {r['compute_s']:.1f} s, compress {r['compress_s']:.1f} s, "
+            f"communicate {r['communicate_s']:.1f} s, wall {r['wall_time_s']:.1f} s",
+        ),
+        ("replicas identical", "yes" if r["replicas_identical"] else "NO"),
+    ]
+    if r.get("server_bits_out"):
+        rows.insert(5, ("server in / out", f"{human_bits(r['server_bits_in'])} / {human_bits(r['server_bits_out'])}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

@@ -1,0 +1,598 @@
+"""Tests for gradcomp.wire.container (message layout, validation, fuzzing) and gradcomp.wire.checksum."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+import torch
+
+from gradcomp.errors import ConfigError, WireError
+from gradcomp.wire import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    SECTION_HEADER_BYTES,
+    Codec,
+    FieldSpec,
+    bits_needed,
+    checksum64,
+    decode,
+    encode,
+    optimal_rice_parameter,
+)
+from gradcomp.wire.container import encoded_size
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+M64 = (1 << 64) - 1
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def u8(data: bytes | bytearray | list[int]) -> torch.Tensor:
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
+def frame(body: bytes, n_sections: int, **over) -> torch.Tensor:
+    """A header with a correct length and checksum (unless overridden) around ``body``."""
+    fields = dict(
+        magic=b"GC", version=1, flags=0, n=n_sections, reserved=0, length=len(body), checksum=None
+    )
+    fields.update(over)
+    cs = checksum64(u8(body)) if fields["checksum"] is None else fields["checksum"]
+    head = struct.pack(
+        "<2sBBHHIQ",
+        fields["magic"],
+        fields["version"],
+        fields["flags"],
+        fields["n"],
+        fields["reserved"],
+        fields["length"],
+        cs,
+    )
+    return u8(head + body)
+
+
+def section(codec: int, param: int, count: int, data: bytes, nbytes: int | None = None) -> bytes:
+    return struct.pack("<BBII", codec, param, count, len(data) if nbytes is None else nbytes) + data
+
+
+def body_of(buf: torch.Tensor) -> bytes:
+    return bytes(buf[HEADER_BYTES:].tolist())
+
+
+def assert_fields_equal(out, fields, specs):
+    assert len(out) == len(fields)
+    for o, f, s in zip(out, fields, specs):
+        f = f.reshape(-1)
+        if s.codec in (Codec.F32, Codec.F16, Codec.BF16):
+            dt = {Codec.F32: torch.float32, Codec.F16: torch.float16, Codec.BF16: torch.bfloat16}[s.codec]
+            assert o.dtype == dt
+            ref = f.to(dt)
+            # bit-exact, including the sign of zero
+            assert torch.equal(o.view(torch.int16 if dt != torch.float32 else torch.int32),
+                               ref.view(torch.int16 if dt != torch.float32 else torch.int32))
+        else:
+            assert o.dtype == torch.int64
+            assert torch.equal(o, f.to(torch.int64))
+
+
+def round_trip(fields, specs):
+    buf = encode(fields, specs)
+    assert buf.dtype == torch.uint8 and buf.dim() == 1
+    out = decode(buf, specs)
+    assert_fields_equal(out, fields, specs)
+    for o in out:
+        assert o.device == buf.device
+    return buf, out
+
+
+def rand_positions(d: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(d, generator=g)[:k].sort().values
+
+
+MIXED_SPECS = [
+    FieldSpec(Codec.POSITIONS, max_count=100, universe=1000),
+    FieldSpec(Codec.F32, max_count=100),
+    FieldSpec(Codec.BITS, max_count=100, width=3),
+]
+
+
+def mixed_message(k: int = 20, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        rand_positions(1000, k, seed),
+        torch.randn(k, generator=g),
+        torch.randint(0, 8, (k,), generator=g),
+    ]
+
+
+# ------------------------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", [Codec.F32, Codec.F16, Codec.BF16])
+def test_float_round_trip(codec, device):
+    special = torch.tensor(
+        [0.0, -0.0, 1.0, -1.5, 3.0e38, -3.0e38, 1.0e-40, -1.0e-45, 65504.0, 6.0e-8, 1.0e-3], dtype=torch.float32
+    )
+    g = torch.Generator().manual_seed(int(codec))
+    for values in (special, torch.randn(1001, generator=g) * 10, torch.zeros(0), torch.tensor([-0.0])):
+        v = values.to(device)
+        if codec != Codec.F32:
+            v = v.to({Codec.F16: torch.float16, Codec.BF16: torch.bfloat16}[codec]).float()
+        round_trip([v], [FieldSpec(codec, count=v.numel())])
+        round_trip([v], [FieldSpec(codec, max_count=5000)])
+
+
+def test_float_conversion_on_encode():
+    x = torch.tensor([1.0 / 3.0, 2.0, -0.0], dtype=torch.float64)
+    for codec, dt in [(Codec.F32, torch.float32), (Codec.F16, torch.float16), (Codec.BF16, torch.bfloat16)]:
+        (out,) = decode(encode([x], [FieldSpec(codec, count=3)]), [FieldSpec(codec, count=3)])
+        assert out.dtype == dt and torch.equal(out, x.to(dt))
+        assert torch.signbit(out[2])
+
+
+def test_negative_zero_is_preserved():
+    (out,) = decode(encode([torch.tensor([-0.0, 0.0])], [FieldSpec(Codec.F32, count=2)]), [FieldSpec(Codec.F32, count=2)])
+    assert torch.signbit(out).tolist() == [True, False]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width", [1, 2, 3, 7, 8, 13, 16, 31, 32])
+def test_bits_round_trip(width, device):
+    g = torch.Generator().manual_seed(width)
+    for n in (0, 1, 9, 500):
+        v = torch.randint(0, 2**width, (n,), generator=g).to(device)
+        round_trip([v], [FieldSpec(Codec.BITS, count=n, width=width)])
+        round_trip([v], [FieldSpec(Codec.BITS, max_count=1000, width=width)])
+    round_trip([torch.zeros(17, dtype=torch.int64, device=device)], [FieldSpec(Codec.BITS, count=17, width=width)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", [Codec.POSITIONS, Codec.GOLOMB])
+def test_positions_round_trip(codec, device):
+    cases = [
+        (1000, torch.empty(0, dtype=torch.int64)),
+        (1000, torch.tensor([0])),
+        (1000, torch.tensor([999])),
+        (1, torch.tensor([0])),
+        (64, torch.arange(64)),  # k = d
+        (1000, rand_positions(1000, 10, 1)),
+        (100_000, rand_positions(100_000, 1000, 2)),
+        (2**31, torch.tensor([0, 2**31 - 5])),
+        (2**32, torch.tensor([0, 2**32 - 1])),
+    ]
+    for universe, pos in cases:
+        pos = pos.to(device)
+        round_trip([pos], [FieldSpec(codec, max_count=universe, universe=universe)])
+        round_trip([pos], [FieldSpec(codec, count=pos.numel(), universe=universe)])
+        if codec == Codec.GOLOMB:
+            round_trip([pos], [FieldSpec(codec, count=pos.numel(), universe=universe, golomb_b=3)])
+
+
+def test_golomb_b_choice_and_header():
+    pos = rand_positions(10_000, 100, 5)
+    buf = encode([pos], [FieldSpec(Codec.GOLOMB, count=100, universe=10_000)])
+    assert buf[HEADER_BYTES + 1].item() == optimal_rice_parameter(0.01) == 6
+    buf = encode([pos], [FieldSpec(Codec.GOLOMB, count=100, universe=10_000, golomb_b=4)])
+    assert buf[HEADER_BYTES + 1].item() == 4
+    # the receiver does not need to know b when the spec leaves it open
+    out = decode(buf, [FieldSpec(Codec.GOLOMB, max_count=200, universe=10_000)])
+    assert torch.equal(out[0], pos)
+    with pytest.raises(WireError, match="Rice parameter 4 != expected 5"):
+        decode(buf, [FieldSpec(Codec.GOLOMB, count=100, universe=10_000, golomb_b=5)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_messages(device):
+    for k in (0, 1, 20, 100):
+        fields = [f.to(device) for f in mixed_message(k, seed=k)]
+        round_trip(fields, MIXED_SPECS)
+    specs = [
+        FieldSpec(Codec.GOLOMB, max_count=5000, universe=100_000),
+        FieldSpec(Codec.F16, max_count=5000),
+        FieldSpec(Codec.BITS, max_count=5000, width=1),
+        FieldSpec(Codec.BF16, count=1),
+        FieldSpec(Codec.F32, count=3),
+        FieldSpec(Codec.BITS, count=2, width=32),
+    ]
+    g = torch.Generator().manual_seed(9)
+    pos = rand_positions(100_000, 777, 9)
+    fields = [
+        pos,
+        torch.randn(777, generator=g).half().float(),
+        torch.randint(0, 2, (777,), generator=g),
+        torch.tensor([2.5]),
+        torch.tensor([[1.0, -0.0, 3.0]]),  # 2-D fields are flattened
+        torch.tensor([0, 2**32 - 1]),
+    ]
+    round_trip([f.to(device) for f in fields], specs)
+
+
+def test_empty_message():
+    buf = encode([], [])
+    assert buf.numel() == HEADER_BYTES
+    assert decode(buf, []) == []
+
+
+def test_layout():
+    pos = torch.tensor([1, 5, 9])
+    vals = torch.tensor([1.0, -2.0, 0.5])
+    specs = [FieldSpec(Codec.POSITIONS, count=3, universe=10), FieldSpec(Codec.F32, count=3)]
+    buf = encode([pos, vals], specs)
+    raw = bytes(buf.tolist())
+    magic, ver, flags, n, res, length, cs = struct.unpack("<2sBBHHIQ", raw[:HEADER_BYTES])
+    assert (magic, ver, flags, n, res) == (b"GC", FORMAT_VERSION, 0, 2, 0)
+    assert length == len(raw) - HEADER_BYTES
+    assert cs == checksum64(buf[HEADER_BYTES:])
+    s0 = struct.unpack("<BBII", raw[HEADER_BYTES : HEADER_BYTES + SECTION_HEADER_BYTES])
+    assert s0 == (Codec.POSITIONS, bits_needed(10), 3, 2)
+    assert raw[30:32] == bytes([1 | 5 << 4, 9])
+    s1 = struct.unpack("<BBII", raw[32:42])
+    assert s1 == (Codec.F32, 0, 3, 12)
+    assert raw[42:] == struct.pack("<3f", 1.0, -2.0, 0.5)
+    assert len(raw) == encoded_size(specs) == HEADER_BYTES + 2 * SECTION_HEADER_BYTES + 2 + 12
+
+
+def test_odd_offset_float_section():
+    # BITS section of 1 byte puts the following float data at an odd offset
+    specs = [FieldSpec(Codec.BITS, count=3, width=1), FieldSpec(Codec.F32, count=4), FieldSpec(Codec.F16, count=3)]
+    fields = [torch.tensor([1, 0, 1]), torch.tensor([1.5, -0.0, 7.0, 1e-42]), torch.tensor([0.5, -1.0, 3.0])]
+    round_trip(fields, specs)
+
+
+# ------------------------------------------------------------------------------------------ encode misuse
+
+
+def test_encode_misuse():
+    cases = [
+        ([torch.zeros(3)], [FieldSpec(Codec.F32, count=4)]),  # wrong count
+        ([torch.zeros(6)], [FieldSpec(Codec.F32, max_count=5)]),  # over max_count
+        ([torch.zeros(3, dtype=torch.int64)], [FieldSpec(Codec.F32, count=3)]),  # not floating
+        ([torch.zeros(3)], [FieldSpec(Codec.BITS, count=3, width=4)]),  # float for BITS
+        ([torch.tensor([16])], [FieldSpec(Codec.BITS, count=1, width=4)]),  # value too large
+        ([torch.tensor([-1])], [FieldSpec(Codec.BITS, count=1, width=4)]),  # negative
+        ([torch.tensor([3, 3])], [FieldSpec(Codec.POSITIONS, count=2, universe=10)]),  # not strictly increasing
+        ([torch.tensor([5, 2])], [FieldSpec(Codec.GOLOMB, count=2, universe=10)]),
+        ([torch.tensor([2, 10])], [FieldSpec(Codec.POSITIONS, count=2, universe=10)]),  # >= universe
+        ([torch.tensor([2, 10])], [FieldSpec(Codec.GOLOMB, count=2, universe=10)]),
+        ([torch.tensor([-1, 3])], [FieldSpec(Codec.GOLOMB, count=2, universe=10)]),
+        ([torch.tensor([1.0, 3.0])], [FieldSpec(Codec.GOLOMB, count=2, universe=10)]),
+        ([torch.zeros(3)], []),  # fields vs specs
+        ([torch.zeros(3)], [FieldSpec(Codec.F32)]),  # neither count nor max_count
+        ([torch.zeros(3, dtype=torch.int64)], [FieldSpec(Codec.BITS, count=3)]),  # no width
+        ([torch.zeros(3, dtype=torch.int64)], [FieldSpec(Codec.BITS, count=3, width=33)]),
+        ([torch.tensor([1])], [FieldSpec(Codec.POSITIONS, count=1)]),  # no universe
+        ([torch.tensor([1])], [FieldSpec(Codec.POSITIONS, count=1, universe=2**32 + 1)]),
+        ([torch.tensor([1])], [FieldSpec(Codec.GOLOMB, count=1, universe=10, golomb_b=32)]),
+        ([torch.tensor([1, 2, 3])], [FieldSpec(Codec.GOLOMB, count=3, universe=2)]),  # count > universe
+        ([torch.tensor([1])], [FieldSpec(99, count=1)]),  # unknown codec
+        ([torch.tensor([1])], [FieldSpec(Codec.F32, count=2**32)]),  # count too large for u32
+        ([[1.0]], [FieldSpec(Codec.F32, count=1)]),  # not a tensor
+        ([torch.tensor([1])], ["F32"]),  # not a spec
+    ]
+    for fields, specs in cases:
+        with pytest.raises(ConfigError):
+            encode(fields, specs)
+
+
+def test_decode_rejects_bad_specs_with_config_error():
+    buf = encode([torch.zeros(2)], [FieldSpec(Codec.F32, count=2)])
+    with pytest.raises(ConfigError):
+        decode(buf, [FieldSpec(Codec.F32)])
+
+
+# ---------------------------------------------------------------------------------- decode: named errors
+
+
+def test_decode_error_messages():
+    specs = MIXED_SPECS
+    buf = encode(mixed_message(20), specs)
+    raw = bytes(buf.tolist())
+    body = raw[HEADER_BYTES:]
+
+    def fails(b, pattern, sp=specs):
+        with pytest.raises(WireError, match=pattern):
+            decode(b, sp)
+
+    fails(buf[:10], "shorter than the 20-byte header")
+    fails(frame(body, 3, magic=b"XY"), "bad magic")
+    fails(frame(body, 3, version=7), "unsupported format version 7")
+    fails(frame(body, 3, flags=1), "flags")
+    fails(frame(body, 3, reserved=2), "reserved")
+    fails(frame(body, 2), "2 sections, expected 3")
+    fails(buf[:-5], f"truncated buffer: header says {len(body)} body bytes, got {len(body) - 5}")
+    fails(torch.cat([buf, u8(b"\0")]), "oversized")
+    fails(frame(body, 3, checksum=(checksum64(u8(body)) + 1) & M64), "checksum mismatch")
+    fails(u8(raw), "section 0: codec 5", sp=[FieldSpec(Codec.GOLOMB, max_count=100, universe=1000)] + specs[1:])
+    fails(u8(raw), "section 1: count 20 != expected 32", sp=[specs[0], FieldSpec(Codec.F32, count=32), specs[2]])
+    fails(u8(raw), "section 2: count 20 exceeds", sp=specs[:2] + [FieldSpec(Codec.BITS, max_count=10, width=3)])
+    fails(u8(raw), "section 2: bit width 3 != expected 4", sp=specs[:2] + [FieldSpec(Codec.BITS, max_count=100, width=4)])
+    fails(u8(raw), "section 0: position width", sp=[FieldSpec(Codec.POSITIONS, max_count=100, universe=5000)] + specs[1:])
+    fails(u8(raw), "section 0: .* exceeds", sp=[FieldSpec(Codec.POSITIONS, max_count=100, universe=10)] + specs[1:])
+    # sections with a valid header and checksum but inconsistent contents
+    f32 = struct.pack("<2f", 1.0, 2.0)
+    one = [FieldSpec(Codec.F32, max_count=10)]
+    fails(frame(section(1, 0, 2, f32) + b"\0", 1), "trailing bytes", sp=one)
+    fails(frame(section(1, 0, 3, f32), 1), "8 data bytes, expected 12", sp=one)
+    fails(frame(section(1, 0, 2, f32, nbytes=8)[:-1], 1), "8 data bytes, expected|run past", sp=one)
+    fails(frame(section(1, 1, 2, f32), 1), "param 1", sp=one)
+    fails(frame(section(1, 0, 2, f32)[:7], 1), "section header runs past", sp=one)
+    fails(frame(b"", 1), "section header runs past", sp=one)
+    fails(frame(section(7, 0, 2, f32), 1), "codec 7 \\(unknown\\) where F32 expected", sp=one)
+    pos_spec = [FieldSpec(Codec.POSITIONS, max_count=10, universe=16)]
+    fails(frame(section(5, 4, 3, bytes([0x21, 0x02])), 1), "not strictly increasing", sp=pos_spec)  # 1,2,2
+    fails(frame(section(5, 4, 1, bytes([0x11])), 1), "padding", sp=pos_spec)
+    uni_spec = [FieldSpec(Codec.POSITIONS, max_count=10, universe=12)]
+    fails(frame(section(5, 4, 2, bytes([0xF1])), 1), "positions must lie in", sp=uni_spec)  # 1, 15
+    gspec = [FieldSpec(Codec.GOLOMB, max_count=10, universe=100)]
+    fails(frame(section(6, 2, 3, bytes([0xFF])), 1), "section 0: golomb: truncated", sp=gspec)
+    fails(frame(section(6, 32, 1, bytes([0])), 1), "Rice parameter 32", sp=gspec)
+    fails(frame(section(6, 2, 0, bytes([0])), 1), "0 positions", sp=gspec)
+    fails(frame(section(6, 2, 1, bytes([0, 0])), 1), "bits left", sp=gspec)
+    # absurd counts are rejected by size checks before anything is allocated
+    fails(frame(section(1, 0, 2**32 - 1, f32), 1), "exceeds", sp=one)
+    big = [FieldSpec(Codec.F32, max_count=2**40)]
+    fails(frame(section(1, 0, 2**32 - 1, f32), 1), "data bytes, expected", sp=big)
+    fails(frame(section(1, 0, 2, f32, nbytes=2**32 - 1), 1), "data bytes", sp=big)
+    gbig = [FieldSpec(Codec.GOLOMB, max_count=2**32, universe=2**40)]
+    fails(frame(section(6, 31, 2**32 - 1, b"\0" * 16), 1), "truncated", sp=gbig)
+    fails(frame(section(6, 0, 1, b"\0" * 10, nbytes=2**31), 1), "run past", sp=gbig)
+
+
+def test_decode_requires_uint8_tensor():
+    with pytest.raises(WireError):
+        decode(torch.zeros(30, dtype=torch.int32), [])
+    with pytest.raises(WireError):
+        decode(b"GC" + bytes(18), [])
+
+
+# ------------------------------------------------------------------------------------------ corruption
+
+
+def test_every_single_bit_flip_is_rejected():
+    buf = encode(mixed_message(6), MIXED_SPECS)
+    n = buf.numel()
+    assert n < 120
+    for bit in range(8 * n):
+        bad = buf.clone()
+        bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(WireError):
+            decode(bad, MIXED_SPECS)
+
+
+def test_random_bit_flips_in_a_larger_message():
+    specs = [FieldSpec(Codec.GOLOMB, max_count=2000, universe=100_000), FieldSpec(Codec.F32, max_count=2000)]
+    buf = encode([rand_positions(100_000, 1000, 3), torch.randn(1000)], specs)
+    rng = random.Random(4)
+    for _ in range(300):
+        bit = rng.randrange(8 * buf.numel())
+        bad = buf.clone()
+        bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(WireError):
+            decode(bad, specs)
+
+
+def test_every_truncation_and_extension_is_rejected():
+    buf = encode(mixed_message(10), MIXED_SPECS)
+    for cut in range(buf.numel()):
+        with pytest.raises(WireError):
+            decode(buf[:cut], MIXED_SPECS)
+    for extra in (b"\0", b"\x01", bytes(7), bytes(range(40))):
+        with pytest.raises(WireError):
+            decode(torch.cat([buf, u8(extra)]), MIXED_SPECS)
+
+
+# --------------------------------------------------------------------------------------------------- fuzz
+
+FUZZ_SPEC_LISTS = [
+    MIXED_SPECS,
+    [FieldSpec(Codec.GOLOMB, max_count=200, universe=5000), FieldSpec(Codec.F16, count=7)],
+    [
+        FieldSpec(Codec.GOLOMB, count=10, universe=100, golomb_b=2),
+        FieldSpec(Codec.BF16, max_count=50),
+        FieldSpec(Codec.BITS, count=5, width=32),
+    ],
+    [FieldSpec(Codec.BITS, max_count=300, width=1), FieldSpec(Codec.POSITIONS, max_count=2**32, universe=2**32)],
+    [],
+]
+
+
+def fuzz_valid_messages(rng: random.Random):
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    k = rng.randrange(0, 11)
+    yield 0, encode(mixed_message(rng.randrange(0, 60), seed=rng.randrange(100)), MIXED_SPECS)
+    pos = rand_positions(5000, rng.randrange(0, 200), rng.randrange(100))
+    yield 1, encode([pos, torch.randn(7, generator=g)], FUZZ_SPEC_LISTS[1])
+    yield 2, encode(
+        [rand_positions(100, 10, k), torch.randn(rng.randrange(0, 50), generator=g), torch.randint(0, 2**32, (5,), generator=g)],
+        FUZZ_SPEC_LISTS[2],
+    )
+    yield 3, encode(
+        [torch.randint(0, 2, (rng.randrange(0, 300),), generator=g), torch.tensor([0, 2**31, 2**32 - 1])],
+        FUZZ_SPEC_LISTS[3],
+    )
+    yield 4, encode([], [])
+
+
+def mutate(raw: bytearray, rng: random.Random) -> bytearray:
+    kind = rng.randrange(6)
+    if kind == 0 and raw:  # flip some bits
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(raw))
+            raw[i] ^= 1 << rng.randrange(8)
+    elif kind == 1 and raw:  # overwrite a run with random bytes
+        i = rng.randrange(len(raw))
+        for j in range(i, min(len(raw), i + rng.randint(1, 12))):
+            raw[j] = rng.randrange(256)
+    elif kind == 2 and raw:  # delete a run
+        i = rng.randrange(len(raw))
+        del raw[i : i + rng.randint(1, 8)]
+    elif kind == 3:  # insert random bytes
+        i = rng.randrange(len(raw) + 1)
+        raw[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+    elif kind == 4 and len(raw) >= 4:  # write an extreme u32 somewhere (counts, sizes)
+        i = rng.randrange(len(raw) - 3)
+        raw[i : i + 4] = struct.pack("<I", rng.choice([0, 1, 2**31, 2**32 - 1, rng.randrange(2**32)]))
+    else:  # replace everything after some point with garbage
+        i = rng.randrange(len(raw) + 1)
+        raw[i:] = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))
+    return raw
+
+
+def refit_header(raw: bytearray, rng: random.Random) -> bytearray:
+    """Make the header consistent again (length and checksum), so only section parsing can object."""
+    body = bytes(raw[HEADER_BYTES:])
+    n = struct.unpack_from("<H", raw, 4)[0] if len(raw) >= 6 else 0
+    return bytearray(bytes(frame(body, n).tolist()))
+
+
+def check_only_wire_errors(buf: torch.Tensor, specs) -> bool:
+    try:
+        out = decode(buf, specs)
+    except Exception as e:  # noqa: BLE001 - the test is about the exception type
+        assert type(e) is WireError, f"{type(e).__name__}: {e}"
+        return False
+    assert len(out) == len(specs)
+    return True
+
+
+def test_fuzz_only_wire_errors():
+    rng = random.Random(1234)
+    n_decoded = n_rejected = 0
+    # 1. random byte strings of random length
+    for _ in range(600):
+        raw = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 80)))
+        for specs in (FUZZ_SPEC_LISTS[rng.randrange(len(FUZZ_SPEC_LISTS))],):
+            ok = check_only_wire_errors(u8(raw), specs)
+            n_decoded += ok
+            n_rejected += not ok
+    # 2. a valid header (right magic, section count, length, checksum) around a random body
+    for _ in range(800):
+        idx = rng.randrange(len(FUZZ_SPEC_LISTS))
+        specs = FUZZ_SPEC_LISTS[idx]
+        body = bytearray()
+        for s in specs:  # plausible section headers with random fields, then random data
+            if rng.random() < 0.7:
+                count = rng.choice([0, 1, 5, 7, 10, 50, rng.randrange(1000), rng.randrange(2**32)])
+                nbytes = rng.choice([0, 1, 2, 8, 20, rng.randrange(64), rng.randrange(2**32)])
+                param = rng.choice([0, 1, 2, 3, 32, rng.randrange(256)])
+                codec = int(s.codec) if rng.random() < 0.9 else rng.randrange(256)
+                body += struct.pack("<BBII", codec, param, count, nbytes)
+            body += bytes(rng.randrange(256) for _ in range(rng.randrange(0, 30)))
+        buf = frame(bytes(body), len(specs))
+        ok = check_only_wire_errors(buf, specs)
+        n_decoded += ok
+        n_rejected += not ok
+    # 3. mutations of valid messages, with and without a recomputed (valid) header
+    for _ in range(250):
+        for idx, buf in fuzz_valid_messages(rng):
+            raw = mutate(bytearray(buf.tolist()), rng)
+            for candidate in (raw, refit_header(raw, rng)):
+                ok = check_only_wire_errors(u8(candidate), FUZZ_SPEC_LISTS[idx])
+                n_decoded += ok
+                n_rejected += not ok
+                # decode against a mismatched spec list too
+                check_only_wire_errors(u8(candidate), FUZZ_SPEC_LISTS[(idx + 1) % len(FUZZ_SPEC_LISTS)])
+    assert n_rejected > 2000
+
+
+def test_valid_header_with_garbage_sections_is_rejected_by_section_checks():
+    """The checksum is not the only line of defence: with a correct checksum, garbage still fails."""
+    rng = random.Random(99)
+    rejected = 0
+    for _ in range(200):
+        specs = MIXED_SPECS
+        body = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 100)))
+        try:
+            decode(frame(body, len(specs)), specs)
+        except WireError as e:
+            assert "checksum" not in str(e)
+            rejected += 1
+    assert rejected == 200
+
+
+# ------------------------------------------------------------------------------------------- checksum
+
+
+def reference_checksum(data: bytes) -> int:
+    """Pure-Python version of the documented definition."""
+
+    def mix(z):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        return z ^ (z >> 31)
+
+    padded = data + bytes(-len(data) % 8)
+    total = 0
+    for i in range(len(padded) // 8):
+        w = int.from_bytes(padded[8 * i : 8 * i + 8], "little")
+        total = (total + mix(w ^ (((i + 1) * 0x9E3779B97F4A7C15) & M64))) & M64
+    total = (total + (len(data) + 1) * 0xD6E8FEB86659FD93) & M64
+    return mix(total)
+
+
+def test_checksum_matches_reference():
+    rng = random.Random(5)
+    for n in (0, 1, 7, 8, 9, 63, 64, 65, 1000):
+        data = bytes(rng.randrange(256) for _ in range(n))
+        c = checksum64(u8(data))
+        assert 0 <= c < 2**64
+        assert c == reference_checksum(data)
+
+
+def test_checksum_detects_every_single_bit_flip():
+    rng = random.Random(6)
+    data = u8(bytes(rng.randrange(256) for _ in range(40)))
+    base = checksum64(data)
+    for bit in range(8 * 40):
+        bad = data.clone()
+        bad[bit // 8] ^= 1 << (bit % 8)
+        assert checksum64(bad) != base
+    big = torch.randint(0, 256, (100_003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    base = checksum64(big)
+    for _ in range(200):
+        bit = rng.randrange(8 * big.numel())
+        bad = big.clone()
+        bad[bit // 8] ^= 1 << (bit % 8)
+        assert checksum64(bad) != base
+
+
+def test_checksum_detects_byte_swaps_and_length():
+    rng = random.Random(7)
+    big = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    base = checksum64(big)
+    swaps = 0
+    while swaps < 300:
+        i, j = rng.randrange(5000), rng.randrange(5000)
+        if big[i] == big[j]:
+            continue
+        bad = big.clone()
+        bad[i], bad[j] = big[j], big[i]
+        assert checksum64(bad) != base
+        swaps += 1
+    # adjacent swaps inside one word as well
+    for i in range(0, 64):
+        if big[i] != big[i + 1]:
+            bad = big.clone()
+            bad[i], bad[i + 1] = big[i + 1], big[i]
+            assert checksum64(bad) != base
+    # zero padding does not collide with a shorter buffer
+    assert checksum64(torch.cat([big, torch.zeros(1, dtype=torch.uint8)])) != base
+    assert checksum64(torch.zeros(0, dtype=torch.uint8)) != checksum64(torch.zeros(1, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    big = torch.randint(0, 256, (100_001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    assert checksum64(big.cuda()) == checksum64(big)
+    fields = mixed_message(50)
+    cpu = encode(fields, MIXED_SPECS)
+    gpu = encode([f.cuda() for f in fields], MIXED_SPECS)
+    assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)
+    out = decode(cpu.cuda(), MIXED_SPECS)
+    assert all(o.is_cuda for o in out)
+    assert_fields_equal([o.cpu() for o in out], fields, MIXED_SPECS)
