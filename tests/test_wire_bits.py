@@ -70,9 +70,7 @@ def test_lsb_first_bitmap():
     assert pack_bits(torch.tensor([1, 2, 3]), 2).tolist() == [0b111001]
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool]
-)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool])
 def test_input_dtypes(dtype):
     width = 1 if dtype == torch.bool else 7
     v = torch.tensor([0, 1, 1, 0, 1] if dtype == torch.bool else [0, 5, 127, 64, 3]).to(dtype)

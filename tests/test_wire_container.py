@@ -36,9 +36,7 @@ def u8(data: bytes | bytearray | list[int]) -> torch.Tensor:
 
 def frame(body: bytes, n_sections: int, **over) -> torch.Tensor:
     """A header with a correct length and checksum (unless overridden) around ``body``."""
-    fields = dict(
-        magic=b"GC", version=1, flags=0, n=n_sections, reserved=0, length=len(body), checksum=None
-    )
+    fields = dict(magic=b"GC", version=1, flags=0, n=n_sections, reserved=0, length=len(body), checksum=None)
     fields.update(over)
     cs = checksum64(u8(body)) if fields["checksum"] is None else fields["checksum"]
     head = struct.pack(
@@ -71,8 +69,10 @@ def assert_fields_equal(out, fields, specs):
             assert o.dtype == dt
             ref = f.to(dt)
             # bit-exact, including the sign of zero
-            assert torch.equal(o.view(torch.int16 if dt != torch.float32 else torch.int32),
-                               ref.view(torch.int16 if dt != torch.float32 else torch.int32))
+            assert torch.equal(
+                o.view(torch.int16 if dt != torch.float32 else torch.int32),
+                ref.view(torch.int16 if dt != torch.float32 else torch.int32),
+            )
         else:
             assert o.dtype == torch.int64
             assert torch.equal(o, f.to(torch.int64))
@@ -136,7 +136,9 @@ def test_float_conversion_on_encode():
 
 
 def test_negative_zero_is_preserved():
-    (out,) = decode(encode([torch.tensor([-0.0, 0.0])], [FieldSpec(Codec.F32, count=2)]), [FieldSpec(Codec.F32, count=2)])
+    (out,) = decode(
+        encode([torch.tensor([-0.0, 0.0])], [FieldSpec(Codec.F32, count=2)]), [FieldSpec(Codec.F32, count=2)]
+    )
     assert torch.signbit(out).tolist() == [True, False]
 
 
@@ -169,7 +171,7 @@ def test_positions_round_trip(codec, device):
         pos = pos.to(device)
         round_trip([pos], [FieldSpec(codec, max_count=universe, universe=universe)])
         round_trip([pos], [FieldSpec(codec, count=pos.numel(), universe=universe)])
-        if codec == Codec.GOLOMB:
+        if codec == Codec.GOLOMB and universe <= 100_000:  # b = 3 on a 2**32 gap would be 2**29 bits
             round_trip([pos], [FieldSpec(codec, count=pos.numel(), universe=universe, golomb_b=3)])
 
 
@@ -255,7 +257,8 @@ def test_encode_misuse():
         ([torch.zeros(3)], [FieldSpec(Codec.BITS, count=3, width=4)]),  # float for BITS
         ([torch.tensor([16])], [FieldSpec(Codec.BITS, count=1, width=4)]),  # value too large
         ([torch.tensor([-1])], [FieldSpec(Codec.BITS, count=1, width=4)]),  # negative
-        ([torch.tensor([3, 3])], [FieldSpec(Codec.POSITIONS, count=2, universe=10)]),  # not strictly increasing
+        # not strictly increasing
+        ([torch.tensor([3, 3])], [FieldSpec(Codec.POSITIONS, count=2, universe=10)]),
         ([torch.tensor([5, 2])], [FieldSpec(Codec.GOLOMB, count=2, universe=10)]),
         ([torch.tensor([2, 10])], [FieldSpec(Codec.POSITIONS, count=2, universe=10)]),  # >= universe
         ([torch.tensor([2, 10])], [FieldSpec(Codec.GOLOMB, count=2, universe=10)]),
@@ -310,8 +313,12 @@ def test_decode_error_messages():
     fails(u8(raw), "section 0: codec 5", sp=[FieldSpec(Codec.GOLOMB, max_count=100, universe=1000)] + specs[1:])
     fails(u8(raw), "section 1: count 20 != expected 32", sp=[specs[0], FieldSpec(Codec.F32, count=32), specs[2]])
     fails(u8(raw), "section 2: count 20 exceeds", sp=specs[:2] + [FieldSpec(Codec.BITS, max_count=10, width=3)])
-    fails(u8(raw), "section 2: bit width 3 != expected 4", sp=specs[:2] + [FieldSpec(Codec.BITS, max_count=100, width=4)])
-    fails(u8(raw), "section 0: position width", sp=[FieldSpec(Codec.POSITIONS, max_count=100, universe=5000)] + specs[1:])
+    fails(
+        u8(raw), "section 2: bit width 3 != expected 4", sp=specs[:2] + [FieldSpec(Codec.BITS, max_count=100, width=4)]
+    )
+    fails(
+        u8(raw), "section 0: position width", sp=[FieldSpec(Codec.POSITIONS, max_count=100, universe=5000)] + specs[1:]
+    )
     fails(u8(raw), "section 0: .* exceeds", sp=[FieldSpec(Codec.POSITIONS, max_count=100, universe=10)] + specs[1:])
     # sections with a valid header and checksum but inconsistent contents
     f32 = struct.pack("<2f", 1.0, 2.0)
@@ -407,13 +414,23 @@ def fuzz_valid_messages(rng: random.Random):
     yield 0, encode(mixed_message(rng.randrange(0, 60), seed=rng.randrange(100)), MIXED_SPECS)
     pos = rand_positions(5000, rng.randrange(0, 200), rng.randrange(100))
     yield 1, encode([pos, torch.randn(7, generator=g)], FUZZ_SPEC_LISTS[1])
-    yield 2, encode(
-        [rand_positions(100, 10, k), torch.randn(rng.randrange(0, 50), generator=g), torch.randint(0, 2**32, (5,), generator=g)],
-        FUZZ_SPEC_LISTS[2],
+    yield (
+        2,
+        encode(
+            [
+                rand_positions(100, 10, k),
+                torch.randn(rng.randrange(0, 50), generator=g),
+                torch.randint(0, 2**32, (5,), generator=g),
+            ],
+            FUZZ_SPEC_LISTS[2],
+        ),
     )
-    yield 3, encode(
-        [torch.randint(0, 2, (rng.randrange(0, 300),), generator=g), torch.tensor([0, 2**31, 2**32 - 1])],
-        FUZZ_SPEC_LISTS[3],
+    yield (
+        3,
+        encode(
+            [torch.randint(0, 2, (rng.randrange(0, 300),), generator=g), torch.tensor([0, 2**31, 2**32 - 1])],
+            FUZZ_SPEC_LISTS[3],
+        ),
     )
     yield 4, encode([], [])
 
@@ -453,7 +470,7 @@ def refit_header(raw: bytearray, rng: random.Random) -> bytearray:
 def check_only_wire_errors(buf: torch.Tensor, specs) -> bool:
     try:
         out = decode(buf, specs)
-    except Exception as e:  # noqa: BLE001 - the test is about the exception type
+    except Exception as e:
         assert type(e) is WireError, f"{type(e).__name__}: {e}"
         return False
     assert len(out) == len(specs)
@@ -552,7 +569,7 @@ def test_checksum_detects_every_single_bit_flip():
         bad = data.clone()
         bad[bit // 8] ^= 1 << (bit % 8)
         assert checksum64(bad) != base
-    big = torch.randint(0, 256, (100_003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    big = torch.randint(0, 256, (30_003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     base = checksum64(big)
     for _ in range(200):
         bit = rng.randrange(8 * big.numel())

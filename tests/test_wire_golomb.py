@@ -143,9 +143,12 @@ def test_encode_misuse():
 
 
 def test_decode_errors():
-    pos = random_positions(10_000, 100, seed=1)
     b = optimal_rice_parameter(0.01)
-    buf, nbits = golomb_encode(pos, b)
+    for seed in range(20):
+        pos = random_positions(10_000, 100, seed=seed)
+        buf, nbits = golomb_encode(pos, b)
+        if nbits % 8:
+            break
     k = pos.numel()
     assert nbits % 8 != 0  # so that padding bits exist
     with pytest.raises(WireError, match="truncated"):
@@ -189,10 +192,49 @@ def test_decode_random_garbage_only_wire_errors():
         count = int(torch.randint(0, 60, (1,), generator=g))
         try:
             out = golomb_decode(buf, b, count, 1000)
-        except Exception as e:  # noqa: BLE001 - the point is to check the type
+        except Exception as e:
             assert type(e) is WireError, repr(e)
         else:
             assert out.numel() == count
             assert bool((out[1:] > out[:-1]).all()) and (count == 0 or 0 <= int(out[0]) <= int(out[-1]) < 1000)
             re, _ = golomb_encode(out, b)
             assert torch.equal(re, buf)  # a stream that decodes is the canonical encoding
+
+
+def test_decode_mutated_streams_only_wire_errors():
+    """Bit flips, truncations, extensions and wrong counts of valid streams: WireError or a valid decode."""
+    import random
+
+    rng = random.Random(21)
+    decoded = 0
+    for trial in range(400):
+        d = rng.choice([50, 1000, 100_000])
+        k = rng.randrange(0, min(d, 60) + 1)
+        pos = random_positions(d, k, trial)
+        b = rng.choice([0, 1, 3, optimal_rice_parameter(max(k, 1) / d)])
+        buf, _ = golomb_encode(pos, b)
+        raw = bytearray(buf.tolist())
+        kind = rng.randrange(4)
+        count = k
+        if kind == 0 and raw:
+            for _ in range(rng.randint(1, 3)):
+                i = rng.randrange(len(raw))
+                raw[i] ^= 1 << rng.randrange(8)
+        elif kind == 1 and raw:
+            del raw[rng.randrange(len(raw)) :]
+        elif kind == 2:
+            raw += bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
+        else:
+            count = max(0, k + rng.choice([-2, -1, 1, 2]))
+        t = torch.tensor(list(raw), dtype=torch.uint8)
+        try:
+            out = golomb_decode(t, b, count, d)
+        except Exception as e:
+            assert type(e) is WireError, repr(e)
+            continue
+        decoded += 1
+        assert out.numel() == count
+        if count:
+            assert bool((out[1:] > out[:-1]).all()) and 0 <= int(out[0]) and int(out[-1]) < d
+        assert torch.equal(golomb_encode(out, b)[0], t)
+    assert decoded > 0

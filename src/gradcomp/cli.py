@@ -37,6 +37,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck collective fails")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result as one JSON object")
+    p.add_argument("--save", default=None, metavar="PATH", help="save the trained model and compressor state")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -66,6 +67,7 @@ def _train(args: argparse.Namespace) -> int:
         simulate=args.simulate,
         device=args.device,
         eval_every=args.eval_every,
+        save_path=args.save,
         progress=not args.no_progress,
         timeout_s=args.timeout,
     )

@@ -64,13 +64,20 @@ def _spawned_worker(rank: int, cfg: TrainConfig, port: int, result_path: str, st
         world_size=cfg.workers,
         timeout=timedelta(seconds=cfg.timeout_s),
     )
-    try:
-        result = _train_in_group(cfg, device, started)
-        if result is not None:
-            with open(result_path, "w") as f:
-                json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    result = _train_in_group(cfg, device, started)
+    if result is not None:
+        with open(result_path, "w") as f:
+            json.dump(result, f)
+    _leave_group()
+
+
+def _leave_group() -> None:
+    """Tear the group down together: gloo aborts a process whose peers vanish while it still talks to them.
+
+    Only after success: a failing worker just raises, and torch.multiprocessing stops the others.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def launch(cfg: TrainConfig) -> dict[str, Any] | None:
@@ -100,7 +107,6 @@ def _launched_worker(cfg: TrainConfig, started: float) -> dict[str, Any] | None:
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
     if int(os.environ["RANK"]) != 0:
         cfg.progress = False
-    try:
-        return _train_in_group(cfg, device, started)
-    finally:
-        dist.destroy_process_group()
+    result = _train_in_group(cfg, device, started)
+    _leave_group()
+    return result

@@ -15,6 +15,7 @@ counted by the transport, the time split, and the test accuracy of the (identica
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -60,6 +61,7 @@ class TrainConfig:
     simulate: bool = False
     device: str = "cpu"
     eval_every: int = 0
+    save_path: str | None = None
     progress: bool = True
     timeout_s: float = 900.0
 
@@ -153,6 +155,14 @@ def parameter_digest(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def save_checkpoint(cfg: TrainConfig, model: nn.Module, aggregator: GradientAggregator) -> None:
+    """The trained model with the lead worker's compressor state (residuals) and the run's configuration."""
+    torch.save(
+        {"model": model.state_dict(), "aggregator": aggregator.state_dict(), "config": dataclasses.asdict(cfg)},
+        cfg.save_path,
+    )
+
+
 class Progress:
     def __init__(self, total: int, enabled: bool, label: str):
         self.bar = None
@@ -214,6 +224,8 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
         curves.record(step, loss, model, data, evaluate_now=lead)
         progress.update(loss, transport.counter)
     progress.close()
+    if lead and cfg.save_path:
+        save_checkpoint(cfg, model, aggregator)
     return {
         "rank": transport.rank,
         "steps": total,
@@ -278,6 +290,8 @@ def run_simulated(cfg: TrainConfig, device: torch.device | None = None) -> dict[
             curves.record(step, loss, model, data, evaluate_now=True)
             progress.update(loss, cluster.transports[0].counter)
         progress.close()
+    if cfg.save_path:
+        save_checkpoint(cfg, model, aggregators[0])
     digest = parameter_digest(model)
     stats = [
         {

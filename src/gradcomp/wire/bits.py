@@ -70,7 +70,7 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
     groups = (n + 7) // 8
     if groups * 8 != n:
         v = torch.cat([v, torch.zeros(groups * 8 - n, dtype=wd, device=device)])
-    v = v.view(groups, 8)
+    v = v.reshape(groups, 8)
     cols = []
     for t in range(width):  # byte t of each group covers bits [8t, 8t + 8) of the group
         acc = None
@@ -97,7 +97,7 @@ def _unpack(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
     b = buf
     if groups * width != b.numel():
         b = torch.cat([b, torch.zeros(groups * width - b.numel(), dtype=torch.uint8, device=device)])
-    b = b.view(groups, width)
+    b = b.reshape(groups, width)
     if wd != torch.uint8:
         b = b.to(wd)
     mask = (1 << width) - 1
@@ -126,7 +126,7 @@ def _as_uint8_buffer(buf: object) -> torch.Tensor:
             f"expected a uint8 tensor, got {type(buf).__name__}"
             + (f" of dtype {buf.dtype}" if isinstance(buf, torch.Tensor) else "")
         )
-    return buf.reshape(-1)
+    return buf.reshape(-1).contiguous()
 
 
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:

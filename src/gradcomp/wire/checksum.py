@@ -14,6 +14,8 @@ is identical on CPU and CUDA. This is an integrity check against corruption, not
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from gradcomp.wire.bits import _as_uint8_buffer
@@ -54,10 +56,15 @@ def checksum64(buf: torch.Tensor) -> int:
     nwords = (n + 7) // 8
     if nwords * 8 != n:
         buf = torch.cat([buf, torch.zeros(nwords * 8 - n, dtype=torch.uint8, device=device)])
-    b = buf.view(nwords, 8)
-    words = b[:, 0].to(torch.int64)
-    for k in range(1, 8):
-        words = words | (b[:, k].to(torch.int64) << (8 * k))
+    elif buf.storage_offset() % 8 != 0:
+        buf = buf.clone()  # .view(int64) needs 8-byte aligned storage
+    if sys.byteorder == "little":
+        words = buf.view(torch.int64)
+    else:  # assemble little-endian words explicitly
+        b = buf.view(nwords, 8)
+        words = b[:, 0].to(torch.int64)
+        for k in range(1, 8):
+            words = words | (b[:, k].to(torch.int64) << (8 * k))
     salt = (torch.arange(nwords, dtype=torch.int64, device=device) + 1) * _GOLDEN
     total = _mix(words ^ salt).sum()
     total = total + _s64((n + 1) * _LEN_MUL)

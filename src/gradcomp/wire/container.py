@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -85,7 +85,8 @@ class FieldSpec:
     max_count: int | None = None  # upper bound when count is None (required then)
     width: int | None = None  # for BITS
     universe: int | None = None  # for POSITIONS / GOLOMB
-    golomb_b: int | None = None  # for GOLOMB: parameter to encode with; None = optimal_rice_parameter(count/universe)
+    # for GOLOMB: the parameter to encode with; None = optimal_rice_parameter(count / universe)
+    golomb_b: int | None = None
 
 
 def _is_int(x: object) -> bool:
@@ -239,9 +240,7 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
     total = buf.numel()
     if total < HEADER_BYTES:
         raise WireError(f"truncated buffer: {total} bytes, shorter than the {HEADER_BYTES}-byte header")
-    magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack(
-        _read(buf, 0, HEADER_BYTES)
-    )
+    magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack(_read(buf, 0, HEADER_BYTES))
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r} (expected {MAGIC!r})")
     if version != FORMAT_VERSION:
@@ -290,9 +289,7 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
         if expected is not None and nbytes != expected:
             raise WireError(f"{where}: {nbytes} data bytes, expected {expected} for {count} elements")
         if off + nbytes > total:
-            raise WireError(
-                f"{where}: {nbytes} data bytes run past the end of the body ({total - off} bytes left)"
-            )
+            raise WireError(f"{where}: {nbytes} data bytes run past the end of the body ({total - off} bytes left)")
         data = buf[off : off + nbytes]
         off += nbytes
         if codec in _FLOAT_DTYPES:
@@ -334,6 +331,10 @@ def encoded_size(specs: Sequence[FieldSpec], counts: Sequence[int] | None = None
             raise ConfigError(f"spec {i}: variable count; pass counts=")
         if codec == Codec.GOLOMB:
             return None
-        param = spec.width if codec == Codec.BITS else bits_needed(spec.universe) if codec == Codec.POSITIONS else 0
+        param = 0
+        if codec == Codec.BITS:
+            param = spec.width
+        elif codec == Codec.POSITIONS:
+            param = bits_needed(spec.universe)
         total += SECTION_HEADER_BYTES + _expected_nbytes(codec, param, n)
     return total

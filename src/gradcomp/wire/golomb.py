@@ -7,10 +7,12 @@ is stored LSB-first in bytes (global bit ``k`` is bit ``k % 8`` of byte ``k // 8
 the unused high bits of the last byte (at most 7) are zero. Neither ``b`` nor the count is stored in the
 stream; the caller transmits them (the container's section header does).
 
-Decoding uses no loop over codes: for every bit position ``i`` it computes where a code starting at ``i``
-would end, ``next(i) = (first zero bit at or after i) + 1 + b``, then finds the code starts
-``s_0 = 0, s_{j+1} = next(s_j)`` by pointer doubling in ``O(N log count)`` time and ``O(N)`` memory,
-``N = 8 * len(buf)``.
+Decoding uses no loop over codes. Each code's unary part ends with a zero bit (its terminator); for the
+``j``-th zero bit of the stream at position ``z_j`` the next code starts at ``z_j + 1 + b`` and its
+terminator is the first zero at or after that position: ``succ(j)`` (found with a prefix count of zeros).
+The terminators ``t_0 = 0, t_{i+1} = succ(t_i)`` are found by pointer doubling in
+``O(N + Z log count)`` time and ``O(N)`` memory (``N = 8 * len(buf)`` bits, ``Z`` zero bits); ``q`` and ``r``
+then follow from the terminator positions.
 """
 
 from __future__ import annotations
@@ -120,37 +122,50 @@ def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int) -> torch
         raise WireError(f"golomb: {count} distinct positions cannot fit in a universe of {universe}")
     n = 8 * nbytes
     if count * (1 + b) > n:
-        raise WireError(
-            f"golomb: truncated stream: {count} codes need at least {count * (1 + b)} bits, got {n}"
-        )
+        raise WireError(f"golomb: truncated stream: {count} codes need at least {count * (1 + b)} bits, got {n}")
     if n > universe + count * b + 7:
         # A valid stream has sum(q) <= universe - count, hence at most universe + count * b + 7 bits.
         raise WireError(f"golomb: stream of {n} bits is too long for {count} positions below {universe}")
     bits = _unpack(buf, 1, n)  # uint8 0/1, length n
     idx_dtype = torch.int32 if n + 2 * MAX_RICE_PARAMETER + 4 < 2**31 else torch.int64
-    ar = torch.arange(n, dtype=idx_dtype, device=device)
-    sentinel_zero = torch.full((), n, dtype=idx_dtype, device=device)
-    nz = torch.where(bits == 0, ar, sentinel_zero)  # position of this bit if it is a zero, else n
-    nz = torch.cummin(nz.flip(0), 0).values.flip(0)  # first zero bit at or after i (n: none)
-    # next(i): start of the following code if a code starts at i; n + 1 marks "ran off the end".
-    off_end = torch.full((), n + 1, dtype=idx_dtype, device=device)
-    nxt = nz + (1 + b)
-    nxt = torch.where(nxt > n, off_end, nxt)
-    nxt = torch.cat([nxt, off_end.reshape(1), off_end.reshape(1)])  # next(n) = next(n + 1) = n + 1
-    starts = torch.zeros(1, dtype=idx_dtype, device=device)
-    jump = nxt  # jump = next applied m times, m = starts.numel()
-    while starts.numel() < count:
-        need = count - starts.numel()
-        starts = torch.cat([starts, jump[starts[:need]]])
-        if starts.numel() < count:
+    is_zero = bits == 0
+    # Every code ends its unary part with a zero bit, its "terminator". Work on terminator candidates:
+    # zpos[j] is the position of the j-th zero bit; rank[i] = number of zeros before bit i, which is the
+    # index (into zpos) of the first zero at or after i, or nzeros if there is none.
+    zpos = torch.nonzero(is_zero).reshape(-1).to(idx_dtype)
+    nzeros = zpos.numel()
+    if nzeros < count:
+        raise WireError(f"golomb: truncated stream: {count} codes need {count} terminating zero bits, found {nzeros}")
+    rank = torch.cat([torch.zeros(1, dtype=idx_dtype, device=device), torch.cumsum(is_zero, 0, dtype=idx_dtype)])
+    del is_zero
+    # succ[j]: terminator of the code that follows the code terminated by zero j, whose start is
+    # zpos[j] + 1 + b; nzeros is an absorbing "no such code" sentinel (ran off the end of the stream).
+    nstart = zpos + (1 + b)
+    succ = torch.where(nstart < n, rank[torch.clamp(nstart, max=n)], torch.full_like(nstart, nzeros))
+    del rank, nstart
+    succ = torch.cat([succ, torch.full((1,), nzeros, dtype=idx_dtype, device=device)])
+    # The first code starts at bit 0, so its terminator is zero 0. Pointer doubling: with terminators
+    # t_0..t_{m-1} known and jump = succ applied m times, t_m..t_{2m-1} = jump[t_0..t_{m-1}].
+    term = torch.zeros(1, dtype=idx_dtype, device=device)
+    jump = succ
+    while term.numel() < count:
+        need = count - term.numel()
+        term = torch.cat([term, jump[term[:need]]])
+        if term.numel() < count:
             jump = jump[jump]
-    del jump
-    ends = nxt[starts]
-    bad = ends > n
+    del jump, succ
+    bad = term == nzeros
     if bool(bad.any()):
         j = int(torch.nonzero(bad)[0, 0])
         raise WireError(f"golomb: truncated stream: code {j} of {count} runs past the end of the {n}-bit stream")
+    zero_at = zpos[term].to(torch.int64)
+    del zpos, term
+    ends = zero_at + (1 + b)  # every end but the last is < n by construction of succ
     end = int(ends[-1])
+    if end > n:
+        raise WireError(
+            f"golomb: truncated stream: code {count - 1} of {count} runs past the end of the {n}-bit stream"
+        )
     left = n - end
     if left > 7:
         raise WireError(
@@ -159,8 +174,7 @@ def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int) -> torch
         )
     if left and bool(bits[end:].any()):
         raise WireError("golomb: nonzero padding bits after the last code")
-    zero_at = nz[starts].to(torch.int64)
-    starts = starts.to(torch.int64)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), ends[:-1]])
     q = zero_at - starts
     # Clamp q so that q << b cannot overflow; any clamped gap is >= universe and rejected below.
     q = torch.clamp(q, max=(universe >> b) + 1)

@@ -1,0 +1,569 @@
+"""``gradcomp bench``: bits per element and throughput of every registered compressor, wire format included.
+
+What is measured, for every registered compressor (one or more representative parameter settings each, see
+:data:`SETTINGS`) on each input tensor:
+
+- **compress+encode**: ``compressor.compress(x, slot, step)`` then
+  ``wire.encode(fields, compressor.specs(slot))`` -- everything a sender does to turn a flat gradient into bytes;
+- **decode+decompress**: ``wire.decode(buf, specs)`` then ``compressor.decompress(fields, slot, step)`` --
+  everything a receiver does to get the dense fp32 tensor back;
+- **bits per element**: ``8 * len(buf) / numel`` of the encoded buffer, container and section headers
+  included, and the **ratio** to fp32, ``32 / bits``;
+- **throughputs** in GB/s of fp32 *input* (``4 * numel`` bytes divided by the time), each also given as a
+  **fraction of the memory-copy rate**.
+
+The inputs are (1) ``synthetic``: a seeded, heavy-tailed, gradient-like float32 tensor of ``--size`` elements
+(standard normal times a log-normal scale per block of 4096 elements, so sparsifiers see realistic magnitude
+spreads) and (2) ``model``: the gradient of SmallCNN (seed 0) on one MNIST batch of 64, flattened into one
+vector (the "synthetic" dataset stands in when MNIST is not installed; the output says so).
+
+How: each measurement is warmed up once, then run ``--repeats`` times and the **median** is reported. Every
+repeat uses a fresh step number, so step-seeded randomness (random-k positions) changes between repeats. On
+CUDA the device is synchronized before and after every timed region. The memory-copy reference
+(``y.copy_(x)`` into a preallocated tensor) is measured in the same run, on the same tensor, with the same
+warm-up/median policy, and printed first for each input.
+
+Why ratios: absolute GB/s on a shared or noisy machine (CPU frequency scaling, other tenants, thread count)
+move by tens of percent between runs, and memory bandwidth bounds any compressor that must at least read its
+input. The fraction of memcpy measured minutes apart on the same tensor is far more stable and comparable
+across machines than the raw number; bits per element are exact and do not depend on the machine at all.
+
+Correctness guard: a benchmark must not time broken code. Every repeat checks that decompressing the decoded
+fields gives exactly (``torch.equal``) the tensor that decompressing the un-encoded fields gives, and that
+the compressor left its input untouched; the bench aborts with :class:`BenchError` otherwise. A compressor
+whose ``decompress`` is not reproducible on identical fields (detected during warm-up: two calls differ) is
+not checked for exact equality, and its rows say ``verified: false``.
+
+Compressors without an entry in :data:`SETTINGS` run once, with their default parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradcomp import wire
+from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.errors import ConfigError
+from gradcomp.registry import available, make
+
+__all__ = [
+    "DEFAULT_REPEATS",
+    "DEFAULT_SIZE",
+    "INPUT_NAMES",
+    "SETTINGS",
+    "AbsQuantile",
+    "BenchError",
+    "add_arguments",
+    "format_table",
+    "main",
+    "model_gradient",
+    "run_bench",
+    "synthetic_gradient",
+]
+
+DEFAULT_SIZE = 10_000_000
+DEFAULT_REPEATS = 5
+INPUT_NAMES: tuple[str, ...] = ("synthetic", "model")
+
+SYNTHETIC_SEED = 0
+SYNTHETIC_BLOCK = 4096  # elements sharing one log-normal scale (a "layer" or "channel")
+SYNTHETIC_BASE_SCALE = 1e-3
+SYNTHETIC_LOG_SIGMA = 1.5  # sigma of log(scale): scales span about three orders of magnitude
+
+MODEL_NAME = "cnn"
+MODEL_SEED = 0
+MODEL_BATCH = 64
+
+
+class BenchError(RuntimeError):
+    """The benchmark found a broken round trip (or a compressor that changed its input) and stopped."""
+
+
+@dataclass(frozen=True)
+class AbsQuantile:
+    """A parameter value chosen at bench time: the ``q``-quantile of ``|x|`` of the input being benchmarked.
+
+    Used for ``threshold``: a fixed tau would keep wildly different fractions of different tensors, so tau is
+    taken from the tensor's own magnitudes to keep about ``1 - q`` of its entries (ties aside).
+    """
+
+    q: float
+
+    def resolve(self, x: Tensor) -> float:
+        a = x.detach().reshape(-1).abs()
+        k = min(a.numel(), max(1, math.ceil(self.q * a.numel())))  # k-th smallest: exactly n - k entries exceed it
+        return float(torch.kthvalue(a.float(), k).values)
+
+    def label(self) -> str:
+        return f"q{self.q:g}(|x|)"
+
+
+# Representative settings per registered name. Each dict is passed to registry.make(name, **params) after
+# resolving AbsQuantile values against the input tensor. Names not listed run once with their defaults.
+SETTINGS: dict[str, list[dict[str, Any]]] = {
+    "none": [{}],
+    "fp16": [{}],
+    "bf16": [{}],
+    "topk": [{"density": 0.01}, {"density": 0.001}, {"density": 0.01, "positions": "golomb"}],
+    "randomk": [{"density": 0.01}],
+    "threshold": [{"threshold": AbsQuantile(0.99)}],  # keeps about 1% of the tensor
+}
+
+
+# ------------------------------------------------------------------------------------------------- inputs
+
+
+def synthetic_gradient(size: int, seed: int = SYNTHETIC_SEED) -> Tensor:
+    """A seeded heavy-tailed float32 vector: N(0, 1) times a log-normal scale shared by blocks of 4096."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"size must be a positive integer, got {size!r}")
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-size // SYNTHETIC_BLOCK)
+    scale = SYNTHETIC_BASE_SCALE * torch.exp(SYNTHETIC_LOG_SIGMA * torch.randn(blocks, generator=g))
+    x = torch.randn(size, generator=g)
+    return x.mul_(scale.repeat_interleave(SYNTHETIC_BLOCK)[:size])
+
+
+def model_gradient(device: torch.device | str = "cpu") -> tuple[Tensor, str]:
+    """SmallCNN's (seed 0) flattened gradient on one training batch of 64; returns (gradient, description).
+
+    The batch is the first one a single worker sees in epoch 0 with seed 0. Uses MNIST when it is installed,
+    else the "synthetic" dataset, and says which in the description.
+    """
+    from torch import nn
+
+    from gradcomp.experiments.data import iterate_batches, load_dataset, shard_indices
+    from gradcomp.experiments.models import build_model
+
+    note = ""
+    try:
+        data = load_dataset("mnist")
+    except ConfigError as exc:
+        data = load_dataset("synthetic")
+        note = f" [MNIST unavailable, fell back to the synthetic dataset: {exc}]"
+    model = build_model(MODEL_NAME, data, MODEL_SEED).to(device)
+    model.train()
+    idx = shard_indices(data.num_train, 0, 1, 0, MODEL_SEED)
+    xb, yb = next(iterate_batches(data.train_x, data.train_y, idx, MODEL_BATCH))
+    loss = nn.functional.cross_entropy(model(xb.to(device)), yb.to(device))
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    grad = torch.cat([p.grad.detach().reshape(-1) for p in model.parameters() if p.grad is not None])
+    desc = f"SmallCNN gradient, {data.name} batch {MODEL_BATCH}, seed {MODEL_SEED}{note}"
+    return grad.to(torch.float32).contiguous(), desc
+
+
+# ------------------------------------------------------------------------------------------------- timing
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load averages, recorded so a reader can tell a busy machine's numbers apart."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _gbps(numel: int, seconds: float) -> float:
+    return 4.0 * numel / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _measure_memcpy(x: Tensor, repeats: int, timer: _Timer) -> float:
+    """Median seconds of ``y.copy_(x)`` into a preallocated tensor (one warm-up, then ``repeats``)."""
+    y = torch.empty_like(x)
+    times = []
+    for i in range(repeats + 1):
+        t0 = timer.now()
+        y.copy_(x)
+        t1 = timer.now()
+        if i:
+            times.append(t1 - t0)
+    return _median(times)
+
+
+def _label(setting: dict[str, Any], resolved: dict[str, Any]) -> str:
+    if not setting:
+        return "defaults"
+    parts = []
+    for key, value in setting.items():
+        if isinstance(value, AbsQuantile):
+            parts.append(f"{key}={resolved[key]:.3g} ({value.label()})")
+        else:
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def _bench_one(compressor: Compressor, x: Tensor, repeats: int, timer: _Timer, what: str) -> dict[str, Any]:
+    """Time one compressor on one input; verify every round trip. Returns the measured medians and sizes."""
+    numel = x.numel()
+    slot = Slot(name="bench", index=0, numel=numel)
+    x_ref = x.clone()
+    parts: dict[str, list[float]] = {"compress": [], "encode": [], "decode": [], "decompress": []}
+    sizes: list[int] = []
+    deterministic = True
+    for i in range(repeats + 1):  # i == 0 is the warm-up, step 0; repeats use fresh steps 1..repeats
+        step = i
+        t0 = timer.now()
+        fields = compressor.compress(x, slot, step)
+        t1 = timer.now()
+        buf = wire.encode(fields, compressor.specs(slot))
+        t2 = timer.now()
+        decoded = wire.decode(buf, compressor.specs(slot))
+        t3 = timer.now()
+        out = compressor.decompress(decoded, slot, step)
+        t4 = timer.now()
+
+        # Verification, outside the timed regions.
+        expected = compressor.decompress(fields, slot, step)
+        if i == 0:
+            deterministic = torch.equal(expected, compressor.decompress(fields, slot, step))
+        if deterministic and not torch.equal(out, expected):
+            diff = (out.float() - expected.float()).abs()
+            raise BenchError(
+                f"{what}: round trip is broken at step {step}: decompress(decode(encode(fields))) differs from "
+                f"decompress(fields) in {int((diff != 0).sum())} of {numel} entries (max |diff| "
+                f"{float(diff.max()):.3g}, shapes {tuple(out.shape)} vs {tuple(expected.shape)}); not timing it"
+            )
+        if out.numel() != numel or out.dtype != torch.float32:
+            raise BenchError(
+                f"{what}: decompress returned {out.numel()} elements of {out.dtype}, expected {numel} float32"
+            )
+        if i == 0:
+            continue
+        parts["compress"].append(t1 - t0)
+        parts["encode"].append(t2 - t1)
+        parts["decode"].append(t3 - t2)
+        parts["decompress"].append(t4 - t3)
+        sizes.append(int(buf.numel()))
+    if not torch.equal(x, x_ref):
+        raise BenchError(f"{what}: the compressor modified its input tensor")
+    ce = [a + b for a, b in zip(parts["compress"], parts["encode"])]
+    dd = [a + b for a, b in zip(parts["decode"], parts["decompress"])]
+    encoded_bytes = statistics.mean(sizes)  # constant for all built-ins; a mean for data-dependent sizes
+    return {
+        "encoded_bytes": encoded_bytes,
+        "compress_encode_s": _median(ce),
+        "decode_decompress_s": _median(dd),
+        **{f"{k}_s": _median(v) for k, v in parts.items()},
+        "verified": deterministic,
+    }
+
+
+# ------------------------------------------------------------------------------------------------- driver
+
+
+def _check_names(compressors: Sequence[str] | None) -> list[str]:
+    registered = available()
+    # The SETTINGS order (dense baselines first), then any other registered name alphabetically.
+    names = [n for n in SETTINGS if n in registered] + [n for n in registered if n not in SETTINGS]
+    if compressors is None:
+        return names
+    chosen = [c.strip() for c in compressors if c.strip()]
+    unknown = [c for c in chosen if c not in names]
+    if unknown:
+        raise ConfigError(f"unknown compressor(s) {', '.join(map(repr, unknown))}; available: {', '.join(registered)}")
+    if not chosen:
+        raise ConfigError("no compressor selected")
+    return list(dict.fromkeys(chosen))
+
+
+def _check_inputs(inputs: Sequence[str]) -> list[str]:
+    chosen = list(dict.fromkeys(i.strip() for i in inputs if i.strip()))
+    bad = [i for i in chosen if i not in INPUT_NAMES]
+    if bad:
+        raise ConfigError(f"unknown input(s) {', '.join(map(repr, bad))}; valid: {', '.join(INPUT_NAMES)}")
+    if not chosen:
+        raise ConfigError("no input selected")
+    return chosen
+
+
+def run_bench(
+    size: int = DEFAULT_SIZE,
+    repeats: int = DEFAULT_REPEATS,
+    compressors: Sequence[str] | None = None,
+    inputs: Sequence[str] = INPUT_NAMES,
+    device: str | torch.device = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark; returns ``{"meta": {...}, "rows": [...]}`` (the same object ``--json`` writes).
+
+    Rows come grouped by input, a ``memcpy`` reference row first in each group. Every row has: ``input``,
+    ``numel``, ``compressor``, ``setting`` (printable), ``params`` (the compressor's full ``params()``),
+    ``encoded_bytes``, ``bits_per_element`` (= 8 * encoded_bytes / numel), ``ratio_vs_fp32``, the median
+    seconds ``compress_encode_s`` / ``decode_decompress_s`` (and their four parts), the throughputs
+    ``compress_encode_gbps`` / ``decode_decompress_gbps`` (GB/s of fp32 input) and ``*_vs_memcpy`` fractions.
+    Raises ConfigError for bad arguments and BenchError when a round trip is broken.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
+    names = _check_names(compressors)
+    input_names = _check_inputs(inputs)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda requested but torch.cuda.is_available() is False")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu or cuda, got {str(device)!r}")
+    say = progress or (lambda _msg: None)
+    timer = _Timer(dev)
+    started = time.perf_counter()
+
+    meta: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "loadavg_before": _loadavg(),
+        "size": size,
+        "repeats": repeats,
+        "statistic": "median",
+        "inputs": {},
+        "memcpy_gbps": {},
+        "skipped": [],
+    }
+    rows: list[dict[str, Any]] = []
+    for input_name in input_names:
+        if input_name == "synthetic":
+            x = synthetic_gradient(size).to(dev)
+            desc = (
+                f"heavy-tailed synthetic: N(0,1) x log-normal scale per {SYNTHETIC_BLOCK}-element block "
+                f"(sigma {SYNTHETIC_LOG_SIGMA}), seed {SYNTHETIC_SEED}"
+            )
+        else:
+            x, desc = model_gradient(dev)
+        numel = x.numel()
+        meta["inputs"][input_name] = {"numel": numel, "description": desc}
+        say(f"bench: input {input_name}: {numel:,} elements ({desc})")
+
+        memcpy_s = _measure_memcpy(x, repeats, timer)
+        memcpy_gbps = _gbps(numel, memcpy_s)
+        meta["memcpy_gbps"][input_name] = memcpy_gbps
+        rows.append(
+            {
+                "input": input_name,
+                "numel": numel,
+                "compressor": "memcpy",
+                "setting": "y.copy_(x)",
+                "params": {},
+                "encoded_bytes": 4 * numel,
+                "bits_per_element": 32.0,
+                "ratio_vs_fp32": 1.0,
+                "compress_encode_s": memcpy_s,
+                "decode_decompress_s": memcpy_s,
+                "compress_encode_gbps": memcpy_gbps,
+                "decode_decompress_gbps": memcpy_gbps,
+                "compress_encode_vs_memcpy": 1.0,
+                "decode_decompress_vs_memcpy": 1.0,
+                "verified": True,
+            }
+        )
+        for name in names:
+            for setting in SETTINGS.get(name, [{}]):
+                resolved = {k: (v.resolve(x) if isinstance(v, AbsQuantile) else v) for k, v in setting.items()}
+                label = _label(setting, resolved)
+                what = f"{name} [{label}] on {input_name}"
+                try:
+                    compressor = make(name, **resolved)
+                except ConfigError as exc:
+                    meta["skipped"].append(f"{what}: {exc}")
+                    say(f"bench: skipped {what}: {exc}")
+                    continue
+                say(f"bench: {what}")
+                m = _bench_one(compressor, x, repeats, timer, what)
+                bits = 8.0 * m["encoded_bytes"] / numel
+                ce_gbps = _gbps(numel, m["compress_encode_s"])
+                dd_gbps = _gbps(numel, m["decode_decompress_s"])
+                rows.append(
+                    {
+                        "input": input_name,
+                        "numel": numel,
+                        "compressor": name,
+                        "setting": label,
+                        "params": compressor.params(),
+                        "encoded_bytes": m["encoded_bytes"],
+                        "bits_per_element": bits,
+                        "ratio_vs_fp32": 32.0 / bits,
+                        "compress_encode_s": m["compress_encode_s"],
+                        "decode_decompress_s": m["decode_decompress_s"],
+                        "compress_s": m["compress_s"],
+                        "encode_s": m["encode_s"],
+                        "decode_s": m["decode_s"],
+                        "decompress_s": m["decompress_s"],
+                        "compress_encode_gbps": ce_gbps,
+                        "decode_decompress_gbps": dd_gbps,
+                        "compress_encode_vs_memcpy": ce_gbps / memcpy_gbps,
+                        "decode_decompress_vs_memcpy": dd_gbps / memcpy_gbps,
+                        "verified": m["verified"],
+                    }
+                )
+        del x
+    meta["seconds"] = time.perf_counter() - started
+    meta["loadavg_after"] = _loadavg()
+    return {"meta": meta, "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------- printing
+
+
+def _fmt(v: float) -> str:
+    if v == float("inf"):
+        return "inf"
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The aligned text table of a :func:`run_bench` result, one row per compressor x setting x input."""
+    header = [
+        "input",
+        "compressor",
+        "params",
+        "bits/elem",
+        "ratio",
+        "c+e GB/s",
+        "xmemcpy",
+        "d+d GB/s",
+        "xmemcpy",
+    ]
+    body = []
+    for r in result["rows"]:
+        body.append(
+            [
+                r["input"],
+                r["compressor"],
+                r["setting"] + ("" if r["verified"] else " (unverified)"),
+                f"{r['bits_per_element']:.4g}",
+                f"{r['ratio_vs_fp32']:.3g}",
+                _fmt(r["compress_encode_gbps"]),
+                f"{r['compress_encode_vs_memcpy']:.3g}",
+                _fmt(r["decode_decompress_gbps"]),
+                f"{r['decode_decompress_vs_memcpy']:.3g}",
+            ]
+        )
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
+    left = {0, 1, 2}
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    previous = None
+    for r, cells in zip(result["rows"], body):
+        if previous is not None and r["input"] != previous:
+            out.append("")
+        previous = r["input"]
+        out.append(line(cells))
+    return "\n".join(out)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    meta = result["meta"]
+    lines = [
+        f"gradcomp bench: torch {meta['torch']}, device {meta['device']}, {meta['threads']} threads, "
+        f"median of {meta['repeats']} repeats after 1 warm-up",
+    ]
+    load = meta.get("loadavg_before")
+    if load is not None:
+        lines[0] += f"; load average {load[0]:g} before, {meta['loadavg_after'][0]:g} after, {meta['cpus']} CPUs"
+        if max(load[0], meta["loadavg_after"][0]) > (meta["cpus"] or 1):
+            lines.append(
+                "  warning: the machine was busy (load average above the CPU count): timings are noisy, "
+                "prefer the xmemcpy fractions and rerun on a quiet machine"
+            )
+    for name, info in meta["inputs"].items():
+        lines.append(
+            f"  input {name}: {info['numel']:,} elements, {info['description']}; "
+            f"memcpy {meta['memcpy_gbps'][name]:.3g} GB/s"
+        )
+    lines.append(
+        "  bits/elem = 8 * encoded bytes / numel (headers included); ratio = 32 / bits; GB/s of fp32 input "
+        "(4 * numel bytes / median time); xmemcpy = fraction of the memcpy rate on the same input"
+    )
+    lines.append("")
+    lines.append(format_table(result))
+    for note in meta["skipped"]:
+        lines.append(f"skipped: {note}")
+    lines.append("")
+    lines.append(f"total {meta['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="elements of the synthetic input tensor")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed runs after one warm-up (median)")
+    parser.add_argument(
+        "--compressors", type=_csv, default=None, metavar="A,B,C", help="subset of compressors (default: all)"
+    )
+    parser.add_argument("--inputs", type=_csv, default=list(INPUT_NAMES), metavar="I,J", help="synthetic and/or model")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the rows and metadata as JSON")
+    parser.add_argument("--no-model", action="store_true", help="skip the model-gradient input")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def main(args: argparse.Namespace) -> int:
+    inputs = [i for i in args.inputs if not (args.no_model and i == "model")]
+    if args.size < 1:
+        raise ConfigError(f"--size must be positive, got {args.size}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be positive, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        result = run_bench(
+            size=args.size,
+            repeats=args.repeats,
+            compressors=args.compressors,
+            inputs=inputs,
+            device=args.device,
+            progress=None if args.quiet else progress,
+        )
+    except BenchError as exc:
+        print(f"gradcomp bench: aborted: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0

@@ -1,0 +1,52 @@
+"""Spawning real gloo workers on 127.0.0.1 for tests, with a hard time-out so nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gradcomp.experiments.launch import free_port
+
+
+def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    result = fn(rank, world_size, *args)
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_workers(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; results in rank order.
+
+    A worker that fails makes this raise (torch.multiprocessing's error, with the worker's traceback);
+    a run that exceeds ``timeout`` seconds is killed and raises TimeoutError.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in context.processes:
+                    p.kill()
+                raise TimeoutError(f"workers still running after {timeout:.0f}s")
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -1,0 +1,147 @@
+"""Fast checks of `gradcomp bench`: row contents, exact bits per element, the CLI path and the round-trip guard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gradcomp import wire
+from gradcomp.cli import main as cli_main
+from gradcomp.compressors.base import Slot
+from gradcomp.compressors.dense import NoCompression
+from gradcomp.errors import ConfigError
+from gradcomp.experiments import bench
+
+N = 20_000
+
+
+@pytest.fixture(scope="module")
+def result():
+    return bench.run_bench(size=N, repeats=1, compressors=["none", "topk", "threshold"], inputs=["synthetic"])
+
+
+def _rows(result, compressor, **where):
+    return [
+        r
+        for r in result["rows"]
+        if r["compressor"] == compressor and all(r["params"].get(k) == v for k, v in where.items())
+    ]
+
+
+def test_memcpy_reference_comes_first(result):
+    first = result["rows"][0]
+    assert first["compressor"] == "memcpy"
+    assert first["compress_encode_gbps"] > 0
+    assert first["compress_encode_vs_memcpy"] == 1.0
+    assert result["meta"]["memcpy_gbps"]["synthetic"] == first["compress_encode_gbps"]
+
+
+def test_rows_have_positive_throughputs_and_consistent_fractions(result):
+    memcpy = result["meta"]["memcpy_gbps"]["synthetic"]
+    rows = [r for r in result["rows"] if r["compressor"] != "memcpy"]
+    assert {r["compressor"] for r in rows} == {"none", "topk", "threshold"}
+    for r in rows:
+        assert r["numel"] == N
+        assert r["verified"] is True
+        for key in ("compress_encode", "decode_decompress"):
+            assert r[f"{key}_s"] > 0
+            assert r[f"{key}_gbps"] == pytest.approx(4 * N / r[f"{key}_s"] / 1e9)
+            assert r[f"{key}_vs_memcpy"] == pytest.approx(r[f"{key}_gbps"] / memcpy)
+        assert r["ratio_vs_fp32"] == pytest.approx(32 / r["bits_per_element"])
+
+
+def test_none_costs_32_bits_plus_headers_exactly(result):
+    (row,) = _rows(result, "none")
+    expected_bytes = wire.HEADER_BYTES + wire.SECTION_HEADER_BYTES + 4 * N
+    assert row["encoded_bytes"] == expected_bytes
+    assert row["bits_per_element"] == 8 * row["encoded_bytes"] / row["numel"]
+    assert row["bits_per_element"] == 8 * expected_bytes / N
+    assert row["bits_per_element"] > 32
+
+
+def test_topk_one_percent_is_far_below_32_bits(result):
+    (row,) = _rows(result, "topk", density=0.01, positions="fixed")
+    assert row["bits_per_element"] == 8 * row["encoded_bytes"] / row["numel"]
+    assert row["bits_per_element"] < 1.0  # 1% of entries at 32 + 15 bits each, plus headers
+    assert len(_rows(result, "topk", density=0.001)) == 1
+
+
+def test_threshold_tau_comes_from_the_tensor_quantile(result):
+    (row,) = _rows(result, "threshold")
+    x = bench.synthetic_gradient(N)
+    kept = int((x.abs() > row["params"]["threshold"]).sum())
+    assert kept == N - 19_800  # the 0.99-quantile keeps exactly 1% of a tie-free tensor
+    assert "q0.99" in row["setting"]
+
+
+def test_synthetic_input_is_seeded_and_heavy_tailed():
+    a, b = bench.synthetic_gradient(50_000), bench.synthetic_gradient(50_000)
+    assert torch.equal(a, b) and a.dtype == torch.float32
+    kurtosis = float(((a - a.mean()) ** 4).mean() / a.var() ** 2)
+    assert kurtosis > 6  # a Gaussian has 3
+
+
+def test_bad_arguments_raise_config_error():
+    with pytest.raises(ConfigError, match="unknown compressor"):
+        bench.run_bench(size=100, repeats=1, compressors=["nope"], inputs=["synthetic"])
+    with pytest.raises(ConfigError, match="unknown input"):
+        bench.run_bench(size=100, repeats=1, compressors=["none"], inputs=["imagenet"])
+
+
+class _BrokenRoundTrip(NoCompression):
+    def specs(self, slot: Slot):
+        return [wire.FieldSpec(wire.Codec.F16, count=slot.numel)]  # the wire silently drops precision
+
+
+def test_broken_round_trip_aborts(monkeypatch):
+    monkeypatch.setattr(bench, "make", lambda name, **params: _BrokenRoundTrip())
+    with pytest.raises(bench.BenchError, match="round trip is broken"):
+        bench.run_bench(size=1000, repeats=1, compressors=["none"], inputs=["synthetic"])
+
+
+def test_cli_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--size", str(N), "--repeats", "1", "--no-model", "--compressors", "none,topk", "--json", str(out)]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "memcpy" in printed and "bits/elem" in printed and "topk" in printed
+    data = json.loads(out.read_text())
+    assert data["meta"]["size"] == N
+    assert data["meta"]["torch"] == torch.__version__
+    assert data["meta"]["threads"] == torch.get_num_threads()
+    assert data["meta"]["memcpy_gbps"]["synthetic"] > 0
+    assert [r["compressor"] for r in data["rows"]] == ["memcpy", "none", "topk", "topk", "topk"]
+    assert {r["input"] for r in data["rows"]} == {"synthetic"}
+
+
+def test_cli_rejects_unknown_compressor(capsys):
+    assert cli_main(["bench", "--size", "100", "--repeats", "1", "--no-model", "--compressors", "nope"]) == 2
+    assert "unknown compressor" in capsys.readouterr().err
+
+
+def test_model_input_is_the_smallcnn_gradient():
+    res = bench.run_bench(size=100, repeats=1, compressors=["none"], inputs=["model"])
+    rows = res["rows"]
+    assert [r["compressor"] for r in rows] == ["memcpy", "none"]
+    numel = res["meta"]["inputs"]["model"]["numel"]
+    if "mnist batch 64" in res["meta"]["inputs"]["model"]["description"]:
+        assert numel == 215_370  # SmallCNN's parameter count for 1x28x28 inputs
+    assert rows[1]["numel"] == numel and rows[1]["compress_encode_gbps"] > 0
+
+
+def test_model_input_falls_back_to_synthetic_without_mnist(monkeypatch):
+    from gradcomp.experiments import data
+
+    real = data.load_dataset
+
+    def no_mnist(name="mnist", root=None):
+        if name == "mnist":
+            raise ConfigError("MNIST is not available (test)")
+        return real(name, root)
+
+    monkeypatch.setattr(data, "load_dataset", no_mnist)
+    grad, desc = bench.model_gradient()
+    assert "fell back to the synthetic dataset" in desc
+    assert grad.dtype == torch.float32 and grad.dim() == 1 and bool(torch.isfinite(grad).all())

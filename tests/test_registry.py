@@ -1,0 +1,173 @@
+"""Tests for the compressor registry: gradcomp.make, available, register, parse_param_strings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import gradcomp
+from gradcomp import ConfigError, ErrorFeedback
+from gradcomp.compressors import BFloat16, Compressor, Float16, NoCompression, RandomK, Threshold, TopK
+from gradcomp.registry import compressor_class, parse_param_strings, register
+
+BUILTIN = {
+    "none": NoCompression,
+    "fp16": Float16,
+    "bf16": BFloat16,
+    "topk": TopK,
+    "randomk": RandomK,
+    "threshold": Threshold,
+}
+
+
+def test_available_lists_the_builtins():
+    names = gradcomp.available()
+    assert names == sorted(names)
+    assert set(BUILTIN) <= set(names)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_make_builds_the_registered_class(name):
+    c = gradcomp.make(name)
+    assert type(c) is BUILTIN[name]
+    assert c.name == name
+    assert compressor_class(name) is BUILTIN[name]
+    assert isinstance(c, Compressor)
+
+
+def test_default_parameters():
+    assert gradcomp.make("topk").params() == {"density": 0.01, "positions": "fixed"}
+    assert gradcomp.make("randomk").params() == {"density": 0.01, "scale": False, "seed": 0}
+    assert gradcomp.make("threshold").params() == {"threshold": 1e-3, "positions": "fixed"}
+    for name in ("none", "fp16", "bf16"):
+        assert gradcomp.make(name).params() == {}
+
+
+@pytest.mark.parametrize(
+    ("items", "expected"),
+    [
+        (["density=0.01"], {"density": 0.01}),
+        (["density=1e-3"], {"density": 1e-3}),
+        (["density=1"], {"density": 1}),
+        (["seed=42"], {"seed": 42}),
+        (["seed=-3"], {"seed": -3}),
+        (["scale=true"], {"scale": True}),
+        (["scale=True"], {"scale": True}),
+        (["scale=yes"], {"scale": True}),
+        (["scale=on"], {"scale": True}),
+        (["scale=false"], {"scale": False}),
+        (["scale=FALSE"], {"scale": False}),
+        (["scale=no"], {"scale": False}),
+        (["scale=off"], {"scale": False}),
+        (["x=none"], {"x": None}),
+        (["positions=golomb"], {"positions": "golomb"}),
+        (["name=a=b"], {"name": "a=b"}),  # only the first '=' splits
+        (["  density = 0.5 "], {"density": 0.5}),
+        (["error-feedback=true"], {"error_feedback": True}),  # CLI dashes become underscores
+        (["a=1", "b=2.5", "c=x", "d=off"], {"a": 1, "b": 2.5, "c": "x", "d": False}),
+        (["a=1", "a=2"], {"a": 2}),
+        ([], {}),
+    ],
+)
+def test_parse_param_strings(items, expected):
+    got = parse_param_strings(items)
+    assert got == expected
+    for k, v in expected.items():
+        assert type(got[k]) is type(v), k  # 1 stays an int, 1.0 a float, True a bool
+
+
+def test_parse_param_strings_keeps_types_apart():
+    got = parse_param_strings(["i=7", "f=7.0", "b=true", "s=seven"])
+    assert isinstance(got["i"], int) and not isinstance(got["i"], bool)
+    assert isinstance(got["f"], float)
+    assert got["b"] is True
+    assert got["s"] == "seven"
+    nan = parse_param_strings(["x=nan"])["x"]
+    assert isinstance(nan, float) and math.isnan(nan)
+
+
+@pytest.mark.parametrize("item", ["density", "", "=0.1", "1x=2", "a b=1", "a.b=1", "den$ity=1", " =3"])
+def test_parse_param_strings_rejects_bad_items(item):
+    with pytest.raises(ConfigError):
+        parse_param_strings([item])
+
+
+@pytest.mark.parametrize(
+    ("name", "strings", "kwargs"),
+    [
+        ("topk", ["density=0.05", "positions=golomb"], {"density": 0.05, "positions": "golomb"}),
+        ("topk", ["density=1"], {"density": 1.0}),
+        ("randomk", ["density=0.2", "scale=true", "seed=9"], {"density": 0.2, "scale": True, "seed": 9}),
+        ("randomk", ["scale=off"], {"scale": False}),
+        ("threshold", ["threshold=0.25"], {"threshold": 0.25}),
+        ("threshold", ["threshold=1"], {"threshold": 1.0}),
+        ("none", [], {}),
+        ("fp16", [], {}),
+        ("bf16", [], {}),
+    ],
+)
+def test_make_from_strings_equals_the_python_call(name, strings, kwargs):
+    from_cli = gradcomp.make(name, **parse_param_strings(strings))
+    from_python = gradcomp.make(name, **kwargs)
+    assert type(from_cli) is type(from_python)
+    assert from_cli.params() == from_python.params()
+    direct = BUILTIN[name](**kwargs)
+    assert direct.params() == from_python.params()
+    assert repr(from_cli) == repr(from_python)
+
+
+def test_make_from_strings_with_error_feedback():
+    c = gradcomp.make("topk", **parse_param_strings(["density=0.1", "error-feedback=yes"]))
+    assert isinstance(c, ErrorFeedback)
+    assert c.params() == gradcomp.make("topk", density=0.1, error_feedback=True).params()
+
+
+def test_bad_values_from_strings_raise_config_error():
+    with pytest.raises(ConfigError):
+        gradcomp.make("topk", **parse_param_strings(["density=0"]))
+    with pytest.raises(ConfigError):
+        gradcomp.make("topk", **parse_param_strings(["density=lots"]))
+    with pytest.raises(ConfigError):
+        gradcomp.make("topk", **parse_param_strings(["positions=zip"]))
+    with pytest.raises(ConfigError):
+        gradcomp.make("topk", **parse_param_strings(["k=10"]))
+    with pytest.raises(ConfigError):
+        gradcomp.make("threshold", **parse_param_strings(["threshold=-1"]))
+
+
+def test_unknown_name_lists_the_available_ones():
+    with pytest.raises(ConfigError) as info:
+        gradcomp.make("powersgd-ish")
+    for name in BUILTIN:
+        assert name in str(info.value)
+
+
+def test_unknown_parameter_is_named():
+    with pytest.raises(ConfigError, match="sparsity"):
+        gradcomp.make("topk", sparsity=0.9)
+
+
+def test_register_rejects_a_second_class_under_a_taken_name():
+    class Impostor(TopK):
+        name = "topk"
+
+    with pytest.raises(TypeError):
+        register(Impostor)
+    assert compressor_class("topk") is TopK
+    assert register(TopK) is TopK  # registering the same class again is harmless
+
+
+def test_register_rejects_a_class_without_name():
+    class Nameless(Compressor):
+        def specs(self, slot):
+            return []
+
+        def compress(self, x, slot, step):
+            return []
+
+        def decompress(self, fields, slot, step):
+            raise NotImplementedError
+
+    with pytest.raises(TypeError):
+        register(Nameless)
