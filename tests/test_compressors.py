@@ -202,8 +202,17 @@ def test_dense_wire_size(name):
 
 @pytest.mark.parametrize(
     ("density", "d", "k"),
-    [(0.01, 1000, 10), (0.01, 1001, 11), (0.1, 7, 1), (0.5, 7, 4), (1.0, 13, 13), (1e-9, 10, 1), (0.25, 1, 1),
-     (0.001, 100_000, 100), (0.3, 10, 3)],
+    [
+        (0.01, 1000, 10),
+        (0.01, 1001, 11),
+        (0.1, 7, 1),
+        (0.5, 7, 4),
+        (1.0, 13, 13),
+        (1e-9, 10, 1),
+        (0.25, 1, 1),
+        (0.001, 100_000, 100),
+        (0.3, 10, 3),
+    ],
 )
 def test_topk_count_is_ceil_p_d(density, d, k):
     assert k == max(1, math.ceil(Fraction(str(density)) * d))  # the reference is decimal arithmetic

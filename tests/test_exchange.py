@@ -84,6 +84,8 @@ def assert_identical_on_all_workers(results):
 @pytest.mark.parametrize(("name", "params"), CONFIGS, ids=IDS)
 @pytest.mark.parametrize("error_feedback", [False, True], ids=["plain", "ef"])
 def test_every_worker_gets_the_same_result(cluster, name, params, error_feedback):
+    if error_feedback and params.get("scale"):
+        pytest.skip("feedback around the scaled random-k diverges (xfail in test_feedback.py)")
     steps = 3
     results = run_exchange(cluster, lambda: gradcomp.make(name, error_feedback=error_feedback, **params), steps)
     for step in range(steps):
@@ -130,7 +132,9 @@ def test_half_precision_is_close_to_the_true_mean(cluster, name, u):
         bound = 1.5 * W * u * float(stacked.abs().max())
         torch.testing.assert_close(results[0][i], true_mean, rtol=0, atol=bound)
     # and it is a lossy cast: not the exact mean
-    assert any(not torch.equal(results[0][i], torch.stack([grads(r)[i] for r in range(W)]).mean(0)) for i in range(1, 3))
+    assert any(
+        not torch.equal(results[0][i], torch.stack([grads(r)[i] for r in range(W)]).mean(0)) for i in range(1, 3)
+    )
 
 
 @pytest.mark.parametrize("positions", ["fixed", "golomb"])
@@ -447,3 +451,33 @@ def test_aggregator_bad_arguments(cluster):
     agg = GradientAggregator(model, gradcomp.make("none"), t)
     with pytest.raises(ConfigError):
         agg.aggregate([torch.zeros(2, 2)])
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "topk", "randomk", "threshold"])
+@pytest.mark.parametrize("topology", ["auto", "allgather", "ps"])
+def test_zero_element_slot(cluster, name, topology):
+    slots = [Slot("empty", 0, 0), Slot("w", 1, 5)]
+
+    def inputs(rank, step):
+        return [torch.zeros(0), torch.arange(5, dtype=torch.float32) * (rank + 1)]
+
+    (results,) = run_exchange(
+        cluster,
+        lambda: gradcomp.make(name, density=1.0) if name in ("topk", "randomk") else gradcomp.make(name),
+        slots=slots,
+        inputs=inputs,
+        topology=topology,
+    )
+    assert_identical_on_all_workers(results)
+    assert results[0][0].shape == (0,)
+    torch.testing.assert_close(results[0][1], torch.arange(5, dtype=torch.float32) * 2.5)
+
+
+@pytest.mark.xfail(
+    reason="BUG (minor): exchange() with no slots returns [] on allgather / ps but raises a raw torch error "
+    "from torch.cat([]) on allreduce (train/exchange.py _allreduce)",
+    strict=True,
+)
+def test_exchange_of_no_slots_returns_an_empty_list(cluster):
+    (results,) = run_exchange(cluster, lambda: gradcomp.make("none"), slots=[], inputs=lambda r, s: [])
+    assert results == [[]] * W

