@@ -167,11 +167,6 @@ def test_fp16_saturates_instead_of_overflowing():
     assert torch.equal(round_trip(Float16(), x64, Slot("w", 0, 2)), torch.tensor([65504.0, -65504.0]))
 
 
-@pytest.mark.xfail(
-    reason="BUG: Float16.compress clamps in the input's dtype; for a bfloat16 input, 65504 rounds to 65536 in "
-    "bf16, which then casts to +Inf in fp16 (dense.py Float16.compress)",
-    strict=True,
-)
 def test_fp16_saturates_bfloat16_input():
     x = torch.tensor([1e6, -1e6, 7e4], dtype=torch.bfloat16)
     out = Float16().decompress(Float16().compress(x, Slot("w", 0, 3), 0), Slot("w", 0, 3), 0)
@@ -223,11 +218,6 @@ def test_topk_count_is_ceil_p_d(density, d, k):
     assert positions.numel() == k and values.numel() == k
 
 
-@pytest.mark.xfail(
-    reason="BUG: kept_count computes ceil(density * numel) in floating point, so a mathematically exact product "
-    "such as 0.07 * 100 = 7.000000000000001 rounds up to k = 8 (compressors/base.py kept_count)",
-    strict=True,
-)
 @pytest.mark.parametrize(("density", "d", "k"), [(0.07, 100, 7), (0.55, 100, 55), (0.0079, 1_000_000, 7900)])
 def test_topk_count_exact_decimal_products(density, d, k):
     assert kept_count(density, d) == k

@@ -173,12 +173,6 @@ def test_register_rejects_a_class_without_name():
         register(Nameless)
 
 
-@pytest.mark.xfail(
-    reason="BUG (cosmetic): make() reads the accepted names from inspect.signature(cls.__init__); for a compressor "
-    "without __init__ that is object.__init__(self, /, *args, **kwargs), so the error lists 'args, kwargs' as "
-    "its parameters instead of '(none)' (registry.py make)",
-    strict=True,
-)
 def test_unknown_parameter_of_a_parameterless_compressor_says_none():
     with pytest.raises(ConfigError) as info:
         gradcomp.make("fp16", density=0.1)

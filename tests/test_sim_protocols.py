@@ -196,12 +196,6 @@ def test_parameter_server_contents_and_counters(world, root_at):
             assert c.server_in == 0 and c.server_out == 0
 
 
-@pytest.mark.xfail(
-    reason="BUG: parameter_server broadcasts the downstream length with kind=CONTROL, but Transport.broadcast "
-    "adds W * t.nbytes to server_out whatever the kind, so server_out holds 8 * W control bytes on top of the "
-    "payload while server_in holds none (transport/base.py Transport.broadcast)",
-    strict=True,
-)
 @pytest.mark.parametrize("world", [1, 3])
 def test_parameter_server_server_out_is_payload_only(world):
     sizes = [5 * r + 2 for r in range(world)]

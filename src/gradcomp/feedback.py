@@ -10,6 +10,10 @@ accumulation" of Sattler et al.'s SBC. For every tensor the wrapper keeps a resi
 The wrapper is itself a Compressor with the inner one's wire layout and summability, so protocols need not
 know that feedback is there. Residuals are keyed by the slot's name and size: a DDP bucket whose size changes
 when DDP rebuilds its buckets after the first iteration simply starts a fresh residual.
+
+Error feedback needs a contractive compressor (E||C(x) - x||^2 < ||x||^2). An unbiased compressor with
+variance omega >= 1, such as random-k scaled by d/k, is not: every time an entry is picked its residual is
+multiplied by -(d/k - 1), and the residual explodes. Wrapping one raises ConfigError.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ class ErrorFeedback(Compressor):
     def __init__(self, inner: Compressor):
         if isinstance(inner, ErrorFeedback):
             raise ConfigError("error feedback is already applied to this compressor")
+        if inner.unbiased and inner.omega is not None and inner.omega >= 1:
+            raise ConfigError(
+                f"error feedback needs a contractive compressor, but {inner!r} is unbiased with variance "
+                f"omega={inner.omega:g} >= 1: its residual grows without bound (for randomk use scale=False)"
+            )
         self.inner = inner
         self.name = inner.name
         self.summable = inner.summable

@@ -43,7 +43,11 @@ def make(name: str, *, error_feedback: bool = False, **params: Any):
     """Build a registered compressor; ``error_feedback=True`` wraps it in ErrorFeedback."""
     cls = compressor_class(name)
     signature = inspect.signature(cls.__init__)
-    accepted = [p for p in signature.parameters if p != "self"]
+    accepted = [
+        name
+        for name, p in signature.parameters.items()
+        if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ConfigError(

@@ -19,8 +19,10 @@ State that must survive a checkpoint (residuals, momentum, RNG position) lives b
 from __future__ import annotations
 
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import torch
@@ -58,17 +60,34 @@ def shared_generator(seed: int, step: int, index: int, device: torch.device, sal
 
 
 def check_density(density: float) -> float:
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise ConfigError(f"density must be a number in (0, 1], got {density!r}")
     density = float(density)
     if not (0.0 < density <= 1.0):
         raise ConfigError(f"density must lie in (0, 1], got {density}")
     return density
 
 
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def check_int(name: str, value: object, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 def kept_count(density: float, numel: int) -> int:
     """k = ceil(p * d), at least 1 for a non-empty tensor and never more than d."""
     if numel == 0:
         return 0
-    k = int(-(-density * numel // 1))  # ceil without float surprises for exact products
+    # ceil of the decimal product the user wrote: 0.07 * 100 is 7.000000000000001 in binary floating point
+    k = math.ceil(Fraction(repr(density)) * numel)
     return max(1, min(numel, k))
 
 

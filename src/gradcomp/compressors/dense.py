@@ -2,7 +2,8 @@
 
 All three are summable, so the exchange sends them with one plain allreduce. fp16 saturates values beyond its
 range (|x| > 65504) to ±65504 instead of turning them into Inf; bf16 keeps fp32's range with 8 mantissa bits.
-Casting rounds to nearest, so fp16 / bf16 are deterministic and (slightly) biased.
+bf16 rounds the largest finite fp32 values (above about 3.39e38) to Inf; the exchange's finite check runs
+on the input, so such a gradient is not caught there. Casting rounds to nearest, so fp16 / bf16 are deterministic and (slightly) biased.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Float16(Compressor):
         return [FieldSpec(Codec.F16, count=slot.numel)]
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        return [x.reshape(-1).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)]
+        return [x.reshape(-1).to(torch.float32).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)]
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         return fields[0].to(torch.float32)
@@ -55,7 +56,7 @@ class Float16(Compressor):
 
 @register
 class BFloat16(Compressor):
-    """Cast to bfloat16 (16 bits per entry, fp32's exponent range)."""
+    """Cast to bfloat16 (16 bits per entry, 8 exponent bits like fp32)."""
 
     name = "bf16"
     summable = True

@@ -25,7 +25,9 @@ from gradcomp.compressors.base import (
     Compressor,
     Fields,
     Slot,
+    check_bool,
     check_density,
+    check_int,
     kept_count,
     shared_generator,
 )
@@ -102,8 +104,8 @@ class RandomK(Compressor):
 
     def __init__(self, density: float = 0.01, scale: bool = False, seed: int = 0):
         self.density = check_density(density)
-        self.scale = bool(scale)
-        self.seed = int(seed)
+        self.scale = check_bool("scale", scale)
+        self.seed = check_int("seed", seed, minimum=0)
         self.unbiased = self.scale  # instance attribute shadows the class default
         self.omega = (1.0 / self.density - 1.0) if self.scale else None
 

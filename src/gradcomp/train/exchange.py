@@ -113,13 +113,15 @@ class GradientExchange:
     def _allreduce(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> list[Tensor]:
         messages = [self.compressor.compress(t, s, step) for s, t in zip(slots, tensors)]
         sizes = [[f.numel() for f in fields] for fields in messages]
-        flat = torch.cat([f.reshape(-1) for fields in messages for f in fields])
+        if not messages:
+            return []
+        # Divide before summing (as torch's fp16 hook does): a half-precision sum of W large values would
+        # overflow where their average does not. Summable messages decompress linearly, so this is the mean.
+        flat = torch.cat([f.reshape(-1) for fields in messages for f in fields]) / self.transport.world_size
         summed = allreduce_sum(self.transport, flat)
         pieces = iter(torch.split(summed, [n for per_slot in sizes for n in per_slot]))
-        world = self.transport.world_size
         return [
-            self.compressor.decompress([next(pieces) for _ in per_slot], s, step) / world
-            for s, per_slot in zip(slots, sizes)
+            self.compressor.decompress([next(pieces) for _ in per_slot], s, step) for s, per_slot in zip(slots, sizes)
         ]
 
     def _encode(self, compressor: Compressor, slots: Sequence[Slot], messages: Sequence[Fields]) -> Tensor:

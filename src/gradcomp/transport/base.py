@@ -10,7 +10,7 @@ is counted, from the point of view of one worker:
   (up += t.nbytes); the root's server role receives all W tensors (server_in += W * t.nbytes). The server is
   accounted as a separate logical machine even though it lives in the root's process.
 - ``broadcast(t, root)`` (parameter-server downlink): the root's server role sends t once per worker
-  (server_out += W * t.nbytes) and every worker receives it (down += t.nbytes).
+  (server_out += W * t.nbytes, payload only) and every worker receives it (down += t.nbytes).
 
 Each call names its kind: ``payload`` (messages), ``control`` (size exchanges). Padding that equal-size
 collectives need is passed in by the protocol (``pad_up``, ``pad_down``) and booked apart from the payload.
@@ -135,7 +135,7 @@ class Transport(ABC):
         """The root's ``t`` on every worker; the others pass a tensor of the right shape and dtype to fill."""
         result = self._timed(self._broadcast, t.contiguous(), root)
         self.counter.book(kind, up=0, down=t.nbytes)
-        if self.rank == root:
+        if self.rank == root and kind != CONTROL:
             self.counter.server_out += self.world_size * t.nbytes
         return result
 
