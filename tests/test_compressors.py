@@ -491,3 +491,16 @@ def test_unknown_compressor_and_parameter_raise():
 def test_good_densities_are_accepted(density):
     assert gradcomp.make("topk", density=density).density == density
     assert gradcomp.make("randomk", density=density).density == density
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk"])
+def test_fixed_k_larger_than_the_tensor_is_refused_before_sending(name):
+    c = gradcomp.make(name, k=11)
+    slot = Slot("net.3.bias", 3, 10)
+    with pytest.raises(gradcomp.ConfigError, match="k=11 exceeds the 10 elements of net.3.bias"):
+        c.compress(torch.randn(10), slot, 0)
+    with pytest.raises(gradcomp.ConfigError):
+        c.specs(slot)
+    ok = gradcomp.make(name, k=10)
+    fields = ok.compress(torch.randn(10), slot, 0)
+    assert fields[-1].numel() == 10

@@ -130,8 +130,10 @@ def test_bad_values_from_strings_raise_config_error():
         gradcomp.make("topk", **parse_param_strings(["density=lots"]))
     with pytest.raises(ConfigError):
         gradcomp.make("topk", **parse_param_strings(["positions=zip"]))
-    with pytest.raises(ConfigError):
-        gradcomp.make("topk", **parse_param_strings(["k=10"]))
+    with pytest.raises(ConfigError, match="either density or k"):
+        gradcomp.make("topk", **parse_param_strings(["k=10", "density=0.1"]))
+    with pytest.raises(ConfigError, match="k must be >= 1"):
+        gradcomp.make("topk", **parse_param_strings(["k=0"]))
     with pytest.raises(ConfigError):
         gradcomp.make("threshold", **parse_param_strings(["threshold=-1"]))
 

@@ -1,6 +1,6 @@
 """Sparsification: top-k, random-k and threshold.
 
-- ``topk`` (exact): keep the k = ceil(p·d) entries of largest magnitude (``torch.topk``; ties broken by torch).
+- ``topk`` (exact): keep the k = ceil(p·d) entries (or a fixed ``k`` per tensor; k > d is an error) of largest magnitude (``torch.topk``; ties broken by torch).
   The message is the sorted positions plus their fp32 values. Positions travel compactly: bit-packed with
   ceil(log2 d) bits each (``positions="fixed"``) or Golomb–Rice coded gaps (``positions="golomb"``, the
   divisor chosen from the density as in Sattler et al.'s SBC paper). Never int64.
@@ -52,6 +52,30 @@ def check_positions_codec(positions: str) -> str:
     return positions
 
 
+class KeptCount:
+    """How many entries a sparsifier keeps per slot: a density p (k = ceil(p·d)) or a fixed count k."""
+
+    def __init__(self, density: float | None, k: int | None, default_density: float = 0.01):
+        if density is not None and k is not None:
+            raise ConfigError("give either density or k, not both")
+        self.k = check_int("k", k, minimum=1) if k is not None else None
+        self.density = None if self.k is not None else check_density(default_density if density is None else density)
+
+    def params(self) -> dict:
+        return {"k": self.k} if self.k is not None else {"density": self.density}
+
+    def __call__(self, slot: Slot) -> int:
+        if self.k is None:
+            return kept_count(self.density, slot.numel)
+        if self.k > slot.numel:
+            raise ConfigError(f"k={self.k} exceeds the {slot.numel} elements of {slot.name}")
+        return self.k
+
+    def fraction(self, numel: int) -> float:
+        """The density for a tensor of ``numel`` elements (k / d when a fixed k is given)."""
+        return self.density if self.k is None else self.k / max(1, numel)
+
+
 def scatter_add(out: Tensor, positions: Tensor, values: Tensor) -> None:
     out.index_add_(0, positions, values.to(out.dtype))
 
@@ -78,20 +102,25 @@ class _PositionsAndValues(Compressor):
 class TopK(_PositionsAndValues):
     name = "topk"
 
-    def __init__(self, density: float = 0.01, positions: str = "fixed"):
-        self.density = check_density(density)
+    def __init__(self, density: float | None = None, positions: str = "fixed", *, k: int | None = None):
+        self.count = KeptCount(density, k)
         self.positions = check_positions_codec(positions)
 
     def params(self) -> dict:
-        return {"density": self.density, "positions": self.positions}
+        return {**self.count.params(), "positions": self.positions}
+
+    @property
+    def density(self) -> float | None:
+        """The configured density (None when a fixed k was given)."""
+        return self.count.density
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
-        k = kept_count(self.density, slot.numel)
+        k = self.count(slot)
         return [position_spec(self.positions, slot.numel, k), FieldSpec(Codec.F32, count=k)]
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         flat = x.reshape(-1)
-        k = kept_count(self.density, flat.numel())
+        k = self.count(slot)
         _, positions = torch.topk(flat.abs(), k, sorted=False)
         positions, _ = torch.sort(positions)
         return [positions, flat[positions].to(torch.float32)]
@@ -102,28 +131,42 @@ class RandomK(Compressor):
     name = "randomk"
     summable = True
 
-    def __init__(self, density: float = 0.01, scale: bool = False, seed: int = 0):
-        self.density = check_density(density)
+    def __init__(
+        self, density: float | None = None, scale: bool = False, seed: int = 0, *, k: int | None = None
+    ):
+        self.count = KeptCount(density, k)
         self.scale = check_bool("scale", scale)
         self.seed = check_int("seed", seed, minimum=0)
         self.unbiased = self.scale  # instance attribute shadows the class default
-        self.omega = (1.0 / self.density - 1.0) if self.scale else None
+        # omega = d/k - 1 for the scaled variant; with a fixed k it depends on d, so no single value is declared
+        self.omega = (1.0 / self.count.density - 1.0) if (self.scale and self.count.density) else None
+        self._cached: tuple[tuple, Tensor] | None = None
 
     def params(self) -> dict:
-        return {"density": self.density, "scale": self.scale, "seed": self.seed}
+        return {**self.count.params(), "scale": self.scale, "seed": self.seed}
+
+    @property
+    def density(self) -> float | None:
+        """The configured density (None when a fixed k was given)."""
+        return self.count.density
 
     def positions(self, slot: Slot, step: int, device: torch.device) -> Tensor:
-        k = kept_count(self.density, slot.numel)
+        """The k shared positions of this slot and step (cached: compress, feedback and decode all ask)."""
+        key = (slot.index, slot.numel, step, str(device))
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
         gen = shared_generator(self.seed, step, slot.index, device, salt="randomk")
-        chosen = torch.randperm(slot.numel, generator=gen, device=device)[:k]
-        return torch.sort(chosen).values
+        chosen = torch.randperm(slot.numel, generator=gen, device=device)[: self.count(slot)]
+        positions = torch.sort(chosen).values
+        self._cached = (key, positions)
+        return positions
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
-        return [FieldSpec(Codec.F32, count=kept_count(self.density, slot.numel))]
+        return [FieldSpec(Codec.F32, count=self.count(slot))]
 
-    def _factor(self, numel: int) -> float:
-        k = kept_count(self.density, numel)
-        return numel / k if (self.scale and k) else 1.0
+    def _factor(self, slot: Slot) -> float:
+        k = self.count(slot) if slot.numel else 0
+        return slot.numel / k if (self.scale and k) else 1.0
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         flat = x.reshape(-1)
@@ -132,11 +175,11 @@ class RandomK(Compressor):
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         values = fields[0]
         positions = self.positions(slot, step, values.device)
-        return scatter_dense(slot.numel, positions, values * self._factor(slot.numel))
+        return scatter_dense(slot.numel, positions, values * self._factor(slot))
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         values = fields[0]
-        scatter_add(out, self.positions(slot, step, values.device), values * self._factor(slot.numel))
+        scatter_add(out, self.positions(slot, step, values.device), values * self._factor(slot))
 
 
 @register
