@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from gradcomp.experiments.launch import free_port
 
 
-def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple, teardown: bool = True) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -24,11 +24,12 @@ def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple)
     result = fn(rank, world_size, *args)
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    if teardown:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
-def run_workers(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+def run_workers(fn, world_size: int, *args, timeout: float = 240.0, teardown: bool = True) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; results in rank order.
 
     A worker that fails makes this raise (torch.multiprocessing's error, with the worker's traceback);
@@ -36,7 +37,7 @@ def run_workers(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
-            _entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size, join=False,
+            _entry, args=(fn, world_size, free_port(), out_dir, args, teardown), nprocs=world_size, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout
@@ -47,6 +48,10 @@ def run_workers(fn, world_size: int, *args, timeout: float = 240.0) -> list:
                 raise TimeoutError(f"workers still running after {timeout:.0f}s")
         results = []
         for rank in range(world_size):
-            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
+            path = os.path.join(out_dir, f"{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            else:
+                results.append(None)  # the worker left without a result (tests of vanishing workers)
         return results

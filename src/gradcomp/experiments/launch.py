@@ -20,8 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gradcomp.errors import GradcompError
 from gradcomp.experiments.runner import TrainConfig, run_simulated, run_worker, summarize
 from gradcomp.transport.dist import DistTransport
+
+
+class WorkerFailedError(GradcompError):
+    """A spawned worker raised or died; the message carries the worker's own error."""
 
 
 def free_port() -> int:
@@ -91,7 +96,14 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
         return _launched_worker(cfg, started)
     with tempfile.TemporaryDirectory(prefix="gradcomp-") as tmp:
         result_path = os.path.join(tmp, "result.json")
-        mp.spawn(_spawned_worker, args=(cfg, free_port(), result_path, started), nprocs=cfg.workers, join=True)
+        try:
+            mp.spawn(_spawned_worker, args=(cfg, free_port(), result_path, started), nprocs=cfg.workers, join=True)
+        except mp.ProcessRaisedException as exc:
+            # the worker's traceback was printed on stderr; its last line says what went wrong
+            last = str(exc).strip().splitlines()[-1]
+            raise WorkerFailedError(f"worker {exc.error_index} failed: {last}") from None
+        except mp.ProcessExitedException as exc:
+            raise WorkerFailedError(f"worker {exc.error_index} died: {exc}") from None
         with open(result_path) as f:
             return json.load(f)
 

@@ -90,6 +90,17 @@ class TrainConfig:
             raise ConfigError(f"compressor {self.compressor!r} is not summable: use topology allgather or ps")
         if server is not None and self.topology != "ps":
             raise ConfigError("--server-compressor needs --topology ps")
+        self._check_against_model(compressor, server)
+
+    def _check_against_model(self, compressor, server) -> None:
+        """Per-tensor limits (k larger than a layer, ...) checked on the real model's slots, before any worker."""
+        data = load_dataset(self.dataset, self.data_root)
+        model = build_model(self.model, data, self.seed)
+        probe = GradientAggregator.slots_for(list(model.named_parameters()), self.granularity)
+        for slot in probe:
+            compressor.specs(slot)
+            if server is not None:
+                server.specs(slot)
 
     def build_compressors(self):
         compressor = make(self.compressor, error_feedback=self.error_feedback, **self.params)

@@ -60,14 +60,18 @@ class GradientAggregator:
             transport = DistTransport()
         self.granularity = granularity
         self.names = [name for name, _ in self.named]
-        if granularity == "layer":
-            self.slots = [Slot(name, i, p.numel()) for i, (name, p) in enumerate(self.named)]
-        else:
-            self.slots = [Slot("model", 0, sum(p.numel() for _, p in self.named))]
+        self.slots = self.slots_for(self.named, granularity)
         self.exchange = GradientExchange(
             compressor, transport, topology=topology, server_compressor=server_compressor, root=root
         )
         self.steps = 0
+
+    @staticmethod
+    def slots_for(named: Sequence[tuple[str, nn.Parameter]], granularity: str) -> list[Slot]:
+        """One slot per parameter (``layer``) or one for the whole flattened model (``model``)."""
+        if granularity == "layer":
+            return [Slot(name, i, p.numel()) for i, (name, p) in enumerate(named)]
+        return [Slot("model", 0, sum(p.numel() for _, p in named))]
 
     @property
     def transport(self) -> Transport:

@@ -2,6 +2,9 @@
 
 Tensors must live where the backend wants them (CPU for gloo, the rank's CUDA device for NCCL); the
 exchange keeps everything on the gradients' device, so DDP and plain training loops need no copies.
+
+A collective that fails because a peer vanished (its connection closed) or stayed silent past the group's
+time-out raises WorkerLostError naming the collective, instead of the backend's bare RuntimeError.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from torch import Tensor
 
 from gradcomp.errors import ConfigError
 from gradcomp.transport.base import Transport
+from gradcomp.transport.sim import WorkerLostError
 
 
 class DistTransport(Transport):
@@ -32,6 +36,15 @@ class DistTransport(Transport):
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def _timed(self, fn, *args):
+        try:
+            return super()._timed(fn, *args)
+        except RuntimeError as exc:  # gloo / NCCL: a peer closed its connection, or the collective timed out
+            raise WorkerLostError(
+                f"rank {self.rank}: {fn.__name__.strip('_')} over {self.backend} failed; a worker disappeared "
+                f"or did not answer within the process group's time-out ({exc})"
+            ) from exc
 
     def _sync(self) -> None:
         if self.backend == "nccl":

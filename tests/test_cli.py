@@ -1,0 +1,61 @@
+"""`gradcomp train` and `gradcomp list` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradcomp.cli import main
+
+REQUIRED_KEYS = {
+    "compressor", "params", "workers", "steps", "test_accuracy", "bits_up_per_worker", "bits_down_per_worker",
+    "dense_bits_per_worker", "compression_ratio_up", "padding_bits", "wall_time_s", "compute_s", "compress_s",
+    "communicate_s",
+}
+SMALL = ["--dataset", "synthetic", "--model", "mlp", "--steps", "12", "--no-progress"]
+MLP_PARAMETERS = 64 * 128 + 128 + 128 * 10 + 10
+
+
+@pytest.mark.slow
+def test_train_spawns_real_workers_and_reports_measured_bits(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert main(["train", *SMALL, "--workers", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert REQUIRED_KEYS <= set(result)
+    assert result["workers"] == 3 and result["backend"] == "gloo" and result["replicas_identical"]
+    # fp32 allreduce: exactly 4 bytes per parameter up and down each step, nothing else
+    assert result["bits_up_per_worker"] == 32 * MLP_PARAMETERS * 12 == result["dense_bits_per_worker"]
+    assert result["bits_down_per_worker"] == result["bits_up_per_worker"]
+    assert result["compression_ratio_up"] == 1.0 and result["padding_bits"] == 0
+    assert 0.0 <= result["test_accuracy"] <= 1.0
+    printed = capsys.readouterr().out
+    assert "test accuracy" in printed and "bits up / worker" in printed
+
+
+@pytest.mark.slow
+def test_train_topk_with_parameter_server_and_simulated_cluster(tmp_path):
+    out = tmp_path / "run.json"
+    args = ["train", *SMALL, "--workers", "5", "--simulate", "--compressor", "topk", "--param", "density=0.05",
+            "--error-feedback", "--topology", "ps", "--server-compressor", "topk", "--server-param", "density=0.1",
+            "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["backend"] == "simulated" and result["workers"] == 5
+    assert result["compression_ratio_up"] > 5
+    assert result["server_bits_in"] > 0 and result["server_bits_out"] > 0
+    # every worker received the same downstream buffers
+    assert len(set(result["bits_down_by_worker"])) == 1
+
+
+def test_bad_parameter_is_reported_without_a_traceback(capsys):
+    assert main(["train", *SMALL, "--compressor", "topk", "--param", "density=3"]) == 2
+    err = capsys.readouterr().err
+    assert "density must lie in (0, 1]" in err and "Traceback" not in err
+
+
+def test_list_names_every_compressor(capsys):
+    assert main(["list"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("none", "fp16", "topk", "randomk", "threshold"):
+        assert name in printed
