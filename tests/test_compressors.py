@@ -504,3 +504,10 @@ def test_fixed_k_larger_than_the_tensor_is_refused_before_sending(name):
     ok = gradcomp.make(name, k=10)
     fields = ok.compress(torch.randn(10), slot, 0)
     assert fields[-1].numel() == 10
+
+
+def test_bf16_saturates_instead_of_overflowing():
+    x = torch.tensor([3.4e38, -3.4e38, 1.0])
+    fields = BFloat16().compress(x, Slot("w", 0, 3), 0)
+    assert torch.isfinite(fields[0]).all()
+    assert fields[0][0] == torch.finfo(torch.bfloat16).max and fields[0][2] == 1.0

@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from distributed import run_workers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from distributed import run_workers
 from gradcomp.experiments.data import load_dataset, shard_indices
 from gradcomp.experiments.models import build_model
 

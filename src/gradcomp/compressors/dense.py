@@ -1,9 +1,9 @@
 """Dense baselines: uncompressed fp32 (``none``) and half-precision casting (``fp16``, ``bf16``).
 
-All three are summable, so the exchange sends them with one plain allreduce. fp16 saturates values beyond its
-range (|x| > 65504) to ±65504 instead of turning them into Inf; bf16 keeps fp32's range with 8 mantissa bits.
-bf16 rounds the largest finite fp32 values (above about 3.39e38) to Inf; the exchange's finite check runs
-on the input, so such a gradient is not caught there. Casting rounds to nearest, so fp16 / bf16 are deterministic and (slightly) biased.
+All three are summable, so the exchange sends them with one plain allreduce. Both half formats saturate
+instead of producing Inf: fp16 clamps to ±65504, bf16 (fp32's exponent, 8 mantissa bits) clamps to its
+largest finite value ±3.39e38. Casting rounds to nearest, so fp16 / bf16 are deterministic and (slightly)
+biased.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from gradcomp.registry import register
 from gradcomp.wire import Codec, FieldSpec
 
 FP16_MAX = 65504.0
+BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
 @register
@@ -65,7 +66,7 @@ class BFloat16(Compressor):
         return [FieldSpec(Codec.BF16, count=slot.numel)]
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        return [x.reshape(-1).to(torch.bfloat16)]
+        return [x.reshape(-1).to(torch.float32).clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16)]
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         return fields[0].to(torch.float32)

@@ -1,6 +1,7 @@
 """Sparsification: top-k, random-k and threshold.
 
-- ``topk`` (exact): keep the k = ceil(p·d) entries (or a fixed ``k`` per tensor; k > d is an error) of largest magnitude (``torch.topk``; ties broken by torch).
+- ``topk`` (exact): keep the k = ceil(p·d) entries of largest magnitude (``torch.topk``; ties broken by
+  torch), or a fixed ``k`` per tensor (k > d is an error).
   The message is the sorted positions plus their fp32 values. Positions travel compactly: bit-packed with
   ceil(log2 d) bits each (``positions="fixed"``) or Golomb–Rice coded gaps (``positions="golomb"``, the
   divisor chosen from the density as in Sattler et al.'s SBC paper). Never int64.

@@ -103,7 +103,7 @@ class Transport(ABC):
         """Time spent waiting for other (simulated) workers to take their turn; not communication."""
         return 0.0
 
-    def _sync(self) -> None:
+    def _sync(self) -> None:  # noqa: B027 - a hook with a do-nothing default, not an abstract method
         """Wait for asynchronous device work so timings are true (CUDA); nothing to do on the CPU."""
 
     def all_reduce_sum(self, t: Tensor, kind: str = PAYLOAD) -> Tensor:
