@@ -14,6 +14,7 @@ from gradcomp.train import (
     CompressionHookState,
     GradientAggregator,
     GradientExchange,
+    LocalUpdateExchange,
     compression_hook,
     register_ddp_hook,
 )
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ByteCounter", "CompressionHookState", "Compressor", "ConfigError", "DistTransport", "ErrorFeedback",
-    "GradcompError", "GradientAggregator", "GradientExchange", "NonFiniteGradientError", "SimulatedCluster",
-    "Slot", "Transport", "WireError", "WorkerLostError", "available", "compression_hook", "make", "register",
-    "register_ddp_hook",
+    "GradcompError", "GradientAggregator", "GradientExchange", "LocalUpdateExchange", "NonFiniteGradientError",
+    "SimulatedCluster", "Slot", "Transport", "WireError", "WorkerLostError", "available", "compression_hook",
+    "make", "register", "register_ddp_hook",
 ]

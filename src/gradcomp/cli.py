@@ -14,13 +14,18 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model with W workers and a compressor; report accuracy and bits")
     p.add_argument("--compressor", default="none", help="registered compressor name (see `gradcomp list`)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="compressor parameter")
-    p.add_argument("--error-feedback", action="store_true", help="wrap the compressor in error feedback")
+    p.add_argument(
+        "--error-feedback", action=argparse.BooleanOptionalAction, default=None,
+        help="wrap the compressor in error feedback (default: the compressor's own choice, on for sbc/stc)",
+    )
     p.add_argument("--granularity", default="layer", choices=["layer", "model"])
     p.add_argument("--topology", default="auto", choices=["auto", "allreduce", "allgather", "ps"])
     p.add_argument("--server-compressor", default=None, help="downstream compressor of the parameter server")
     p.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no-server-error-feedback", action="store_true", help="no residual on the server")
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--local-steps", type=int, default=1, metavar="N",
+                   help="communication delay: exchange the weight update every N local steps")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
@@ -54,6 +59,7 @@ def _train(args: argparse.Namespace) -> int:
         server_params=parse_param_strings(args.server_param),
         server_error_feedback=not args.no_server_error_feedback,
         workers=args.workers,
+        local_steps=args.local_steps,
         epochs=args.epochs,
         steps=args.steps,
         batch_size=args.batch_size,

@@ -39,9 +39,15 @@ def compressor_class(name: str) -> type:
         raise ConfigError(f"unknown compressor {name!r}; available: {', '.join(available())}") from None
 
 
-def make(name: str, *, error_feedback: bool = False, **params: Any):
-    """Build a registered compressor; ``error_feedback=True`` wraps it in ErrorFeedback."""
+def make(name: str, *, error_feedback: bool | None = None, **params: Any):
+    """Build a registered compressor; ``error_feedback=True`` wraps it in ErrorFeedback.
+
+    ``error_feedback=None`` takes the compressor's own default (on for SBC and STC, whose papers build the
+    residual into the method; off for the rest).
+    """
     cls = compressor_class(name)
+    if error_feedback is None:
+        error_feedback = cls.default_error_feedback
     signature = inspect.signature(cls.__init__)
     accepted = [
         name

@@ -2,6 +2,10 @@
 
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.compressors.dense import BFloat16, Float16, NoCompression
+from gradcomp.compressors.sbc import SparseBinary, SparseTernary
 from gradcomp.compressors.sparse import RandomK, Threshold, TopK
 
-__all__ = ["BFloat16", "Compressor", "Fields", "Float16", "NoCompression", "RandomK", "Slot", "Threshold", "TopK"]
+__all__ = [
+    "BFloat16", "Compressor", "Fields", "Float16", "NoCompression", "RandomK", "Slot", "SparseBinary",
+    "SparseTernary", "Threshold", "TopK",
+]

@@ -98,6 +98,7 @@ class Compressor(ABC):
     summable: ClassVar[bool] = False
     unbiased: ClassVar[bool] = False
     omega: float | None = None
+    default_error_feedback: ClassVar[bool] = False  # what make() does when error_feedback is not given
 
     def params(self) -> dict[str, Any]:
         """The constructor arguments, for reports and for rebuilding the same compressor."""

@@ -89,9 +89,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
     cfg.validate()
     started = time.perf_counter()
     if cfg.simulate:
-        result = run_simulated(cfg, torch.device(cfg.device))
-        result.pop("final_state", None)
-        return result
+        return run_simulated(cfg, torch.device(cfg.device))
     if launched_by_torchrun():
         return _launched_worker(cfg, started)
     with tempfile.TemporaryDirectory(prefix="gradcomp-") as tmp:

@@ -5,8 +5,11 @@ Three ways to run the same training:
 - spawned: ``launch`` starts W worker processes itself (torch.multiprocessing, gloo on 127.0.0.1, a free port);
 - torchrun: when RANK / WORLD_SIZE are set, this process is one worker of an existing launch (gloo, or NCCL
   with ``--device cuda``);
-- simulated (``--simulate``): one process, one model, W simulated workers whose gradients are computed one
-  after another and exchanged through ``SimulatedCluster`` — the same exchange and protocol code.
+- simulated (``--simulate``): one process, W threads of a ``SimulatedCluster``, each running the same
+  ``run_worker`` loop with its own replica; they take turns between collectives.
+
+With ``local_steps`` n > 1 (communication delay) workers exchange their accumulated weight update every n
+local optimizer steps instead of a gradient every step (``LocalUpdateExchange``).
 
 Every worker holds a replica initialised from the same seed and reads its own disjoint shard of each epoch's
 shared permutation. The result dict (also ``--json``) carries the bits each worker sent and received as
@@ -33,6 +36,7 @@ from gradcomp.experiments.report import human_bits
 from gradcomp.registry import make
 from gradcomp.train.aggregator import GRANULARITIES, GradientAggregator
 from gradcomp.train.exchange import TOPOLOGIES
+from gradcomp.train.local_steps import LocalUpdateExchange
 from gradcomp.transport.base import ByteCounter, Transport
 from gradcomp.transport.sim import SimulatedCluster
 
@@ -41,13 +45,14 @@ from gradcomp.transport.sim import SimulatedCluster
 class TrainConfig:
     compressor: str = "none"
     params: dict[str, Any] = field(default_factory=dict)
-    error_feedback: bool = False
+    error_feedback: bool | None = None  # None: the compressor's default (on for sbc / stc)
     granularity: str = "layer"
     topology: str = "auto"
     server_compressor: str | None = None
     server_params: dict[str, Any] = field(default_factory=dict)
     server_error_feedback: bool = True
     workers: int = 4
+    local_steps: int = 1  # communication delay n: > 1 exchanges the weight update every n local steps
     epochs: float = 1.0
     steps: int | None = None
     batch_size: int = 32
@@ -69,6 +74,8 @@ class TrainConfig:
         """Everything that can be checked before a worker starts; raises ConfigError."""
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if self.local_steps < 1:
+            raise ConfigError(f"local_steps must be >= 1, got {self.local_steps}")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.steps is not None and self.steps < 1:
@@ -109,10 +116,15 @@ class TrainConfig:
             server = make(self.server_compressor, error_feedback=self.server_error_feedback, **self.server_params)
         return compressor, server
 
+    def uses_error_feedback(self) -> bool:
+        from gradcomp.feedback import ErrorFeedback
+
+        return isinstance(self.build_compressors()[0], ErrorFeedback)
+
     def label(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.params.items())
         text = f"{self.compressor}({args})" if args else self.compressor
-        return text + (" + error feedback" if self.error_feedback else "")
+        return text + (" + error feedback" if self.uses_error_feedback() else "")
 
 
 # -- one worker's training loop ------------------------------------------------------------------------------
@@ -217,6 +229,7 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
     aggregator = GradientAggregator(
         model, compressor, transport, granularity=cfg.granularity, topology=cfg.topology, server_compressor=server
     )
+    delayed = LocalUpdateExchange(aggregator, cfg.local_steps) if cfg.local_steps > 1 else None
     batches = Batches(data, cfg, transport.rank)
     total = batches.total_steps()
     lead = transport.rank == 0
@@ -228,18 +241,24 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
         xb, yb = batches.get(step, device)
         loss = compute_gradients(model, xb, yb)
         compute_s += time.perf_counter() - started
-        aggregator.step()
+        if delayed is None:
+            aggregator.step()  # exchange gradients every step
         started = time.perf_counter()
         optimizer.step()
         compute_s += time.perf_counter() - started
-        curves.record(step, loss, model, data, evaluate_now=lead)
+        if delayed is not None:
+            delayed.after_local_step()  # exchange the accumulated update every local_steps steps
+        curves.record(step, loss, model, data, evaluate_now=lead and (delayed is None or delayed.pending == 0))
         progress.update(loss, transport.counter)
+    if delayed is not None:
+        delayed.sync()  # a last, shorter round so the replicas end identical
     progress.close()
     if lead and cfg.save_path:
         save_checkpoint(cfg, model, aggregator)
     return {
         "rank": transport.rank,
         "steps": total,
+        "syncs": delayed.syncs if delayed is not None else total,
         "epochs": total / batches.per_epoch,
         "compute_s": compute_s,
         "compress_s": aggregator.exchange.compress_s,
@@ -258,73 +277,18 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
 
 
 def run_simulated(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any]:
-    """The same training with W simulated workers in this process; returns the summary dict."""
+    """The same training with W simulated workers in this process; returns the summary dict.
+
+    Every simulated worker runs ``run_worker`` — its own replica, optimizer and compressor state — in its own
+    thread of a SimulatedCluster; workers take turns between collectives, so this is the real training loop
+    on an in-process transport.
+    """
     device = device or torch.device("cpu")
     started = time.perf_counter()
-    data = load_dataset(cfg.dataset, cfg.data_root)
-    model = build_model(cfg.model, data, cfg.seed).to(device)
-    optimizer = make_optimizer(model, cfg)
-    batches = [Batches(data, cfg, rank) for rank in range(cfg.workers)]
-    total = batches[0].total_steps()
-    compute_s = [0.0] * cfg.workers
+    load_dataset(cfg.dataset, cfg.data_root)  # parse once; the workers share the cached tensors
     with SimulatedCluster(cfg.workers, timeout=cfg.timeout_s) as cluster:
-        aggregators = []
-        for transport in cluster.transports:
-            compressor, server = cfg.build_compressors()
-            aggregators.append(
-                GradientAggregator(
-                    model, compressor, transport,
-                    granularity=cfg.granularity, topology=cfg.topology, server_compressor=server,
-                )
-            )
-        progress = Progress(total, cfg.progress, cfg.label() + " [simulated]")
-        curves = Curves(total, cfg)
-        params = [p for _, p in aggregators[0].named]
-        loss = float("nan")
-        for step in range(total):
-            grads, losses = [], []
-            for rank in range(cfg.workers):
-                t0 = time.perf_counter()
-                xb, yb = batches[rank].get(step, device)
-                losses.append(compute_gradients(model, xb, yb))
-                grads.append([p.grad.detach().clone() for p in params])
-                compute_s[rank] += time.perf_counter() - t0
-            averaged = cluster.run(lambda t, grads=grads: aggregators[t.rank].aggregate(grads[t.rank]))[0]
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                for p, a in zip(params, averaged):
-                    p.grad.copy_(a)
-            optimizer.step()
-            shared = time.perf_counter() - t0
-            compute_s = [c + shared for c in compute_s]
-            loss = losses[0]
-            curves.record(step, loss, model, data, evaluate_now=True)
-            progress.update(loss, cluster.transports[0].counter)
-        progress.close()
-    if cfg.save_path:
-        save_checkpoint(cfg, model, aggregators[0])
-    digest = parameter_digest(model)
-    stats = [
-        {
-            "rank": rank,
-            "steps": total,
-            "epochs": total / batches[rank].per_epoch,
-            "compute_s": compute_s[rank],
-            "compress_s": aggregators[rank].exchange.compress_s,
-            "communicate_s": aggregators[rank].exchange.communicate_s,
-            "counter": cluster.transports[rank].counter.as_dict(),
-            "digest": digest,
-            "final_loss": loss,
-            "test_accuracy": evaluate(model, data.test_x, data.test_y) if rank == 0 else None,
-            "loss_curve": curves.loss,
-            "accuracy_curve": curves.accuracy,
-            "num_parameters": sum(p.numel() for p in model.parameters()),
-        }
-        for rank in range(cfg.workers)
-    ]
-    result = summarize(cfg, stats, time.perf_counter() - started, backend="simulated")
-    result["final_state"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return result
+        stats = cluster.run(lambda transport: run_worker(cfg, transport, device))
+    return summarize(cfg, stats, time.perf_counter() - started, backend="simulated")
 
 
 # -- summary -------------------------------------------------------------------------------------------------
@@ -345,13 +309,15 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
     return {
         "compressor": cfg.compressor,
         "params": dict(cfg.params),
-        "error_feedback": cfg.error_feedback,
+        "error_feedback": cfg.uses_error_feedback(),
         "granularity": cfg.granularity,
         "topology": cfg.topology,
         "server_compressor": cfg.server_compressor,
         "server_params": dict(cfg.server_params),
         "workers": workers,
         "steps": steps,
+        "local_steps": cfg.local_steps,
+        "syncs": lead["syncs"],
         "epochs": lead["epochs"],
         "batch_size": cfg.batch_size,
         "lr": cfg.lr,

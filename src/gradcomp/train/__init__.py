@@ -3,8 +3,9 @@
 from gradcomp.train.aggregator import GradientAggregator
 from gradcomp.train.ddp_hook import CompressionHookState, compression_hook, register_ddp_hook
 from gradcomp.train.exchange import GradientExchange, check_gradients
+from gradcomp.train.local_steps import LocalUpdateExchange
 
 __all__ = [
-    "CompressionHookState", "GradientAggregator", "GradientExchange", "check_gradients", "compression_hook",
-    "register_ddp_hook",
+    "CompressionHookState", "GradientAggregator", "GradientExchange", "LocalUpdateExchange", "check_gradients",
+    "compression_hook", "register_ddp_hook",
 ]
