@@ -9,8 +9,9 @@ The "communication delay" of Sattler et al.'s SBC (and federated averaging / loc
 
 The compressor (with its residual, if error feedback is on) sees ΔW_i instead of a gradient. With n = 1
 and plain SGD, ΔW_i = −lr·g_i, so exchanging updates is per-step gradient compression up to the factor
-−lr (exactly, bit for bit, when lr is a power of two; a test shows it). Optimizer state (momentum) stays
-local between syncs, as in local SGD.
+−lr; the only difference is the rounding in measuring ΔW_i as (W − lr·g_i) − W (a test shows the two
+trajectories agree to 1e-6 with lr a power of two). Optimizer state (momentum) stays local between syncs,
+as in local SGD.
 """
 
 from __future__ import annotations
