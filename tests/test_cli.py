@@ -59,3 +59,19 @@ def test_list_names_every_compressor(capsys):
     printed = capsys.readouterr().out
     for name in ("none", "fp16", "topk", "randomk", "threshold"):
         assert name in printed
+
+
+@pytest.mark.slow
+def test_simulated_train_gives_the_spawned_runs_model(tmp_path):
+    results = []
+    for extra in ([], ["--simulate"]):
+        out = tmp_path / f"run{len(results)}.json"
+        args = ["train", *SMALL, "--workers", "3", "--compressor", "sbc", "--param", "density=0.05",
+                "--local-steps", "2", "--json", str(out), *extra]
+        assert main(args) == 0
+        results.append(json.loads(out.read_text()))
+    real, sim = results
+    assert real["backend"] == "gloo" and sim["backend"] == "simulated"
+    assert sim["parameter_digest"] == real["parameter_digest"]
+    assert sim["bits_up_by_worker"] == real["bits_up_by_worker"]
+    assert sim["syncs"] == real["syncs"] == 6

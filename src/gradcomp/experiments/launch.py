@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradcomp.errors import GradcompError
-from gradcomp.experiments.runner import TrainConfig, run_simulated, run_worker, summarize
+from gradcomp.experiments.runner import TrainConfig, run_simulated, run_worker, summarize, worker_threads
 from gradcomp.transport.dist import DistTransport
 
 
@@ -59,7 +59,7 @@ def _train_in_group(cfg: TrainConfig, device: torch.device, started: float) -> d
 
 
 def _spawned_worker(rank: int, cfg: TrainConfig, port: int, result_path: str, started: float) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.workers))
+    torch.set_num_threads(worker_threads(cfg.workers))
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     device = _device_for(cfg, rank)
     dist.init_process_group(

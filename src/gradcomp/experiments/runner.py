@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -286,9 +287,21 @@ def run_simulated(cfg: TrainConfig, device: torch.device | None = None) -> dict[
     device = device or torch.device("cpu")
     started = time.perf_counter()
     load_dataset(cfg.dataset, cfg.data_root)  # parse once; the workers share the cached tensors
-    with SimulatedCluster(cfg.workers, timeout=cfg.timeout_s) as cluster:
-        stats = cluster.run(lambda transport: run_worker(cfg, transport, device))
+    threads = torch.get_num_threads()
+    # the intra-op thread count of a spawned worker: float reductions (conv backward) then round alike and
+    # the simulated run gives the same model as the spawned one, bit for bit where the protocol allows
+    torch.set_num_threads(worker_threads(cfg.workers))
+    try:
+        with SimulatedCluster(cfg.workers, timeout=cfg.timeout_s) as cluster:
+            stats = cluster.run(lambda transport: run_worker(cfg, transport, device))
+    finally:
+        torch.set_num_threads(threads)
     return summarize(cfg, stats, time.perf_counter() - started, backend="simulated")
+
+
+def worker_threads(workers: int) -> int:
+    """torch threads per spawned worker: the machine's cores shared out."""
+    return max(1, (os.cpu_count() or 1) // workers)
 
 
 # -- summary -------------------------------------------------------------------------------------------------

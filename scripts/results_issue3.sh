@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The runs behind docs/results.md (issue 3).
+set -e
+mkdir -p runs
+G="python -m gradcomp.cli train --no-progress"
+$G --json runs/none.json > runs/none.log 2>&1
+$G --compressor topk --param density=0.01 --error-feedback --json runs/topk.json > runs/topk.log 2>&1
+$G --compressor topk --param density=0.01 --error-feedback --simulate --json runs/topk_sim.json > runs/topk_sim.log 2>&1
+$G --compressor fp16 --json runs/fp16.json > runs/fp16.log 2>&1
+$G --compressor randomk --param density=0.01 --error-feedback --json runs/randomk.json > runs/randomk.log 2>&1
+$G --compressor topk --param density=0.01 --error-feedback --topology ps --server-compressor topk --server-param density=0.01 --json runs/topk_ps.json > runs/topk_ps.log 2>&1
