@@ -145,3 +145,16 @@ def test_model_input_falls_back_to_synthetic_without_mnist(monkeypatch):
     grad, desc = bench.model_gradient()
     assert "fell back to the synthetic dataset" in desc
     assert grad.dtype == torch.float32 and grad.dim() == 1 and bool(torch.isfinite(grad).all())
+
+
+def test_receiver_is_a_separate_instance(monkeypatch):
+    built = []
+    real_make = bench.make
+
+    def counting_make(name, **params):
+        built.append(real_make(name, **params))
+        return built[-1]
+
+    monkeypatch.setattr(bench, "make", counting_make)
+    bench.run_bench(size=1000, repeats=1, compressors=["randomk"], inputs=["synthetic"])
+    assert len(built) == 2 and built[0] is not built[1]  # sender and receiver: no shared position cache

@@ -24,8 +24,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no-server-error-feedback", action="store_true", help="no residual on the server")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--local-steps", type=int, default=1, metavar="N",
-                   help="communication delay: exchange the weight update every N local steps")
+    p.add_argument("--local-steps", type=int, default=None, metavar="N",
+                   help="exchange the weight update every N local steps (communication delay) instead of "
+                        "the gradient every step; N = 1 sends each step's update, momentum included")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")

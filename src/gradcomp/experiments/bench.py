@@ -5,8 +5,10 @@ What is measured, for every registered compressor (one or more representative pa
 
 - **compress+encode**: ``compressor.compress(x, slot, step)`` then
   ``wire.encode(fields, compressor.specs(slot))`` -- everything a sender does to turn a flat gradient into bytes;
-- **decode+decompress**: ``wire.decode(buf, specs)`` then ``compressor.decompress(fields, slot, step)`` --
-  everything a receiver does to get the dense fp32 tensor back;
+- **decode+decompress**: ``wire.decode(buf, specs)`` then ``receiver.decompress(fields, slot, step)`` --
+  everything a receiver does to get the dense fp32 tensor back. The receiver is a second instance built with
+  the same parameters, as on a server or peer that did not compress the message itself, so state the sender
+  caches (random-k keeps the step's positions) does not hide the receiver's own work;
 - **bits per element**: ``8 * len(buf) / numel`` of the encoded buffer, container and section headers
   included, and the **ratio** to fp32, ``32 / bits``;
 - **throughputs** in GB/s of fp32 *input* (``4 * numel`` bytes divided by the time), each also given as a
@@ -220,8 +222,14 @@ def _label(setting: dict[str, Any], resolved: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _bench_one(compressor: Compressor, x: Tensor, repeats: int, timer: _Timer, what: str) -> dict[str, Any]:
-    """Time one compressor on one input; verify every round trip. Returns the measured medians and sizes."""
+def _bench_one(
+    compressor: Compressor, receiver: Compressor, x: Tensor, repeats: int, timer: _Timer, what: str
+) -> dict[str, Any]:
+    """Time one compressor on one input; verify every round trip. Returns the measured medians and sizes.
+
+    ``compressor`` is the sender, ``receiver`` a second instance with the same parameters that decodes and
+    decompresses, so nothing the sender cached (e.g. random-k positions of the step) shortens the receiver's work.
+    """
     numel = x.numel()
     slot = Slot(name="bench", index=0, numel=numel)
     x_ref = x.clone()
@@ -235,15 +243,15 @@ def _bench_one(compressor: Compressor, x: Tensor, repeats: int, timer: _Timer, w
         t1 = timer.now()
         buf = wire.encode(fields, compressor.specs(slot))
         t2 = timer.now()
-        decoded = wire.decode(buf, compressor.specs(slot))
+        decoded = wire.decode(buf, receiver.specs(slot))
         t3 = timer.now()
-        out = compressor.decompress(decoded, slot, step)
+        out = receiver.decompress(decoded, slot, step)
         t4 = timer.now()
 
         # Verification, outside the timed regions.
-        expected = compressor.decompress(fields, slot, step)
+        expected = receiver.decompress(fields, slot, step)
         if i == 0:
-            deterministic = torch.equal(expected, compressor.decompress(fields, slot, step))
+            deterministic = torch.equal(expected, receiver.decompress(fields, slot, step))
         if deterministic and not torch.equal(out, expected):
             diff = (out.float() - expected.float()).abs()
             raise BenchError(
@@ -392,12 +400,13 @@ def run_bench(
                 what = f"{name} [{label}] on {input_name}"
                 try:
                     compressor = make(name, **resolved)
+                    receiver = make(name, **resolved)
                 except ConfigError as exc:
                     meta["skipped"].append(f"{what}: {exc}")
                     say(f"bench: skipped {what}: {exc}")
                     continue
                 say(f"bench: {what}")
-                m = _bench_one(compressor, x, repeats, timer, what)
+                m = _bench_one(compressor, receiver, x, repeats, timer, what)
                 bits = 8.0 * m["encoded_bytes"] / numel
                 ce_gbps = _gbps(numel, m["compress_encode_s"])
                 dd_gbps = _gbps(numel, m["decode_decompress_s"])

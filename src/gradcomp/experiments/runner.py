@@ -8,8 +8,9 @@ Three ways to run the same training:
 - simulated (``--simulate``): one process, W threads of a ``SimulatedCluster``, each running the same
   ``run_worker`` loop with its own replica; they take turns between collectives.
 
-With ``local_steps`` n > 1 (communication delay) workers exchange their accumulated weight update every n
-local optimizer steps instead of a gradient every step (``LocalUpdateExchange``).
+With ``local_steps`` n (communication delay) workers exchange their accumulated weight update every n
+local optimizer steps instead of a gradient every step (``LocalUpdateExchange``); n = 1 exchanges each
+step's update, which carries the local momentum (as SBC does), unlike the default gradient exchange.
 
 Every worker holds a replica initialised from the same seed and reads its own disjoint shard of each epoch's
 shared permutation. The result dict (also ``--json``) carries the bits each worker sent and received as
@@ -53,7 +54,9 @@ class TrainConfig:
     server_params: dict[str, Any] = field(default_factory=dict)
     server_error_feedback: bool = True
     workers: int = 4
-    local_steps: int = 1  # communication delay n: > 1 exchanges the weight update every n local steps
+    # None: exchange gradients every step; n >= 1: exchange the accumulated weight update every n local
+    # optimizer steps (communication delay; n = 1 sends each step's update, momentum included)
+    local_steps: int | None = None
     epochs: float = 1.0
     steps: int | None = None
     batch_size: int = 32
@@ -75,7 +78,7 @@ class TrainConfig:
         """Everything that can be checked before a worker starts; raises ConfigError."""
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
-        if self.local_steps < 1:
+        if self.local_steps is not None and self.local_steps < 1:
             raise ConfigError(f"local_steps must be >= 1, got {self.local_steps}")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
@@ -230,7 +233,7 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
     aggregator = GradientAggregator(
         model, compressor, transport, granularity=cfg.granularity, topology=cfg.topology, server_compressor=server
     )
-    delayed = LocalUpdateExchange(aggregator, cfg.local_steps) if cfg.local_steps > 1 else None
+    delayed = LocalUpdateExchange(aggregator, cfg.local_steps) if cfg.local_steps is not None else None
     batches = Batches(data, cfg, transport.rank)
     total = batches.total_steps()
     lead = transport.rank == 0
