@@ -511,3 +511,19 @@ def test_bf16_saturates_instead_of_overflowing():
     fields = BFloat16().compress(x, Slot("w", 0, 3), 0)
     assert torch.isfinite(fields[0]).all()
     assert fields[0][0] == torch.finfo(torch.bfloat16).max and fields[0][2] == 1.0
+
+
+def test_sample_without_replacement_is_uniform_and_distinct():
+    from gradcomp.compressors.sparse import sample_without_replacement
+
+    n, k, draws = 50, 5, 4000
+    counts = torch.zeros(n)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(draws):
+        chosen = sample_without_replacement(n, k, gen, torch.device("cpu"))
+        assert chosen.numel() == k and chosen.unique().numel() == k
+        counts[chosen] += 1
+    expected = draws * k / n  # 400 per position; binomial sd ~ 19
+    assert (counts - expected).abs().max() < 5 * (expected * (1 - k / n)) ** 0.5
+    # chi-square with 49 degrees of freedom stays well below its 0.1 % tail (~86)
+    assert float(((counts - expected) ** 2 / expected).sum()) < 86

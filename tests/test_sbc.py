@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import run_workers
 
 import gradcomp
-from distributed import run_workers
 from gradcomp.compressors.sbc import SparseBinary, SparseTernary
 from gradcomp.experiments.data import load_dataset, shard_indices
 from gradcomp.experiments.models import build_model

@@ -547,7 +547,7 @@ def reference_checksum(data: bytes) -> int:
     total = 0
     for i in range(len(padded) // 8):
         w = int.from_bytes(padded[8 * i : 8 * i + 8], "little")
-        total = (total + mix(w ^ (((i + 1) * 0x9E3779B97F4A7C15) & M64))) & M64
+        total = (total + w * (((2 * i + 1) * 0x9E3779B97F4A7C15) & M64)) & M64
     total = (total + (len(data) + 1) * 0xD6E8FEB86659FD93) & M64
     return mix(total)
 

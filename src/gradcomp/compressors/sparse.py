@@ -13,8 +13,8 @@
 - ``threshold``: keep every entry with |x| > tau (Strom 2015; the threshold scheme of Eghlidi & Jaggi 2020).
   The count varies per step and per worker, so messages are gathered, not summed.
 
-Choices where papers are silent: k is at least 1 for a non-empty tensor; random-k draws with ``torch.randperm``
-on the tensor's device; positions are sorted before encoding so both position codecs apply.
+Choices where papers are silent: k is at least 1 for a non-empty tensor; random-k draws its positions on the
+tensor's device with ``sample_without_replacement`` (O(k) for small k); positions are sorted before encoding so both position codecs apply.
 """
 
 from __future__ import annotations
@@ -75,6 +75,27 @@ class KeptCount:
     def fraction(self, numel: int) -> float:
         """The density for a tensor of ``numel`` elements (k / d when a fixed k is given)."""
         return self.density if self.k is None else self.k / max(1, numel)
+
+
+def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: torch.device) -> Tensor:
+    """k distinct positions drawn uniformly from range(n), in O(k) work when k is small.
+
+    For k >= n/4 a permutation's prefix. Otherwise draw with replacement, in rounds of about 1.25·k, and keep
+    the first k distinct values in draw order: the first k distinct values of an i.i.d. uniform sequence are
+    a uniform k-subset. (A full ``randperm(n)`` to keep 1 % costs 100× more.)
+    """
+    if 4 * k >= n:
+        return torch.randperm(n, generator=gen, device=device)[:k]
+    draws = torch.empty(0, dtype=torch.int64, device=device)
+    while True:
+        draws = torch.cat([draws, torch.randint(n, (k + k // 4 + 16,), generator=gen, device=device)])
+        values, inverse = torch.unique(draws, return_inverse=True)
+        if values.numel() >= k:
+            break
+    order = torch.arange(draws.numel(), device=device)
+    first = torch.full((values.numel(),), draws.numel(), dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, inverse, order, reduce="amin")
+    return values[torch.argsort(first)[:k]]
 
 
 def scatter_add(out: Tensor, positions: Tensor, values: Tensor) -> None:
@@ -157,8 +178,7 @@ class RandomK(Compressor):
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
         gen = shared_generator(self.seed, step, slot.index, device, salt="randomk")
-        chosen = torch.randperm(slot.numel, generator=gen, device=device)[: self.count(slot)]
-        positions = torch.sort(chosen).values
+        positions = torch.sort(sample_without_replacement(slot.numel, self.count(slot), gen, device)).values
         self._cached = (key, positions)
         return positions
 
