@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import gradcomp
 from gradcomp import wire
 from gradcomp.cli import main as cli_main
 from gradcomp.compressors.base import Slot
@@ -65,7 +66,7 @@ def test_topk_one_percent_is_far_below_32_bits(result):
     (row,) = _rows(result, "topk", density=0.01, positions="fixed")
     assert row["bits_per_element"] == 8 * row["encoded_bytes"] / row["numel"]
     assert row["bits_per_element"] < 1.0  # 1% of entries at 32 + 15 bits each, plus headers
-    assert len(_rows(result, "topk", density=0.001)) == 1
+    assert len(_rows(result, "topk", density=0.001, positions="fixed")) == 1
 
 
 def test_threshold_tau_comes_from_the_tensor_quantile(result):
@@ -112,7 +113,7 @@ def test_cli_writes_json(tmp_path, capsys):
     assert data["meta"]["torch"] == torch.__version__
     assert data["meta"]["threads"] == torch.get_num_threads()
     assert data["meta"]["memcpy_gbps"]["synthetic"] > 0
-    assert [r["compressor"] for r in data["rows"]] == ["memcpy", "none", "topk", "topk", "topk"]
+    assert [r["compressor"] for r in data["rows"]] == ["memcpy", "none", "topk", "topk", "topk", "topk"]
     assert {r["input"] for r in data["rows"]} == {"synthetic"}
 
 
@@ -158,3 +159,18 @@ def test_receiver_is_a_separate_instance(monkeypatch):
     monkeypatch.setattr(bench, "make", counting_make)
     bench.run_bench(size=1000, repeats=1, compressors=["randomk"], inputs=["synthetic"])
     assert len(built) == 2 and built[0] is not built[1]  # sender and receiver: no shared position cache
+
+
+def test_position_bits_are_measured_beside_the_entropy_minimum():
+    from gradcomp.experiments.bench import position_bits
+
+    d = 200_000
+    positions = torch.sort(torch.randperm(d, generator=torch.Generator().manual_seed(0))[:2000]).values
+    slot = gradcomp.Slot("x", 0, d)
+    golomb = gradcomp.make("topk", density=0.01, positions="golomb")
+    produced, minimum = position_bits(golomb, [positions, torch.zeros(2000)], slot)
+    assert minimum == pytest.approx(8.07, abs=0.02)  # log2 C(d, k) / k at p = 0.01
+    assert minimum < produced < 1.03 * minimum  # uniformly random positions: within 3 % of the minimum
+    fixed = gradcomp.make("topk", density=0.01)
+    assert position_bits(fixed, [positions, torch.zeros(2000)], slot)[0] == 18  # ceil(log2 200000)
+    assert position_bits(gradcomp.make("none"), [torch.zeros(d)], slot) is None

@@ -119,10 +119,39 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     "none": [{}],
     "fp16": [{}],
     "bf16": [{}],
-    "topk": [{"density": 0.01}, {"density": 0.001}, {"density": 0.01, "positions": "golomb"}],
+    "topk": [
+        {"density": 0.01},
+        {"density": 0.001},
+        {"density": 0.01, "positions": "golomb"},
+        {"density": 0.001, "positions": "golomb"},
+    ],
     "randomk": [{"density": 0.01}],
     "threshold": [{"threshold": AbsQuantile(0.99)}],  # keeps about 1% of the tensor
+    "sbc": [{"density": 0.01}, {"density": 0.001}],
+    "stc": [{"density": 0.01}],
 }
+
+
+def position_bits(compressor: Compressor, fields: list[Tensor], slot: Slot) -> tuple[float, float] | None:
+    """(bits the encoder produced per kept position, the minimum log2 C(d, k) / k) for sparse messages.
+
+    The bits are the position field's own encoder output (the Golomb stream's exact bit count, or count ×
+    width for fixed-width positions), without section header or byte padding; None without a position field.
+    """
+    for spec, field in zip(compressor.specs(slot), fields):
+        if spec.codec not in (wire.Codec.POSITIONS, wire.Codec.GOLOMB):
+            continue
+        k, d = field.numel(), slot.numel
+        if k == 0:
+            return None
+        if spec.codec == wire.Codec.GOLOMB:
+            b = spec.golomb_b if spec.golomb_b is not None else wire.optimal_rice_parameter(k / d)
+            produced = wire.golomb_encode(field, b)[1]
+        else:
+            produced = k * wire.bits_needed(d)
+        minimum = (math.lgamma(d + 1) - math.lgamma(k + 1) - math.lgamma(d - k + 1)) / math.log(2)
+        return produced / k, minimum / k
+    return None
 
 
 # ------------------------------------------------------------------------------------------------- inputs
@@ -275,7 +304,10 @@ def _bench_one(
     ce = [a + b for a, b in zip(parts["compress"], parts["encode"])]
     dd = [a + b for a, b in zip(parts["decode"], parts["decompress"])]
     encoded_bytes = statistics.mean(sizes)  # constant for all built-ins; a mean for data-dependent sizes
+    positions = position_bits(compressor, fields, slot)
     return {
+        "position_bits": positions[0] if positions else None,
+        "entropy_bits": positions[1] if positions else None,
         "encoded_bytes": encoded_bytes,
         "compress_encode_s": _median(ce),
         "decode_decompress_s": _median(dd),
@@ -431,6 +463,8 @@ def run_bench(
                         "compress_encode_vs_memcpy": ce_gbps / memcpy_gbps,
                         "decode_decompress_vs_memcpy": dd_gbps / memcpy_gbps,
                         "verified": m["verified"],
+                        "position_bits_per_kept": m["position_bits"],
+                        "entropy_bits_per_kept": m["entropy_bits"],
                     }
                 )
         del x
@@ -460,6 +494,8 @@ def format_table(result: dict[str, Any]) -> str:
         "xmemcpy",
         "d+d GB/s",
         "xmemcpy",
+        "pos bits/kept",
+        "min bits/kept",
     ]
     body = []
     for r in result["rows"]:
@@ -474,6 +510,8 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{r['compress_encode_vs_memcpy']:.3g}",
                 _fmt(r["decode_decompress_gbps"]),
                 f"{r['decode_decompress_vs_memcpy']:.3g}",
+                "-" if r.get("position_bits_per_kept") is None else f"{r['position_bits_per_kept']:.3f}",
+                "-" if r.get("entropy_bits_per_kept") is None else f"{r['entropy_bits_per_kept']:.3f}",
             ]
         )
     widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
