@@ -101,7 +101,8 @@ def trajectory(transport, name, local_steps, exchange_updates, steps=24, error_f
     data = load_dataset("synthetic")
     model = build_model("mlp", data, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=2.0**-4)
-    aggregator = gradcomp.GradientAggregator(model, gradcomp.make(name, density=0.05, error_feedback=error_feedback), transport)
+    compressor = gradcomp.make(name, density=0.05, error_feedback=error_feedback)
+    aggregator = gradcomp.GradientAggregator(model, compressor, transport)
     delayed = gradcomp.LocalUpdateExchange(aggregator, local_steps) if exchange_updates else None
     rows = shard_indices(data.num_train, transport.rank, transport.world_size, epoch=0, seed=0)
     history = []

@@ -13,8 +13,9 @@
 - ``threshold``: keep every entry with |x| > tau (Strom 2015; the threshold scheme of Eghlidi & Jaggi 2020).
   The count varies per step and per worker, so messages are gathered, not summed.
 
-Choices where papers are silent: k is at least 1 for a non-empty tensor; random-k draws its positions on the
-tensor's device with ``sample_without_replacement`` (O(k) for small k); positions are sorted before encoding so both position codecs apply.
+Choices where papers are silent: k is at least 1 for a non-empty tensor; random-k draws its positions on
+the tensor's device with ``sample_without_replacement`` (O(k) for small k); positions are sorted before
+encoding so both position codecs apply.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ Every weight is odd, hence invertible modulo 2**64, so changing any single word 
 single-bit flip) always changes the sum, and ``mix`` is a bijection; a different length always changes
 it too. Swaps and other multi-word changes are detected unless (a − b)(weight_i − weight_j) happens to
 vanish modulo 2**64. The sum is linear so that it costs a few passes over the buffer (an earlier version
-mixed every word and ran at a few percent of memory-copy speed). Wrapping int64 addition is order-independent, so the value
-is identical on CPU and CUDA. This is an integrity check against corruption, not a cryptographic MAC.
+mixed every word and ran at a few percent of memory-copy speed). Wrapping int64 addition is
+order-independent, so the value is identical on CPU and CUDA. This is an integrity check against
+corruption, not a cryptographic MAC.
 """
 
 from __future__ import annotations
