@@ -75,3 +75,24 @@ def test_simulated_train_gives_the_spawned_runs_model(tmp_path):
     assert sim["parameter_digest"] == real["parameter_digest"]
     assert sim["bits_up_by_worker"] == real["bits_up_by_worker"]
     assert sim["syncs"] == real["syncs"] == 6
+
+
+@pytest.mark.slow
+def test_train_as_launched_by_torchrun(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from gradcomp.experiments.launch import free_port
+
+    out = tmp_path / "run.json"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    command = [*torchrun, "-m", "gradcomp.cli", "train", *SMALL, "--compressor", "topk", "--param", "density=0.1",
+               "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["workers"] == 2 and result["backend"] == "gloo" and result["replicas_identical"]
+    assert done.stdout.count("test accuracy") == 1  # only rank 0 reports
