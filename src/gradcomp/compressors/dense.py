@@ -19,54 +19,47 @@ FP16_MAX = 65504.0
 BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
+class _DenseCast(Compressor):
+    """Every entry sent in ``dtype`` (codec ``codec``), saturating at ±``limit`` instead of overflowing."""
+
+    summable = True
+    codec: Codec = Codec.F32
+    dtype: torch.dtype = torch.float32
+    limit: float | None = None
+
+    def specs(self, slot: Slot) -> list[FieldSpec]:
+        return [FieldSpec(self.codec, count=slot.numel)]
+
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        flat = x.reshape(-1).to(torch.float32)
+        if self.limit is not None:
+            flat = flat.clamp(-self.limit, self.limit)
+        return [flat.to(self.dtype)]
+
+    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        return fields[0].to(torch.float32)
+
+
 @register
-class NoCompression(Compressor):
+class NoCompression(_DenseCast):
     """Uncompressed fp32: the reference every ratio is measured against."""
 
     name = "none"
-    summable = True
     unbiased = True
     omega = 0.0
 
-    def specs(self, slot: Slot) -> list[FieldSpec]:
-        return [FieldSpec(Codec.F32, count=slot.numel)]
-
-    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        return [x.reshape(-1).to(torch.float32)]
-
-    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
-        return fields[0].to(torch.float32)
-
 
 @register
-class Float16(Compressor):
+class Float16(_DenseCast):
     """Cast to IEEE half precision (16 bits per entry), saturating at ±65504."""
 
     name = "fp16"
-    summable = True
-
-    def specs(self, slot: Slot) -> list[FieldSpec]:
-        return [FieldSpec(Codec.F16, count=slot.numel)]
-
-    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        return [x.reshape(-1).to(torch.float32).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)]
-
-    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
-        return fields[0].to(torch.float32)
+    codec, dtype, limit = Codec.F16, torch.float16, FP16_MAX
 
 
 @register
-class BFloat16(Compressor):
-    """Cast to bfloat16 (16 bits per entry, 8 exponent bits like fp32)."""
+class BFloat16(_DenseCast):
+    """Cast to bfloat16 (16 bits per entry, 8 exponent bits like fp32), saturating at its largest finite value."""
 
     name = "bf16"
-    summable = True
-
-    def specs(self, slot: Slot) -> list[FieldSpec]:
-        return [FieldSpec(Codec.BF16, count=slot.numel)]
-
-    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        return [x.reshape(-1).to(torch.float32).clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16)]
-
-    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
-        return fields[0].to(torch.float32)
+    codec, dtype, limit = Codec.BF16, torch.bfloat16, BF16_MAX
