@@ -45,6 +45,8 @@ def make(name: str, *, error_feedback: bool | None = None, **params: Any):
     ``error_feedback=None`` takes the compressor's own default (on for SBC and STC, whose papers build the
     residual into the method; off for the rest).
     """
+    if "+" in name:
+        return _make_composed(name, error_feedback, params)
     cls = compressor_class(name)
     if error_feedback is None:
         error_feedback = cls.default_error_feedback
@@ -71,6 +73,24 @@ def make(name: str, *, error_feedback: bool | None = None, **params: Any):
 
         compressor = ErrorFeedback(compressor)
     return compressor
+
+
+def _make_composed(name: str, error_feedback: bool | None, params: dict[str, Any]):
+    """``"topk+cnat"``: the parameters go to the first compressor, the second runs with its defaults."""
+    from gradcomp.compressors.compose import ComposedValues
+
+    parts = name.split("+")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"a composed compressor is 'first+second', got {name!r}")
+    inner = make(parts[0], error_feedback=False, **params)
+    composed = ComposedValues(inner, make(parts[1], error_feedback=False))
+    if error_feedback is None:
+        error_feedback = compressor_class(parts[0]).default_error_feedback
+    if error_feedback:
+        from gradcomp.feedback import ErrorFeedback
+
+        return ErrorFeedback(composed)
+    return composed
 
 
 def parse_param_strings(items: Iterable[str]) -> dict[str, Any]:
