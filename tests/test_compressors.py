@@ -527,3 +527,30 @@ def test_sample_without_replacement_is_uniform_and_distinct():
     assert (counts - expected).abs().max() < 5 * (expected * (1 - k / n)) ** 0.5
     # chi-square with 49 degrees of freedom stays well below its 0.1 % tail (~86)
     assert float(((counts - expected) ** 2 / expected).sum()) < 86
+
+
+def test_randomblock_is_one_shared_contiguous_block_that_wraps():
+    c, twin = gradcomp.make("randomblock", density=0.1, seed=4), gradcomp.make("randomblock", density=0.1, seed=4)
+    slot = Slot("w", 5, 100)
+    x = torch.arange(1.0, 101.0)
+    starts = set()
+    for step in range(200):
+        out = c.decompress(c.compress(x, slot, step), slot, step)
+        kept = out.nonzero().reshape(-1)
+        assert kept.numel() == 10
+        assert torch.equal(out[kept], x[kept])
+        # contiguous modulo d
+        assert torch.equal(torch.sort((kept - c.start(slot, step)) % 100).values, torch.arange(10))
+        assert c.start(slot, step) == twin.start(slot, step)
+        starts.add(c.start(slot, step))
+    assert len(starts) > 80  # fresh placement every step
+
+
+def test_randomblock_scaled_is_unbiased():
+    c = gradcomp.make("randomblock", density=0.05, scale=True)
+    slot = Slot("w", 0, 200)
+    x = torch.randn(200)
+    draws = 4000
+    mean = sum(c.decompress(c.compress(x, slot, s), slot, s) for s in range(draws)) / draws
+    stderr = x.abs() * ((1 / 0.05 - 1) / draws) ** 0.5
+    assert ((mean - x).abs() <= 5 * stderr + 1e-6).all()

@@ -28,11 +28,15 @@ CONFIGS = [
     ("randomk-ef", "randomk", {"density": 0.05}, True, "auto", None, "layer"),
     ("randomk-scaled", "randomk", {"density": 0.2, "scale": True}, False, "auto", None, "layer"),
     ("threshold", "threshold", {"threshold": 0.005}, False, "auto", None, "layer"),
+    ("randomblock-ef", "randomblock", {"density": 0.05}, True, "auto", None, "model"),
+    ("sbc-ps-both", "sbc", {"density": 0.05}, True, "ps", ("sbc", {"density": 0.1}), "layer"),
+    ("stc", "stc", {"density": 0.05}, True, "auto", None, "layer"),
+    ("topk+fp16", "topk+fp16", {"density": 0.05}, True, "auto", None, "layer"),
     ("topk-ps", "topk", {"density": 0.05}, True, "ps", ("topk", {"density": 0.1}), "layer"),
     ("randomk-allgather", "randomk", {"density": 0.05}, True, "allgather", None, "layer"),
 ]
 # Messages summed by gloo's allreduce: gloo's summation order is not the simulator's rank order.
-ALLREDUCE = {"none", "none-model", "fp16", "bf16", "randomk-ef", "randomk-scaled"}
+ALLREDUCE = {"none", "none-model", "fp16", "bf16", "randomk-ef", "randomk-scaled", "randomblock-ef"}
 # Half-precision sums round after every addition, so a different order moves the result by half-precision
 # ulps of the gradient sum; after 50 momentum steps at lr 0.1 the parameters differ by about that much.
 HALF_TOLERANCE = {"fp16": 2e-3, "bf16": 2e-2}

@@ -3,9 +3,9 @@
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.compressors.dense import BFloat16, Float16, NoCompression
 from gradcomp.compressors.sbc import SparseBinary, SparseTernary
-from gradcomp.compressors.sparse import RandomK, Threshold, TopK
+from gradcomp.compressors.sparse import RandomBlock, RandomK, Threshold, TopK
 
 __all__ = [
-    "BFloat16", "Compressor", "Fields", "Float16", "NoCompression", "RandomK", "Slot", "SparseBinary",
+    "BFloat16", "Compressor", "Fields", "Float16", "NoCompression", "RandomBlock", "RandomK", "Slot", "SparseBinary",
     "SparseTernary", "Threshold", "TopK",
 ]
