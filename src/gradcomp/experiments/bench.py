@@ -126,6 +126,7 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
         {"density": 0.001, "positions": "golomb"},
     ],
     "randomk": [{"density": 0.01}],
+    "randomblock": [{"density": 0.01}],
     "threshold": [{"threshold": AbsQuantile(0.99)}],  # keeps about 1% of the tensor
     "sbc": [{"density": 0.01}, {"density": 0.001}],
     "stc": [{"density": 0.01}],
