@@ -129,6 +129,11 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     "randomblock": [{"density": 0.01}],
     "threshold": [{"threshold": AbsQuantile(0.99)}],  # keeps about 1% of the tensor
     "sbc": [{"density": 0.01}, {"density": 0.001}],
+    "cnat": [{}],
+    "topk+cnat": [{"density": 0.01}],
+    "natural_dithering": [{"levels": 8}],
+    "random_dithering": [{"levels": 8}],
+    "terngrad": [{}],
     "stc": [{"density": 0.01}],
 }
 
@@ -322,8 +327,11 @@ def _bench_one(
 
 def _check_names(compressors: Sequence[str] | None) -> list[str]:
     registered = available()
-    # The SETTINGS order (dense baselines first), then any other registered name alphabetically.
-    names = [n for n in SETTINGS if n in registered] + [n for n in registered if n not in SETTINGS]
+    # The SETTINGS order (dense baselines first, compositions whose parts are registered), then any other
+    # registered name alphabetically.
+    known = set(registered)
+    names = [n for n in SETTINGS if all(part in known for part in n.split("+"))]
+    names += [n for n in registered if n not in SETTINGS]
     if compressors is None:
         return names
     chosen = [c.strip() for c in compressors if c.strip()]
