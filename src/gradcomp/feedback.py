@@ -45,6 +45,10 @@ class ErrorFeedback(Compressor):
         self.summable = inner.summable
         self.residuals: dict[str, Tensor] = {}
 
+    def bind_worker(self, worker: int) -> None:
+        super().bind_worker(worker)
+        self.inner.bind_worker(worker)
+
     def params(self) -> dict[str, Any]:
         return {**self.inner.params(), "error_feedback": True}
 

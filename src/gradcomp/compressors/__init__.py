@@ -1,5 +1,6 @@
 """Built-in compressors; importing this package registers them all."""
 
+from gradcomp.compressors import natural  # noqa: F401  (registers cnat, dithering and terngrad)
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.compressors.dense import BFloat16, Float16, NoCompression
 from gradcomp.compressors.sbc import SparseBinary, SparseTernary

@@ -99,6 +99,15 @@ class Compressor(ABC):
     unbiased: ClassVar[bool] = False
     omega: float | None = None
     default_error_feedback: ClassVar[bool] = False  # what make() does when error_feedback is not given
+    worker: int = 0  # set by bind_worker(); salts randomness that must differ between workers
+
+    def bind_worker(self, worker: int) -> None:
+        """Called by the exchange with this worker's rank (the server gets its own number).
+
+        Randomness every worker must share (random-k positions, random blocks, hash functions) ignores it;
+        randomness that must be independent per worker (stochastic rounding) mixes it into its seed.
+        """
+        self.worker = int(worker)
 
     def params(self) -> dict[str, Any]:
         """The constructor arguments, for reports and for rebuilding the same compressor."""

@@ -35,6 +35,11 @@ class ComposedValues(Compressor):
         w1, w2 = inner.omega, values.omega
         self.omega = w1 * w2 + w1 + w2 if (self.unbiased and w1 is not None and w2 is not None) else None
 
+    def bind_worker(self, worker: int) -> None:
+        super().bind_worker(worker)
+        self.inner.bind_worker(worker)
+        self.values.bind_worker(worker)
+
     def params(self) -> dict[str, Any]:
         return self.inner.params()
 

@@ -73,9 +73,11 @@ class GradientExchange:
         if not 0 <= root < transport.world_size:
             raise ConfigError(f"root {root} is not a rank of a world of size {transport.world_size}")
         self.compressor = compressor
+        self.compressor.bind_worker(transport.rank)
         self.transport = transport
         self.topology = topology
         self.server_compressor = server_compressor if server_compressor is not None else NoCompression()
+        self.server_compressor.bind_worker(transport.world_size)  # the server rounds independently of every worker
         self.root = root
         self.compress_s = 0.0
 

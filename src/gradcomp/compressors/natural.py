@@ -1,0 +1,378 @@
+"""Natural compression, natural and standard random dithering, and TernGrad.
+
+Horváth, Ho, Horváth, Sahu, Canini, Richtárik, "Natural Compression for Distributed Deep Learning",
+MSML 2022 (C_nat, D_nat, D_sta); Alistarh et al., "QSGD", NeurIPS 2017 (D_sta with p = 2); Wen et al.,
+"TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning", NeurIPS 2017.
+
+All four are stochastic, unbiased (TernGrad only without clipping) and never summable: their codes are
+integers of sign and level, not values that add. Everything is vectorized torch on the tensor's device;
+``compress`` synchronises with the host exactly once (the NaN/Inf check), ``decompress`` never.
+
+``cnat`` — natural compression C_nat. An entry t with 2^a <= |t| < 2^(a+1) becomes sign(t)·2^a with
+probability (2^(a+1) − |t|)/2^a, else sign(t)·2^(a+1); 0 stays 0. On the IEEE-754 bits of the float32
+entry (exponent field e, 23-bit mantissa m) this is: drop m and add one to e with probability m/2^23,
+decided by comparing a uniform random 23-bit integer u with m (``e + (u < m)``; no log or pow). Wire: ONE
+BITS field of width 9 and count d, each code = sign·2^8 + exponent code (the float32 sign bit and
+biased exponent; the decoder rebuilds the float32 bit pattern ``sign << 31 | exponent << 23``), so
+exactly 9 bits per entry plus the container and section headers. ω = 1/8: E||C(x)||² <= (9/8)||x||².
+
+Choices where the paper is silent:
+
+- zero (either sign) is exponent code 0 with sign bit 0 and decodes to +0.0;
+- subnormals |t| = m·2^-149 < 2^-126 (e = 0, m != 0): the same rule ``e + (u < m)`` rounds them to 0 or
+  to sign(t)·2^-126 (exponent code 1) with probability m/2^23 = |t|/2^-126 — unbiased, bracketing;
+- overflow: rounding up from exponent 254 (|t| in [2^127, 2^128)) would give exponent 255 (Inf), so those
+  entries always round down to sign(t)·2^127 — the one biased case, E[C(t)] = 2^127 instead of |t| < 2^128,
+  for gradient entries above 1.7e38. Exponent code 255 is never sent (a decoder given one yields ±Inf);
+- NaN/Inf input raises NonFiniteGradientError; inputs are cast to float32 first (exact for fp16/bf16);
+- randomness: u is drawn from a generator seeded by (``seed``, step, slot index, "cnat", worker) — fresh
+  every step and tensor, reproducible, and independent per worker: the exchange tells each compressor its
+  rank (``bind_worker``; the parameter server's compressor gets W), so workers' rounding errors are
+  independent, as the variance-of-the-average analysis assumes.
+
+``random_dithering`` — standard random dithering D_sta^{p,s} (QSGD for p = 2): y_i = |x_i|/||x||_p in
+[0, 1] is rounded to one of the uniform levels l/s (l = 0..s), up with probability y_i·s − floor(y_i·s), and
+the output is ||x||_p · sign(x_i) · l/s.
+
+``natural_dithering`` — natural dithering D_nat^{p,s}: the levels are 0, 2^(1−s), 2^(2−s), …, 1/2, 1
+(s + 1 of them); y_i in [2^(j−1−s), 2^(j−s)] is rounded to one of those two adjacent levels, y_i below
+2^(1−s) between 0 and 2^(1−s), each unbiasedly. Level index j means 2^(j−s) for j >= 1 and 0 for j = 0.
+
+Dithering wire layout (both): field 0 is the norm ||x||_p — one F32 value (``norm_codec="f32"``, the
+default) or its 9-bit C_nat code (``norm_codec="cnat"``: one BITS field of width 9, count 1, rounded with its
+own random draw, independent of the levels, so the product stays unbiased and the variance grows by at most
+the factor 9/8); field 1 is one BITS field of width w = 1 + ceil(log2(s + 1)) and count d, each code
+sign·2^(w−1) + level index (sign in the top bit, as in C_nat's codes). Natural and standard dithering with
+the same ``levels`` s therefore cost exactly the same bits. A zero vector (norm 0) sends norm 0 and all-zero
+codes. The paper's "31 + d(2 + log2 s)" bits count a variable-length level code; we use fixed-width codes.
+At equal code width (same s) natural dithering has far lower variance for p = 2 and for heavy-tailed
+vectors, but not always: for a Gaussian with p = inf most y_i lie in [0.1, 1], where the uniform step 1/s
+wins for s >= 7 (d = 1000, s = 7: E||C(x) − x||²/||x||² = 0.083 natural vs 0.043 standard).
+
+Dithering variance (class B(ω(d)); it depends on d, so ``omega`` is None and ``omega_bound(d)`` gives it).
+One entry rounded between levels lo <= y <= hi has variance ||x||²_p·(y − lo)(hi − y). Standard: that is
+<= ||x||_p²·min(1/(4s²), y/s); summed with ||x||_p <= ||x||_2 and ||y||_1 <= sqrt(d)·||x||_2/||x||_p it is
+<= min(d/(4s²), sqrt(d)/s)·||x||_2², so the QSGD bound ω = min(d/s², sqrt(d)/s) holds for p = 2 and p = inf.
+Natural: for y in [a, 2a], (y − a)(2a − y) <= y²/8; below b = 2^(1−s), y(b − y) <= min(y·b, b²/4); summed,
+ω = 1/8 + min(sqrt(d)·2^(1−s), d·4^(1−s)) for p = 2 and p = inf (the form of the paper's theorem with
+r = min(p, 2) = 2). With ``norm_codec="cnat"``, ω' = (9/8)(1 + ω) − 1.
+
+Dithering choices: ``levels`` defaults to s = 7 for both (4-bit codes; natural levels down to 1/64);
+``norm`` accepts 2, 2.0, "2", inf, "inf" (``params()`` reports "2" / "inf"); the norm is
+computed in float32 as max|x|·||x/max|x|||_p so squares never overflow, and a norm that is still not finite
+(NaN/Inf input, or ||x||_2 above 3.4e38) raises NonFiniteGradientError; y_i is computed in float32, so
+entries below about 2^-149·||x||_p become y_i = 0 and always round to 0, and rounding of y_i·s can push an
+entry past level s, which is clamped to s (a relative bias of at most one float32 ulp). ``levels`` is at
+most 2^24 − 1 for standard dithering (the level index must be exact in float32) and at most 126 for natural
+dithering (2^(1−s) must be a normal float32). Randomness as in C_nat, salted with the method's name; the
+rounding-up probability is compared with ``torch.rand`` draws (multiples of 2^-24), so it is exact for
+natural dithering's in-octave probabilities (multiples of 2^-23) and within 2^-24 otherwise.
+
+``terngrad`` — per tensor: optional clipping of x to [−c·σ, c·σ] (σ the population standard deviation of
+the tensor's entries, computed scale-safe; ``clip`` c = 2.5 by default, 0 turns it off), scale s = max|x|
+after clipping, output s·sign(x_i)·b_i with b_i ~ Bernoulli(|x_i|/s). Wire: field 0 the scale (F32, 1
+value), field 1 one BITS field of width 2 and count d: code 0 = 0, 1 = +s, 2 = −s (3 is never sent and
+decodes to 0). Unbiased only with ``clip=0``: clipping shrinks the large entries, a deliberate bias that
+the paper trades for lower variance (``unbiased`` is then False). With clip = 0, E||C(x)||² = s·||x||_1 <=
+sqrt(d)·||x||², so ``omega_bound(d)`` = sqrt(d) − 1. The paper's scaler sharing (one s = max over workers)
+needs communication that this per-worker interface does not have: each worker sends its own s.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors.base import Compressor, Fields, Slot, check_int, shared_generator
+from gradcomp.errors import ConfigError, NonFiniteGradientError
+from gradcomp.registry import register
+from gradcomp.wire import Codec, FieldSpec
+
+__all__ = ["NaturalCompression", "RandomDithering", "NaturalDithering", "TernGrad", "cnat_encode", "cnat_decode"]
+
+CNAT_WIDTH = 9
+_MANTISSA_BITS = 23
+_MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
+_MAX_EXPONENT = 254  # largest finite biased exponent of float32
+
+
+def _flat_f32(x: Tensor) -> Tensor:
+    return x.reshape(-1).to(torch.float32)
+
+
+def _check_seed(seed: object) -> int:
+    return check_int("seed", seed, minimum=0)
+
+
+def cnat_encode(x: Tensor, gen: torch.Generator, where: str = "tensor", check: bool = True) -> Tensor:
+    """The 9-bit C_nat codes (int64, sign·256 + exponent code) of the float32 tensor ``x``.
+
+    With ``check`` (the default) raises NonFiniteGradientError for NaN/Inf: one host synchronisation.
+    """
+    flat = _flat_f32(x).contiguous()
+    bits = flat.view(torch.int32)
+    exponent = (bits >> _MANTISSA_BITS) & 0xFF
+    if check and bool((exponent == 0xFF).any()):
+        raise NonFiniteGradientError(f"non-finite (NaN or Inf) value in {where}; cannot compress with cnat")
+    mantissa = bits & _MANTISSA_MASK
+    u = torch.randint(0, 1 << _MANTISSA_BITS, flat.shape, generator=gen, device=flat.device, dtype=torch.int32)
+    code = exponent + (u < mantissa).to(torch.int32)
+    code = code.clamp_(max=_MAX_EXPONENT)  # exponent 254 never rounds up to Inf
+    sign = (bits >> 31) & 1
+    sign = torch.where(code == 0, torch.zeros_like(sign), sign)
+    return ((sign << 8) | code).to(torch.int64)
+
+
+def cnat_decode(codes: Tensor) -> Tensor:
+    """Float32 values of 9-bit C_nat codes: ±2^(exponent code − 127), 0 for exponent code 0."""
+    codes = codes.reshape(-1).to(torch.int32)
+    magnitude = ((codes & 0xFF) << _MANTISSA_BITS).view(torch.float32)
+    return torch.where((codes >> 8) & 1 == 1, -magnitude, magnitude)
+
+
+@register
+class NaturalCompression(Compressor):
+    """C_nat: every entry randomly rounded to one of its two neighbouring signed powers of two, 9 bits each."""
+
+    name = "cnat"
+    unbiased = True
+    omega = 1.0 / 8.0
+
+    def __init__(self, seed: int = 0):
+        self.seed = _check_seed(seed)
+
+    def params(self) -> dict[str, Any]:
+        return {"seed": self.seed}
+
+    def specs(self, slot: Slot) -> list[FieldSpec]:
+        return [FieldSpec(Codec.BITS, count=slot.numel, width=CNAT_WIDTH)]
+
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        gen = shared_generator(self.seed, step, slot.index, x.device, salt=f"cnat:{self.worker}")
+        return [cnat_encode(x, gen, slot.name)]
+
+    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        return cnat_decode(fields[0])
+
+
+# ----------------------------------------------------------------------------------------------- dithering
+
+
+def _check_norm(norm: object) -> str:
+    if isinstance(norm, bool):
+        raise ConfigError(f"norm must be 2 or 'inf', got {norm!r}")
+    if isinstance(norm, str):
+        key = norm.strip().lower()
+        if key in ("2", "2.0"):
+            return "2"
+        if key in ("inf", "infinity"):
+            return "inf"
+    elif isinstance(norm, (int, float)):
+        if norm == 2:
+            return "2"
+        if norm == math.inf:
+            return "inf"
+    raise ConfigError(f"norm must be 2 or 'inf', got {norm!r}")
+
+
+NORM_CODECS = ("f32", "cnat")
+
+
+def _check_norm_codec(norm_codec: object) -> str:
+    if norm_codec not in NORM_CODECS:
+        raise ConfigError(f"norm_codec must be one of {list(NORM_CODECS)}, got {norm_codec!r}")
+    return norm_codec
+
+
+def _scaled(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """(max|x|, x / max|x|) with the division guarded for the zero vector (then x itself)."""
+    peak = flat.abs().amax()
+    safe = torch.where(peak > 0, peak, torch.ones_like(peak))
+    return peak, flat / safe
+
+
+class _Dithering(Compressor):
+    """Shared machinery: [norm field, sign+level codes]; subclasses map y in [0, 1] to level indices."""
+
+    unbiased = True
+    omega = None
+    max_levels = 1
+
+    def __init__(self, levels: int = 7, norm: int | str = 2, seed: int = 0, norm_codec: str = "f32"):
+        self.levels = check_int("levels", levels, minimum=1)
+        if self.levels > self.max_levels:
+            raise ConfigError(f"{self.name}: levels must be <= {self.max_levels}, got {self.levels}")
+        self.norm = _check_norm(norm)
+        self.seed = _check_seed(seed)
+        self.norm_codec = _check_norm_codec(norm_codec)
+        self.level_bits = self.levels.bit_length()  # = ceil(log2(s + 1))
+        self.width = 1 + self.level_bits
+
+    def params(self) -> dict[str, Any]:
+        return {"levels": self.levels, "norm": self.norm, "seed": self.seed, "norm_codec": self.norm_codec}
+
+    def specs(self, slot: Slot) -> list[FieldSpec]:
+        if self.norm_codec == "f32":
+            norm_spec = FieldSpec(Codec.F32, count=1)
+        else:
+            norm_spec = FieldSpec(Codec.BITS, count=1, width=CNAT_WIDTH)
+        return [norm_spec, FieldSpec(Codec.BITS, count=slot.numel, width=self.width)]
+
+    def _omega(self, numel: int) -> float:
+        raise NotImplementedError
+
+    def omega_bound(self, numel: int) -> float:
+        """ω(d) of class B(ω) for a tensor of ``numel`` entries (see the module docstring)."""
+        w = self._omega(numel)
+        return (1.0 + w) * 9.0 / 8.0 - 1.0 if self.norm_codec == "cnat" else w
+
+    def _level_index(self, y: Tensor, u: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _level_value(self, index: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        flat = _flat_f32(x)
+        device = flat.device
+        if flat.numel() == 0:
+            norm = torch.zeros(1, dtype=torch.float32, device=device)
+            codes = torch.zeros(0, dtype=torch.int64, device=device)
+        else:
+            peak, scaled = _scaled(flat)
+            if self.norm == "2":
+                scaled_norm = torch.linalg.vector_norm(scaled)
+            else:
+                scaled_norm = torch.where(peak > 0, torch.ones_like(peak), torch.zeros_like(peak))
+            norm = (peak * scaled_norm).reshape(1)
+            if not bool(torch.isfinite(norm).all()):
+                raise NonFiniteGradientError(
+                    f"{self.name}: the {self.norm}-norm of {slot.name} is not finite (NaN/Inf input or overflow)"
+                )
+            divisor = torch.where(scaled_norm > 0, scaled_norm, torch.ones_like(scaled_norm))
+            y = scaled.abs() / divisor
+            gen = shared_generator(self.seed, step, slot.index, device, salt=f"{self.name}:{self.worker}")
+            u = torch.rand(flat.shape, generator=gen, device=device)
+            index = self._level_index(y, u).clamp_(0, self.levels)
+            negative = (flat < 0) & (index > 0)
+            codes = (negative.to(torch.int64) << self.level_bits) | index.to(torch.int64)
+        if self.norm_codec == "cnat":
+            gen = shared_generator(self.seed, step, slot.index, device, salt=f"{self.name}:norm:{self.worker}")
+            norm = cnat_encode(norm, gen, slot.name, check=False)  # already checked finite
+        return [norm, codes]
+
+    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        norm, codes = fields
+        norm = norm.to(torch.float32) if self.norm_codec == "f32" else cnat_decode(norm)
+        codes = codes.reshape(-1)
+        index = codes & ((1 << self.level_bits) - 1)
+        magnitude = norm.reshape(()) * self._level_value(index)
+        return torch.where((codes >> self.level_bits) & 1 == 1, -magnitude, magnitude)
+
+
+@register
+class RandomDithering(_Dithering):
+    """Standard random dithering D_sta^{p,s} (QSGD for p = 2): uniform levels l/s on |x_i|/||x||_p."""
+
+    name = "random_dithering"
+    max_levels = (1 << 24) - 1
+
+    def _omega(self, numel: int) -> float:
+        s = self.levels
+        return min(numel / s**2, math.sqrt(numel) / s)
+
+    def _level_index(self, y: Tensor, u: Tensor) -> Tensor:
+        scaled = y * float(self.levels)
+        lower = torch.floor(scaled)
+        return (lower + (u < scaled - lower).to(torch.float32)).to(torch.int64)
+
+    def _level_value(self, index: Tensor) -> Tensor:
+        return index.to(torch.float32) / float(self.levels)
+
+
+@register
+class NaturalDithering(_Dithering):
+    """Natural dithering D_nat^{p,s}: levels 0, 2^(1−s), …, 1/2, 1 on |x_i|/||x||_p."""
+
+    name = "natural_dithering"
+    max_levels = 126
+
+    def _omega(self, numel: int) -> float:
+        b = 2.0 ** (1 - self.levels)
+        return 1.0 / 8.0 + min(math.sqrt(numel) * b, numel * b * b)
+
+    def _level_index(self, y: Tensor, u: Tensor) -> Tensor:
+        s = self.levels
+        mantissa, exponent = torch.frexp(y)  # y = mantissa · 2^exponent, mantissa in [1/2, 1)
+        # y in [2^(j−1−s), 2^(j−s)) with j = exponent + s; levels j − 1 (value a) and j (value 2a)
+        upper = exponent.to(torch.int64) + s
+        p_up = 2.0 * mantissa - 1.0  # (y − a) / a, exact
+        small = (upper <= 1) | (y == 0)  # y < 2^(1−s): between level 0 and level 1 (value 2^(1−s))
+        p_up = torch.where(small, y * float(2.0 ** (s - 1)), p_up)
+        upper = torch.where(small, torch.ones_like(upper), upper)
+        return upper - (u >= p_up).to(torch.int64)
+
+    def _level_value(self, index: Tensor) -> Tensor:
+        # 2^(j − s) built from its float32 bits (j − s + 127 in [1, 127] since s <= 126); 0 for j = 0
+        biased = (index - self.levels + 127).clamp(min=1).to(torch.int32)
+        value = (biased << _MANTISSA_BITS).view(torch.float32)
+        return torch.where(index > 0, value, torch.zeros_like(value))
+
+
+# ------------------------------------------------------------------------------------------------ terngrad
+
+
+@register
+class TernGrad(Compressor):
+    """TernGrad: s·sign(x_i)·Bernoulli(|x_i|/s) with s = max|x| after optional clipping at c·σ."""
+
+    name = "terngrad"
+    omega = None
+
+    def __init__(self, clip: float = 2.5, seed: int = 0):
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
+            raise ConfigError(f"clip must be a finite number >= 0 (0 = no clipping), got {clip!r}")
+        self.clip = float(clip)
+        self.seed = _check_seed(seed)
+        self.unbiased = self.clip == 0.0
+
+    def params(self) -> dict[str, Any]:
+        return {"clip": self.clip, "seed": self.seed}
+
+    def omega_bound(self, numel: int) -> float | None:
+        """ω(d) = sqrt(d) − 1 without clipping; None with clipping (biased)."""
+        return math.sqrt(numel) - 1.0 if self.unbiased else None
+
+    def specs(self, slot: Slot) -> list[FieldSpec]:
+        return [FieldSpec(Codec.F32, count=1), FieldSpec(Codec.BITS, count=slot.numel, width=2)]
+
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        flat = _flat_f32(x)
+        device = flat.device
+        if flat.numel() == 0:
+            empty = torch.zeros(0, dtype=torch.int64, device=device)
+            return [torch.zeros(1, dtype=torch.float32, device=device), empty]
+        peak, scaled = _scaled(flat)
+        if not bool(torch.isfinite(peak)):
+            raise NonFiniteGradientError(f"terngrad: non-finite (NaN or Inf) value in {slot.name}")
+        if self.clip > 0:
+            sigma = torch.std(scaled, correction=0)  # σ / max|x|
+            bound = self.clip * sigma
+            scaled = torch.maximum(torch.minimum(scaled, bound), -bound)
+        top = scaled.abs().amax()  # s / max|x|
+        scale = (peak * top).reshape(1)
+        divisor = torch.where(top > 0, top, torch.ones_like(top))
+        prob = scaled.abs() / divisor
+        gen = shared_generator(self.seed, step, slot.index, device, salt=f"terngrad:{self.worker}")
+        keep = torch.rand(flat.shape, generator=gen, device=device) < prob
+        codes = keep.to(torch.int64) * torch.where(scaled < 0, 2, 1)
+        return [scale, codes]
+
+    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        scale, codes = fields
+        codes = codes.reshape(-1)
+        unit = (codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)
+        return scale.to(torch.float32).reshape(()) * unit
