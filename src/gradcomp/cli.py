@@ -42,6 +42,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=0, help="also record test accuracy every N steps")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck collective fails")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--bandwidth", default=None, metavar="RATE",
+                   help="also report what the measured traffic would take on this network, e.g. 1Gbit or 10Gbit")
+    p.add_argument("--latency", default="0", metavar="TIME", help="per-message latency for --bandwidth, e.g. 50us")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result as one JSON object")
     p.add_argument("--save", default=None, metavar="PATH", help="save the trained model and compressor state")
 
@@ -75,6 +78,8 @@ def _train(args: argparse.Namespace) -> int:
         device=args.device,
         eval_every=args.eval_every,
         save_path=args.save,
+        bandwidth=args.bandwidth,
+        latency=args.latency,
         progress=not args.no_progress,
         timeout_s=args.timeout,
     )

@@ -34,6 +34,13 @@ def format_summary(r: dict[str, Any]) -> str:
         ),
         ("replicas identical", "yes" if r["replicas_identical"] else "NO"),
     ]
+    if "modelled_communicate_s" in r:
+        net = r["network"]
+        rows.insert(-1, (
+            "modelled network",
+            f"{r['modelled_communicate_s']:.3g} s of communication at {human_bits(net['bandwidth_bps'])}/s, "
+            f"{1e6 * net['latency_s']:g} us latency (alpha-beta model of the measured collectives)",
+        ))
     if r.get("server_bits_out"):
         rows.insert(5, ("server in / out", f"{human_bits(r['server_bits_in'])} / {human_bits(r['server_bits_out'])}"))
     width = max(len(k) for k, _ in rows)

@@ -35,6 +35,7 @@ from gradcomp.errors import ConfigError
 from gradcomp.experiments.data import Dataset, evaluate, load_dataset, shard_indices
 from gradcomp.experiments.models import build_model
 from gradcomp.experiments.report import human_bits
+from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
 from gradcomp.registry import make
 from gradcomp.train.aggregator import GRANULARITIES, GradientAggregator
 from gradcomp.train.exchange import TOPOLOGIES
@@ -71,6 +72,8 @@ class TrainConfig:
     device: str = "cpu"
     eval_every: int = 0
     save_path: str | None = None
+    bandwidth: str | float | None = None  # price the measured collectives on this network, e.g. "1Gbit"
+    latency: str | float = 0.0  # per-message latency for that model, e.g. "50us"
     progress: bool = True
     timeout_s: float = 900.0
 
@@ -101,6 +104,7 @@ class TrainConfig:
             raise ConfigError(f"compressor {self.compressor!r} is not summable: use topology allgather or ps")
         if server is not None and self.topology != "ps":
             raise ConfigError("--server-compressor needs --topology ps")
+        self.network()
         self._check_against_model(compressor, server)
 
     def _check_against_model(self, compressor, server) -> None:
@@ -119,6 +123,11 @@ class TrainConfig:
         if self.server_compressor is not None:
             server = make(self.server_compressor, error_feedback=self.server_error_feedback, **self.server_params)
         return compressor, server
+
+    def network(self) -> NetworkModel | None:
+        if self.bandwidth is None:
+            return None
+        return NetworkModel(parse_bandwidth(self.bandwidth), parse_latency(self.latency))
 
     def uses_error_feedback(self) -> bool:
         from gradcomp.feedback import ErrorFeedback
@@ -361,9 +370,22 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "compute_s": mean([s["compute_s"] for s in stats]),
         "compress_s": mean([s["compress_s"] for s in stats]),
         "communicate_s": mean([s["communicate_s"] for s in stats]),
+        **_modelled_network(cfg, counters, workers),
         "replicas_identical": len({s["digest"] for s in stats}) == 1,
         "parameter_digest": lead["digest"],
         "loss_curve": lead["loss_curve"],
         "accuracy_curve": lead["accuracy_curve"],
         "torch_version": torch.__version__,
+    }
+
+
+def _modelled_network(cfg: TrainConfig, counters: list[ByteCounter], workers: int) -> dict[str, Any]:
+    """What the run's collectives would cost on ``cfg``'s network (alpha-beta model), per worker on average."""
+    network = cfg.network()
+    if network is None:
+        return {}
+    seconds = [network.seconds(c.ops, workers) for c in counters]
+    return {
+        "network": {"bandwidth_bps": network.bandwidth_bps, "latency_s": network.latency_s},
+        "modelled_communicate_s": sum(seconds) / len(seconds),
     }

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -42,6 +42,13 @@ class ByteCounter:
     server_out: int = 0
     collectives: int = 0
     seconds: float = 0.0
+    # per collective: [calls, bytes of the tensors handed to it] — what the latency-bandwidth model prices
+    ops: dict[str, list[int]] = field(default_factory=dict)
+
+    def record(self, op: str, nbytes: int) -> None:
+        calls_bytes = self.ops.setdefault(op, [0, 0])
+        calls_bytes[0] += 1
+        calls_bytes[1] += nbytes
 
     def book(self, kind: str, up: int, down: int, pad_up: int = 0, pad_down: int = 0) -> None:
         if kind == CONTROL:
@@ -71,10 +78,10 @@ class ByteCounter:
 
     def reset(self) -> None:
         for f in fields(self):
-            setattr(self, f.name, f.default)
+            setattr(self, f.name, f.default_factory() if f.name == "ops" else f.default)
 
     def snapshot(self) -> ByteCounter:
-        return ByteCounter(**asdict(self))
+        return ByteCounter(**{**asdict(self), "ops": {k: list(v) for k, v in self.ops.items()}})
 
 
 class Transport(ABC):
@@ -110,12 +117,14 @@ class Transport(ABC):
         """Elementwise sum over workers; returns a new tensor, identical on every worker."""
         result = self._timed(self._all_reduce_sum, t.contiguous())
         self.counter.book(kind, up=t.nbytes, down=t.nbytes)
+        self.counter.record("all_reduce", t.nbytes)
         return result
 
     def all_gather(self, t: Tensor, kind: str = PAYLOAD, pad_up: int = 0, pad_down: int = 0) -> list[Tensor]:
         """Every worker's tensor, in rank order. All workers must pass tensors of the same shape and dtype."""
         result = self._timed(self._all_gather, t.contiguous())
         self.counter.book(kind, up=t.nbytes, down=(self.world_size - 1) * t.nbytes, pad_up=pad_up, pad_down=pad_down)
+        self.counter.record("all_gather", t.nbytes)
         return result
 
     def gather(
@@ -127,6 +136,7 @@ class Transport(ABC):
         """
         result = self._timed(self._gather, t.contiguous(), root)
         self.counter.book(kind, up=t.nbytes, down=0, pad_up=pad_up)
+        self.counter.record("gather", t.nbytes)
         if self.rank == root:
             self.counter.server_in += self.world_size * t.nbytes - pad_in
         return result
@@ -135,6 +145,7 @@ class Transport(ABC):
         """The root's ``t`` on every worker; the others pass a tensor of the right shape and dtype to fill."""
         result = self._timed(self._broadcast, t.contiguous(), root)
         self.counter.book(kind, up=0, down=t.nbytes)
+        self.counter.record("broadcast", t.nbytes)
         if self.rank == root and kind != CONTROL:
             self.counter.server_out += self.world_size * t.nbytes
         return result

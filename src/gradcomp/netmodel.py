@@ -1,0 +1,82 @@
+"""A latency-bandwidth (alpha-beta) model: what a run's measured collectives would cost on a chosen network.
+
+The transports record, per collective, how many calls were made and how many bytes each worker handed to
+them. A network with per-message latency α (seconds) and per-worker link bandwidth B (bits per second)
+prices one call on a tensor of n bytes, for W workers, with the textbook algorithms:
+
+    all_reduce   ring (reduce-scatter + all-gather)   2(W−1)·α + 2(W−1)/W · 8n/B
+    all_gather   ring                                  (W−1)·α + (W−1) · 8n/B
+    gather       to one root over its single link      α + (W−1) · 8n/B
+    broadcast    binomial tree                         ⌈log2 W⌉ · (α + 8n/B)
+
+The model is applied to the bytes the run really handed to each collective (padding and size exchanges
+included), so compressors are compared on what they actually send. With W = 1 every cost is 0.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from gradcomp.errors import ConfigError
+
+_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_bandwidth(text: str | float) -> float:
+    """``"10Gbit"``, ``"1 Gbit/s"``, ``"100Mbps"``, ``1e9`` → bits per second."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)\s*(bit/s|bits/s|bit|bps|b/s|b)?\s*", str(text))
+        if not match:
+            raise ConfigError(f"bandwidth must look like 10Gbit, 1Gbit/s or 100Mbps, got {text!r}")
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"bandwidth must be positive, got {text!r}")
+    return value
+
+
+def parse_latency(text: str | float) -> float:
+    """``"50us"``, ``"1ms"``, ``0.0001`` → seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)?\s*", str(text))
+        if not match:
+            raise ConfigError(f"latency must look like 50us, 1ms or 0.0001, got {text!r}")
+        value = float(match.group(1)) * _TIME_UNITS[match.group(2) or "s"]
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"latency must be >= 0, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class NetworkModel:
+    bandwidth_bps: float
+    latency_s: float = 0.0
+
+    def call_seconds(self, op: str, nbytes: float, world: int) -> float:
+        if world <= 1:
+            return 0.0
+        a, bits = self.latency_s, 8.0 * nbytes / self.bandwidth_bps
+        if op == "all_reduce":
+            return 2 * (world - 1) * a + 2 * (world - 1) / world * bits
+        if op == "all_gather":
+            return (world - 1) * a + (world - 1) * bits
+        if op == "gather":
+            return a + (world - 1) * bits
+        if op == "broadcast":
+            return math.ceil(math.log2(world)) * (a + bits)
+        raise ConfigError(f"no cost model for collective {op!r}")
+
+    def seconds(self, ops: dict[str, list[int]], world: int) -> float:
+        """Modelled time of all recorded calls: ops maps a collective to [calls, total bytes]."""
+        total = 0.0
+        for op, (calls, nbytes) in ops.items():
+            if calls:
+                # linear in bytes: calls × cost of the mean size is exact for the bandwidth term
+                total += calls * self.call_seconds(op, nbytes / calls, world)
+        return total
