@@ -66,7 +66,9 @@ def test_allreduce_sum(world):
         results = cluster.run(fn)
     for out, counter in results:
         assert torch.equal(out, expected)
-        assert counter == ByteCounter(up_payload=4 * d, down_payload=4 * d, collectives=1, seconds=counter.seconds)
+        assert counter == ByteCounter(
+            up_payload=4 * d, down_payload=4 * d, collectives=1, seconds=counter.seconds, ops={"all_reduce": [1, 4 * d]}
+        )
     # every worker has its own copy of the result
     assert len({id(out) for out, _ in results}) == world
 
