@@ -122,6 +122,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_arguments(sub.add_parser("bench", help="throughput and bits per element of every compressor"))
 
 
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    from gradcomp.experiments import sweep
+
+    sweep.add_arguments(sub.add_parser("sweep", help="grid of sparsification schemes; table and plots; resumes"))
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from gradcomp.experiments import sweep
+
+    return sweep.main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from gradcomp.experiments import bench
 
@@ -133,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_bench(sub)
+    _add_sweep(sub)
     _add_list(sub)
     args = parser.parse_args(argv)
-    handlers = {"train": _train, "bench": _bench, "list": _list}
+    handlers = {"train": _train, "bench": _bench, "sweep": _sweep, "list": _list}
     try:
         return handlers[args.command](args)
     except GradcompError as exc:

@@ -1,0 +1,234 @@
+"""`gradcomp sweep`: a grid of schemes × densities × granularity × error feedback × seeds, resumable.
+
+Every cell is one `gradcomp train` run — on the simulated cluster by default (same protocol code and bit
+counts as real workers, see docs/architecture.md), on real worker processes with ``--real``. Each finished
+cell is appended as one JSON line to ``OUT/results.jsonl``; a cell whose key is already there is not run
+again, so an interrupted sweep resumes where it stopped. ``OUT/table.md`` and the plots are rendered from
+that file after every cell:
+
+- ``accuracy_vs_bits.png``: test accuracy against upstream bits per worker (log scale), one marker per scheme;
+- ``time_split.png``: each scheme's mean time split into compute, compression and communication (and the
+  latency-bandwidth model's communication time when ``--bandwidth`` is given).
+
+The threshold scheme has no density parameter; its cells pick τ so that it keeps the cell's density of the
+initial model's first gradient (the (1 − p)-quantile of |g| of worker 0's first batch) — written into the
+cell's parameters. Plots need matplotlib (`pip install matplotlib`); without it only the table is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from gradcomp.errors import ConfigError
+from gradcomp.experiments.data import load_dataset
+from gradcomp.experiments.models import build_model
+from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, run_simulated
+
+SCHEMES = ("topk", "randomk", "randomblock", "threshold")
+
+
+def cell_key(cell: dict[str, Any]) -> str:
+    return json.dumps({k: cell[k] for k in ("scheme", "density", "granularity", "error_feedback", "seed")},
+                      sort_keys=True)
+
+
+def calibrate_threshold(base: TrainConfig, density: float) -> float:
+    """τ keeping ``density`` of worker 0's first gradient of the initial model.
+
+    |g| > τ is an elementwise test, so the threshold scheme selects the same entries at both granularities.
+    """
+    data = load_dataset(base.dataset, base.data_root)
+    model = build_model(base.model, data, base.seed)
+    xb, yb = Batches(data, base, 0).get(0, torch.device("cpu"))
+    compute_gradients(model, xb, yb)
+    magnitudes = torch.cat([p.grad.reshape(-1).abs() for p in model.parameters()])
+    rank = min(magnitudes.numel(), max(1, round((1.0 - density) * magnitudes.numel())))
+    return float(magnitudes.kthvalue(rank).values)
+
+
+def cell_config(base: TrainConfig, cell: dict[str, Any]) -> TrainConfig:
+    scheme, density = cell["scheme"], cell["density"]
+    if scheme == "threshold":
+        params = {"threshold": calibrate_threshold(base, density)}
+    else:
+        params = {"density": density}
+    return dataclasses.replace(
+        base, compressor=scheme, params=params, granularity=cell["granularity"],
+        error_feedback=cell["error_feedback"], seed=cell["seed"], progress=False,
+    )
+
+
+def run_cell(base: TrainConfig, cell: dict[str, Any], real: bool) -> dict[str, Any]:
+    cfg = cell_config(base, cell)
+    if real:
+        from gradcomp.experiments.launch import launch
+
+        result = launch(cfg)
+    else:
+        cfg.validate()
+        result = run_simulated(cfg)
+    assert result is not None
+    return {**cell, "params": cfg.params, "result": result}
+
+
+def read_results(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    cells = []
+    for scheme, density, granularity, memory, seed in itertools.product(
+        args.schemes, args.densities, args.granularities, args.memory, args.seeds
+    ):
+        cells.append({"scheme": scheme, "density": density, "granularity": granularity,
+                      "error_feedback": memory == "on", "seed": seed})
+    return cells
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one line per (scheme, density, granularity, memory), mean over seeds."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[(row["scheme"], row["density"], row["granularity"], row["error_feedback"])].append(row["result"])
+    modelled = any("modelled_communicate_s" in r for rs in groups.values() for r in rs)
+    head = ["scheme", "density", "granularity", "memory", "seeds", "test acc. %", "bits up / worker", "× fewer",
+            "compute s", "compress s", "communicate s"] + (["modelled comm. s"] if modelled else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    order = sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2], kv[0][3]))
+    for (scheme, density, granularity, ef), rs in order:
+        accs = [100 * r["test_accuracy"] for r in rs]
+        spread = f" ± {(max(accs) - min(accs)) / 2:.2f}" if len(accs) > 1 else ""
+        cells = [scheme, f"{density:g}", granularity, "on" if ef else "off", str(len(rs)),
+                 f"{sum(accs) / len(accs):.2f}{spread}", f"{mean(rs, 'bits_up_per_worker') / 1e6:.2f} Mbit",
+                 f"{mean(rs, 'compression_ratio_up'):.1f}", f"{mean(rs, 'compute_s'):.3g}",
+                 f"{mean(rs, 'compress_s'):.3g}", f"{mean(rs, 'communicate_s'):.3g}"]
+        if modelled:
+            cells.append(f"{mean(rs, 'modelled_communicate_s'):.3g}" if "modelled_communicate_s" in rs[0] else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    by_scheme: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_scheme[row["scheme"]].append(row)
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for i, (scheme, rs) in enumerate(sorted(by_scheme.items())):
+        for ef, marker in ((True, "o"), (False, "x")):
+            pts = [(r["result"]["bits_up_per_worker"], 100 * r["result"]["test_accuracy"]) for r in rs
+                   if r["error_feedback"] == ef]
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, color=f"C{i}",
+                           label=f"{scheme} ({'memory' if ef else 'no memory'})")
+    ax.set_xscale("log")
+    ax.set_xlabel("upstream bits per worker (measured)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths = [os.path.join(out_dir, "accuracy_vs_bits.png")]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    schemes = sorted(by_scheme)
+    parts = ["compute_s", "compress_s", "communicate_s"]
+    bottoms = [0.0] * len(schemes)
+    for part in parts:
+        values = [sum(r["result"][part] for r in by_scheme[s]) / len(by_scheme[s]) for s in schemes]
+        ax.bar(schemes, values, bottom=bottoms, label=part.replace("_s", ""))
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    if all("modelled_communicate_s" in r["result"] for rs in by_scheme.values() for r in rs):
+        modelled = [sum(r["result"]["modelled_communicate_s"] for r in by_scheme[s]) / len(by_scheme[s])
+                    for s in schemes]
+        ax.scatter(schemes, modelled, color="black", marker="_", s=400, label="modelled communication")
+    ax.set_ylabel("seconds per run (mean over cells)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "time_split.png"))
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated sparsifiers")
+    p.add_argument("--densities", default="0.1,0.01,0.001")
+    p.add_argument("--granularities", default="layer,model")
+    p.add_argument("--memory", default="on,off", help="error feedback: on, off or both")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--out", default="runs/sweep", metavar="DIR")
+    p.add_argument("--real", action="store_true", help="spawn real gloo workers instead of the simulated cluster")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--dataset", default="mnist")
+    p.add_argument("--data", default=None, metavar="DIR")
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--bandwidth", default=None, metavar="RATE")
+    p.add_argument("--latency", default="0", metavar="TIME")
+
+
+def main(args: argparse.Namespace) -> int:
+    args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    unknown = sorted(set(args.schemes) - set(SCHEMES))
+    if unknown:
+        raise ConfigError(f"unknown scheme(s) {unknown}; the sweep knows {list(SCHEMES)}")
+    args.densities = _floats(args.densities)
+    args.granularities = [g.strip() for g in args.granularities.split(",") if g.strip()]
+    args.memory = [m.strip() for m in args.memory.split(",") if m.strip()]
+    if set(args.memory) - {"on", "off"}:
+        raise ConfigError(f"--memory takes on, off or on,off; got {args.memory}")
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    base = TrainConfig(workers=args.workers, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
+                       lr=args.lr, momentum=args.momentum, dataset=args.dataset, data_root=args.data,
+                       model=args.model, bandwidth=args.bandwidth, latency=args.latency, progress=False)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "results.jsonl")
+    done = {cell_key(row) for row in read_results(path)}
+    cells = grid(args)
+    todo = [c for c in cells if cell_key(c) not in done]
+    print(f"gradcomp sweep: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run")
+    for i, cell in enumerate(todo, start=1):
+        row = run_cell(base, cell, args.real)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        r = row["result"]
+        print(f"[{i}/{len(todo)}] {cell_key(cell)}: {100 * r['test_accuracy']:.2f} %, "
+              f"x{r['compression_ratio_up']:.1f} fewer bits up", flush=True)
+        _render(path, args.out)
+    _render(path, args.out)
+    return 0
+
+
+def _render(path: str, out_dir: str) -> None:
+    rows = read_results(path)
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write(render_table(rows))
+    render_plots(rows, out_dir)
