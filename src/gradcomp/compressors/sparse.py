@@ -157,9 +157,13 @@ class TopK(_PositionsAndValues):
         return [positions, flat[positions].to(torch.float32)]
 
 
-@register
-class RandomK(Compressor):
-    name = "randomk"
+class _SharedRandomSelection(Compressor):
+    """k coordinates chosen from a seed all workers share: values only on the wire, summable by allreduce.
+
+    ``scale=True`` multiplies the values by d/k, which is unbiased when every coordinate is chosen with
+    probability k/d (omega = d/k - 1; with a fixed k it depends on d, so no single value is declared).
+    """
+
     summable = True
 
     def __init__(
@@ -169,9 +173,7 @@ class RandomK(Compressor):
         self.scale = check_bool("scale", scale)
         self.seed = check_int("seed", seed, minimum=0)
         self.unbiased = self.scale  # instance attribute shadows the class default
-        # omega = d/k - 1 for the scaled variant; with a fixed k it depends on d, so no single value is declared
         self.omega = (1.0 / self.count.density - 1.0) if (self.scale and self.count.density) else None
-        self._cached: tuple[tuple, Tensor] | None = None
 
     def params(self) -> dict:
         return {**self.count.params(), "scale": self.scale, "seed": self.seed}
@@ -180,6 +182,24 @@ class RandomK(Compressor):
     def density(self) -> float | None:
         """The configured density (None when a fixed k was given)."""
         return self.count.density
+
+    def specs(self, slot: Slot) -> list[FieldSpec]:
+        return [FieldSpec(Codec.F32, count=self.count(slot))]
+
+    def _factor(self, slot: Slot) -> float:
+        k = self.count(slot) if slot.numel else 0
+        return slot.numel / k if (self.scale and k) else 1.0
+
+
+@register
+class RandomK(_SharedRandomSelection):
+    name = "randomk"
+
+    def __init__(
+        self, density: float | None = None, scale: bool = False, seed: int = 0, *, k: int | None = None
+    ):
+        super().__init__(density, scale, seed, k=k)
+        self._cached: tuple[tuple, Tensor] | None = None
 
     def positions(self, slot: Slot, step: int, device: torch.device) -> Tensor:
         """The k shared positions of this slot and step (cached: compress, feedback and decode all ask)."""
@@ -190,13 +210,6 @@ class RandomK(Compressor):
         positions = torch.sort(sample_without_replacement(slot.numel, self.count(slot), gen, device)).values
         self._cached = (key, positions)
         return positions
-
-    def specs(self, slot: Slot) -> list[FieldSpec]:
-        return [FieldSpec(Codec.F32, count=self.count(slot))]
-
-    def _factor(self, slot: Slot) -> float:
-        k = self.count(slot) if slot.numel else 0
-        return slot.numel / k if (self.scale and k) else 1.0
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         flat = x.reshape(-1)
@@ -236,27 +249,10 @@ class Threshold(_PositionsAndValues):
 
 
 @register
-class RandomBlock(Compressor):
+class RandomBlock(_SharedRandomSelection):
     """One contiguous block of k coordinates per tensor, placed by a seed every worker shares."""
 
     name = "randomblock"
-    summable = True
-
-    def __init__(
-        self, density: float | None = None, scale: bool = False, seed: int = 0, *, k: int | None = None
-    ):
-        self.count = KeptCount(density, k)
-        self.scale = check_bool("scale", scale)
-        self.seed = check_int("seed", seed, minimum=0)
-        self.unbiased = self.scale
-        self.omega = (1.0 / self.count.density - 1.0) if (self.scale and self.count.density) else None
-
-    @property
-    def density(self) -> float | None:
-        return self.count.density
-
-    def params(self) -> dict:
-        return {**self.count.params(), "scale": self.scale, "seed": self.seed}
 
     def start(self, slot: Slot, step: int) -> int:
         """The block's first coordinate, uniform in [0, d), the same on every worker."""
@@ -267,13 +263,6 @@ class RandomBlock(Compressor):
         start, k = self.start(slot, step), self.count(slot)
         head = min(k, slot.numel - start)
         return [(start, head)] + ([(0, k - head)] if k > head else [])
-
-    def specs(self, slot: Slot) -> list[FieldSpec]:
-        return [FieldSpec(Codec.F32, count=self.count(slot))]
-
-    def _factor(self, slot: Slot) -> float:
-        k = self.count(slot) if slot.numel else 0
-        return slot.numel / k if (self.scale and k) else 1.0
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         if slot.numel == 0:
