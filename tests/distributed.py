@@ -6,21 +6,17 @@ import os
 import pickle
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradcomp.experiments.launch import free_port
+from gradcomp.experiments.launch import join_group, rendezvous_store
 
 
 def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple, teardown: bool = True) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=60),
-    )
+    join_group("gloo", port, rank, world_size, timeout_s=60)
     result = fn(rank, world_size, *args)
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
@@ -35,9 +31,10 @@ def run_workers(fn, world_size: int, *args, timeout: float = 240.0, teardown: bo
     A worker that fails makes this raise (torch.multiprocessing's error, with the worker's traceback);
     a run that exceeds ``timeout`` seconds is killed and raises TimeoutError.
     """
+    store = rendezvous_store(world_size, timeout_s=60)  # kept alive by this frame while the workers run
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
-            _entry, args=(fn, world_size, free_port(), out_dir, args, teardown), nprocs=world_size, join=False,
+            _entry, args=(fn, world_size, store.port, out_dir, args, teardown), nprocs=world_size, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout

@@ -29,6 +29,24 @@ class WorkerFailedError(GradcompError):
     """A spawned worker raised or died; the message carries the worker's own error."""
 
 
+def rendezvous_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A TCP store on 127.0.0.1 that the launching process owns, on a port the OS picks while binding it.
+
+    The workers join it as clients, so no port is chosen first and bound later (the race in which another
+    process takes a "free" port in between, which made gloo abort a worker now and then).
+    """
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def join_group(backend: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -62,13 +80,7 @@ def _spawned_worker(rank: int, cfg: TrainConfig, port: int, result_path: str, st
     torch.set_num_threads(worker_threads(cfg.workers))
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     device = _device_for(cfg, rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=cfg.workers,
-        timeout=timedelta(seconds=cfg.timeout_s),
-    )
+    join_group(backend, port, rank, cfg.workers, cfg.timeout_s)
     result = _train_in_group(cfg, device, started)
     if result is not None:
         with open(result_path, "w") as f:
@@ -95,7 +107,8 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory(prefix="gradcomp-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         try:
-            mp.spawn(_spawned_worker, args=(cfg, free_port(), result_path, started), nprocs=cfg.workers, join=True)
+            store = rendezvous_store(cfg.workers, cfg.timeout_s)
+            mp.spawn(_spawned_worker, args=(cfg, store.port, result_path, started), nprocs=cfg.workers, join=True)
         except mp.ProcessRaisedException as exc:
             # the worker's traceback was printed on stderr; its last line says what went wrong
             last = str(exc).strip().splitlines()[-1]
