@@ -1,7 +1,8 @@
 """Starting workers: spawned processes over gloo on 127.0.0.1, a torchrun launch, or the simulated cluster.
 
 ``launch(cfg)`` returns the summary dict on the calling process (for torchrun: on rank 0; other ranks get
-None). Spawned workers find each other through a free TCP port on 127.0.0.1; every collective has a time-out
+None). Spawned workers find each other through a TCP store that the launcher binds on 127.0.0.1 (the OS picks
+the port as it binds, so no other process can take it in between); every collective has a time-out
 (``cfg.timeout_s``), so a worker that disappears makes the others fail instead of hanging, and
 torch.multiprocessing re-raises the first worker's error in the parent.
 """
