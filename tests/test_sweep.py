@@ -40,3 +40,22 @@ def test_sweep_runs_the_grid_resumes_and_renders(tmp_path, capsys):
 
 def test_sweep_rejects_unknown_schemes():
     assert main(["sweep", "--schemes", "topk,zip", "--out", "/nonexistent/never"]) == 2
+
+
+def test_a_diverging_cell_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = ["sweep", "--dataset", "synthetic", "--model", "mlp", "--steps", "6", "--workers", "2",
+            "--schemes", "topk", "--densities", "0.5", "--granularities", "layer,model", "--memory", "off",
+            "--seeds", "0", "--lr", "1e30", "--momentum", "0", "--out", str(out)]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2  # both cells ran although each one diverged
+    for r in rows:
+        assert r["result"]["diverged"] is True
+        assert 0 < r["result"]["diverged_at_step"] < 6
+        assert "non-finite" in r["result"]["error"]
+    table = (out / "table.md").read_text()
+    assert table.count("diverged at step") == 2
+    assert "non-finite" in capsys.readouterr().out
+    assert main(args) == 0  # a diverged cell counts as done
+    assert "2 already done, 0 to run" in capsys.readouterr().out

@@ -19,4 +19,11 @@ class ConfigError(GradcompError):
 
 
 class NonFiniteGradientError(GradcompError):
-    """A gradient holds NaN or Inf; raised with the parameter's name before anything is sent."""
+    """A gradient holds NaN or Inf; raised with the parameter's name before anything is sent.
+
+    ``step`` is the training step at which it was found, when the caller knows it (training diverged there).
+    """
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step

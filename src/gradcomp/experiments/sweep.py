@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from gradcomp.errors import ConfigError
+from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.experiments.data import load_dataset
+from gradcomp.experiments.launch import WorkerFailedError, launch
 from gradcomp.experiments.models import build_model
 from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, run_simulated
 
@@ -67,16 +68,26 @@ def cell_config(base: TrainConfig, cell: dict[str, Any]) -> TrainConfig:
 
 
 def run_cell(base: TrainConfig, cell: dict[str, Any], real: bool) -> dict[str, Any]:
+    """One cell's row. A run whose gradient turns NaN/Inf is a result too: it is recorded as diverged."""
     cfg = cell_config(base, cell)
-    if real:
-        from gradcomp.experiments.launch import launch
-
-        result = launch(cfg)
-    else:
-        cfg.validate()
-        result = run_simulated(cfg)
+    try:
+        if real:
+            result = launch(cfg)
+        else:
+            cfg.validate()
+            result = run_simulated(cfg)
+    except NonFiniteGradientError as exc:
+        result = {"diverged": True, "diverged_at_step": exc.step, "error": str(exc)}
+    except WorkerFailedError as exc:
+        if "non-finite" not in str(exc):  # a real worker's NaN arrives as the launcher's error text
+            raise
+        result = {"diverged": True, "diverged_at_step": None, "error": str(exc)}
     assert result is not None
     return {**cell, "params": cfg.params, "result": result}
+
+
+def diverged(row: dict[str, Any]) -> bool:
+    return bool(row["result"].get("diverged"))
 
 
 def read_results(path: str) -> list[dict[str, Any]]:
@@ -97,27 +108,47 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one line per (scheme, density, granularity, memory), mean over seeds."""
+    """Markdown: one line per (scheme, density, granularity, memory), mean over the seeds that finished.
+
+    Seeds whose run diverged (NaN/Inf gradient) are counted in the accuracy column, never averaged in.
+    """
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
-        groups[(row["scheme"], row["density"], row["granularity"], row["error_feedback"])].append(row["result"])
-    modelled = any("modelled_communicate_s" in r for rs in groups.values() for r in rs)
+        groups[(row["scheme"], row["density"], row["granularity"], row["error_feedback"])].append(row)
+    modelled = any("modelled_communicate_s" in row["result"] for rs in groups.values() for row in rs)
     head = ["scheme", "density", "granularity", "memory", "seeds", "test acc. %", "bits up / worker", "× fewer",
             "compute s", "compress s", "communicate s"] + (["modelled comm. s"] if modelled else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
     order = sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2], kv[0][3]))
-    for (scheme, density, granularity, ef), rs in order:
-        accs = [100 * r["test_accuracy"] for r in rs]
-        spread = f" ± {(max(accs) - min(accs)) / 2:.2f}" if len(accs) > 1 else ""
-        cells = [scheme, f"{density:g}", granularity, "on" if ef else "off", str(len(rs)),
-                 f"{sum(accs) / len(accs):.2f}{spread}", f"{mean(rs, 'bits_up_per_worker') / 1e6:.2f} Mbit",
-                 f"{mean(rs, 'compression_ratio_up'):.1f}", f"{mean(rs, 'compute_s'):.3g}",
-                 f"{mean(rs, 'compress_s'):.3g}", f"{mean(rs, 'communicate_s'):.3g}"]
-        if modelled:
-            cells.append(f"{mean(rs, 'modelled_communicate_s'):.3g}" if "modelled_communicate_s" in rs[0] else "–")
+    for (scheme, density, granularity, ef), group in order:
+        rs = [row["result"] for row in group if not diverged(row)]
+        lost = [row["result"] for row in group if diverged(row)]
+        cells = [scheme, f"{density:g}", granularity, "on" if ef else "off", str(len(group)),
+                 _accuracy_text(rs, lost)]
+        if rs:
+            cells += [f"{_mean(rs, 'bits_up_per_worker') / 1e6:.2f} Mbit", f"{_mean(rs, 'compression_ratio_up'):.1f}"]
+            cells += [f"{_mean(rs, k):.3g}" for k in ("compute_s", "compress_s", "communicate_s")]
+            if modelled:
+                cells.append(f"{_mean(rs, 'modelled_communicate_s'):.3g}" if "modelled_communicate_s" in rs[0] else "–")
+        else:
+            cells += ["–"] * (len(head) - len(cells))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _mean(results: list[dict], key: str) -> float:
+    return sum(r[key] for r in results) / len(results)
+
+
+def _accuracy_text(finished: list[dict], lost: list[dict]) -> str:
+    steps = sorted(r["diverged_at_step"] for r in lost if r.get("diverged_at_step") is not None)
+    where = f" at step {', '.join(map(str, steps))}" if steps else ""
+    note = f"diverged{where}" if not finished else f"{len(lost)} diverged{where}"
+    if not finished:
+        return note
+    accs = [100 * r["test_accuracy"] for r in finished]
+    text = f"{sum(accs) / len(accs):.2f}" + (f" ± {(max(accs) - min(accs)) / 2:.2f}" if len(accs) > 1 else "")
+    return text + (f" ({note})" if lost else "")
 
 
 def render_plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
@@ -130,7 +161,10 @@ def render_plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
         return []
     by_scheme: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
-        by_scheme[row["scheme"]].append(row)
+        if not diverged(row):
+            by_scheme[row["scheme"]].append(row)
+    if not by_scheme:
+        return []
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for i, (scheme, rs) in enumerate(sorted(by_scheme.items())):
         for ef, marker in ((True, "o"), (False, "x")):
@@ -220,8 +254,11 @@ def main(args: argparse.Namespace) -> int:
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
         r = row["result"]
-        print(f"[{i}/{len(todo)}] {cell_key(cell)}: {100 * r['test_accuracy']:.2f} %, "
-              f"x{r['compression_ratio_up']:.1f} fewer bits up", flush=True)
+        if diverged(row):
+            print(f"[{i}/{len(todo)}] {cell_key(cell)}: {r['error']}", flush=True)
+        else:
+            print(f"[{i}/{len(todo)}] {cell_key(cell)}: {100 * r['test_accuracy']:.2f} %, "
+                  f"x{r['compression_ratio_up']:.1f} fewer bits up", flush=True)
         _render(path, args.out)
     _render(path, args.out)
     return 0

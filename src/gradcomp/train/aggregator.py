@@ -84,7 +84,7 @@ class GradientAggregator:
         """The averaged gradients for ``grads`` (one per parameter, in order); advances the step counter."""
         if len(grads) != len(self.named):
             raise ConfigError(f"expected {len(self.named)} gradients, got {len(grads)}")
-        check_gradients(self.names, grads)
+        check_gradients(self.names, grads, self.steps)
         if self.granularity == "layer":
             averaged = self.exchange.exchange(self.slots, grads, self.steps, validate=False)
         else:

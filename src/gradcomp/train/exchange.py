@@ -37,7 +37,7 @@ from gradcomp.wire import decode, encode
 TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")
 
 
-def check_gradients(names: Sequence[str], tensors: Sequence[Tensor]) -> None:
+def check_gradients(names: Sequence[str], tensors: Sequence[Tensor], step: int | None = None) -> None:
     """Raise before any communication if a tensor is not floating point or holds NaN / Inf."""
     for name, t in zip(names, tensors):
         if not t.is_floating_point():
@@ -47,7 +47,10 @@ def check_gradients(names: Sequence[str], tensors: Sequence[Tensor]) -> None:
     finite = torch.stack([torch.isfinite(t).all() for t in tensors])
     if not bool(finite.all()):
         bad = [name for name, ok in zip(names, finite.tolist()) if not ok]
-        raise NonFiniteGradientError(f"non-finite (NaN or Inf) gradient in {', '.join(bad)}; nothing was sent")
+        where = f" at step {step}" if step is not None else ""
+        raise NonFiniteGradientError(
+            f"non-finite (NaN or Inf) gradient{where} in {', '.join(bad)}; nothing was sent", step=step
+        )
 
 
 class GradientExchange:
