@@ -56,7 +56,7 @@ def main() -> None:
     data = load_dataset("mnist")
     model = build_model("cnn", data, 0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for step in range(args.warmup_steps):
+    for _ in range(args.warmup_steps):
         rows = torch.randint(data.train_x.shape[0], (128,))
         opt.zero_grad()
         F.cross_entropy(model(data.train_x[rows]), data.train_y[rows]).backward()

@@ -1,4 +1,4 @@
-"""The ``gradcomp`` command line: ``train``, ``bench``, ``list``."""
+"""The ``gradcomp`` command line: ``train``, ``bench``, ``sweep``, ``curves``, ``list``."""
 
 from __future__ import annotations
 
@@ -134,6 +134,18 @@ def _sweep(args: argparse.Namespace) -> int:
     return sweep.main(args)
 
 
+def _add_curves(sub: argparse._SubParsersAction) -> None:
+    from gradcomp.experiments import curves
+
+    curves.add_arguments(sub.add_parser("curves", help="accuracy curves of finished runs: table and plot"))
+
+
+def _curves(args: argparse.Namespace) -> int:
+    from gradcomp.experiments import curves
+
+    return curves.main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from gradcomp.experiments import bench
 
@@ -146,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_train(sub)
     _add_bench(sub)
     _add_sweep(sub)
+    _add_curves(sub)
     _add_list(sub)
     args = parser.parse_args(argv)
-    handlers = {"train": _train, "bench": _bench, "sweep": _sweep, "list": _list}
+    handlers = {"train": _train, "bench": _bench, "sweep": _sweep, "curves": _curves, "list": _list}
     try:
         return handlers[args.command](args)
     except GradcompError as exc:
