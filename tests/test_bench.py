@@ -158,7 +158,9 @@ def test_receiver_is_a_separate_instance(monkeypatch):
 
     monkeypatch.setattr(bench, "make", counting_make)
     bench.run_bench(size=1000, repeats=1, compressors=["randomk"], inputs=["synthetic"])
-    assert len(built) == 2 and built[0] is not built[1]  # sender and receiver: no shared position cache
+    settings = len(bench.SETTINGS["randomk"])
+    assert len(built) == 2 * settings  # a sender and a receiver per setting: no shared position cache
+    assert all(built[i] is not built[i + 1] for i in range(0, len(built), 2))
 
 
 def test_position_bits_are_measured_beside_the_entropy_minimum():
@@ -174,3 +176,18 @@ def test_position_bits_are_measured_beside_the_entropy_minimum():
     fixed = gradcomp.make("topk", density=0.01)
     assert position_bits(fixed, [positions, torch.zeros(2000)], slot)[0] == 18  # ceil(log2 200000)
     assert position_bits(gradcomp.make("none"), [torch.zeros(d)], slot) is None
+
+
+def test_random_block_time_is_reported_against_top_k_at_the_same_density():
+    res = bench.run_bench(size=20_000, repeats=1, compressors=["topk", "randomblock", "threshold"],
+                          inputs=["synthetic"])
+    compared = bench.versus_topk(res)
+    rows = {(r["compressor"], r["params"].get("density"), r["params"].get("positions", "fixed")): r
+            for r in res["rows"]}
+    assert {(c["compressor"], c["density"]) for c in compared} == {("randomblock", 0.01), ("randomblock", 0.001)}
+    for c in compared:  # ratios of the measured medians, against fixed-position top-k
+        block, topk = rows[("randomblock", c["density"], "fixed")], rows[("topk", c["density"], "fixed")]
+        assert c["fraction"] == block["compress_encode_s"] / topk["compress_encode_s"]
+        assert c["compress_fraction"] == block["compress_s"] / topk["compress_s"]
+    report = bench.format_report(res)
+    assert "fraction of top-k's at the same density" in report and "randomblock" in report

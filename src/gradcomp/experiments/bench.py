@@ -125,8 +125,8 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
         {"density": 0.01, "positions": "golomb"},
         {"density": 0.001, "positions": "golomb"},
     ],
-    "randomk": [{"density": 0.01}],
-    "randomblock": [{"density": 0.01}],
+    "randomk": [{"density": 0.01}, {"density": 0.001}],
+    "randomblock": [{"density": 0.01}, {"density": 0.001}],
     "threshold": [{"threshold": AbsQuantile(0.99)}],  # keeps about 1% of the tensor
     "sbc": [{"density": 0.01}, {"density": 0.001}],
     "cnat": [{}],
@@ -539,6 +539,29 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def versus_topk(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every other sparsifier's compress+encode time as a fraction of top-k's at the same density and input.
+
+    Top-k with fixed-width positions is the reference (its default); rows without a ``density`` parameter
+    (threshold) have no same-density top-k row and are left out.
+    """
+    reference = {
+        (r["input"], r["params"].get("density")): r
+        for r in result["rows"]
+        if r["compressor"] == "topk" and r["params"].get("positions", "fixed") == "fixed"
+    }
+    out = []
+    for r in result["rows"]:
+        density = r["params"].get("density")
+        ref = reference.get((r["input"], density))
+        if r["compressor"] in ("topk", "memcpy") or density is None or ref is None:
+            continue
+        out.append({"input": r["input"], "compressor": r["compressor"], "setting": r["setting"],
+                    "density": density, "fraction": r["compress_encode_s"] / ref["compress_encode_s"],
+                    "compress_fraction": r["compress_s"] / ref["compress_s"]})
+    return out
+
+
 def format_report(result: dict[str, Any]) -> str:
     meta = result["meta"]
     lines = [
@@ -566,6 +589,14 @@ def format_report(result: dict[str, Any]) -> str:
     lines.append(format_table(result))
     for note in meta["skipped"]:
         lines.append(f"skipped: {note}")
+    compared = versus_topk(result)
+    if compared:
+        lines += ["", "time as a fraction of top-k's at the same density (same input, same run):"]
+        for c in compared:
+            lines.append(
+                f"  {c['input']:9s}  {c['compressor']:12s} {c['setting']:28s} compress+encode "
+                f"{100 * c['fraction']:6.2f} %   compress alone {100 * c['compress_fraction']:6.2f} %"
+            )
     lines.append("")
     lines.append(f"total {meta['seconds']:.1f} s")
     return "\n".join(lines)
