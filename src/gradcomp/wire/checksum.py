@@ -35,20 +35,16 @@ def _s64(c: int) -> int:
 
 
 _GOLDEN = _s64(0x9E3779B97F4A7C15)
-_LEN_MUL = _s64(0xD6E8FEB86659FD93)
-_M1 = _s64(0xBF58476D1CE4E5B9)
-_M2 = _s64(0x94D049BB133111EB)
+_LEN_MUL = 0xD6E8FEB86659FD93
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
 
 
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _shr(z, 30)) * _M1
-    z = (z ^ _shr(z, 27)) * _M2
-    return z ^ _shr(z, 31)
+def _mix(z: int) -> int:
+    """SplitMix64 finalizer on an unsigned 64-bit Python int (host arithmetic: one scalar, no device ops)."""
+    z = ((z ^ (z >> 30)) * _M1) & _MASK64
+    z = ((z ^ (z >> 27)) * _M2) & _MASK64
+    return z ^ (z >> 31)
 
 
 def checksum64(buf: torch.Tensor) -> int:
@@ -69,7 +65,5 @@ def checksum64(buf: torch.Tensor) -> int:
         for k in range(1, 8):
             words = words | (b[:, k].to(torch.int64) << (8 * k))
     weights = torch.arange(nwords, dtype=torch.int64, device=device).mul_(2).add_(1).mul_(_GOLDEN)
-    total = (words * weights).sum()
-    total = total + _s64((n + 1) * _LEN_MUL)
-    out = _mix(total.reshape(1))
-    return int(out.item()) & _MASK64
+    total = int((words * weights).sum().item()) & _MASK64
+    return _mix((total + (n + 1) * _LEN_MUL) & _MASK64)
