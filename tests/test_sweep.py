@@ -59,3 +59,13 @@ def test_a_diverging_cell_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
     assert "non-finite" in capsys.readouterr().out
     assert main(args) == 0  # a diverged cell counts as done
     assert "2 already done, 0 to run" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_diverging_real_worker_is_recorded_too(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["sweep", "--real", "--dataset", "synthetic", "--model", "mlp", "--steps", "6", "--workers", "2",
+                 "--schemes", "topk", "--densities", "0.5", "--granularities", "layer", "--memory", "off",
+                 "--seeds", "0", "--lr", "1e30", "--momentum", "0", "--out", str(out)]) == 0
+    (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert row["result"]["diverged"] is True and 0 < row["result"]["diverged_at_step"] < 6

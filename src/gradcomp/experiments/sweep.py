@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -81,7 +82,8 @@ def run_cell(base: TrainConfig, cell: dict[str, Any], real: bool) -> dict[str, A
     except WorkerFailedError as exc:
         if "non-finite" not in str(exc):  # a real worker's NaN arrives as the launcher's error text
             raise
-        result = {"diverged": True, "diverged_at_step": None, "error": str(exc)}
+        at = re.search(r"at step (\d+)", str(exc))
+        result = {"diverged": True, "diverged_at_step": int(at.group(1)) if at else None, "error": str(exc)}
     assert result is not None
     return {**cell, "params": cfg.params, "result": result}
 
