@@ -111,19 +111,21 @@ def cnat_encode(x: Tensor, gen: torch.Generator, where: str = "tensor", check: b
     """The 9-bit C_nat codes (int64, sign·256 + exponent code) of the float32 tensor ``x``.
 
     With ``check`` (the default) raises NonFiniteGradientError for NaN/Inf: one host synchronisation.
+
+    The exponent is rounded up with probability mantissa / 2^23 by one integer addition: adding
+    (2^23 − 1 − u), u uniform in [0, 2^23), to |x|'s bit pattern carries into the exponent field exactly when
+    u < mantissa. A code of 0 (the value 0) never carries a sign.
     """
     flat = _flat_f32(x).contiguous()
-    bits = flat.view(torch.int32)
-    exponent = (bits >> _MANTISSA_BITS) & 0xFF
-    if check and bool((exponent == 0xFF).any()):
+    if check and not bool(torch.isfinite(flat).all()):
         raise NonFiniteGradientError(f"non-finite (NaN or Inf) value in {where}; cannot compress with cnat")
-    mantissa = bits & _MANTISSA_MASK
+    bits = flat.view(torch.int32)
     u = torch.randint(0, 1 << _MANTISSA_BITS, flat.shape, generator=gen, device=flat.device, dtype=torch.int32)
-    code = exponent + (u < mantissa).to(torch.int32)
+    carry = torch.neg(u).add_(_MANTISSA_MASK)
+    code = torch.bitwise_and(bits, 0x7FFFFFFF).add_(carry).bitwise_right_shift_(_MANTISSA_BITS)
     code = code.clamp_(max=_MAX_EXPONENT)  # exponent 254 never rounds up to Inf
-    sign = (bits >> 31) & 1
-    sign = torch.where(code == 0, torch.zeros_like(sign), sign)
-    return ((sign << 8) | code).to(torch.int64)
+    negative = (bits < 0).logical_and_(code != 0)
+    return code.bitwise_or_(negative.to(torch.int32).bitwise_left_shift_(8)).to(torch.int64)
 
 
 def cnat_decode(codes: Tensor) -> Tensor:
