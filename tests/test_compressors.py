@@ -554,3 +554,27 @@ def test_randomblock_scaled_is_unbiased():
     mean = sum(c.decompress(c.compress(x, slot, s), slot, s) for s in range(draws)) / draws
     stderr = x.abs() * ((1 / 0.05 - 1) / draws) ** 0.5
     assert ((mean - x).abs() <= 5 * stderr + 1e-6).all()
+
+
+def test_randomk_draws_each_slots_positions_once_per_step(monkeypatch):
+    import gradcomp.compressors.sparse as sparse
+
+    calls = []
+    real = sparse.sample_without_replacement
+
+    def counting(n, k, gen, device):
+        calls.append((n, k))
+        return real(n, k, gen, device)
+
+    monkeypatch.setattr(sparse, "sample_without_replacement", counting)
+    c = gradcomp.make("randomk", density=0.01)
+    slots = [Slot(f"p{i}", i, 1000 + 100 * i) for i in range(3)]
+    xs = [torch.randn(s.numel) for s in slots]
+    fields = [c.compress(x, s, 7) for x, s in zip(xs, slots)]  # every slot compressed, then every slot decoded
+    outs = [c.decompress(f, s, 7) for f, s in zip(fields, slots)]
+    assert len(calls) == 3
+    for x, f, out in zip(xs, fields, outs):  # the decode put the values back where the compress took them
+        kept = out != 0
+        assert int(kept.sum()) == f[0].numel() and torch.equal(out[kept], x[kept])
+    c.compress(xs[0], slots[0], 8)  # a new step draws again
+    assert len(calls) == 4

@@ -199,16 +199,24 @@ class RandomK(_SharedRandomSelection):
         self, density: float | None = None, scale: bool = False, seed: int = 0, *, k: int | None = None
     ):
         super().__init__(density, scale, seed, k=k)
-        self._cached: tuple[tuple, Tensor] | None = None
+        self._cache_step: int | None = None
+        self._cache: dict[tuple, Tensor] = {}
 
     def positions(self, slot: Slot, step: int, device: torch.device) -> Tensor:
-        """The k shared positions of this slot and step (cached: compress, feedback and decode all ask)."""
-        key = (slot.index, slot.numel, step, str(device))
-        if self._cached is not None and self._cached[0] == key:
-            return self._cached[1]
+        """The k shared positions of this slot and step.
+
+        Cached for every slot of the latest step: compress, error feedback and the decode of the summed
+        message all ask, and at layer granularity the decode comes after every slot was compressed.
+        """
+        if step != self._cache_step:
+            self._cache_step, self._cache = step, {}
+        key = (slot.index, slot.numel, str(device))
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
         gen = shared_generator(self.seed, step, slot.index, device, salt="randomk")
         positions = torch.sort(sample_without_replacement(slot.numel, self.count(slot), gen, device)).values
-        self._cached = (key, positions)
+        self._cache[key] = positions
         return positions
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
