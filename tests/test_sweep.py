@@ -17,7 +17,9 @@ def test_sweep_runs_the_grid_resumes_and_renders(tmp_path, capsys):
             "--memory", "on", "--seeds", "0", "--out", str(out), "--bandwidth", "1Gbit"]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert len(rows) == 6
+    assert len(rows) == 1 + 6  # the uncompressed reference first, then the grid
+    assert rows[0]["scheme"] == "none" and rows[0]["result"]["compression_ratio_up"] == pytest.approx(1.0, rel=0.01)
+    rows = rows[1:]
     assert {r["scheme"] for r in rows} == {"topk", "randomblock", "threshold"}
     for r in rows:
         assert r["result"]["steps"] == 4 and r["result"]["error_feedback"] is True
@@ -25,11 +27,12 @@ def test_sweep_runs_the_grid_resumes_and_renders(tmp_path, capsys):
     threshold = [r for r in rows if r["scheme"] == "threshold"][0]
     assert threshold["params"]["threshold"] > 0  # calibrated to the density
     table = (out / "table.md").read_text()
-    assert table.count("\n") == 2 + 6 and "randomblock" in table
+    assert table.count("\n") == 2 + 7 and "randomblock" in table
+    assert table.splitlines()[2].startswith("| none (fp32) |")
     capsys.readouterr()
     assert main(args) == 0  # resume: nothing left to run
-    assert "6 already done, 0 to run" in capsys.readouterr().out
-    assert len((out / "results.jsonl").read_text().splitlines()) == 6
+    assert "7 already done, 0 to run" in capsys.readouterr().out
+    assert len((out / "results.jsonl").read_text().splitlines()) == 7
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -46,7 +49,7 @@ def test_a_diverging_cell_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
     out = tmp_path / "sweep"
     args = ["sweep", "--dataset", "synthetic", "--model", "mlp", "--steps", "6", "--workers", "2",
             "--schemes", "topk", "--densities", "0.5", "--granularities", "layer,model", "--memory", "off",
-            "--seeds", "0", "--lr", "1e30", "--momentum", "0", "--out", str(out)]
+            "--seeds", "0", "--lr", "1e30", "--momentum", "0", "--no-baseline", "--out", str(out)]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 2  # both cells ran although each one diverged
@@ -66,6 +69,24 @@ def test_a_diverging_real_worker_is_recorded_too(tmp_path, capsys):
     out = tmp_path / "sweep"
     assert main(["sweep", "--real", "--dataset", "synthetic", "--model", "mlp", "--steps", "6", "--workers", "2",
                  "--schemes", "topk", "--densities", "0.5", "--granularities", "layer", "--memory", "off",
-                 "--seeds", "0", "--lr", "1e30", "--momentum", "0", "--out", str(out)]) == 0
+                 "--seeds", "0", "--lr", "1e30", "--momentum", "0", "--no-baseline", "--out", str(out)]) == 0
     (row,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert row["result"]["diverged"] is True and 0 < row["result"]["diverged_at_step"] < 6
+
+
+def test_table_of_a_resumed_sweep_with_mixed_pricing_and_unknown_divergence_steps():
+    from gradcomp.experiments.sweep import render_table
+
+    def row(seed, **result):
+        finished = {"test_accuracy": 0.9, "bits_up_per_worker": 1e6, "compression_ratio_up": 10.0,
+                    "compute_s": 1.0, "compress_s": 0.5, "communicate_s": 0.1}
+        return {"scheme": "topk", "density": 0.1, "granularity": "layer", "error_feedback": False, "seed": seed,
+                "result": result or finished}
+
+    priced = row(0)
+    priced["result"]["modelled_communicate_s"] = 2.0
+    table = render_table([priced, row(1)])  # seed 1 was run without --bandwidth
+    assert table.splitlines()[2].endswith("| – |") and "90.00" in table
+    lost = [row(0, diverged=True, diverged_at_step=7, error="x"), row(1, diverged=True, diverged_at_step=None,
+                                                                     error="y")]
+    assert "diverged at step 7, ?" in render_table(lost)

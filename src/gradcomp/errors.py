@@ -21,7 +21,8 @@ class ConfigError(GradcompError):
 class NonFiniteGradientError(GradcompError):
     """A gradient holds NaN or Inf; raised with the parameter's name before anything is sent.
 
-    ``step`` is the training step at which it was found, when the caller knows it (training diverged there).
+    ``step`` is the index of the exchange at which it was found, when the caller knows it: the training step
+    when gradients are exchanged every step, the synchronisation round with ``--local-steps``.
     """
 
     def __init__(self, message: str, step: int | None = None):

@@ -27,8 +27,10 @@ def load_run(spec: str) -> tuple[str, dict[str, Any]]:
     if not result.get("accuracy_curve"):
         raise ConfigError(f"{path}: no accuracy curve recorded (train with --eval-every N)")
     if not label:
-        label = result.get("compressor", path) + (" + EF" if result.get("error_feedback") else "")
-        label += f" (lr {result.get('lr')}, momentum {result.get('momentum')})"
+        params = ", ".join(f"{k}={v}" for k, v in (result.get("params") or {}).items())
+        label = result.get("compressor", path) + (f"({params})" if params else "")
+        label += (" + EF" if result.get("error_feedback") else "") + f", {result.get('granularity', 'layer')}"
+        label += f", lr {result.get('lr')}, momentum {result.get('momentum')}"
     return label, result
 
 
@@ -53,7 +55,10 @@ def render_markdown(runs: list[tuple[str, dict[str, Any]]], targets: list[float]
 
 
 def render_plot(runs: list[tuple[str, dict[str, Any]]], path: str, x: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("--out needs matplotlib: pip install 'gradcomp[plots]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -3,8 +3,9 @@
 Every cell is one `gradcomp train` run — on the simulated cluster by default (same protocol code and bit
 counts as real workers, see docs/architecture.md), on real worker processes with ``--real``. Each finished
 cell is appended as one JSON line to ``OUT/results.jsonl``; a cell whose key is already there is not run
-again, so an interrupted sweep resumes where it stopped. ``OUT/table.md`` and the plots are rendered from
-that file after every cell:
+again, so an interrupted sweep resumes where it stopped. Unless ``--no-baseline``, the grid also holds one
+uncompressed (fp32) cell per seed, the reference of the table and plots. ``OUT/table.md`` and the plots are
+rendered from that file after every cell:
 
 - ``accuracy_vs_bits.png``: test accuracy against upstream bits per worker (log scale), one marker per scheme;
 - ``time_split.png``: each scheme's mean time split into compute, compression and communication (and the
@@ -35,6 +36,7 @@ from gradcomp.experiments.models import build_model
 from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, run_simulated
 
 SCHEMES = ("topk", "randomk", "randomblock", "threshold")
+BASELINE = "none"  # uncompressed fp32 allreduce: one cell per seed, the reference every table and plot shows
 
 
 def cell_key(cell: dict[str, Any]) -> str:
@@ -58,7 +60,9 @@ def calibrate_threshold(base: TrainConfig, density: float) -> float:
 
 def cell_config(base: TrainConfig, cell: dict[str, Any]) -> TrainConfig:
     scheme, density = cell["scheme"], cell["density"]
-    if scheme == "threshold":
+    if scheme == BASELINE:
+        params = {}
+    elif scheme == "threshold":
         params = {"threshold": calibrate_threshold(base, density)}
     else:
         params = {"density": density}
@@ -80,9 +84,9 @@ def run_cell(base: TrainConfig, cell: dict[str, Any], real: bool) -> dict[str, A
     except NonFiniteGradientError as exc:
         result = {"diverged": True, "diverged_at_step": exc.step, "error": str(exc)}
     except WorkerFailedError as exc:
-        if "non-finite" not in str(exc):  # a real worker's NaN arrives as the launcher's error text
+        if "NonFiniteGradientError" not in str(exc):  # a real worker's NaN arrives as the launcher's error text
             raise
-        at = re.search(r"at step (\d+)", str(exc))
+        at = re.search(r"at exchange (\d+)", str(exc))
         result = {"diverged": True, "diverged_at_step": int(at.group(1)) if at else None, "error": str(exc)}
     assert result is not None
     return {**cell, "params": cfg.params, "result": result}
@@ -101,6 +105,9 @@ def read_results(path: str) -> list[dict[str, Any]]:
 
 def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     cells = []
+    if args.baseline:
+        cells += [{"scheme": BASELINE, "density": 1.0, "granularity": "layer", "error_feedback": False, "seed": seed}
+                  for seed in args.seeds]
     for scheme, density, granularity, memory, seed in itertools.product(
         args.schemes, args.densities, args.granularities, args.memory, args.seeds
     ):
@@ -121,17 +128,19 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     head = ["scheme", "density", "granularity", "memory", "seeds", "test acc. %", "bits up / worker", "× fewer",
             "compute s", "compress s", "communicate s"] + (["modelled comm. s"] if modelled else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    order = sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2], kv[0][3]))
+    order = sorted(groups.items(), key=lambda kv: (kv[0][0] != BASELINE, kv[0][0], -kv[0][1], kv[0][2], kv[0][3]))
     for (scheme, density, granularity, ef), group in order:
         rs = [row["result"] for row in group if not diverged(row)]
         lost = [row["result"] for row in group if diverged(row)]
-        cells = [scheme, f"{density:g}", granularity, "on" if ef else "off", str(len(group)),
+        name = f"{scheme} (fp32)" if scheme == BASELINE else scheme
+        cells = [name, f"{density:g}", granularity, "on" if ef else "off", str(len(group)),
                  _accuracy_text(rs, lost)]
         if rs:
             cells += [f"{_mean(rs, 'bits_up_per_worker') / 1e6:.2f} Mbit", f"{_mean(rs, 'compression_ratio_up'):.1f}"]
             cells += [f"{_mean(rs, k):.3g}" for k in ("compute_s", "compress_s", "communicate_s")]
-            if modelled:
-                cells.append(f"{_mean(rs, 'modelled_communicate_s'):.3g}" if "modelled_communicate_s" in rs[0] else "–")
+            if modelled:  # only when every finished seed was priced (a resumed sweep may mix runs)
+                priced = all("modelled_communicate_s" in r for r in rs)
+                cells.append(f"{_mean(rs, 'modelled_communicate_s'):.3g}" if priced else "–")
         else:
             cells += ["–"] * (len(head) - len(cells))
         lines.append("| " + " | ".join(cells) + " |")
@@ -143,8 +152,9 @@ def _mean(results: list[dict], key: str) -> float:
 
 
 def _accuracy_text(finished: list[dict], lost: list[dict]) -> str:
-    steps = sorted(r["diverged_at_step"] for r in lost if r.get("diverged_at_step") is not None)
-    where = f" at step {', '.join(map(str, steps))}" if steps else ""
+    steps = sorted((r.get("diverged_at_step") for r in lost), key=lambda s: (s is None, s or 0))
+    known = any(s is not None for s in steps)
+    where = f" at step {', '.join('?' if s is None else str(s) for s in steps)}" if known else ""
     note = f"diverged{where}" if not finished else f"{len(lost)} diverged{where}"
     if not finished:
         return note
@@ -168,7 +178,13 @@ def render_plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
     if not by_scheme:
         return []
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for i, (scheme, rs) in enumerate(sorted(by_scheme.items())):
+    compressed = sorted(k for k in by_scheme if k != BASELINE)
+    baseline = [(r["result"]["bits_up_per_worker"], 100 * r["result"]["test_accuracy"])
+                for r in by_scheme.get(BASELINE, [])]
+    if baseline:
+        ax.scatter(*zip(*baseline), marker="*", s=120, color="black", label="uncompressed (fp32)")
+    for i, scheme in enumerate(compressed):
+        rs = by_scheme[scheme]
         for ef, marker in ((True, "o"), (False, "x")):
             pts = [(r["result"]["bits_up_per_worker"], 100 * r["result"]["test_accuracy"]) for r in rs
                    if r["error_feedback"] == ef]
@@ -186,17 +202,18 @@ def render_plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    schemes = sorted(by_scheme)
+    schemes = ([BASELINE] if baseline else []) + compressed
+    names = ["none (fp32)" if s == BASELINE else s for s in schemes]
     parts = ["compute_s", "compress_s", "communicate_s"]
     bottoms = [0.0] * len(schemes)
     for part in parts:
         values = [sum(r["result"][part] for r in by_scheme[s]) / len(by_scheme[s]) for s in schemes]
-        ax.bar(schemes, values, bottom=bottoms, label=part.replace("_s", ""))
+        ax.bar(names, values, bottom=bottoms, label=part.replace("_s", ""))
         bottoms = [b + v for b, v in zip(bottoms, values)]
     if all("modelled_communicate_s" in r["result"] for rs in by_scheme.values() for r in rs):
         modelled = [sum(r["result"]["modelled_communicate_s"] for r in by_scheme[s]) / len(by_scheme[s])
                     for s in schemes]
-        ax.scatter(schemes, modelled, color="black", marker="_", s=400, label="modelled communication")
+        ax.scatter(names, modelled, color="black", marker="_", s=400, label="modelled communication")
     ax.set_ylabel("seconds per run (mean over cells)")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -216,6 +233,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--granularities", default="layer,model")
     p.add_argument("--memory", default="on,off", help="error feedback: on, off or both")
     p.add_argument("--seeds", default="0,1")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="skip the uncompressed (fp32) reference cell run once per seed")
     p.add_argument("--out", default="runs/sweep", metavar="DIR")
     p.add_argument("--real", action="store_true", help="spawn real gloo workers instead of the simulated cluster")
     p.add_argument("--workers", type=int, default=4)

@@ -37,8 +37,12 @@ from gradcomp.wire import decode, encode
 TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")
 
 
-def check_gradients(names: Sequence[str], tensors: Sequence[Tensor], step: int | None = None) -> None:
-    """Raise before any communication if a tensor is not floating point or holds NaN / Inf."""
+def check_gradients(names: Sequence[str], tensors: Sequence[Tensor], exchange: int | None = None) -> None:
+    """Raise before any communication if a tensor is not floating point or holds NaN / Inf.
+
+    ``exchange`` is the 0-based index of this exchange (the training step when gradients are exchanged every
+    step); it goes into the message and the error's ``step``.
+    """
     for name, t in zip(names, tensors):
         if not t.is_floating_point():
             raise ConfigError(f"{name}: gradcomp compresses floating-point tensors, got dtype {t.dtype}")
@@ -47,9 +51,9 @@ def check_gradients(names: Sequence[str], tensors: Sequence[Tensor], step: int |
     finite = torch.stack([torch.isfinite(t).all() for t in tensors])
     if not bool(finite.all()):
         bad = [name for name, ok in zip(names, finite.tolist()) if not ok]
-        where = f" at step {step}" if step is not None else ""
+        where = f" at exchange {exchange}" if exchange is not None else ""
         raise NonFiniteGradientError(
-            f"non-finite (NaN or Inf) gradient{where} in {', '.join(bad)}; nothing was sent", step=step
+            f"non-finite (NaN or Inf) gradient{where} in {', '.join(bad)}; nothing was sent", step=exchange
         )
 
 
