@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print-every", type=int, default=25)
+    p.add_argument("--sparse-tensors", default=None, metavar="I,J",
+                   help="layer granularity: sparsify only these parameter tensors (0-based), send the rest dense")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -57,9 +59,15 @@ def main() -> None:
     sizes = [q.numel() for q in params] if args.granularity == "layer" else [sum(q.numel() for q in params)]
     residual = [[torch.zeros(n) for n in sizes] for _ in range(args.workers)]
     gen = torch.Generator().manual_seed(1234 + args.seed)
+    if args.sparse_tensors is None:
+        sparse = set(range(len(sizes)))
+    else:
+        sparse = {int(i) for i in args.sparse_tensors.split(",")}
+        print("sparsified:", ", ".join(n for i, (n, _) in enumerate(model.named_parameters()) if i in sparse))
 
     for step in range(args.steps):
-        chosen = [select(args.scheme, n, max(1, math.ceil(args.density * n)), gen) for n in sizes]
+        chosen = [select(args.scheme, n, max(1, math.ceil(args.density * n)), gen) if t in sparse else torch.arange(n)
+                  for t, n in enumerate(sizes)]
         total = [torch.zeros(n) for n in sizes]
         losses = []
         for w in range(args.workers):

@@ -29,6 +29,11 @@ python scripts/reference_ef_random.py --scheme randomk --density 0.1 --steps 300
 python scripts/reference_ef_random.py --scheme randomblock --memory off --density 0.1 --steps 200
 python scripts/reference_ef_random.py --scheme randomblock --memory off --density 0.1 --momentum 0 --steps 300
 python scripts/reference_ef_random.py --scheme randomk --memory off --density 0.1 --steps 300
+for t in 2 4 2,4; do  # which tensors' blocks make random-block without memory unstable with momentum
+  python scripts/reference_ef_random.py --scheme randomblock --memory off --density 0.1 --steps 300 --sparse-tensors $t
+done
+python scripts/reference_ef_random.py --scheme randomk --memory off --density 0.1 --steps 300 --sparse-tensors 2
+python scripts/reference_ef_random.py --scheme randomk --memory off --density 0.1 --steps 300 --sparse-tensors 2,4
 python scripts/block_curvature.py --density 0.1 --warmup-steps 100 --trials 8
 
 # Compression time of random-block against top-k at the same density.
