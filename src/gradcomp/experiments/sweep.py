@@ -8,8 +8,8 @@ uncompressed (fp32) cell per seed, the reference of the table and plots. ``OUT/t
 rendered from that file after every cell:
 
 - ``accuracy_vs_bits.png``: test accuracy against upstream bits per worker (log scale), one marker per scheme;
-- ``time_split.png``: each scheme's mean time split into compute, compression and communication (and the
-  latency-bandwidth model's communication time when ``--bandwidth`` is given).
+- ``time_split.png``: each scheme's mean time split into compute, compression and communication; with
+  ``--bandwidth`` a second bar per scheme prices the communication with the latency-bandwidth model.
 
 The threshold scheme has no density parameter; its cells pick τ so that it keeps the cell's density of the
 initial model's first gradient (the (1 − p)-quantile of |g| of worker 0's first batch) — written into the
@@ -201,19 +201,29 @@ def render_plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
     fig.savefig(paths[0], dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
     schemes = ([BASELINE] if baseline else []) + compressed
     names = ["none (fp32)" if s == BASELINE else s for s in schemes]
-    parts = ["compute_s", "compress_s", "communicate_s"]
-    bottoms = [0.0] * len(schemes)
-    for part in parts:
-        values = [sum(r["result"][part] for r in by_scheme[s]) / len(by_scheme[s]) for s in schemes]
-        ax.bar(names, values, bottom=bottoms, label=part.replace("_s", ""))
-        bottoms = [b + v for b, v in zip(bottoms, values)]
-    if all("modelled_communicate_s" in r["result"] for rs in by_scheme.values() for r in rs):
-        modelled = [sum(r["result"]["modelled_communicate_s"] for r in by_scheme[s]) / len(by_scheme[s])
-                    for s in schemes]
-        ax.scatter(names, modelled, color="black", marker="_", s=400, label="modelled communication")
+
+    def mean_of(part: str) -> list[float]:
+        return [sum(r["result"][part] for r in by_scheme[s]) / len(by_scheme[s]) for s in schemes]
+
+    priced = all("modelled_communicate_s" in r["result"] for s in schemes for r in by_scheme[s])
+    xs = list(range(len(schemes)))
+    width = 0.38 if priced else 0.7
+    here = [x - width / 2 for x in xs] if priced else xs
+    compute, compress = mean_of("compute_s"), mean_of("compress_s")
+    ax.bar(here, compute, width, color="C0", label="compute")
+    ax.bar(here, compress, width, bottom=compute, color="C1", label="compression")
+    ax.bar(here, mean_of("communicate_s"), width, bottom=[a + b for a, b in zip(compute, compress)], color="C2",
+           label="communication (measured here)")
+    if priced:  # the same run with its collectives priced by the latency-bandwidth model
+        there = [x + width / 2 for x in xs]
+        ax.bar(there, compute, width, color="C0", alpha=0.55)
+        ax.bar(there, compress, width, bottom=compute, color="C1", alpha=0.55)
+        ax.bar(there, mean_of("modelled_communicate_s"), width, bottom=[a + b for a, b in zip(compute, compress)],
+               color="C3", alpha=0.8, label="communication (α–β model; right bars)")
+    ax.set_xticks(xs, names)
     ax.set_ylabel("seconds per run (mean over cells)")
     ax.legend(fontsize=8)
     fig.tight_layout()
