@@ -144,6 +144,9 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         else:
             cells += ["–"] * (len(head) - len(cells))
         lines.append("| " + " | ".join(cells) + " |")
+    if any(scheme == "threshold" for scheme, *_ in groups):
+        lines += ["", "Threshold cells: the density is the target τ was calibrated to (the share of the first gradient "
+                  "above τ); what they really sent is in the bits columns."]
     return "\n".join(lines) + "\n"
 
 
