@@ -20,6 +20,8 @@ G6="python -m gradcomp.cli train --simulate --no-progress --lr 0.006 --momentum 
 $G6 --compressor randomblock --param density=0.01 --error-feedback --json runs/rb_ef_lr006.json
 $G6 --json runs/none_lr006.json
 $G6 --compressor randomblock --param density=0.01 --no-error-feedback --lr 0.004 --json runs/rb_noef_lr004.json
+$G6 --compressor randomblock --param density=0.01 --error-feedback --granularity model --lr 0.004 \
+  --json runs/rb_ef_model_lr004.json
 python -m gradcomp.cli curves runs/none_lr006.json=uncompressed "runs/rb_ef_lr006.json=random-block 1% + EF" \
   --targets 0.95,0.9736,0.9756,0.98
 python -m gradcomp.cli curves runs/none_lr004.json=uncompressed "runs/rb_ef_lr004.json=random-block 1% + EF" \
