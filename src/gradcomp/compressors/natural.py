@@ -258,9 +258,9 @@ class _Dithering(Compressor):
             y = scaled.abs() / divisor
             gen = shared_generator(self.seed, step, slot.index, device, salt=f"{self.name}:{self.worker}")
             u = torch.rand(flat.shape, generator=gen, device=device)
-            index = self._level_index(y, u).clamp_(0, self.levels)
-            negative = (flat < 0) & (index > 0)
-            codes = (negative.to(torch.int64) << self.level_bits) | index.to(torch.int64)
+            index = self._level_index(y, u).clamp_(0, self.levels).to(torch.int64)
+            negative = (flat < 0).logical_and_(index > 0)
+            codes = index.bitwise_or_(negative.to(torch.int64).bitwise_left_shift_(self.level_bits))
         if self.norm_codec == "cnat":
             gen = shared_generator(self.seed, step, slot.index, device, salt=f"{self.name}:norm:{self.worker}")
             norm = cnat_encode(norm, gen, slot.name, check=False)  # already checked finite
@@ -310,12 +310,12 @@ class NaturalDithering(_Dithering):
         s = self.levels
         mantissa, exponent = torch.frexp(y)  # y = mantissa · 2^exponent, mantissa in [1/2, 1)
         # y in [2^(j−1−s), 2^(j−s)) with j = exponent + s; levels j − 1 (value a) and j (value 2a)
-        upper = exponent.to(torch.int64) + s
-        p_up = 2.0 * mantissa - 1.0  # (y − a) / a, exact
-        small = (upper <= 1) | (y == 0)  # y < 2^(1−s): between level 0 and level 1 (value 2^(1−s))
+        upper = exponent.add_(s)
+        p_up = mantissa.mul_(2.0).sub_(1.0)  # (y − a) / a, exact
+        small = (upper <= 1).logical_or_(y == 0)  # y < 2^(1−s): between level 0 and level 1 (value 2^(1−s))
         p_up = torch.where(small, y * float(2.0 ** (s - 1)), p_up)
-        upper = torch.where(small, torch.ones_like(upper), upper)
-        return upper - (u >= p_up).to(torch.int64)
+        upper.masked_fill_(small, 1)
+        return upper.sub_((u >= p_up).to(upper.dtype))
 
     def _level_value(self, index: Tensor) -> Tensor:
         # 2^(j − s) built from its float32 bits (j − s + 127 in [1, 127] since s <= 126); 0 for j = 0
