@@ -613,3 +613,13 @@ def test_cuda_matches_cpu():
     out = decode(cpu.cuda(), MIXED_SPECS)
     assert all(o.is_cuda for o in out)
     assert_fields_equal([o.cpu() for o in out], fields, MIXED_SPECS)
+
+
+def test_checksum_numpy_and_torch_paths_agree():
+    from gradcomp.wire.checksum import _weighted_sum_numpy, _weighted_sum_torch
+
+    data = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    for start, stop in ((0, 0), (0, 1), (0, 8), (0, 4099), (1, 4099), (3, 1000), (5, 13)):
+        view = data[start:stop]  # odd lengths and views that start off an 8-byte boundary
+        assert _weighted_sum_numpy(view) == _weighted_sum_torch(view)
+        assert checksum64(view) == reference_checksum(bytes(view.tolist()))
