@@ -244,7 +244,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated sparsifiers")
     p.add_argument("--densities", default="0.1,0.01,0.001")
     p.add_argument("--granularities", default="layer,model")
-    p.add_argument("--memory", default="on,off", help="error feedback: on, off or both")
+    p.add_argument("--memory", default="on,off", help="error feedback: on, off or on,off")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="skip the uncompressed (fp32) reference cell run once per seed")
