@@ -13,12 +13,14 @@ from fractions import Fraction
 
 import pytest
 import torch
+from roundtrip import f32_bits as bits
+from roundtrip import round_trip
 
 import gradcomp
 from gradcomp import ConfigError, Slot
 from gradcomp.compressors import BFloat16, Float16, NoCompression, RandomK, Threshold, TopK
 from gradcomp.compressors.base import kept_count
-from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES, bits_needed, decode, encode
+from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES, bits_needed, encode
 
 NAMES = ["none", "fp16", "bf16", "topk", "randomk", "threshold"]
 
@@ -40,37 +42,6 @@ CONFIGS = [
     ("threshold", {"threshold": 1e-3}),
 ]
 CONFIG_IDS = [name + "".join(f"-{k}={v}" for k, v in params.items()) for name, params in CONFIGS]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bit pattern of a float32 tensor, so that -0.0 != 0.0 and NaN payloads compare too."""
-    assert t.dtype == torch.float32
-    return t.contiguous().view(torch.int32)
-
-
-def round_trip(compressor, x: torch.Tensor, slot: Slot, step: int = 0) -> torch.Tensor:
-    """Checks the wire round trip bit-exactly; returns the decompressed tensor."""
-    fields = compressor.compress(x, slot, step)
-    direct = compressor.decompress(fields, slot, step)
-    assert direct.dtype == torch.float32
-    assert direct.shape == (slot.numel,)
-
-    specs = compressor.specs(slot)
-    buf = encode(fields, specs)
-    assert buf.dtype == torch.uint8 and buf.dim() == 1
-    decoded = decode(buf, specs)
-    assert len(decoded) == len(fields)
-    for got, sent in zip(decoded, fields):
-        assert got.numel() == sent.numel()
-        if sent.dtype.is_floating_point:
-            assert got.dtype == sent.dtype
-            assert torch.equal(got.reshape(-1).view(torch.uint8), sent.reshape(-1).contiguous().view(torch.uint8))
-        else:
-            assert torch.equal(got.reshape(-1), sent.reshape(-1).to(torch.int64))
-    via_wire = compressor.decompress(decoded, slot, step)
-    assert via_wire.dtype == torch.float32 and via_wire.shape == (slot.numel,)
-    assert torch.equal(bits(via_wire), bits(direct))
-    return direct
 
 
 def inputs(d: int, seed: int) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from roundtrip import f32_bits, round_trip
 
 import gradcomp
 from gradcomp import ConfigError, NonFiniteGradientError, Slot
@@ -38,32 +39,6 @@ CONFIGS = [
     ("terngrad", {}),
 ]
 CONFIG_IDS = [name + "".join(f"-{k}={v}" for k, v in params.items()) for name, params in CONFIGS]
-
-
-def f32_bits(t: torch.Tensor) -> torch.Tensor:
-    assert t.dtype == torch.float32
-    return t.contiguous().view(torch.int32)
-
-
-def round_trip(compressor, x: torch.Tensor, slot: Slot, step: int = 0) -> torch.Tensor:
-    """encode → decode → decompress equals decompress of the raw fields, bit for bit."""
-    fields = compressor.compress(x, slot, step)
-    direct = compressor.decompress(fields, slot, step)
-    assert direct.dtype == torch.float32 and direct.shape == (slot.numel,)
-    specs = compressor.specs(slot)
-    decoded = decode(encode(fields, specs), specs)
-    for got, sent in zip(decoded, fields):
-        if sent.dtype.is_floating_point:
-            assert torch.equal(got.view(torch.uint8), sent.reshape(-1).contiguous().view(torch.uint8))
-        else:
-            assert sent.dtype == torch.int64
-            assert torch.equal(got, sent.reshape(-1))
-    via_wire = compressor.decompress(decoded, slot, step)
-    assert torch.equal(f32_bits(via_wire), f32_bits(direct))
-    out = torch.empty(slot.numel).fill_(0.25)
-    compressor.accumulate(fields, slot, step, out)
-    assert torch.equal(f32_bits(out), f32_bits(0.25 + direct))
-    return direct
 
 
 def adversarial(d: int = 400, seed: int = 0, full_range: bool = False) -> torch.Tensor:
