@@ -23,10 +23,16 @@ def test_latency_parsing(text, s):
     assert parse_latency(text) == pytest.approx(s)
 
 
-@pytest.mark.parametrize("bad", ["fast", "-1Gbit", "0", "1 parsec"])
+@pytest.mark.parametrize("bad", ["fast", "-1Gbit", "0", "1 parsec", "1.2.3Gbit", "+-1G"])
 def test_bad_bandwidth_is_refused(bad):
-    with pytest.raises(gradcomp.ConfigError):
+    with pytest.raises(gradcomp.ConfigError, match="bandwidth must"):
         parse_bandwidth(bad)
+
+
+@pytest.mark.parametrize("bad", ["soon", "-1ms", "5-us", "1.2.3ms", "3 days"])
+def test_bad_latency_is_refused(bad):
+    with pytest.raises(gradcomp.ConfigError, match="latency must"):
+        parse_latency(bad)
 
 
 def test_textbook_costs():

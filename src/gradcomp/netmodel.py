@@ -25,15 +25,24 @@ _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
+def _quantity(text: str | float, pattern: str, units: dict[str, float], default_unit: str, what: str) -> float:
+    """A plain number, or ``<number><unit>`` matching ``pattern`` (groups: number, unit), scaled to base units."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    match = re.fullmatch(pattern, str(text))
+    try:
+        number = float(match.group(1)) if match else None
+    except ValueError:
+        number = None
+    if number is None:
+        raise ConfigError(f"{what}, got {text!r}")
+    return number * units[(match.group(2) or default_unit).lower()]
+
+
 def parse_bandwidth(text: str | float) -> float:
     """``"10Gbit"``, ``"1 Gbit/s"``, ``"100Mbps"``, ``1e9`` → bits per second."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)\s*(bit/s|bits/s|bit|bps|b/s|b)?\s*", str(text))
-        if not match:
-            raise ConfigError(f"bandwidth must look like 10Gbit, 1Gbit/s or 100Mbps, got {text!r}")
-        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    value = _quantity(text, r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)\s*(?:bit/s|bits/s|bit|bps|b/s|b)?\s*", _UNITS, "",
+                      "bandwidth must look like 10Gbit, 1Gbit/s or 100Mbps")
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"bandwidth must be positive, got {text!r}")
     return value
@@ -41,13 +50,8 @@ def parse_bandwidth(text: str | float) -> float:
 
 def parse_latency(text: str | float) -> float:
     """``"50us"``, ``"1ms"``, ``0.0001`` → seconds."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)?\s*", str(text))
-        if not match:
-            raise ConfigError(f"latency must look like 50us, 1ms or 0.0001, got {text!r}")
-        value = float(match.group(1)) * _TIME_UNITS[match.group(2) or "s"]
+    value = _quantity(text, r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)?\s*", _TIME_UNITS, "s",
+                      "latency must look like 50us, 1ms or 0.0001")
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"latency must be >= 0, got {text!r}")
     return value
