@@ -7,7 +7,9 @@
 """
 
 from gradcomp.compressors import Compressor, Slot
-from gradcomp.errors import ConfigError, GradcompError, NonFiniteGradientError, WireError
+from gradcomp.errors import (
+    CommunicationError, ConfigError, GradcompError, NonFiniteGradientError, WireError, WorkerLostError,
+)
 from gradcomp.feedback import ErrorFeedback
 from gradcomp.registry import available, make, register
 from gradcomp.train import (
@@ -18,12 +20,12 @@ from gradcomp.train import (
     compression_hook,
     register_ddp_hook,
 )
-from gradcomp.transport import ByteCounter, DistTransport, SimulatedCluster, Transport, WorkerLostError
+from gradcomp.transport import ByteCounter, DistTransport, SimulatedCluster, Transport
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ByteCounter", "CompressionHookState", "Compressor", "ConfigError", "DistTransport", "ErrorFeedback",
+    "ByteCounter", "CommunicationError", "CompressionHookState", "Compressor", "ConfigError", "DistTransport", "ErrorFeedback",
     "GradcompError", "GradientAggregator", "GradientExchange", "LocalUpdateExchange", "NonFiniteGradientError",
     "SimulatedCluster", "Slot", "Transport", "WireError", "WorkerLostError", "available", "compression_hook",
     "make", "register", "register_ddp_hook",

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from gradcomp.errors import GradcompError
+from gradcomp.errors import CommunicationError, GradcompError
 from gradcomp.registry import parse_param_strings
 
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"train": _train, "bench": _bench, "sweep": _sweep, "curves": _curves, "list": _list}
     try:
         return handlers[args.command](args)
-    except GradcompError as exc:
+    except (GradcompError, CommunicationError) as exc:
         print(f"gradcomp: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,6 +1,8 @@
 """Error types that gradcomp raises for bad input.
 
-All are ValueError subclasses, so callers that already catch ValueError keep working.
+Bad input (``GradcompError`` and its subclasses) are ValueErrors, so callers that already catch ValueError keep
+working. A failed collective is not bad input: ``CommunicationError`` (a RuntimeError) and its subclass
+``WorkerLostError``.
 """
 
 from __future__ import annotations
@@ -28,3 +30,11 @@ class NonFiniteGradientError(GradcompError):
     def __init__(self, message: str, step: int | None = None):
         super().__init__(message)
         self.step = step
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed: a worker disappeared, stopped answering within the time-out, or failed itself."""
+
+
+class WorkerLostError(CommunicationError):
+    """Another worker vanished, failed or timed out while this one waited at a collective."""

@@ -1,40 +1,29 @@
 """The compressor registry: ``gradcomp.make(name, **params)`` and the CLI's ``--compressor NAME --param k=v``.
 
-Both paths build the same object. Unknown names and bad parameters raise ConfigError before anything is sent.
+Both paths build the same object. Methods register themselves in the leaf module ``gradcomp.catalog``; this
+module imports them (no module imports one that imports it back). Unknown names and bad parameters raise ConfigError before anything is sent.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any
 
+import gradcomp.compressors  # noqa: F401  (importing the package registers every built-in method)
+from gradcomp.catalog import CATALOG, register
 from gradcomp.errors import ConfigError
 
-_REGISTRY: dict[str, type] = {}
-T = TypeVar("T", bound=type)
-
-
-def register(cls: T) -> T:
-    """Class decorator: registers a Compressor subclass under its ``name``."""
-    name = getattr(cls, "name", "")
-    if not name:
-        raise TypeError(f"{cls.__name__} has no name")
-    if name in _REGISTRY and _REGISTRY[name] is not cls:
-        raise TypeError(f"compressor name {name!r} registered twice")
-    _REGISTRY[name] = cls
-    return cls
+__all__ = ["available", "compressor_class", "make", "parse_param_strings", "register"]
 
 
 def available() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
+    return sorted(CATALOG)
 
 
 def compressor_class(name: str) -> type:
-    _load_builtin()
     try:
-        return _REGISTRY[name]
+        return CATALOG[name]
     except KeyError:
         raise ConfigError(f"unknown compressor {name!r}; available: {', '.join(available())}") from None
 
@@ -121,8 +110,3 @@ def _parse_value(raw: str) -> Any:
         except ValueError:
             pass
     return raw
-
-
-def _load_builtin() -> None:
-    # Importing the package registers every built-in compressor.
-    import gradcomp.compressors  # noqa: F401

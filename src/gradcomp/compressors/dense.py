@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Compressor, Fields, Slot
-from gradcomp.registry import register
+from gradcomp.catalog import register
 from gradcomp.wire import Codec, FieldSpec
 
 FP16_MAX = 65504.0

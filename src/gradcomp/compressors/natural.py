@@ -88,7 +88,7 @@ from torch import Tensor
 
 from gradcomp.compressors.base import Compressor, Fields, Slot, check_int, shared_generator
 from gradcomp.errors import ConfigError, NonFiniteGradientError
-from gradcomp.registry import register
+from gradcomp.catalog import register
 from gradcomp.wire import Codec, FieldSpec
 
 __all__ = ["NaturalCompression", "RandomDithering", "NaturalDithering", "TernGrad", "cnat_encode", "cnat_decode"]

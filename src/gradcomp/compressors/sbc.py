@@ -36,7 +36,7 @@ from torch import Tensor
 
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.compressors.sparse import KeptCount, check_positions_codec, position_spec
-from gradcomp.registry import register
+from gradcomp.catalog import register
 from gradcomp.wire import Codec, FieldSpec
 
 

@@ -42,7 +42,7 @@ from gradcomp.compressors.base import (
     shared_seed,
 )
 from gradcomp.errors import ConfigError
-from gradcomp.registry import register
+from gradcomp.catalog import register
 from gradcomp.wire import Codec, FieldSpec
 
 POSITION_CODECS = {"fixed": Codec.POSITIONS, "golomb": Codec.GOLOMB}

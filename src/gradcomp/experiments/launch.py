@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradcomp.errors import GradcompError
+from gradcomp.errors import GradcompError, WorkerLostError
 from gradcomp.experiments.runner import TrainConfig, run_simulated, run_worker, summarize, worker_threads
 from gradcomp.transport.dist import DistTransport
 
@@ -115,7 +115,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
             last = str(exc).strip().splitlines()[-1]
             raise WorkerFailedError(f"worker {exc.error_index} failed: {last}") from None
         except mp.ProcessExitedException as exc:
-            raise WorkerFailedError(f"worker {exc.error_index} died: {exc}") from None
+            raise WorkerLostError(f"worker {exc.error_index} died: {exc}") from None
         with open(result_path) as f:
             return json.load(f)
 

@@ -2,7 +2,8 @@
 
 from gradcomp.transport.base import CONTROL, PAYLOAD, ByteCounter, Transport
 from gradcomp.transport.dist import DistTransport
-from gradcomp.transport.sim import SimTransport, SimulatedCluster, WorkerLostError
+from gradcomp.errors import WorkerLostError
+from gradcomp.transport.sim import SimTransport, SimulatedCluster
 
 __all__ = [
     "CONTROL", "PAYLOAD", "ByteCounter", "DistTransport", "SimTransport", "SimulatedCluster", "Transport",

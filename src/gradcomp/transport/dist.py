@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradcomp.errors import ConfigError
+from gradcomp.errors import ConfigError, WorkerLostError
 from gradcomp.transport.base import Transport
-from gradcomp.transport.sim import WorkerLostError
 
 
 class DistTransport(Transport):

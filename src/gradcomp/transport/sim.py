@@ -29,14 +29,10 @@ from typing import TypeVar
 
 from torch import Tensor
 
-from gradcomp.errors import ConfigError, GradcompError
+from gradcomp.errors import ConfigError, WorkerLostError
 from gradcomp.transport.base import Transport
 
 T = TypeVar("T")
-
-
-class WorkerLostError(GradcompError):
-    """Another simulated worker failed or timed out while this one waited at a collective."""
 
 
 class SimulatedCluster:
