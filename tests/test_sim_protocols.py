@@ -15,6 +15,7 @@ import torch
 import gradcomp
 from gradcomp import ByteCounter, ConfigError, SimulatedCluster, WorkerLostError
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
+from gradcomp.schemes.requests import drive
 
 WORLDS = [1, 3, 5]
 
@@ -58,7 +59,7 @@ def test_allreduce_sum(world):
 
     def fn(t):
         mine = xs[t.rank].clone()
-        out = allreduce_sum(t, mine)
+        out = drive(t, allreduce_sum(mine))
         assert torch.equal(mine, xs[t.rank]), "the input must not be modified"
         return out, t.counter.snapshot()
 
@@ -76,7 +77,7 @@ def test_allreduce_sum(world):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int64])
 def test_allreduce_sum_other_dtypes(dtype):
     with SimulatedCluster(3) as cluster:
-        outs = cluster.run(lambda t: allreduce_sum(t, torch.full((4, 2), t.rank + 1, dtype=dtype)))
+        outs = cluster.run(lambda t: drive(t, allreduce_sum(torch.full((4, 2), t.rank + 1, dtype=dtype))))
         counters = [t.counter for t in cluster.transports]
     for out in outs:
         assert out.dtype == dtype and out.shape == (8,)
@@ -99,7 +100,7 @@ def test_allgather_buffers(world, sizes_of):
     buffers = [rank_bytes(r, s) for r, s in enumerate(sizes)]
 
     def fn(t):
-        return allgather_buffers(t, buffers[t.rank].clone()), t.counter.snapshot()
+        return drive(t, allgather_buffers(t.rank, buffers[t.rank].clone())), t.counter.snapshot()
 
     with SimulatedCluster(world) as cluster:
         results = cluster.run(fn)
@@ -127,7 +128,7 @@ def test_allgather_counters_accumulate_over_calls():
     world = 3
     with SimulatedCluster(world) as cluster:
         for call in range(1, 4):
-            cluster.run(lambda t: allgather_buffers(t, rank_bytes(t.rank, 10 + t.rank)))
+            cluster.run(lambda t: drive(t, allgather_buffers(t.rank, rank_bytes(t.rank, 10 + t.rank))))
             for rank, t in enumerate(cluster.transports):
                 assert t.counter.up_payload == call * (10 + rank)
                 assert t.counter.up_control == call * 8
@@ -154,7 +155,7 @@ def _ps_run(world, root, sizes):
         return out
 
     def fn(t):
-        down = parameter_server(t, buffers[t.rank].clone(), aggregate, root=root)
+        down = drive(t, parameter_server(t.rank, buffers[t.rank].clone(), aggregate, root=root))
         return down, t.counter.snapshot()
 
     with SimulatedCluster(world) as cluster:
@@ -209,7 +210,7 @@ def test_parameter_server_server_out_is_payload_only(world):
 @pytest.mark.parametrize("world", [1, 3])
 def test_parameter_server_with_empty_downstream(world):
     def fn(t):
-        return parameter_server(t, rank_bytes(t.rank, 4), lambda bufs: torch.zeros(0, dtype=torch.uint8))
+        return drive(t, parameter_server(t.rank, rank_bytes(t.rank, 4), lambda bufs: torch.zeros(0, dtype=torch.uint8)))
 
     with SimulatedCluster(world) as cluster:
         for out in cluster.run(fn):
@@ -231,10 +232,10 @@ def test_a_failing_worker_fails_the_run_fast(world, when):
     def fn(t):
         if when == "before" and t.rank == bad:
             raise Boom(f"worker {t.rank} failed")
-        allreduce_sum(t, torch.ones(3))
+        drive(t, allreduce_sum(torch.ones(3)))
         if when == "between" and t.rank == bad:
             raise Boom(f"worker {t.rank} failed")
-        allgather_buffers(t, rank_bytes(t.rank, 3))
+        drive(t, allgather_buffers(t.rank, rank_bytes(t.rank, 3)))
         if when == "after" and t.rank == bad:
             raise Boom(f"worker {t.rank} failed")
         return t.rank
@@ -247,7 +248,7 @@ def test_a_failing_worker_fails_the_run_fast(world, when):
 
         # the same cluster runs again, cleanly, after the failure
         def ok(t):
-            return allreduce_sum(t, torch.full((2,), float(t.rank))), allgather_buffers(t, rank_bytes(t.rank, t.rank))
+            return drive(t, allreduce_sum(torch.full((2,), float(t.rank)))), drive(t, allgather_buffers(t.rank, rank_bytes(t.rank, t.rank)))
 
         for sums, gathered in cluster.run(ok):
             assert torch.equal(sums, torch.full((2,), float(sum(range(world)))))
@@ -260,7 +261,7 @@ def test_the_original_exception_object_is_re_raised():
     def fn(t):
         if t.rank == 2:
             raise error
-        allreduce_sum(t, torch.ones(1))
+        drive(t, allreduce_sum(torch.ones(1)))
 
     with SimulatedCluster(4, timeout=30.0) as cluster:
         with pytest.raises(gradcomp.NonFiniteGradientError) as info:
@@ -272,7 +273,7 @@ def test_the_original_exception_object_is_re_raised():
 def test_failure_inside_a_combine_is_re_raised():
     # shapes that cannot be summed: the combining worker fails, the others are released
     def fn(t):
-        return allreduce_sum(t, torch.ones(2 + t.rank))
+        return drive(t, allreduce_sum(torch.ones(2 + t.rank)))
 
     with SimulatedCluster(3, timeout=30.0) as cluster:
         started = time.perf_counter()
@@ -280,17 +281,17 @@ def test_failure_inside_a_combine_is_re_raised():
             cluster.run(fn)
         assert not isinstance(info.value, WorkerLostError)
         assert time.perf_counter() - started < 5.0
-        assert cluster.run(lambda t: allreduce_sum(t, torch.ones(1)))[0].item() == 3.0
+        assert cluster.run(lambda t: drive(t, allreduce_sum(torch.ones(1))))[0].item() == 3.0
 
 
 def test_a_missing_worker_times_out_with_worker_lost_error():
     def fn(t):
         if t.rank == 0:
-            allreduce_sum(t, torch.ones(1))  # worker 1 never comes
+            drive(t, allreduce_sum(torch.ones(1)))  # worker 1 never comes
 
     with SimulatedCluster(2, timeout=0.5) as cluster:
         started = time.perf_counter()
         with pytest.raises(WorkerLostError):
             cluster.run(fn)
         assert time.perf_counter() - started < 5.0
-        assert [x.item() for x in cluster.run(lambda t: allreduce_sum(t, torch.ones(1)))] == [2.0, 2.0]
+        assert [x.item() for x in cluster.run(lambda t: drive(t, allreduce_sum(torch.ones(1))))] == [2.0, 2.0]

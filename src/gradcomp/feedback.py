@@ -43,6 +43,7 @@ class ErrorFeedback(Compressor):
         self.inner = inner
         self.name = inner.name
         self.summable = inner.summable
+        self.owns_momentum = inner.owns_momentum
         self.residuals: dict[str, Tensor] = {}
 
     def bind_worker(self, worker: int) -> None:
@@ -71,6 +72,14 @@ class ErrorFeedback(Compressor):
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         return self.inner.decompress(fields, slot, step)
+
+    def aggregate(self, total: Tensor, count: int) -> Tensor:
+        return self.inner.aggregate(total, count)
+
+    def retain(self, slots: list[Slot]) -> None:
+        keep = {self._key(s) for s in slots}
+        self.residuals = {k: v for k, v in self.residuals.items() if k in keep}
+        self.inner.retain(slots)
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         self.inner.accumulate(fields, slot, step, out)

@@ -6,6 +6,7 @@ prices one call on a tensor of n bytes, for W workers, with the textbook algorit
 
     all_reduce   ring (reduce-scatter + all-gather)   2(W−1)·α + 2(W−1)/W · 8n/B
     all_gather   ring                                  (W−1)·α + (W−1) · 8n/B
+    all_to_all   pairwise exchange of n/W-byte chunks  (W−1)·α + (W−1)/W · 8n/B
     gather       to one root over its single link      α + (W−1) · 8n/B
     broadcast    binomial tree                         ⌈log2 W⌉ · (α + 8n/B)
 
@@ -70,6 +71,8 @@ class NetworkModel:
             return 2 * (world - 1) * a + 2 * (world - 1) / world * bits
         if op == "all_gather":
             return (world - 1) * a + (world - 1) * bits
+        if op == "all_to_all":
+            return (world - 1) * a + (world - 1) / world * bits
         if op == "gather":
             return a + (world - 1) * bits
         if op == "broadcast":

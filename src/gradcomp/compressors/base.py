@@ -38,13 +38,16 @@ Fields = list[Tensor]
 class Slot:
     """One tensor that is compressed, identified the same way on every worker.
 
-    ``index`` is the tensor's position in the model's (or DDP bucket list's) order; together with the run
-    seed and the step it derives shared randomness, so workers draw the same random positions without talking.
+    ``index`` is the tensor's position in the model's parameter order; together with the run seed and the step
+    it derives shared randomness, so workers draw the same random positions without talking. ``shape`` is the
+    parameter's shape where a method needs it (PowerSGD views a conv weight as a matrix); None for a flat
+    vector (a whole-model slot).
     """
 
     name: str
     index: int
     numel: int
+    shape: tuple[int, ...] | None = None
 
 
 def shared_seed(seed: int, step: int, index: int, salt: str = "") -> int:
@@ -99,6 +102,8 @@ class Compressor(ABC):
     unbiased: ClassVar[bool] = False
     omega: float | None = None
     default_error_feedback: ClassVar[bool] = False  # what make() does when error_feedback is not given
+    # a compressor that applies momentum itself (signum): the outer optimizer must run without momentum
+    owns_momentum: ClassVar[bool] = False
     worker: int = 0  # set by bind_worker(); salts randomness that must differ between workers
 
     def bind_worker(self, worker: int) -> None:
@@ -128,6 +133,16 @@ class Compressor(ABC):
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         """Add the decompressed message into ``out``; sparse compressors override it to scatter-add."""
         out += self.decompress(fields, slot, step)
+
+    def aggregate(self, total: Tensor, count: int) -> Tensor:
+        """How the sum of ``count`` workers' decompressed messages becomes the update: their mean.
+
+        Majority vote (signSGD) overrides it with the sign of the sum. May work in place on ``total``.
+        """
+        return total.div_(count)
+
+    def retain(self, slots: list[Slot]) -> None:  # noqa: B027 - optional hook, nothing kept by default
+        """Drop per-slot state (residuals, momentum) of every slot not in ``slots``."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -43,6 +43,9 @@ class ComposedValues(Compressor):
     def params(self) -> dict[str, Any]:
         return self.inner.params()
 
+    def aggregate(self, total: Tensor, count: int) -> Tensor:
+        return self.inner.aggregate(total, count)
+
     def _value_slots(self, slot: Slot) -> list[tuple[FieldSpec, Slot | None]]:
         """Each inner field spec, with the value compressor's slot where the field is composed."""
         out: list[tuple[FieldSpec, Slot | None]] = []

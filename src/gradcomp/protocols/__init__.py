@@ -1,4 +1,4 @@
-"""Protocols: how message buffers move and combine over a transport.
+"""Protocols: reusable rounds that move and combine message buffers, written as generators of requests.
 
 - ``allreduce_sum``: summable messages (plain elementwise sum of the fields).
 - ``allgather_buffers``: every worker gets every worker's encoded buffer (sizes differ: exchange sizes, pad to
@@ -6,11 +6,13 @@
 - ``parameter_server``: one rank gathers the buffers, aggregates them (and may compress the aggregate
   downstream) with a callable it is given, and broadcasts the result.
 
-Protocols know buffers and sizes, never compressors: what to do with the buffers is the caller's business.
+Schemes compose them with ``yield from``. Protocols know buffers and sizes, never compressors: what to do
+with the buffers is the caller's business.
 """
 
 from gradcomp.protocols.allgather import allgather_buffers
 from gradcomp.protocols.allreduce import allreduce_sum
 from gradcomp.protocols.parameter_server import parameter_server
+from gradcomp.protocols.sizes import exchange_sizes, pad_to
 
-__all__ = ["allgather_buffers", "allreduce_sum", "parameter_server"]
+__all__ = ["allgather_buffers", "allreduce_sum", "exchange_sizes", "pad_to", "parameter_server"]

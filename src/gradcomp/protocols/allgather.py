@@ -10,14 +10,14 @@ from __future__ import annotations
 from torch import Tensor
 
 from gradcomp.protocols.sizes import exchange_sizes, pad_to
-from gradcomp.transport.base import Transport
+from gradcomp.schemes.requests import AllGather, Rounds
 
 
-def allgather_buffers(transport: Transport, buffer: Tensor) -> list[Tensor]:
-    """Every worker's uint8 buffer, in rank order, without padding."""
-    sizes = exchange_sizes(transport, buffer)
+def allgather_buffers(rank: int, buffer: Tensor) -> Rounds:
+    """Every worker's uint8 buffer, in rank order, without padding (``rank``: this worker's)."""
+    sizes = yield from exchange_sizes(buffer)
     largest = max(sizes)
-    pad_up = largest - sizes[transport.rank]
-    pad_down = sum(largest - s for r, s in enumerate(sizes) if r != transport.rank)
-    gathered = transport.all_gather(pad_to(buffer, largest), pad_up=pad_up, pad_down=pad_down)
+    pad_up = largest - sizes[rank]
+    pad_down = sum(largest - s for r, s in enumerate(sizes) if r != rank)
+    gathered = yield AllGather(pad_to(buffer, largest), pad_up=pad_up, pad_down=pad_down)
     return [b[:s] for b, s in zip(gathered, sizes)]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gradcomp.transport.base import Transport
+from gradcomp.schemes.requests import AllReduce, Rounds
 
 
-def allreduce_sum(transport: Transport, flat: Tensor) -> Tensor:
+def allreduce_sum(flat: Tensor, inplace: bool = False) -> Rounds:
     """Sum ``flat`` (one contiguous 1-D tensor of message fields) over all workers."""
-    return transport.all_reduce_sum(flat.reshape(-1))
+    return (yield AllReduce(flat.reshape(-1), inplace=inplace))

@@ -16,27 +16,25 @@ import torch
 from torch import Tensor
 
 from gradcomp.protocols.sizes import exchange_sizes, pad_to
-from gradcomp.transport.base import CONTROL, Transport
+from gradcomp.schemes.requests import Broadcast, Gather, Rounds
+from gradcomp.transport.base import CONTROL
 
 
 def parameter_server(
-    transport: Transport,
-    buffer: Tensor,
-    aggregate: Callable[[list[Tensor]], Tensor],
-    root: int = 0,
-) -> Tensor:
-    sizes = exchange_sizes(transport, buffer)
+    rank: int, buffer: Tensor, aggregate: Callable[[list[Tensor]], Tensor], root: int = 0
+) -> Rounds:
+    sizes = yield from exchange_sizes(buffer)
     largest = max(sizes)
     pad_in = sum(largest - s for s in sizes)
-    gathered = transport.gather(pad_to(buffer, largest), root, pad_up=largest - sizes[transport.rank], pad_in=pad_in)
-    if transport.rank == root:
+    gathered = yield Gather(pad_to(buffer, largest), root, pad_up=largest - sizes[rank], pad_in=pad_in)
+    if rank == root:
         assert gathered is not None
         downstream = aggregate([b[:s] for b, s in zip(gathered, sizes)])
         length = torch.tensor([downstream.numel()], dtype=torch.int64, device=buffer.device)
     else:
         downstream = None
         length = torch.zeros(1, dtype=torch.int64, device=buffer.device)
-    length = transport.broadcast(length, root, kind=CONTROL)
+    length = yield Broadcast(length, root, kind=CONTROL)
     if downstream is None:
         downstream = torch.empty(int(length.item()), dtype=torch.uint8, device=buffer.device)
-    return transport.broadcast(downstream, root)
+    return (yield Broadcast(downstream, root))

@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradcomp.transport.base import CONTROL, Transport
+from gradcomp.schemes.requests import AllGather, Rounds
+from gradcomp.transport.base import CONTROL
 
 
-def exchange_sizes(transport: Transport, buffer: Tensor) -> list[int]:
+def exchange_sizes(buffer: Tensor) -> Rounds:
     """Every worker's buffer length in bytes (one int64 per worker, booked as control traffic)."""
     mine = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
-    return [int(s.item()) for s in transport.all_gather(mine, kind=CONTROL)]
+    gathered = yield AllGather(mine, kind=CONTROL)
+    return [int(s) for s in torch.cat(gathered).tolist()]
 
 
 def pad_to(buffer: Tensor, size: int) -> Tensor:

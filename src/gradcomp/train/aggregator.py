@@ -70,7 +70,7 @@ class GradientAggregator:
     def slots_for(named: Sequence[tuple[str, nn.Parameter]], granularity: str) -> list[Slot]:
         """One slot per parameter (``layer``) or one for the whole flattened model (``model``)."""
         if granularity == "layer":
-            return [Slot(name, i, p.numel()) for i, (name, p) in enumerate(named)]
+            return [Slot(name, i, p.numel(), tuple(p.shape)) for i, (name, p) in enumerate(named)]
         return [Slot("model", 0, sum(p.numel() for _, p in named))]
 
     @property

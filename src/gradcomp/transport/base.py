@@ -3,12 +3,15 @@
 A transport moves tensors; it knows nothing of compressors. Every byte of every tensor handed to a collective
 is counted, from the point of view of one worker:
 
-- ``all_reduce_sum(t)``: the worker sends t and receives the reduced t: up += t.nbytes, down += t.nbytes.
+- ``all_reduce_sum(t)`` / ``all_reduce_max(t)``: the worker sends t and receives the reduced t:
+  up += t.nbytes, down += t.nbytes.
 - ``all_gather(t)``: the worker sends t and receives the W - 1 other workers' tensors:
   up += t.nbytes, down += (W - 1) * t.nbytes.
 - ``gather(t, root)`` (parameter-server uplink): every worker, the root's own worker role included, sends t
   (up += t.nbytes); the root's server role receives all W tensors (server_in += W * t.nbytes). The server is
   accounted as a separate logical machine even though it lives in the root's process.
+- ``all_to_all(t)``: t holds W equal chunks, chunk j for worker j; the worker keeps its own chunk and
+  receives one chunk from each other worker: up += (W - 1) * chunk, down += (W - 1) * chunk.
 - ``broadcast(t, root)`` (parameter-server downlink): the root's server role sends t once per worker
   (server_out += W * t.nbytes, payload only) and every worker receives it (down += t.nbytes).
 
@@ -113,11 +116,31 @@ class Transport(ABC):
     def _sync(self) -> None:  # noqa: B027 - a hook with a do-nothing default, not an abstract method
         """Wait for asynchronous device work so timings are true (CUDA); nothing to do on the CPU."""
 
-    def all_reduce_sum(self, t: Tensor, kind: str = PAYLOAD) -> Tensor:
-        """Elementwise sum over workers; returns a new tensor, identical on every worker."""
-        result = self._timed(self._all_reduce_sum, t.contiguous())
+    def all_reduce_sum(self, t: Tensor, kind: str = PAYLOAD, inplace: bool = False) -> Tensor:
+        """Elementwise sum over workers, identical on every worker; ``inplace`` lets it overwrite ``t``."""
+        result = self._timed(self._all_reduce_sum, t.contiguous(), inplace)
         self.counter.book(kind, up=t.nbytes, down=t.nbytes)
         self.counter.record("all_reduce", t.nbytes)
+        return result
+
+    def all_reduce_max(self, t: Tensor, kind: str = PAYLOAD) -> Tensor:
+        """Elementwise maximum over workers; returns a new tensor, identical on every worker."""
+        result = self._timed(self._all_reduce_max, t.contiguous())
+        self.counter.book(kind, up=t.nbytes, down=t.nbytes)
+        self.counter.record("all_reduce", t.nbytes)
+        return result
+
+    def all_to_all(self, t: Tensor, kind: str = PAYLOAD, pad_up: int = 0, pad_down: int = 0) -> Tensor:
+        """``t`` is W equal chunks along dim 0, chunk j for worker j; returns W chunks, chunk i from worker i.
+
+        ``pad_up`` / ``pad_down``: padding inside the chunks sent to / received from the other workers.
+        """
+        if t.shape[0] % self.world_size:
+            raise ValueError(f"all_to_all needs a multiple of {self.world_size} rows, got {t.shape[0]}")
+        result = self._timed(self._all_to_all, t.contiguous())
+        crossing = t.nbytes // self.world_size * (self.world_size - 1)
+        self.counter.book(kind, up=crossing, down=crossing, pad_up=pad_up, pad_down=pad_down)
+        self.counter.record("all_to_all", t.nbytes)
         return result
 
     def all_gather(self, t: Tensor, kind: str = PAYLOAD, pad_up: int = 0, pad_down: int = 0) -> list[Tensor]:
@@ -151,7 +174,13 @@ class Transport(ABC):
         return result
 
     @abstractmethod
-    def _all_reduce_sum(self, t: Tensor) -> Tensor: ...
+    def _all_reduce_sum(self, t: Tensor, inplace: bool = False) -> Tensor: ...
+
+    @abstractmethod
+    def _all_reduce_max(self, t: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def _all_to_all(self, t: Tensor) -> Tensor: ...
 
     @abstractmethod
     def _all_gather(self, t: Tensor) -> list[Tensor]: ...

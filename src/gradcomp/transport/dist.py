@@ -53,9 +53,19 @@ class DistTransport(Transport):
         """torch.distributed's gather/broadcast take global ranks; translate a rank within our group."""
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _all_reduce_sum(self, t: Tensor) -> Tensor:
-        out = t.clone()
+    def _all_reduce_sum(self, t: Tensor, inplace: bool = False) -> Tensor:
+        out = t if inplace else t.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def _all_reduce_max(self, t: Tensor) -> Tensor:
+        out = t.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
+    def _all_to_all(self, t: Tensor) -> Tensor:
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t, group=self.group)
         return out
 
     def _all_gather(self, t: Tensor) -> list[Tensor]:

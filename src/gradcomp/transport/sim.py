@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
 from torch import Tensor
 
 from gradcomp.errors import ConfigError, WorkerLostError
@@ -114,6 +115,13 @@ def _sum_in_rank_order(tensors: list[Tensor]) -> Tensor:
     return total
 
 
+def _max_in_rank_order(tensors: list[Tensor]) -> Tensor:
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        torch.maximum(total, t, out=total)
+    return total
+
+
 class SimTransport(Transport):
     def __init__(self, cluster: SimulatedCluster, rank: int):
         super().__init__()
@@ -125,8 +133,15 @@ class SimTransport(Transport):
     def idle_seconds(self) -> float:
         return self.idle_s
 
-    def _all_reduce_sum(self, t: Tensor) -> Tensor:
+    def _all_reduce_sum(self, t: Tensor, inplace: bool = False) -> Tensor:
         return self.cluster.rendezvous(self.rank, t, _sum_in_rank_order).clone()
+
+    def _all_reduce_max(self, t: Tensor) -> Tensor:
+        return self.cluster.rendezvous(self.rank, t, _max_in_rank_order).clone()
+
+    def _all_to_all(self, t: Tensor) -> Tensor:
+        everyone = self.cluster.rendezvous(self.rank, t, list)
+        return torch.cat([x.chunk(self.world_size)[self.rank] for x in everyone])
 
     def _all_gather(self, t: Tensor) -> list[Tensor]:
         return [x.clone() for x in self.cluster.rendezvous(self.rank, t, list)]

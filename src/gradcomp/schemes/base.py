@@ -1,0 +1,62 @@
+"""The scheme interface: a method that owns its rounds of communication and its aggregation rule.
+
+    class Scheme:
+        def run(self, slots, tensors, step) -> Rounds   # a generator of collective requests
+        def state_dict(self) / load_state_dict(state) / retain(slots)
+
+``run`` yields requests (``gradcomp.schemes.requests``) and receives their results; it returns, on every
+worker, the aggregated dense float32 tensors, one per slot. Drivers decide *how* the requests are carried
+out: ``drive`` blocks (``GradientAggregator``, the simulated cluster); the DDP hook runs the same generator on
+a communication thread so that a bucket's rounds overlap the rest of backward. A scheme is bound to its
+worker (``bind(rank, world_size)``) before its first round.
+
+Single-message compressors need no scheme of their own: ``SingleRound`` (allreduce / allgather / parameter
+server) and ``Sharded`` carry any ``Compressor``. Methods with several rounds (PowerSGD) subclass ``Scheme``
+and register under a name like any compressor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from gradcomp.compressors.base import Slot
+from gradcomp.errors import ConfigError
+from gradcomp.schemes.requests import Rounds
+
+
+class Scheme(ABC):
+    name: ClassVar[str] = ""
+    # a method that applies momentum itself: the outer optimizer must run without momentum
+    owns_momentum: ClassVar[bool] = False
+    rank: int = 0
+    world_size: int = 1
+
+    def bind(self, rank: int, world_size: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is not a rank of a world of size {world_size}")
+        self.rank, self.world_size = int(rank), int(world_size)
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    @abstractmethod
+    def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        """The rounds of one exchange; returns the aggregated float32 tensors (flat, one per slot)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ConfigError(f"scheme {self.name!r} keeps no state but got keys {sorted(state)}")
+
+    def retain(self, slots: Sequence[Slot]) -> None:  # noqa: B027 - optional hook, nothing kept by default
+        """Drop any per-slot state (residuals, warm starts) of slots not in ``slots``."""
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"

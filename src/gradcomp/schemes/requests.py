@@ -1,0 +1,104 @@
+"""Collective requests: what a scheme asks the transport to do, one round at a time.
+
+A scheme's ``run`` is a generator: it yields one of these, a driver hands it to the transport, and the result
+is sent back into the generator. The scheme never touches a process group, so every round is byte-counted by
+the transport and runs unchanged on the simulated cluster.
+
+=============  ===========================================================  ==========================
+request        what it does                                                  the generator receives
+=============  ===========================================================  ==========================
+AllReduce      elementwise ``sum`` or ``max`` over workers                   the reduced tensor
+AllGather      every worker's tensor (equal shapes)                          list, in rank order
+AllToAll       W equal chunks, chunk j to worker j                           W chunks, chunk i from i
+Gather         every worker's tensor at ``root`` (equal shapes)              list at root, else None
+Broadcast      ``root``'s tensor on every worker                             the tensor
+=============  ===========================================================  ==========================
+
+``kind`` books the bytes as payload or control (size exchanges); ``pad_*`` is padding inside the tensor,
+booked apart. ``AllReduce(inplace=True)`` lets the transport overwrite the tensor it was given (the scheme
+made it and will not read it again), which saves a copy of every reduced buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, Union
+
+from torch import Tensor
+
+from gradcomp.transport.base import PAYLOAD, Transport
+
+
+@dataclass
+class AllReduce:
+    tensor: Tensor
+    op: str = "sum"  # "sum" or "max"
+    kind: str = PAYLOAD
+    inplace: bool = False
+
+
+@dataclass
+class AllGather:
+    tensor: Tensor
+    kind: str = PAYLOAD
+    pad_up: int = 0
+    pad_down: int = 0
+
+
+@dataclass
+class AllToAll:
+    tensor: Tensor
+    kind: str = PAYLOAD
+    pad_up: int = 0
+    pad_down: int = 0
+
+
+@dataclass
+class Gather:
+    tensor: Tensor
+    root: int
+    kind: str = PAYLOAD
+    pad_up: int = 0
+    pad_in: int = 0
+
+
+@dataclass
+class Broadcast:
+    tensor: Tensor
+    root: int
+    kind: str = PAYLOAD
+
+
+Request = Union[AllReduce, AllGather, AllToAll, Gather, Broadcast]
+# A scheme's rounds: yields requests, receives their results, returns the aggregated tensors.
+Rounds = Generator[Request, Any, Any]
+
+
+def execute(transport: Transport, request: Request) -> Any:
+    """Carry out one request on ``transport`` (blocking) and return its result."""
+    if isinstance(request, AllReduce):
+        if request.op == "sum":
+            return transport.all_reduce_sum(request.tensor, request.kind, inplace=request.inplace)
+        if request.op == "max":
+            return transport.all_reduce_max(request.tensor, request.kind)
+        raise ValueError(f"unknown all-reduce op {request.op!r}")
+    if isinstance(request, AllGather):
+        return transport.all_gather(request.tensor, request.kind, request.pad_up, request.pad_down)
+    if isinstance(request, AllToAll):
+        return transport.all_to_all(request.tensor, request.kind, request.pad_up, request.pad_down)
+    if isinstance(request, Gather):
+        return transport.gather(request.tensor, request.root, request.kind, request.pad_up, request.pad_in)
+    if isinstance(request, Broadcast):
+        return transport.broadcast(request.tensor, request.root, request.kind)
+    raise TypeError(f"a scheme yielded {type(request).__name__}, which is not a collective request")
+
+
+def drive(transport: Transport, rounds: Rounds) -> Any:
+    """The blocking driver: run a scheme's rounds to the end on ``transport``; returns what the scheme returns."""
+    try:
+        request = next(rounds)
+        while True:
+            request = rounds.send(execute(transport, request))
+    except StopIteration as done:
+        return done.value

@@ -1,0 +1,238 @@
+"""One round for any single-message compressor: allreduce, allgather or a parameter server.
+
+    SingleRound(compressor, topology="auto" | "allreduce" | "allgather" | "ps", server_compressor, root)
+
+- ``allreduce`` (default for summable compressors): the fields of all slots are concatenated into one flat
+  tensor, divided by W, and summed with a single allreduce; no header travels, the values are the message.
+  Each field is checked against the compressor's spec (dtype and count) first, so a field of the wrong dtype
+  is an error instead of being silently promoted by the concatenation.
+- ``allgather`` (default for the rest): all slots' fields become ONE encoded buffer (wire layer), gathered
+  from every worker; each worker decodes all buffers in rank order, so every replica computes the same sum.
+- ``ps``: parameter server at ``root``: it decodes and aggregates the gathered buffers, compresses the
+  aggregate with ``server_compressor`` (its own instance and residual; uncompressed fp32 when none is given),
+  and broadcasts that one buffer, which every worker decodes.
+
+The compressor owns its aggregation rule (``Compressor.aggregate``): the mean for most, the sign of the sum
+for majority vote. A mean that overflows fp32 (only possible when the workers' values are near fp32's
+largest finite value) is recomputed from messages divided by W before they are added, so W finite messages
+never average to Inf.
+
+``min_compression_rate`` (off by default; the DDP hook sets it): a slot whose compressed message would not be
+at least that many times smaller than its fp32 values (biases, tiny tensors, a density that keeps almost
+everything) travels uncompressed, in one allreduce that precedes the gathered round. A message whose size
+depends on the data (threshold) always counts as worth compressing; Golomb-coded positions are estimated at
+their fixed-width size, an upper bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors.base import Compressor, Fields, Slot
+from gradcomp.compressors.dense import NoCompression
+from gradcomp.errors import ConfigError
+from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
+from gradcomp.schemes.base import Scheme
+from gradcomp.schemes.requests import Rounds
+from gradcomp.wire import Codec, FieldSpec, decode, encode
+from gradcomp.wire.bits import bits_needed, packed_nbytes
+
+TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")
+_FIELD_DTYPES = {Codec.F32: torch.float32, Codec.F16: torch.float16, Codec.BF16: torch.bfloat16}
+
+
+def resolve_topology(compressor: Compressor, topology: str, server_compressor: Compressor | None) -> str:
+    """The concrete topology for ``compressor`` (``auto`` → allreduce if summable, else allgather); checks."""
+    if topology == "auto":
+        topology = "allreduce" if compressor.summable else "allgather"
+    if topology == "allreduce" and not compressor.summable:
+        raise ConfigError(f"compressor {compressor.name!r} is not summable: use topology 'allgather' or 'ps'")
+    if server_compressor is not None and topology not in ("ps", "sharded"):
+        raise ConfigError("a server (downstream) compressor needs topology 'ps' or 'sharded'")
+    return topology
+
+
+def message_nbytes(specs: Sequence[FieldSpec]) -> int | None:
+    """Bytes of a message's field data, or None when its size depends on the data."""
+    total = 0
+    for spec in specs:
+        if spec.count is None:
+            return None
+        codec = Codec(spec.codec)
+        if codec in _FIELD_DTYPES:
+            total += spec.count * _FIELD_DTYPES[codec].itemsize
+        elif codec == Codec.BITS:
+            total += packed_nbytes(spec.count, spec.width)
+        else:  # POSITIONS, GOLOMB (estimated at the fixed width, an upper bound)
+            total += packed_nbytes(spec.count, bits_needed(spec.universe))
+    return total
+
+
+def encode_slots(compressor: Compressor, slots: Sequence[Slot], messages: Sequence[Fields]) -> Tensor:
+    """All slots' messages as ONE wire buffer."""
+    return encode([f for fields in messages for f in fields], [spec for s in slots for spec in compressor.specs(s)])
+
+
+def decode_slots(compressor: Compressor, slots: Sequence[Slot], buffer: Tensor) -> list[Fields]:
+    specs_per_slot = [compressor.specs(s) for s in slots]
+    fields = iter(decode(buffer, [spec for specs in specs_per_slot for spec in specs]))
+    return [[next(fields) for _ in specs] for specs in specs_per_slot]
+
+
+def aggregate_buffers(
+    compressor: Compressor, slots: Sequence[Slot], buffers: Sequence[Tensor], step: int, device: torch.device
+) -> list[Tensor]:
+    """Decode every buffer (in order), add the messages up and aggregate them by the compressor's rule."""
+    decoded = [decode_slots(compressor, slots, b) for b in buffers]
+    results = []
+    for i, slot in enumerate(slots):
+        total = torch.zeros(slot.numel, dtype=torch.float32, device=device)
+        for per_worker in decoded:
+            compressor.accumulate(per_worker[i], slot, step, total)
+        if not bool(torch.isfinite(total).all()):
+            # the sum of finite messages overflowed: add them divided by W instead. The rule then sees one
+            # "worker" holding that sum: the mean is the sum itself, and a sign is unchanged by the division.
+            total.zero_()
+            for per_worker in decoded:
+                one = torch.zeros_like(total)
+                compressor.accumulate(per_worker[i], slot, step, one)
+                total += one.div_(len(decoded))
+            results.append(compressor.aggregate(total, 1))
+        else:
+            results.append(compressor.aggregate(total, len(decoded)))
+    return results
+
+
+class SingleRound(Scheme):
+    name = "single-round"
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        topology: str = "auto",
+        server_compressor: Compressor | None = None,
+        root: int = 0,
+        min_compression_rate: float | None = None,
+    ):
+        if topology not in TOPOLOGIES:
+            raise ConfigError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+        self.topology = resolve_topology(compressor, topology, server_compressor)
+        if min_compression_rate is not None and not min_compression_rate > 0:
+            raise ConfigError(f"min_compression_rate must be > 0, got {min_compression_rate!r}")
+        self.compressor = compressor
+        self.server_compressor = server_compressor if server_compressor is not None else NoCompression()
+        self.root = root
+        self.min_compression_rate = min_compression_rate
+        self._worth: dict[Slot, bool] = {}
+
+    def bind(self, rank: int, world_size: int) -> None:
+        super().bind(rank, world_size)
+        if not 0 <= self.root < world_size:
+            raise ConfigError(f"root {self.root} is not a rank of a world of size {world_size}")
+        self.compressor.bind_worker(rank)
+        self.server_compressor.bind_worker(world_size)  # the server rounds independently of every worker
+
+    def params(self) -> dict:
+        return {"compressor": self.compressor, "topology": self.topology}
+
+    # -- which slots are worth compressing --------------------------------------------------------------------
+
+    def worth_compressing(self, slot: Slot) -> bool:
+        if self.min_compression_rate is None or self.topology == "allreduce":
+            return True
+        if slot not in self._worth:
+            compressed = message_nbytes(self.compressor.specs(slot))
+            self._worth[slot] = compressed is None or compressed * self.min_compression_rate < 4 * slot.numel
+        return self._worth[slot]
+
+    def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        if not slots:
+            return []
+        keep = [self.worth_compressing(s) for s in slots]
+        if all(keep):
+            return (yield from self._compressed(slots, tensors, step))
+        results: list[Tensor | None] = [None] * len(slots)
+        dense = [i for i, k in enumerate(keep) if not k]
+        flat = torch.cat([tensors[i].reshape(-1).to(torch.float32) for i in dense]).div_(self.world_size)
+        summed = yield from allreduce_sum(flat, inplace=True)
+        for i, piece in zip(dense, torch.split(summed, [slots[i].numel for i in dense])):
+            results[i] = piece
+        chosen = [i for i, k in enumerate(keep) if k]
+        if chosen:
+            out = yield from self._compressed([slots[i] for i in chosen], [tensors[i] for i in chosen], step)
+            for i, r in zip(chosen, out):
+                results[i] = r
+        return results
+
+    def _compressed(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        if self.topology == "allreduce":
+            return (yield from self._allreduce(slots, tensors, step))
+        if self.topology == "allgather":
+            return (yield from self._allgather(slots, tensors, step))
+        return (yield from self._parameter_server(slots, tensors, step))
+
+    # -- the three topologies --------------------------------------------------------------------------------
+
+    def _allreduce(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        messages = [self.compressor.compress(t, s, step) for s, t in zip(slots, tensors)]
+        dtype = None
+        for s, fields in zip(slots, messages):
+            for f, spec in zip(fields, self.compressor.specs(s)):
+                want = _FIELD_DTYPES.get(Codec(spec.codec))
+                if want is None or f.dtype != want or f.numel() != spec.count:
+                    raise ConfigError(
+                        f"{self.compressor.name}: {s.name}: a summed field must be {spec.count} values of "
+                        f"{want}, got {f.numel()} of {f.dtype}"
+                    )
+                if dtype is None:
+                    dtype = f.dtype
+                elif f.dtype != dtype:
+                    raise ConfigError(f"{self.compressor.name}: summed fields mix {dtype} and {f.dtype}")
+        sizes = [[f.numel() for f in fields] for fields in messages]
+        # Divide before summing (as torch's fp16 hook does): a half-precision sum of W large values would
+        # overflow where their average does not. Summable messages decompress linearly, so this is the mean.
+        pieces = [f.reshape(-1) for fields in messages for f in fields]
+        flat = pieces[0] / self.world_size if len(pieces) == 1 else torch.cat(pieces).div_(self.world_size)
+        summed = yield from allreduce_sum(flat, inplace=True)
+        split = iter(torch.split(summed, [n for per_slot in sizes for n in per_slot]))
+        return [
+            self.compressor.decompress([next(split) for _ in per_slot], s, step) for s, per_slot in zip(slots, sizes)
+        ]
+
+    def _allgather(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        messages = [self.compressor.compress(t, s, step) for s, t in zip(slots, tensors)]
+        buffers = yield from allgather_buffers(self.rank, encode_slots(self.compressor, slots, messages))
+        return aggregate_buffers(self.compressor, slots, buffers, step, tensors[0].device)
+
+    def _parameter_server(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        device = tensors[0].device
+        messages = [self.compressor.compress(t, s, step) for s, t in zip(slots, tensors)]
+
+        def serve(buffers: list[Tensor]) -> Tensor:
+            aggregates = aggregate_buffers(self.compressor, slots, buffers, step, device)
+            down = [self.server_compressor.compress(a, s, step) for s, a in zip(slots, aggregates)]
+            return encode_slots(self.server_compressor, slots, down)
+
+        downstream = yield from parameter_server(
+            self.rank, encode_slots(self.compressor, slots, messages), serve, self.root
+        )
+        return [
+            self.server_compressor.decompress(fields, s, step)
+            for s, fields in zip(slots, decode_slots(self.server_compressor, slots, downstream))
+        ]
+
+    # -- state -----------------------------------------------------------------------------------------------
+
+    def retain(self, slots: Sequence[Slot]) -> None:
+        self.compressor.retain(list(slots))
+        self.server_compressor.retain(list(slots))
+
+    def state_dict(self) -> dict:
+        return {"compressor": self.compressor.state_dict(), "server": self.server_compressor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.compressor.load_state_dict(state.get("compressor", {}))
+        self.server_compressor.load_state_dict(state.get("server", {}))
