@@ -13,6 +13,7 @@ from typing import Any
 import gradcomp.compressors  # noqa: F401  (importing the package registers every built-in method)
 from gradcomp.catalog import CATALOG, register
 from gradcomp.errors import ConfigError
+from gradcomp.schemes.base import Scheme
 
 __all__ = ["available", "compressor_class", "make", "parse_param_strings", "register"]
 
@@ -37,14 +38,25 @@ def make(name: str, *, error_feedback: bool | None = None, **params: Any):
     if "+" in name:
         return _make_composed(name, error_feedback, params)
     cls = compressor_class(name)
-    if error_feedback is None:
-        error_feedback = cls.default_error_feedback
+    owns_rounds = issubclass(cls, Scheme)
     signature = inspect.signature(cls.__init__)
     accepted = [
         name
         for name, p in signature.parameters.items()
         if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
+    if owns_rounds and "error_feedback" in accepted and "error_feedback" in params:
+        raise ConfigError(f"give {name!r}'s error feedback as error_feedback=..., once")
+    if owns_rounds:
+        # a method that owns its rounds builds error feedback in where its paper does (PowerSGD)
+        if "error_feedback" in accepted:
+            if error_feedback is not None:
+                params = {**params, "error_feedback": error_feedback}
+        elif error_feedback:
+            raise ConfigError(f"{name!r} owns its rounds and takes no error feedback")
+        error_feedback = False
+    elif error_feedback is None:
+        error_feedback = cls.default_error_feedback
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ConfigError(
@@ -71,6 +83,8 @@ def _make_composed(name: str, error_feedback: bool | None, params: dict[str, Any
     parts = name.split("+")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"a composed compressor is 'first+second', got {name!r}")
+    if any(issubclass(compressor_class(p), Scheme) for p in parts if p):
+        raise ConfigError(f"{name!r}: a method that owns its rounds cannot be composed")
     inner = make(parts[0], error_feedback=False, **params)
     composed = ComposedValues(inner, make(parts[1], error_feedback=False))
     if error_feedback is None:

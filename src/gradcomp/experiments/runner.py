@@ -38,7 +38,7 @@ from gradcomp.experiments.report import human_bits
 from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
 from gradcomp.registry import make
 from gradcomp.train.aggregator import GRANULARITIES, GradientAggregator
-from gradcomp.train.exchange import TOPOLOGIES
+from gradcomp.train.exchange import TOPOLOGIES, build_scheme
 from gradcomp.train.local_steps import LocalUpdateExchange
 from gradcomp.transport.base import ByteCounter, Transport
 from gradcomp.transport.sim import SimulatedCluster
@@ -100,22 +100,12 @@ class TrainConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda asked for, but torch sees no CUDA device")
         compressor, server = self.build_compressors()
-        if self.topology == "allreduce" and not compressor.summable:
-            raise ConfigError(f"compressor {self.compressor!r} is not summable: use topology allgather or ps")
-        if server is not None and self.topology != "ps":
-            raise ConfigError("--server-compressor needs --topology ps")
+        scheme = build_scheme(compressor, topology=self.topology, server_compressor=server)
         self.network()
-        self._check_against_model(compressor, server)
-
-    def _check_against_model(self, compressor, server) -> None:
-        """Per-tensor limits (k larger than a layer, ...) checked on the real model's slots, before any worker."""
+        # per-tensor limits (k larger than a layer, ...) checked on the real model's slots, before any worker
         data = load_dataset(self.dataset, self.data_root)
         model = build_model(self.model, data, self.seed)
-        probe = GradientAggregator.slots_for(list(model.named_parameters()), self.granularity)
-        for slot in probe:
-            compressor.specs(slot)
-            if server is not None:
-                server.specs(slot)
+        scheme.check_slots(GradientAggregator.slots_for(list(model.named_parameters()), self.granularity))
 
     def build_compressors(self):
         compressor = make(self.compressor, error_feedback=self.error_feedback, **self.params)

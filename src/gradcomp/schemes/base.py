@@ -47,6 +47,9 @@ class Scheme(ABC):
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         """The rounds of one exchange; returns the aggregated float32 tensors (flat, one per slot)."""
 
+    def check_slots(self, slots: Sequence[Slot]) -> None:  # noqa: B027 - optional hook
+        """Raise ConfigError, before anything is sent, if this scheme cannot carry these slots."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

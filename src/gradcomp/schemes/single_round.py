@@ -51,7 +51,7 @@ def resolve_topology(compressor: Compressor, topology: str, server_compressor: C
     if topology == "allreduce" and not compressor.summable:
         raise ConfigError(f"compressor {compressor.name!r} is not summable: use topology 'allgather' or 'ps'")
     if server_compressor is not None and topology not in ("ps", "sharded"):
-        raise ConfigError("a server (downstream) compressor needs topology 'ps' or 'sharded'")
+        raise ConfigError("a server (downstream) compressor needs topology ps or sharded")
     return topology
 
 
@@ -137,6 +137,11 @@ class SingleRound(Scheme):
 
     def params(self) -> dict:
         return {"compressor": self.compressor, "topology": self.topology}
+
+    def check_slots(self, slots: Sequence[Slot]) -> None:
+        for slot in slots:
+            self.compressor.specs(slot)
+            self.server_compressor.specs(slot)
 
     # -- which slots are worth compressing --------------------------------------------------------------------
 
