@@ -19,7 +19,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="wrap the compressor in error feedback (default: the compressor's own choice, on for sbc/stc)",
     )
     p.add_argument("--granularity", default="layer", choices=["layer", "model"])
-    p.add_argument("--topology", default="auto", choices=["auto", "allreduce", "allgather", "ps"])
+    p.add_argument("--topology", default="auto", choices=["auto", "allreduce", "allgather", "ps", "sharded"])
     p.add_argument("--server-compressor", default=None, help="downstream compressor of the parameter server")
     p.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no-server-error-feedback", action="store_true", help="no residual on the server")
@@ -83,6 +83,9 @@ def _train(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         timeout_s=args.timeout,
     )
+    note = cfg.hand_momentum_to_method()
+    if note:
+        print(f"gradcomp: {note}", file=sys.stderr)
     result = launch(cfg)
     if result is None:  # a non-zero torchrun rank
         return 0

@@ -107,6 +107,20 @@ class TrainConfig:
         model = build_model(self.model, data, self.seed)
         scheme.check_slots(GradientAggregator.slots_for(list(model.named_parameters()), self.granularity))
 
+    def hand_momentum_to_method(self) -> str | None:
+        """A method that applies momentum itself (signum, ...) gets the optimizer's momentum set to 0.
+
+        Returns the sentence that says so, or None when nothing changed.
+        """
+        compressor, _ = self.build_compressors()
+        if not getattr(compressor, "owns_momentum", False) or self.momentum == 0:
+            return None
+        before, self.momentum = self.momentum, 0.0
+        return (
+            f"{self.compressor} applies momentum on the worker itself; the optimizer's momentum "
+            f"{before:g} is set to 0 (give the method's own momentum parameter instead)"
+        )
+
     def build_compressors(self):
         compressor = make(self.compressor, error_feedback=self.error_feedback, **self.params)
         server = None
