@@ -42,6 +42,8 @@ def test_textbook_costs():
     assert net.call_seconds("all_gather", n, 4) == pytest.approx(3e-5 + 3e-3)
     assert net.call_seconds("gather", n, 4) == pytest.approx(1e-5 + 3e-3)
     assert net.call_seconds("broadcast", n, 4) == pytest.approx(2 * (1e-5 + 1e-3))
+    # all-to-all of n bytes: each worker sends 3 chunks of n/4 bytes, one message each
+    assert net.call_seconds("all_to_all", n, 4) == pytest.approx(3e-5 + 0.75e-3)
     assert net.call_seconds("all_reduce", n, 1) == 0
     # linear in bytes: pricing the mean size of several calls is exact
     assert net.seconds({"all_gather": [2, 3 * n]}, 4) == pytest.approx(
