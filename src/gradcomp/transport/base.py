@@ -1,4 +1,4 @@
-"""The transport interface: four collectives over tensors, and honest byte counters.
+"""The transport interface: six collectives over tensors, and honest byte counters.
 
 A transport moves tensors; it knows nothing of compressors. Every byte of every tensor handed to a collective
 is counted, from the point of view of one worker:
