@@ -106,6 +106,7 @@ def _list(args: argparse.Namespace) -> int:
     import inspect
 
     from gradcomp.registry import available, compressor_class
+    from gradcomp.schemes.base import Scheme
 
     for name in available():
         cls = compressor_class(name)
@@ -114,8 +115,13 @@ def _list(args: argparse.Namespace) -> int:
             for p in inspect.signature(cls.__init__).parameters.values()
             if p.name != "self" and p.default is not inspect.Parameter.empty
         ]
-        flags = ("summable" if cls.summable else "gathered") + (", unbiased" if cls.unbiased else "")
-        print(f"{name:14s} {flags:20s} {' '.join(params)}")
+        if issubclass(cls, Scheme):
+            flags = "own rounds"
+        else:
+            flags = ("summable" if cls.summable else "gathered") + (", unbiased" if cls.unbiased else "")
+        if cls.owns_momentum:
+            flags += ", momentum"
+        print(f"{name:18s} {flags:28s} {' '.join(params)}")
     return 0
 
 
