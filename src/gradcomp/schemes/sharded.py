@@ -1,0 +1,260 @@
+"""Sharded: every worker is the server for 1/W of every slot (BytePS-style bidirectional compression).
+
+    Sharded(compressor, server_compressor=None)          # gradcomp train --topology sharded
+
+BytePS (Jiang, Zhu, Lan, Yi, Cui, Guo, "A Unified Architecture for Accelerating Distributed DNN Training in
+Heterogeneous GPU/CPU Clusters", OSDI 2020) removes the parameter server's bottleneck by partitioning every
+tensor and spreading the partitions over many servers, so that no single machine receives W messages of the
+whole model; its compression plug-in compresses on the way to the servers and again on the way back, each
+side with its own error-feedback residual. Here the servers are the workers themselves: with W workers,
+each is the owner of shard j = its rank of every slot, and the parameter server of ``SingleRound(ps)`` is
+cut into W equal parts.
+
+The rounds of one step, on worker r:
+
+1. **Shard.** Every slot of n entries is cut into W contiguous shards, shard j = entries
+   [j·q + min(j, m), (j+1)·q + min(j+1, m)) with q = n // W, m = n % W: the first m shards have one entry
+   more (``torch.tensor_split``'s rule, sizes differ by at most one). A slot smaller than W has empty shards;
+   an empty shard is not compressed and sends nothing (both ends know its size, so both skip it).
+2. **Compress up.** Worker r compresses shard j of every slot with its compressor (its own residual when the
+   compressor carries error feedback) and encodes all its shard-j messages into ONE wire buffer for owner j.
+3. **All-to-all.** The W buffers travel by one all-to-all, which needs W equal chunks: first a control
+   all-to-all of two int64 per destination, (length of my buffer for you, length of my longest buffer), tells
+   each owner how long the buffers it will receive are and everyone the longest buffer of all; every buffer is
+   padded to that length. This costs 16·(W−1) bytes each way instead of the 8·W·(W−1) an all-gather of the
+   whole W×W size matrix would bring down, and it is all an owner needs: the lengths of what it receives
+   (to cut the padding off) and the common chunk length.
+4. **Serve.** Owner r decodes the W buffers it received in rank order, sums and aggregates them by the
+   compressor's rule (``aggregate_buffers``: mean, or majority vote; overflow-safe), compresses each
+   aggregated shard with the server compressor (its own instance and residual; uncompressed fp32
+   ``NoCompression`` when none is given, as for ``ps``) and encodes ONE downstream buffer.
+5. **All-gather.** The W downstream buffers come down by ``allgather_buffers`` (sizes, padding). Every worker
+   decodes every owner's buffer in rank order and writes the shards back into place, so every replica
+   holds the same float32 tensors bit for bit.
+
+Choices where the paper is silent or differs:
+
+- Shards are the W contiguous pieces of each slot, not fixed-size partitions assigned round-robin as BytePS
+  does: every owner serves the same amount of every slot, and the layout needs no configuration. The price is
+  a wire section per shard: a worker sends W buffers, each with a 20-byte header and one 10-byte section per
+  field of every non-empty shard, so framing grows linearly with W (the table in docs/methods/sharded.md
+  shows where it starts to count: small models at large W).
+- Shard slots: shard j of ``Slot(name, index, n)`` is ``Slot(f"{name}/shard{j}", index·W + j, size_j)``
+  (flat, no shape). Names and indices are identical on every worker and distinct for distinct (slot, shard),
+  since index·W + j is injective for 0 <= j < W. Shared randomness (random-k positions, hash functions) is
+  therefore shared between the workers that send shard j and differs between shards; per-worker randomness
+  (C_nat's, dithering's stochastic rounding) also mixes in the worker number. Residuals are kept per shard
+  slot (error feedback keys them by name and size).
+- Worker numbers: the worker compressor is bound to the rank r, the server compressor to W + r, so an
+  owner's stochastic rounding is independent of every worker's and of the other owners'.
+- A compressor that keeps a fixed k per tensor keeps k per *shard* (W·k per slot); a density keeps
+  ceil(p·size_j) per shard, which is at least the density of the whole slot.
+- Validation: the shard slots' specs (worker and server compressor) are checked, for the bound W, before
+  the first request is yielded, so a bad configuration (k larger than a shard, ...) raises ConfigError
+  before anything is sent. ``check_slots`` does the same check; before ``bind`` (W = 1) it checks the whole
+  slots.
+
+Bytes, per worker and step, counted by the transport's rules (transport.base): up = the W−1 buffers to the
+other owners (its own shard never leaves the process) + its downstream buffer once (an all-gather books t
+up) + control; down = the W−1 buffers from the other workers + the W−1 other owners' downstream buffers +
+control. The owner role lives in the worker's process and is counted in these per-worker numbers: there is
+no separate server machine, so ``server_in`` / ``server_out`` stay 0. Padding to equal chunks is booked
+apart (``up_padding`` / ``down_padding``). With a message of M bytes up and an aggregate of A bytes down
+(both for the whole model), a worker sends about (W−1)/W·M + A/W and receives about (W−1)/W·(M + A): flat
+in W apart from framing, where ``allgather`` brings (W−1)·M down and the root of ``ps`` receives W·M and
+sends W·A. (Down is M + A rather than ``ps``'s A because the owner role receives shards; as everywhere in
+this project, the traffic inside a collective's algorithm, e.g. a ring all-gather forwarding the others'
+buffers, is not counted.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.compressors.dense import NoCompression
+from gradcomp.errors import ConfigError
+from gradcomp.protocols import allgather_buffers, pad_to
+from gradcomp.schemes.base import Scheme
+from gradcomp.schemes.requests import AllToAll, Rounds
+from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots
+from gradcomp.transport.base import CONTROL
+
+
+def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """The W contiguous [start, stop) shards of ``numel`` entries; the first numel % W have one entry more."""
+    q, m = divmod(int(numel), int(world_size))
+    return [(j * q + min(j, m), (j + 1) * q + min(j + 1, m)) for j in range(world_size)]
+
+
+def shard_slot(slot: Slot, j: int, world_size: int, size: int) -> Slot:
+    """Shard ``j`` of ``slot`` as a slot of its own: same name and index on every worker, unique per shard."""
+    return Slot(f"{slot.name}/shard{j}", slot.index * world_size + j, size)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One slot cut into W shards: bounds and the shard slots (None for an empty shard)."""
+
+    bounds: list[tuple[int, int]]
+    shards: list[Slot | None]
+
+
+def alltoall_buffers(rank: int, buffers: Sequence[Tensor]) -> Rounds:
+    """Send ``buffers[j]`` (uint8, any lengths) to worker j; returns the W buffers received, in rank order.
+
+    A control all-to-all of (length for you, my longest) per destination comes first; every buffer is then
+    padded to the longest buffer of all, and the padding is booked apart and cut off again.
+    """
+    world = len(buffers)
+    device = buffers[0].device
+    lengths = [int(b.numel()) for b in buffers]
+    longest_mine = max(lengths)
+    sizes = torch.tensor([[n, longest_mine] for n in lengths], dtype=torch.int64, device=device)
+    received = yield AllToAll(sizes, kind=CONTROL)
+    incoming = [int(n) for n in received[:, 0].tolist()]  # length of worker i's buffer for me
+    chunk = max(int(n) for n in received[:, 1].tolist())  # the longest buffer anyone sends
+    pad_up = sum(chunk - n for j, n in enumerate(lengths) if j != rank)
+    pad_down = sum(chunk - n for i, n in enumerate(incoming) if i != rank)
+    payload = torch.cat([pad_to(b, chunk) for b in buffers])
+    got = yield AllToAll(payload, pad_up=pad_up, pad_down=pad_down)
+    return [piece[:n] for piece, n in zip(got.reshape(world, chunk).unbind(0), incoming)]
+
+
+class Sharded(Scheme):
+    name = "sharded"
+    topology = "sharded"
+
+    def __init__(self, compressor: Compressor, server_compressor: Compressor | None = None):
+        if not isinstance(compressor, Compressor):
+            raise ConfigError(
+                f"topology 'sharded' carries a compressor, got {type(compressor).__name__} "
+                "(a method that owns its rounds takes no topology)"
+            )
+        if server_compressor is not None and not isinstance(server_compressor, Compressor):
+            raise ConfigError(f"the server compressor must be a compressor, got {type(server_compressor).__name__}")
+        if server_compressor is compressor:
+            raise ConfigError("the server compressor must be its own instance (it keeps its own residual)")
+        self.compressor = compressor
+        self.server_compressor = server_compressor if server_compressor is not None else NoCompression()
+        self._layouts: dict[Slot, _Layout] = {}
+
+    def bind(self, rank: int, world_size: int) -> None:
+        super().bind(rank, world_size)
+        self._layouts = {}
+        self.compressor.bind_worker(rank)
+        self.server_compressor.bind_worker(world_size + rank)  # independent of every worker and other owner
+
+    def params(self) -> dict:
+        return {"compressor": self.compressor, "topology": self.topology, "server_compressor": self.server_compressor}
+
+    # -- shards ----------------------------------------------------------------------------------------------
+
+    def layout(self, slot: Slot) -> _Layout:
+        """The shards of ``slot`` for the bound W; their specs are checked (ConfigError) the first time."""
+        found = self._layouts.get(slot)
+        if found is None:
+            if slot.numel < 0:
+                raise ConfigError(f"{slot.name}: a slot cannot have {slot.numel} elements")
+            bounds = shard_bounds(slot.numel, self.world_size)
+            shards = [
+                shard_slot(slot, j, self.world_size, stop - start) if stop > start else None
+                for j, (start, stop) in enumerate(bounds)
+            ]
+            for shard in shards:
+                if shard is not None:
+                    self.compressor.specs(shard)
+                    self.server_compressor.specs(shard)
+            found = self._layouts[slot] = _Layout(bounds, shards)
+        return found
+
+    def owned(self, slots: Sequence[Slot], owner: int) -> list[tuple[int, Slot]]:
+        """(slot position, shard slot) of every non-empty shard ``owner`` serves, in slot order."""
+        out = []
+        for i, slot in enumerate(slots):
+            shard = self.layout(slot).shards[owner]
+            if shard is not None:
+                out.append((i, shard))
+        return out
+
+    def check_slots(self, slots: Sequence[Slot]) -> None:
+        for slot in slots:
+            self.layout(slot)
+
+    # -- the rounds ------------------------------------------------------------------------------------------
+
+    def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        if not slots:
+            return []
+        world, rank = self.world_size, self.rank
+        device = tensors[0].device
+        self.check_slots(slots)  # every spec, before anything is sent
+        per_owner = [self.owned(slots, j) for j in range(world)]
+        if not any(per_owner):  # every slot is empty: nothing to send
+            return [torch.zeros(s.numel, dtype=torch.float32, device=device) for s in slots]
+        flats = [t.reshape(-1) for t in tensors]
+
+        # 1-2. compress shard j of every slot, one buffer per owner j
+        up = []
+        for j, owned in enumerate(per_owner):
+            if not owned:
+                up.append(torch.empty(0, dtype=torch.uint8, device=device))
+                continue
+            shard_slots = [s for _, s in owned]
+            messages = []
+            for i, shard in owned:
+                start, stop = self.layout(slots[i]).bounds[j]
+                messages.append(self.compressor.compress(flats[i][start:stop], shard, step))
+            up.append(encode_slots(self.compressor, shard_slots, messages))
+
+        # 3. all-to-all: owner r receives every worker's buffer for shard r
+        received = yield from alltoall_buffers(rank, up)
+
+        # 4. serve: aggregate my shards, compress them again, one downstream buffer
+        mine = [s for _, s in per_owner[rank]]
+        if mine:
+            aggregates = aggregate_buffers(self.compressor, mine, received, step, device)
+            down = [self.server_compressor.compress(a, s, step) for s, a in zip(mine, aggregates)]
+            downstream = encode_slots(self.server_compressor, mine, down)
+        else:
+            downstream = torch.empty(0, dtype=torch.uint8, device=device)
+
+        # 5. all-gather of the owners' buffers; everyone puts every shard in place
+        gathered = yield from allgather_buffers(rank, downstream)
+        results = [torch.empty(s.numel, dtype=torch.float32, device=device) for s in slots]
+        for j, (owned, buffer) in enumerate(zip(per_owner, gathered)):
+            if not owned:
+                continue
+            shard_slots = [s for _, s in owned]
+            for (i, shard), fields in zip(owned, decode_slots(self.server_compressor, shard_slots, buffer)):
+                start, stop = self.layout(slots[i]).bounds[j]
+                results[i][start:stop] = self.server_compressor.decompress(fields, shard, step)
+        return results
+
+    # -- state -----------------------------------------------------------------------------------------------
+
+    def _shard_slots(self, slots: Sequence[Slot], owner: int | None = None) -> list[Slot]:
+        out = []
+        for slot in slots:
+            shards = self.layout(slot).shards
+            out.extend(s for j, s in enumerate(shards) if s is not None and (owner is None or j == owner))
+        return out
+
+    def retain(self, slots: Sequence[Slot]) -> None:
+        self.compressor.retain(self._shard_slots(slots))
+        self.server_compressor.retain(self._shard_slots(slots, owner=self.rank))
+        self._layouts = {s: self._layouts[s] for s in slots if s in self._layouts}
+
+    def state_dict(self) -> dict:
+        return {"compressor": self.compressor.state_dict(), "server": self.server_compressor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = set(state) - {"compressor", "server"}
+        if unknown:
+            raise ConfigError(f"unexpected sharded-scheme state keys {sorted(unknown)}")
+        self.compressor.load_state_dict(state.get("compressor", {}))
+        self.server_compressor.load_state_dict(state.get("server", {}))
