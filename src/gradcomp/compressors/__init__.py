@@ -4,9 +4,10 @@ from gradcomp.compressors import natural  # noqa: F401  (registers cnat, ditheri
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.compressors.dense import BFloat16, Float16, NoCompression
 from gradcomp.compressors.sbc import SparseBinary, SparseTernary
+from gradcomp.compressors.sign import EFSignSGD, OneBit, SignSGD, Signum
 from gradcomp.compressors.sparse import RandomBlock, RandomK, Threshold, TopK
 
 __all__ = [
-    "BFloat16", "Compressor", "Fields", "Float16", "NoCompression", "RandomBlock", "RandomK", "Slot", "SparseBinary",
-    "SparseTernary", "Threshold", "TopK",
+    "BFloat16", "Compressor", "EFSignSGD", "Fields", "Float16", "NoCompression", "OneBit", "RandomBlock", "RandomK",
+    "SignSGD", "Signum", "Slot", "SparseBinary", "SparseTernary", "Threshold", "TopK",
 ]

@@ -1,0 +1,349 @@
+"""The sign family: signSGD with majority vote, Signum, EF-signSGD and 1-bit SGD, one bit per coordinate.
+
+Bernstein, Wang, Azizzadenesheli, Anandkumar, "signSGD: Compressed Optimisation for Non-Convex Problems",
+ICML 2018 (signSGD, Signum, majority vote); Bernstein, Zhao, Azizzadenesheli, Anandkumar, "signSGD with
+Majority Vote is Communication Efficient and Fault Tolerant", ICLR 2019 (Signum with majority vote);
+Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other Gradient Compression Schemes",
+ICML 2019 (EF-signSGD); Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its Application to
+Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014 (1-bit SGD).
+
+``signsgd`` — every worker sends sign(g), one bit per coordinate. Decompressed, a message is ±1 per
+coordinate; the update is the **majority vote**, sign(sum over workers of sign(g)) (``aggregate``), so every
+coordinate moves by exactly ±lr — or by 0 where the vote ties, which happens only with an even number of
+workers (2 of 4 say +, 2 say −: that coordinate stays where it is this step).
+
+``signum`` — sign with momentum kept on the worker: m = β·m + (1 − β)·g (``momentum`` β = 0.9 by default,
+m starts at 0, so the first step sends sign(g)), the worker sends sign(m), the update is the majority vote.
+The method applies momentum itself (``owns_momentum``: the CLI sets the optimizer's momentum to 0). The
+momentum is per slot, keyed by the slot's name and size (a DDP bucket that changes size starts afresh), is
+checkpointed by ``state_dict`` and dropped for slots that disappear by ``retain``.
+
+``efsignsgd`` — the scaled sign C(p) = (||p||_1 / d)·sign(p) of p = g + residual, with error feedback on by
+default (``make`` wraps it in ``ErrorFeedback``: the residual p − C(p) is added to the next step's input).
+The message is the sign bits plus ONE fp32 number, the scale ||p||_1 / d; the workers' decompressed
+messages are averaged (the mean, not a vote). C is contractive: ||C(p) − p||² = ||p||² − ||p||_1²/d <=
+(1 − 1/d)·||p||², so the residual stays bounded.
+
+``onebit`` — 1-bit SGD: the sign bit plus TWO fp32 reconstruction values, the mean of the entries >= 0 and
+the mean of the entries < 0; an entry decodes to the mean of its side. These means minimise the squared
+reconstruction error for the threshold 0 (so C is contractive too). Error feedback (the paper's
+"quantization error" carried to the next minibatch) is on by default; mean aggregation. The paper computes
+the two values per column of each weight matrix; here they are computed per slot — per tensor with the
+default layer granularity, one pair for the whole model with granularity ``model``.
+
+Learning rate. With majority vote (signsgd, signum) the aggregated gradient is ±1 (or 0) in every
+coordinate, so the optimizer's lr IS the per-coordinate step, whatever the gradient's size: typical values
+are 1e-4 to 1e-3 on MNIST with plain SGD and no momentum in the optimizer (for signum the CLI turns the
+optimizer's momentum off). A learning rate tuned for fp32 SGD (0.01–0.1) moves every weight by that much
+every step and diverges. For efsignsgd and onebit the fp32 scale keeps the gradient's magnitude
+(E-SGD's update has the size of the mean |g|), so the usual SGD lr works.
+
+Wire layout. The sign bits are the LSB-first bitmap of the *negative* mask: bit k of byte k // 8 (counted
+from the least significant bit) is 1 when entry k is < 0; the unused high bits of the last byte are 0.
+These are exactly the bytes ``gradcomp.wire.pack_bool(x < 0)`` produces, ceil(d/8) of them. The compressor
+packs them itself in one vectorised pass (``pack_signs``: the comparison writes a byte per entry, every 8
+bytes are read as one little-endian 64-bit word and three shift-ors gather its 8 low bits into its low
+byte) and hands the container ceil(d/8) bytes, declared as a BITS section of width 8 — the container's
+width-1 path would need every sign as an int64 in memory (64 times the wire size) and is several times
+slower. So one slot's message is:
+
+    signsgd, signum:  [BITS width 8, count ceil(d/8)]                         10 + ceil(d/8) bytes
+    efsignsgd:        [BITS width 8, count ceil(d/8)], [F32, count 1: scale]  10 + ceil(d/8) + 10 + 4
+    onebit:           [BITS width 8, count ceil(d/8)], [F32, count 2: mean >= 0, mean < 0]
+                                                                              10 + ceil(d/8) + 10 + 8
+
+plus the container's 20-byte header once per message (all slots of a step travel in one message). A set
+padding bit in the last byte is rejected with WireError by ``decompress``, as the container does for its
+own bitmaps. Decoding reads each byte's 8 values from a 256-row table (±1, ±scale, or the two means).
+
+Choices where the papers are silent or differ:
+
+- the sign of 0 (and of −0.0) is +: bit 0, decoded as +1 (+scale, the mean of the entries >= 0). One bit
+  cannot say 0, and a coordinate whose gradient is exactly 0 on every worker then moves by −lr;
+- a tie of the vote (even number of workers) gives 0 — the coordinate does not move. With the parameter
+  server topology and ``--server-compressor signsgd`` the vote travels down in one bit, and a tie is then +;
+- signum's m starts at 0 and is float32; β = 0 is signsgd;
+- the sums behind efsignsgd's scale and onebit's means are float32 reductions; if one overflows (only for
+  entries near float32's largest value) it is recomputed in float64, so the scale of finite input is
+  finite. This check is compress's one host synchronisation (efsignsgd and onebit; signsgd/signum have none);
+- error feedback works in gradient units (residual r, p = g + r, update lr·C(p)), where the EF-signSGD
+  paper feeds back in update units (p = γ·g + e). As C is positively homogeneous, C(γ·p) = γ·C(p), the two
+  are the same for a constant lr;
+- the distributed efsignsgd / onebit average the workers' scaled signs (each worker has its own residual);
+  the papers' single-worker algorithm is the W = 1 case;
+- signsgd and signum take error feedback only when asked (``error_feedback=True``); the residual is then in
+  units of the unscaled ±1 message (bounded by max |g| + 1 per coordinate; not the EF-signSGD algorithm).
+
+None of these compressors is unbiased (a sign throws away the magnitude: E[sign(g)] is not g), so
+``unbiased`` is False and no ``omega`` is declared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from gradcomp.catalog import register
+from gradcomp.compressors.base import Compressor, Fields, Slot
+from gradcomp.errors import ConfigError, WireError
+from gradcomp.wire import Codec, FieldSpec
+
+__all__ = ["EFSignSGD", "OneBit", "SignSGD", "Signum", "pack_signs", "packed_count", "unpack_signs"]
+
+
+def packed_count(numel: int) -> int:
+    """Bytes of the sign bitmap of ``numel`` entries: ceil(numel / 8)."""
+    return (numel + 7) // 8
+
+
+def _negative_mask(flat: Tensor) -> Tensor:
+    """bool tensor of 8·ceil(d/8) entries: x < 0 for the first d, False (zero padding) for the rest."""
+    d = flat.numel()
+    mask = torch.empty(8 * packed_count(d), dtype=torch.bool, device=flat.device)
+    torch.lt(flat, 0, out=mask[:d])
+    mask[d:] = False
+    return mask
+
+
+def _pack_mask(mask: Tensor) -> Tensor:
+    """The LSB-first bitmap of a padded bool mask, as int64 byte values (one per 8 entries).
+
+    Each group of 8 bool bytes (each 0 or 1) is read as one little-endian int64 word w, entry j at bit 8j.
+    Or-ing in w >> 7, then w >> 14, then w >> 28 copies every bit to all positions 8j − 7k, k = 0..7; entry
+    j thus reaches bit j (k = j), and no other entry lands in bits 0..7 (8i − 7k = j with i, k in 0..7
+    forces i = k = j), so the low byte is the packed byte. Values stay below 2^57: no sign or overflow.
+    """
+    words = mask.view(torch.uint8).view(torch.int64)
+    packed = torch.bitwise_right_shift(words, 7).bitwise_or_(words)
+    packed.bitwise_or_(torch.bitwise_right_shift(packed, 14))
+    packed.bitwise_or_(torch.bitwise_right_shift(packed, 28))
+    return packed.bitwise_and_(0xFF)
+
+
+def pack_signs(x: Tensor) -> Tensor:
+    """The sign bitmap of ``x`` (bit = 1 where x < 0), ceil(d/8) int64 byte values; equals pack_bool(x < 0)."""
+    return _pack_mask(_negative_mask(x.reshape(-1)))
+
+
+_BIT_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _bit_table(device: torch.device) -> Tensor:
+    """(256, 8) bool: row b holds the 8 bits of byte b, least significant first."""
+    table = _BIT_TABLES.get(device)
+    if table is None:
+        byte = torch.arange(256, device=device).unsqueeze(1)
+        table = (torch.bitwise_right_shift(byte, torch.arange(8, device=device)) & 1).to(torch.bool)
+        _BIT_TABLES[device] = table
+    return table
+
+
+def _check_packed(packed: Tensor, numel: int, where: str) -> None:
+    count = packed_count(numel)
+    if packed.numel() != count:
+        raise ConfigError(f"{where}: {packed.numel()} sign bytes for {numel} entries, expected {count}")
+    if numel % 8 and count and int(packed[-1]) >> (numel % 8):
+        raise WireError(f"{where}: nonzero padding bits after {numel} signs")
+
+
+def _expand(packed: Tensor, numel: int, positive: Tensor, negative: Tensor) -> Tensor:
+    """float32 vector of ``numel`` entries: ``negative`` where the bit is 1, ``positive`` where it is 0."""
+    values = torch.where(_bit_table(packed.device), negative, positive)  # (256, 8) float32
+    return torch.index_select(values, 0, packed.reshape(-1)).reshape(-1)[:numel]
+
+
+def unpack_signs(packed: Tensor, numel: int) -> Tensor:
+    """±1.0 (float32) of each of ``numel`` entries of a sign bitmap: −1 where the bit is set."""
+    one = torch.ones((), dtype=torch.float32, device=packed.device)
+    return _expand(packed, numel, one, -one)
+
+
+def _f32(x: Tensor) -> Tensor:
+    return x.reshape(-1).to(torch.float32)
+
+
+def _sign_spec(slot: Slot) -> FieldSpec:
+    return FieldSpec(Codec.BITS, count=packed_count(slot.numel), width=8)
+
+
+class _Sign(Compressor):
+    """Shared by all four: the sign bitmap as the first field, float values after it."""
+
+    summable = False
+    unbiased = False
+    omega = None
+
+    def _decode_values(self, fields: Fields, slot: Slot) -> tuple[Tensor, Tensor]:
+        """(value for bit 0, value for bit 1) as float32 scalars."""
+        raise NotImplementedError
+
+    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        packed = fields[0]
+        _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
+        positive, negative = self._decode_values(fields, slot)
+        return _expand(packed, slot.numel, positive, negative)
+
+
+class _MajorityVote(_Sign):
+    """A message of sign bits only (±1 decoded); the update is the sign of the sum of the workers' signs."""
+
+    def specs(self, slot: Slot) -> list[FieldSpec]:
+        return [_sign_spec(slot)]
+
+    def _decode_values(self, fields: Fields, slot: Slot) -> tuple[Tensor, Tensor]:
+        one = torch.ones((), dtype=torch.float32, device=fields[0].device)
+        return one, -one
+
+    def aggregate(self, total: Tensor, count: int) -> Tensor:
+        """Majority vote: sign(sum of ±1) per coordinate; a tie (even ``count``) gives 0."""
+        return total.sign_()
+
+
+@register
+class SignSGD(_MajorityVote):
+    """signSGD with majority vote: send sign(g) in one bit per coordinate; the update is the vote.
+
+    Learning rate: every coordinate moves by exactly ±lr (0 on a tie), independent of |g|, so lr is the
+    per-coordinate step size: about 1e-4 to 1e-3 on MNIST with SGD and no optimizer momentum.
+    """
+
+    name = "signsgd"
+
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        return [pack_signs(x)]
+
+
+@register
+class Signum(_MajorityVote):
+    """Signum with majority vote: m = β·m + (1 − β)·g on the worker, send sign(m); the update is the vote.
+
+    Learning rate: as for signsgd, every coordinate moves by exactly ±lr (0 on a tie), so lr is the
+    per-coordinate step (about 1e-4 to 1e-3 on MNIST); the optimizer must run without momentum (the CLI
+    sets it to 0, since this method owns momentum — give ``momentum`` here instead).
+    """
+
+    name = "signum"
+    owns_momentum: ClassVar[bool] = True
+
+    def __init__(self, momentum: float = 0.9):
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+            raise ConfigError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        momentum = float(momentum)
+        if not 0.0 <= momentum < 1.0:
+            raise ConfigError(f"momentum must lie in [0, 1), got {momentum}")
+        self.momentum = momentum
+        self.buffers: dict[str, Tensor] = {}
+
+    def params(self) -> dict[str, Any]:
+        return {"momentum": self.momentum}
+
+    @staticmethod
+    def _key(slot: Slot) -> str:
+        return f"{slot.name}#{slot.numel}"
+
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        key = self._key(slot)
+        g = _f32(x)
+        m = self.buffers.get(key)
+        if m is None:
+            m = g * (1.0 - self.momentum)  # from m = 0
+        else:
+            m = m.to(g.device).mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
+        self.buffers[key] = m
+        return [pack_signs(m)]
+
+    def retain(self, slots: list[Slot]) -> None:
+        keep = {self._key(s) for s in slots}
+        self.buffers = {k: v for k, v in self.buffers.items() if k in keep}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"momentum": {k: v.detach().clone() for k, v in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = set(state) - {"momentum"}
+        if unknown:
+            raise ConfigError(f"unexpected signum state keys {sorted(unknown)}")
+        buffers = state.get("momentum", {})
+        if not isinstance(buffers, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() == 1 for k, v in buffers.items()
+        ):
+            raise ConfigError("signum state 'momentum' must map slot keys to flat tensors")
+        self.buffers = {k: v.detach().to(torch.float32).clone() for k, v in buffers.items()}
+
+
+def _finite_or_f64(values: Tensor, recompute) -> Tensor:
+    """``values`` if all finite (one host sync), else ``recompute()`` (float64 sums) cast to float32."""
+    if bool(torch.isfinite(values).all()):
+        return values
+    return recompute()
+
+
+@register
+class EFSignSGD(_Sign):
+    """EF-signSGD: send sign(p) and one fp32 scale ||p||_1 / d, p = g + residual; mean aggregation.
+
+    Error feedback is on by default (``make`` wraps it in ErrorFeedback). Learning rate: the scale keeps
+    the magnitude of the gradient (the update has the size of mean |g|), so the usual SGD lr works.
+    """
+
+    name = "efsignsgd"
+    default_error_feedback: ClassVar[bool] = True
+
+    def specs(self, slot: Slot) -> list[FieldSpec]:
+        return [_sign_spec(slot), FieldSpec(Codec.F32, count=1)]
+
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        flat = _f32(x)
+        d = flat.numel()
+        if d == 0:
+            return [torch.zeros(0, dtype=torch.int64, device=flat.device), torch.zeros(1, device=flat.device)]
+        scale = (torch.linalg.vector_norm(flat, 1).double() / d).to(torch.float32).reshape(1)
+        scale = _finite_or_f64(scale, lambda: (flat.double().abs().sum() / d).to(torch.float32).reshape(1))
+        return [pack_signs(flat), scale]
+
+    def _decode_values(self, fields: Fields, slot: Slot) -> tuple[Tensor, Tensor]:
+        scale = fields[1].reshape(-1)[0].to(torch.float32)
+        return scale, -scale
+
+
+@register
+class OneBit(_Sign):
+    """1-bit SGD: sign bit plus two fp32 values, the mean of the entries >= 0 and of the entries < 0.
+
+    Error feedback is on by default. Learning rate: the two means keep the gradient's magnitude, so the
+    usual SGD lr works.
+    """
+
+    name = "onebit"
+    default_error_feedback: ClassVar[bool] = True
+
+    def specs(self, slot: Slot) -> list[FieldSpec]:
+        return [_sign_spec(slot), FieldSpec(Codec.F32, count=2)]
+
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        flat = _f32(x)
+        d = flat.numel()
+        if d == 0:
+            return [torch.zeros(0, dtype=torch.int64, device=flat.device), torch.zeros(2, device=flat.device)]
+        mask = _negative_mask(flat)
+        n_negative = torch.count_nonzero(mask).double()
+        counts = torch.stack([(d - n_negative).clamp(min=1), n_negative.clamp(min=1)])  # an empty side sums to 0
+        side = flat.clamp(max=0)
+        sum_negative = side.sum()
+        torch.clamp(flat, min=0, out=side)
+        sums = torch.stack([side.sum(), sum_negative])
+        means = (sums.double() / counts).to(torch.float32)
+
+        def in_float64() -> Tensor:
+            wide = flat.double()
+            exact = torch.stack([wide.clamp(min=0).sum(), wide.clamp(max=0).sum()])
+            return (exact / counts).to(torch.float32)
+
+        return [_pack_mask(mask), _finite_or_f64(means, in_float64)]
+
+    def _decode_values(self, fields: Fields, slot: Slot) -> tuple[Tensor, Tensor]:
+        means = fields[1].reshape(-1).to(torch.float32)
+        return means[0], means[1]
+
