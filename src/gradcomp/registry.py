@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import gradcomp.compressors  # noqa: F401  (importing the package registers every built-in method)
+import gradcomp.schemes.powersgd  # noqa: F401  (registers powersgd)
 from gradcomp.catalog import CATALOG, register
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
