@@ -1,92 +1,368 @@
-"""A DistributedDataParallel communication hook built on gradcomp's compressors and protocols.
+"""A DistributedDataParallel communication hook that overlaps gradcomp's exchanges with backward.
 
     state = gradcomp.register_ddp_hook(ddp_model, gradcomp.make("topk", density=0.01, error_feedback=True))
 
-Each DDP bucket is one slot (``bucket<index>``): it is compressed, exchanged with the compressor's protocol
-over DDP's own process group (gloo or NCCL), and the hook returns an already-completed Future holding the
-average. Unlike torch's PowerSGD hook this works on gloo with any number of buckets: every bucket's exchange
-is a complete, blocking round of collectives, issued in the same bucket order on every rank.
+Design: one communication thread per hook state, fed by a FIFO.
 
-The step counter (which seeds shared randomness) advances after the last bucket of each backward pass.
-Residuals are keyed by bucket index and size, so DDP's bucket rebuild after the first iteration starts fresh
-residuals for the rebuilt buckets instead of mixing sizes. A NaN / Inf gradient raises
-NonFiniteGradientError naming the parameters before anything is sent.
+- The hook runs on the autograd thread. It checks the bucket's gradients (NaN / Inf raise
+  NonFiniteGradientError naming the parameters, before anything of that bucket is sent), puts
+  ``(slots, tensors, step, future)`` on the FIFO and returns the future at once, so backward goes on
+  computing the next bucket while this one is exchanged.
+- The thread takes the jobs one by one and runs the scheme's rounds with the blocking driver (``drive``),
+  then writes the averages into the bucket's buffer in place (its dtype kept) and completes the future with
+  that buffer (``set_result``), or with the error (``set_exception``).
+
+Why a thread and not torch's chained futures (``all_reduce(async_op=True).get_future().then(...)``): with
+gloo every rank must issue the collectives of a process group in the same order. DDP calls the hook for
+buckets in bucket-index order on every rank, so collectives issued *from the hook* are ordered; a second
+round issued from a ``.then`` callback is not (callbacks run whenever a collective completes), which is why
+torch's PowerSGD hook fails on gloo with more than one bucket. Here every collective of every round is
+issued by the one thread, in FIFO order, i.e. in bucket order then round order: the same sequence on every
+rank by construction, for any scheme (single-round compressors, parameter server, PowerSGD's several rounds).
+Compression math runs on the thread too, off the autograd thread (torch ops release the GIL).
+
+Slots (``granularity``):
+
+- ``"layer"`` (default): every parameter in a bucket is its own slot, named and indexed exactly as
+  ``GradientAggregator`` does (``named_parameters()`` order, parameters that require grad; ``shape`` the
+  parameter's). Shared randomness, residuals and results therefore match GradientAggregator's, and DDP's
+  bucket rebuild after the first iteration changes nothing: a residual belongs to a parameter, not a bucket.
+- ``"bucket"``: the whole bucket buffer is one slot (the old behaviour), named ``bucket<i>:<digest of the
+  bucket's parameter list>``, so a rebuilt bucket holding other parameters never inherits another bucket's
+  residual (one holding the same parameters in the same order keeps its own).
+
+At the last bucket of a backward pass the scheme is told which slots exist (``scheme.retain``): residuals of
+slots that were not seen in the pass (a bucket that DDP rebuilt away) are dropped, not kept in memory or in
+checkpoints. The step counter, which seeds shared randomness, advances after the last bucket.
+
+``min_compression_rate`` (default 2, like torch's PowerSGD hook): with a single-message compressor that is
+gathered (top-k, sign, ...), a slot whose message would not be at least that many times smaller than its fp32
+values (a tiny tensor, a density that keeps most entries) travels uncompressed in one allreduce. Summed compressors (random-k, fp16) and
+methods that own their rounds ignore it. ``None`` turns it off.
+
+``none`` (uncompressed fp32) with an fp32 bucket takes a short path with the same bytes and the same result:
+the bucket buffer *is* the concatenation of its parameters' gradients, so it is divided by W in place and
+all-reduced in place, with no copy (torch's own allreduce does exactly this).
+
+Errors. A NaN / Inf found by the hook is raised from the hook (so from ``loss.backward()``) as
+NonFiniteGradientError, after the buckets already queued have finished: when ``backward`` returns with the
+error, no collective of this hook is in flight and the process group can be used at once. When every rank
+finds it in the same bucket (a diverged model, a NaN loss that reaches every gradient) every rank raises
+there. When some ranks do not, they wait at a collective that never comes until the process group's time-out, then fail
+with the WorkerLostError. (After an error inside backward DDP itself refuses the next iteration: "Expected
+to have finished reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the thread
+(a collective that failed or timed out, a bad message) completes that bucket's future with the exception;
+DDP raises it from ``backward`` as a RuntimeError whose message names the original exception and its
+traceback (the original object is ``state.failure``). The thread then refuses every later bucket at once
+(CommunicationError naming the first error; nothing more is sent), since the ranks' collective sequences
+may no longer agree. Every future is completed, so DDP never waits on one forever.
+
+CUDA / NCCL. The hook records the autograd thread's current CUDA stream with the job; the thread runs the
+job's kernels on that same stream (``torch.cuda.stream``), so they are ordered after the kernels that
+produced the gradients, and NCCL's own stream waits on it as usual. The future is created with the bucket's
+device (``Future(devices=[...])``): ``set_result`` records an event on that stream and DDP's wait makes its
+stream wait on it. The host-side overlap is the same as on gloo; ``DistTransport`` synchronises the device
+after every collective (for its timings), which costs some GPU-side overlap but no correctness.
+
+The thread is a daemon and is stopped when the state is garbage-collected or ``state.close()`` is called.
 
 (No ``from __future__ import annotations`` here: DDP inspects the hook's annotations at registration and
 wants the real ``dist.GradBucket`` / ``torch.futures.Future`` objects, not strings.)
 """
+
+import contextlib
+import hashlib
+import threading
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.compressors.dense import NoCompression
+from gradcomp.errors import CommunicationError, ConfigError
+from gradcomp.schemes.base import Scheme
+from gradcomp.schemes.single_round import SingleRound
+from gradcomp.train.aggregator import GradientAggregator
 from gradcomp.train.exchange import GradientExchange, check_gradients
 from gradcomp.transport.dist import DistTransport
+
+GRANULARITIES = ("layer", "bucket")
+DEFAULT_MIN_COMPRESSION_RATE = 2.0
+
+
+@dataclass
+class _Job:
+    slots: list[Slot]
+    tensors: list[Tensor]  # what the scheme reads: per-parameter views of ``buffer``, or ``buffer`` itself
+    buffer: Tensor  # the bucket's flat buffer, overwritten with the average
+    step: int
+    future: torch.futures.Future
+    retain: list[Slot] | None  # at the last bucket of a pass: every slot of the pass
+    stream: Any = None  # the autograd thread's CUDA stream, or None on the CPU
+
+
+class _CommThread:
+    """One thread draining one FIFO: every job's rounds run to the end, in submission order."""
+
+    def __init__(self, exchange: GradientExchange, fast_none: bool):
+        self.exchange = exchange
+        self.fast_none = fast_none
+        self.failure: BaseException | None = None
+        self._jobs: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: _Job) -> None:
+        with self._cond:
+            if self._stopped:
+                raise CommunicationError("this DDP hook state was closed; register a new hook")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="gradcomp-ddp-comm", daemon=True)
+                self._thread.start()
+            self._jobs.append(job)
+            self._pending += 1
+            self._cond.notify_all()
+
+    def wait_idle(self) -> None:
+        """Return once every submitted job has completed its future."""
+        with self._cond:
+            while self._pending:
+                self._cond.wait()
+
+    def stop(self) -> None:
+        """Let the thread finish the queued jobs, then end it."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stopped:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def _run(self, job: _Job) -> None:
+        stream = torch.cuda.stream(job.stream) if job.stream is not None else contextlib.nullcontext()
+        with stream:
+            try:
+                if self.failure is not None:
+                    raise CommunicationError(
+                        f"an earlier exchange of this DDP hook failed ({type(self.failure).__name__}: "
+                        f"{self.failure}); nothing more is sent"
+                    )
+                with torch.no_grad():
+                    self._exchange(job)
+                    if job.retain is not None:
+                        self.exchange.scheme.retain(job.retain)
+            except BaseException as exc:  # noqa: BLE001 - every error must reach the future, or DDP waits forever
+                if self.failure is None:
+                    self.failure = exc
+                job.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+                return
+            job.future.set_result(job.buffer)
+
+    def _exchange(self, job: _Job) -> None:
+        if self.fast_none and job.buffer.dtype == torch.float32:
+            # the bucket buffer is its parameters' fp32 gradients back to back: SingleRound's message exactly
+            buffer = job.buffer.div_(self.exchange.transport.world_size)
+            self.exchange.transport.all_reduce_sum(buffer, inplace=True)
+            return
+        averages = self.exchange.exchange(job.slots, job.tensors, job.step, validate=False)
+        for target, average in zip(job.tensors, averages):
+            target.copy_(average.view_as(target))
+
+
+def _unwrap(future: torch.futures.Future) -> Tensor:
+    return future.value()
 
 
 class CompressionHookState:
     def __init__(
         self,
-        compressor: Compressor,
+        method: Compressor | Scheme,
         process_group: dist.ProcessGroup | None = None,
         *,
         topology: str = "auto",
         server_compressor: Compressor | None = None,
-        param_names: dict[int, str] | None = None,
+        named_parameters: Sequence[tuple[str, nn.Parameter]] | None = None,
+        granularity: str = "layer",
+        min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
     ):
+        if granularity not in GRANULARITIES:
+            raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         self.exchange = GradientExchange(
-            compressor, DistTransport(process_group), topology=topology, server_compressor=server_compressor
+            method,
+            DistTransport(process_group),
+            topology=topology,
+            server_compressor=server_compressor,
+            min_compression_rate=min_compression_rate,
         )
-        self.param_names = param_names or {}
+        self.granularity = granularity
+        named = [(name, p) for name, p in (named_parameters or []) if p.requires_grad]
+        # the slots GradientAggregator gives these parameters, by parameter identity
+        self.param_slots: dict[int, Slot] = {
+            id(p): slot for (_, p), slot in zip(named, GradientAggregator.slots_for(named, "layer"))
+        }
         self.step = 0
-        self.bucket_sizes: dict[int, int] = {}  # bucket index → elements, as of the latest backward pass
+        self.bucket_sizes: dict[int, int] = {}  # bucket index → elements, as of the latest complete pass
+        scheme = self.exchange.scheme
+        fast_none = (
+            isinstance(scheme, SingleRound)
+            and type(scheme.compressor) is NoCompression
+            and scheme.topology == "allreduce"
+        )
+        self._worker = _CommThread(self.exchange, fast_none)
+        self._finalizer = weakref.finalize(self, self._worker.stop)
+        self._finalizer.atexit = False  # never join at exit: a daemon thread may sit in a dead collective
+        self._layouts: dict[tuple, tuple[list[Slot], list[str]]] = {}
+        self._pass_slots: list[Slot] = []
+        self._pass_sizes: dict[int, int] = {}
 
     @property
     def transport(self) -> DistTransport:
         return self.exchange.transport  # type: ignore[return-value]
 
-    def check(self, bucket: dist.GradBucket) -> None:
-        params = bucket.parameters()
-        names = [self.param_names.get(id(p), f"bucket{bucket.index()}[{i}]") for i, p in enumerate(params)]
-        check_gradients(names, bucket.gradients())
+    @property
+    def scheme(self) -> Scheme:
+        return self.exchange.scheme
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The first error raised on the communication thread (the original exception), or None."""
+        return self._worker.failure
+
+    # -- the hook's side (autograd thread) ------------------------------------------------------------------
+
+    def _layout(self, bucket: dist.GradBucket, params: list[Tensor], buffer: Tensor) -> tuple[list[Slot], list[str]]:
+        """This bucket's slots and its parameters' names (cached per bucket index and parameter list)."""
+        key = (bucket.index(), tuple(id(p) for p in params))
+        if key not in self._layouts:
+            per_param = [
+                self.param_slots.get(id(p), Slot(f"bucket{bucket.index()}[{i}]", -1 - i, p.numel(), tuple(p.shape)))
+                for i, p in enumerate(params)
+            ]
+            names = [s.name for s in per_param]
+            if self.granularity == "layer":
+                unknown = [s.name for s in per_param if s.index < 0]
+                if unknown:
+                    raise ConfigError(
+                        f"DDP bucket {bucket.index()} holds parameters the hook was not registered with "
+                        f"({', '.join(unknown)}); register the hook with register_ddp_hook(ddp_model, ...)"
+                    )
+                slots = per_param
+            else:
+                digest = hashlib.blake2b(",".join(f"{s.name}:{s.numel}" for s in per_param).encode(), digest_size=4)
+                slots = [Slot(f"bucket{bucket.index()}:{digest.hexdigest()}", bucket.index(), buffer.numel())]
+            self.scheme.check_slots(slots)
+            self._layouts[key] = (slots, names)
+        return self._layouts[key]
+
+    def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        if bucket.index() == 0:  # DDP hands buckets over in index order: a new backward pass
+            self._pass_slots, self._pass_sizes = [], {}
+        try:
+            buffer = bucket.buffer()
+            grads = bucket.gradients()
+            slots, names = self._layout(bucket, bucket.parameters(), buffer)
+            # one reduction over the buffer; NaN or ±Inf anywhere makes the sum non-finite. Only then (or when
+            # finite values overflowed the sum) look parameter by parameter, which names the culprits.
+            if not (buffer.is_floating_point() and bool(torch.isfinite(buffer.sum()))):
+                check_gradients(names, grads, self.step)
+        except BaseException:
+            self._pass_slots, self._pass_sizes = [], {}
+            self._worker.wait_idle()  # nothing of this hook is in flight when backward raises
+            raise
+        self._pass_slots.extend(slots)
+        self._pass_sizes[bucket.index()] = buffer.numel()
+        last = bucket.is_last()
+        device = buffer.device
+        on_cuda = device.type == "cuda"
+        future: torch.futures.Future = torch.futures.Future(devices=[device]) if on_cuda else torch.futures.Future()
+        self._worker.submit(
+            _Job(
+                slots=slots,
+                tensors=grads if self.granularity == "layer" else [buffer],
+                buffer=buffer,
+                step=self.step,
+                future=future,
+                retain=list(self._pass_slots) if last else None,
+                stream=torch.cuda.current_stream(device) if on_cuda else None,
+            )
+        )
+        if last:
+            self.step += 1
+            self.bucket_sizes = self._pass_sizes
+            self._pass_slots, self._pass_sizes = [], {}
+        # DDP reads the future's value in C++: an exception stored by set_exception would reach the user as
+        # "Unable to cast ... to Tensor". Chained, the error is a real one that names the original exception.
+        return future.then(_unwrap)
+
+    # -- checkpoints and shutdown ---------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every bucket handed to the thread has been exchanged."""
+        self._worker.wait_idle()
 
     def state_dict(self) -> dict:
+        self.wait()
         return {"step": self.step, "exchange": self.exchange.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        self.wait()
         self.step = int(state["step"])
         self.exchange.load_state_dict(state["exchange"])
 
+    def close(self) -> None:
+        """Finish the queued buckets and stop the communication thread (the hook then refuses new ones)."""
+        self._finalizer()
+
 
 def compression_hook(state: "CompressionHookState", bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    buffer = bucket.buffer()
-    state.check(bucket)
-    slot = Slot(f"bucket{bucket.index()}", bucket.index(), buffer.numel())
-    state.bucket_sizes[bucket.index()] = buffer.numel()
-    (average,) = state.exchange.exchange([slot], [buffer], state.step, validate=False)
-    if bucket.is_last():
-        state.step += 1
-    future: torch.futures.Future[Tensor] = torch.futures.Future()
-    future.set_result(average.to(buffer.dtype))
-    return future
+    return state.submit(bucket)
 
 
 def register_ddp_hook(
     model: nn.parallel.DistributedDataParallel,
-    compressor: Compressor,
+    method: Compressor | Scheme,
     *,
     topology: str = "auto",
     server_compressor: Compressor | None = None,
+    granularity: str = "layer",
+    min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
 ) -> CompressionHookState:
     """Register gradcomp's hook on a DDP model; returns the state (checkpoint it with ``state_dict()``)."""
-    names = {id(p): name for name, p in model.module.named_parameters()}
     state = CompressionHookState(
-        compressor,
+        method,
         model.process_group,
         topology=topology,
         server_compressor=server_compressor,
-        param_names=names,
+        named_parameters=list(model.module.named_parameters()),
+        granularity=granularity,
+        min_compression_rate=min_compression_rate,
     )
     model.register_comm_hook(state, compression_hook)
     return state
