@@ -36,9 +36,10 @@ slots that were not seen in the pass (a bucket that DDP rebuilt away) are droppe
 checkpoints. The step counter, which seeds shared randomness, advances after the last bucket.
 
 ``min_compression_rate`` (default 2, like torch's PowerSGD hook): with a single-message compressor that is
-gathered (top-k, sign, ...), a slot whose message would not be at least that many times smaller than its fp32
-values (a tiny tensor, a density that keeps most entries) travels uncompressed in one allreduce. Summed compressors (random-k, fp16) and
-methods that own their rounds ignore it. ``None`` turns it off.
+gathered (top-k, sign, ...), a slot whose message would not be at least that many times smaller than its
+fp32 values (a tiny tensor, a density that keeps most entries) travels uncompressed, in one allreduce before
+the gathered round. Summed compressors (random-k, fp16) ignore it, and methods that own their rounds have
+their own (``make("powersgd", min_compression_rate=...)``). ``None`` turns it off.
 
 ``none`` (uncompressed fp32) with an fp32 bucket takes a short path with the same bytes and the same result:
 the bucket buffer *is* the concatenation of its parameters' gradients, so it is divided by W in place and
@@ -48,14 +49,14 @@ Errors. A NaN / Inf found by the hook is raised from the hook (so from ``loss.ba
 NonFiniteGradientError, after the buckets already queued have finished: when ``backward`` returns with the
 error, no collective of this hook is in flight and the process group can be used at once. When every rank
 finds it in the same bucket (a diverged model, a NaN loss that reaches every gradient) every rank raises
-there. When some ranks do not, they wait at a collective that never comes until the process group's time-out, then fail
-with the WorkerLostError. (After an error inside backward DDP itself refuses the next iteration: "Expected
-to have finished reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the thread
-(a collective that failed or timed out, a bad message) completes that bucket's future with the exception;
-DDP raises it from ``backward`` as a RuntimeError whose message names the original exception and its
-traceback (the original object is ``state.failure``). The thread then refuses every later bucket at once
-(CommunicationError naming the first error; nothing more is sent), since the ranks' collective sequences
-may no longer agree. Every future is completed, so DDP never waits on one forever.
+there. When some ranks do not, they wait at a collective that never comes until the process group's time-out,
+then fail with the WorkerLostError. (After an error inside backward DDP itself refuses the next iteration:
+"Expected to have finished reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the
+thread (a collective that failed or timed out, a bad message) completes that bucket's future with the
+exception; DDP raises it from ``backward`` as a RuntimeError whose message names the original exception and
+its traceback (the original object is ``state.failure``). The thread then refuses every later bucket at once
+(CommunicationError naming the first error; nothing more is sent), since the ranks' collective sequences may
+no longer agree. Every future is completed, so DDP never waits on one forever.
 
 CUDA / NCCL. The hook records the autograd thread's current CUDA stream with the job; the thread runs the
 job's kernels on that same stream (``torch.cuda.stream``), so they are ordered after the kernels that
@@ -286,40 +287,40 @@ class CompressionHookState:
             self._pass_slots, self._pass_sizes = [], {}
         try:
             buffer = bucket.buffer()
-            grads = bucket.gradients()
             slots, names = self._layout(bucket, bucket.parameters(), buffer)
             # one reduction over the buffer; NaN or ±Inf anywhere makes the sum non-finite. Only then (or when
             # finite values overflowed the sum) look parameter by parameter, which names the culprits.
             if not (buffer.is_floating_point() and bool(torch.isfinite(buffer.sum()))):
-                check_gradients(names, grads, self.step)
+                check_gradients(names, bucket.gradients(), self.step)
         except BaseException:
             self._pass_slots, self._pass_sizes = [], {}
             self._worker.wait_idle()  # nothing of this hook is in flight when backward raises
             raise
         self._pass_slots.extend(slots)
         self._pass_sizes[bucket.index()] = buffer.numel()
-        last = bucket.is_last()
         device = buffer.device
         on_cuda = device.type == "cuda"
         future: torch.futures.Future = torch.futures.Future(devices=[device]) if on_cuda else torch.futures.Future()
-        self._worker.submit(
-            _Job(
-                slots=slots,
-                tensors=grads if self.granularity == "layer" else [buffer],
-                buffer=buffer,
-                step=self.step,
-                future=future,
-                retain=list(self._pass_slots) if last else None,
-                stream=torch.cuda.current_stream(device) if on_cuda else None,
-            )
+        # DDP reads the future's value in C++: an exception stored by set_exception would reach the user as
+        # "Unable to cast ... to Tensor". Chained, the error is a real one that names the original exception.
+        chained = future.then(_unwrap)
+        job = _Job(
+            slots=slots,
+            tensors=bucket.gradients() if self.granularity == "layer" else [buffer],
+            buffer=buffer,
+            step=self.step,
+            future=future,
+            retain=list(self._pass_slots) if bucket.is_last() else None,
+            stream=torch.cuda.current_stream(device) if on_cuda else None,
         )
-        if last:
+        if bucket.is_last():
             self.step += 1
             self.bucket_sizes = self._pass_sizes
             self._pass_slots, self._pass_sizes = [], {}
-        # DDP reads the future's value in C++: an exception stored by set_exception would reach the user as
-        # "Unable to cast ... to Tensor". Chained, the error is a real one that names the original exception.
-        return future.then(_unwrap)
+        # last: once the thread is woken it competes for the GIL, and any call here that released the GIL
+        # (torch ops, Future.then) would hand it over and wait to get it back
+        self._worker.submit(job)
+        return chained
 
     # -- checkpoints and shutdown ---------------------------------------------------------------------------
 
