@@ -122,7 +122,13 @@ class TrainConfig:
         )
 
     def build_compressors(self):
-        compressor = make(self.compressor, error_feedback=self.error_feedback, **self.params)
+        params, error_feedback = dict(self.params), self.error_feedback
+        if "error_feedback" in params:  # --param error_feedback=... is the same as --(no-)error-feedback
+            given = params.pop("error_feedback")
+            if error_feedback is not None and given != error_feedback:
+                raise ConfigError("--param error_feedback contradicts --error-feedback / --no-error-feedback")
+            error_feedback = given
+        compressor = make(self.compressor, error_feedback=error_feedback, **params)
         server = None
         if self.server_compressor is not None:
             server = make(self.server_compressor, error_feedback=self.server_error_feedback, **self.server_params)
@@ -136,7 +142,9 @@ class TrainConfig:
     def uses_error_feedback(self) -> bool:
         from gradcomp.feedback import ErrorFeedback
 
-        return isinstance(self.build_compressors()[0], ErrorFeedback)
+        method = self.build_compressors()[0]
+        # a method that owns its rounds may build error feedback in (PowerSGD's error_feedback parameter)
+        return isinstance(method, ErrorFeedback) or bool(getattr(method, "error_feedback", False))
 
     def label(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.params.items())
