@@ -166,7 +166,7 @@ def test_mean_aggregation_for_scaled_signs():
 def test_vote_through_the_exchange_with_every_gathering_topology():
     rows = torch.tensor([[1.0, -1.0, 2.0], [1.0, 1.0, -2.0], [-1.0, -1.0, -2.0], [1.0, 1.0, 2.0]])
     slot = Slot("w", 0, 3)
-    for topology in ("allgather", "ps"):
+    for topology in ("allgather", "ps", "sharded"):
         with gradcomp.SimulatedCluster(4) as cluster:
             out = cluster.run(
                 lambda t: gradcomp.GradientExchange(bare("signsgd"), t, topology=topology).exchange(

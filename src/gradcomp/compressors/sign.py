@@ -117,8 +117,9 @@ def _pack_mask(mask: Tensor) -> Tensor:
     """
     words = mask.view(torch.uint8).view(torch.int64)
     packed = torch.bitwise_right_shift(words, 7).bitwise_or_(words)
-    packed.bitwise_or_(torch.bitwise_right_shift(packed, 14))
-    packed.bitwise_or_(torch.bitwise_right_shift(packed, 28))
+    shifted = torch.bitwise_right_shift(packed, 14)
+    packed.bitwise_or_(shifted)
+    packed.bitwise_or_(torch.bitwise_right_shift(packed, 28, out=shifted))
     return packed.bitwise_and_(0xFF)
 
 
