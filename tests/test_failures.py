@@ -67,6 +67,11 @@ def test_nan_on_one_worker_stops_the_launch_with_its_name(monkeypatch):
         ({"granularity": "neuron"}, "granularity"),
         ({"compressor": "topk", "topology": "allreduce"}, "not summable"),
         ({"server_compressor": "topk"}, "topology ps"),
+        # fits every layer of the MLP but not a sixteenth of its output bias
+        ({"compressor": "topk", "params": {"k": 2}, "topology": "sharded", "workers": 16}, "shard"),
+        ({"compressor": "powersgd", "params": {"rank": 0}}, "rank"),
+        ({"compressor": "powersgd", "topology": "allgather"}, "owns its rounds"),
+        ({"compressor": "signsgd", "topology": "allreduce"}, "not summable"),
     ],
 )
 def test_bad_configuration_fails_before_any_worker_starts(overrides, match):

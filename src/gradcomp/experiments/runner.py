@@ -105,6 +105,7 @@ class TrainConfig:
         # per-tensor limits (k larger than a layer, ...) checked on the real model's slots, before any worker
         data = load_dataset(self.dataset, self.data_root)
         model = build_model(self.model, data, self.seed)
+        scheme.bind(0, self.workers)  # a sharded scheme checks shards, which depend on W
         scheme.check_slots(GradientAggregator.slots_for(list(model.named_parameters()), self.granularity))
 
     def hand_momentum_to_method(self) -> str | None:
