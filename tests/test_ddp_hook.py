@@ -116,7 +116,8 @@ def test_replicas_bit_identical_with_several_buckets(ddp_runs, label):
     assert all(len(b) >= 3 for b in runs[0]["buckets"][1:]), runs[0]["buckets"]
     assert len({r["digest"] for r in runs}) == 1, f"{label}: replicas diverged"
     assert all(r["steps_seen"] == 30 for r in runs)
-    assert runs[0]["thread_alive"] and not runs[0]["thread_alive_after_close"]
+    # none issues its allreduces from the hook and never starts the thread
+    assert runs[0]["thread_alive"] == (label != "none") and not runs[0]["thread_alive_after_close"]
 
 
 @pytest.mark.slow
@@ -251,6 +252,23 @@ def _overlap_and_state(rank: int, world: int) -> dict:
         F.cross_entropy(ddp64(x.double()), y).backward()
     out["grad_dtypes"] = sorted({str(p.grad.dtype) for p in model64.parameters()})
     out["bytes64"] = state64.transport.counter.bytes_up
+    # none's direct path too, which sends a float64 bucket as fp32 like the scheme would
+    none64 = build_model("cnn", data, seed=0).double()
+    ddp_none64 = DDP(none64, bucket_cap_mb=CAP)
+    state_none64 = gradcomp.register_ddp_hook(ddp_none64, _method("none"))
+    reference64 = build_model("cnn", data, seed=0).double()
+    ddp_reference64 = DDP(reference64, bucket_cap_mb=CAP)
+    for x, y in batches[:2]:
+        F.cross_entropy(ddp_none64(x.double()), y).backward()
+        F.cross_entropy(ddp_reference64(x.double()), y).backward()
+    out["none64"] = {
+        "dtypes": sorted({str(p.grad.dtype) for p in none64.parameters()}),
+        "bytes": state_none64.transport.counter.bytes_up,
+        "numel": model_numel(none64),
+        "max_error": max(
+            float((a.grad - b.grad).abs().max()) for a, b in zip(none64.parameters(), reference64.parameters())
+        ),
+    }
 
     # the communication thread ends with its state
     before = sum(t.name == "gradcomp-ddp-comm" for t in threading.enumerate())
@@ -315,6 +333,9 @@ def test_overlap_dtype_thread_lifetime_and_checkpoint():
         submits = [t for kind, t in events if kind == "submit"]
         assert len(submits) >= 3 and submits[1] < first_done, events
         assert r["grad_dtypes"] == ["torch.float64"] and r["bytes64"] > 0
+        assert r["none64"]["dtypes"] == ["torch.float64"]
+        assert r["none64"]["bytes"] == 2 * 4 * r["none64"]["numel"]  # two steps of fp32
+        assert 0 < r["none64"]["max_error"] < 1e-6  # fp32 rounding against DDP's own float64 allreduce
         before, after = r["threads"]
         assert before >= 1 and after == before - 1
         assert r["layer"]["continuous"] == r["layer"]["restored"]
