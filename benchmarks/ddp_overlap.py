@@ -7,8 +7,8 @@ Every worker builds one replica of the same 1.1M-parameter CNN (three convolutio
 variant, each wrapped in its own DDP (same process group, ``bucket_cap_mb`` 1, so four buckets after DDP's
 rebuild), and times ``zero_grad; forward; backward; optimizer.step`` on a fixed batch. The variants are
 interleaved as finely as DDP allows: every round times ``--steps`` consecutive steps of each variant, one
-variant after the other, starting one variant further each round, so a noisy neighbour on a shared machine
-hits all of them alike. Reported (rank 0; DDP's backward ends when the last bucket is averaged, so every rank
+variant after the other, in a new random order each round, so a noisy neighbour on a shared machine hits all
+of them alike. Reported (rank 0; DDP's backward ends when the last bucket is averaged, so every rank
 waits for the slowest): the median step time over the rounds, its ratio to torch's built-in allreduce, the
 median over rounds of the same round's ratio (robust to load that drifts between rounds), and the bytes
 rank 0 sent per step.
@@ -35,6 +35,7 @@ hook's annotations at registration.)
 import argparse
 import os
 import pickle
+import random
 import statistics
 import sys
 import tempfile
@@ -157,7 +158,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, args: argparse.Names
         for _ in range(args.warmup):
             step(v)
     for r in range(args.rounds):
-        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotated each round
+        order = list(variants)
+        random.Random(r).shuffle(order)  # the same order on every rank, a new one each round
+        for v in order:
             state = built[v][1]
             before = state.transport.counter.bytes_up if state is not None else 0
             dist.barrier()

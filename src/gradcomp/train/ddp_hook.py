@@ -288,23 +288,25 @@ class CompressionHookState:
             self._pass_slots, self._pass_sizes = [], {}
         try:
             buffer = bucket.buffer()
-            slots, names = self._layout(bucket, bucket.parameters(), buffer)
             # one reduction over the buffer; NaN or ±Inf anywhere makes the sum non-finite. Only then (or when
             # finite values overflowed the sum) look parameter by parameter, which names the culprits.
-            if not (buffer.is_floating_point() and bool(torch.isfinite(buffer.sum()))):
+            finite = buffer.is_floating_point() and bool(torch.isfinite(buffer.sum()))
+            if not finite or not self.direct:  # the direct path needs the slots only to name a culprit
+                slots, names = self._layout(bucket, bucket.parameters(), buffer)
+            if not finite:
                 check_gradients(names, bucket.gradients(), self.step)
         except BaseException:
             self._pass_slots, self._pass_sizes = [], {}
             self._worker.wait_idle()  # nothing of this hook is in flight when backward raises
             raise
-        self._pass_slots.extend(slots)
         self._pass_sizes[bucket.index()] = buffer.numel()
-        if self.direct:
+        if self.direct:  # keeps no per-slot state: nothing to retain
             if bucket.is_last():
                 self.step += 1
                 self.bucket_sizes = self._pass_sizes
-                self._pass_slots, self._pass_sizes = [], {}
+                self._pass_sizes = {}
             return self._direct(buffer)
+        self._pass_slots.extend(slots)
         device = buffer.device
         on_cuda = device.type == "cuda"
         future: torch.futures.Future = torch.futures.Future(devices=[device]) if on_cuda else torch.futures.Future()
