@@ -76,6 +76,7 @@ wants the real ``dist.GradBucket`` / ``torch.futures.Future`` objects, not strin
 
 import contextlib
 import hashlib
+import math
 import threading
 import time
 import weakref
@@ -290,7 +291,7 @@ class CompressionHookState:
             buffer = bucket.buffer()
             # one reduction over the buffer; NaN or ±Inf anywhere makes the sum non-finite. Only then (or when
             # finite values overflowed the sum) look parameter by parameter, which names the culprits.
-            finite = buffer.is_floating_point() and bool(torch.isfinite(buffer.sum()))
+            finite = buffer.is_floating_point() and math.isfinite(buffer.sum().item())
             if not finite or not self.direct:  # the direct path needs the slots only to name a culprit
                 slots, names = self._layout(bucket, bucket.parameters(), buffer)
             if not finite:
