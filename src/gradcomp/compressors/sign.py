@@ -35,17 +35,20 @@ Learning rate. With majority vote (signsgd, signum) the aggregated gradient is �
 coordinate, so the optimizer's lr IS the per-coordinate step, whatever the gradient's size: typical values
 are 1e-4 to 1e-3 on MNIST with plain SGD and no momentum in the optimizer (for signum the CLI turns the
 optimizer's momentum off). A learning rate tuned for fp32 SGD (0.01–0.1) moves every weight by that much
-every step and diverges. For efsignsgd and onebit the fp32 scale keeps the gradient's magnitude
-(E-SGD's update has the size of the mean |g|), so the usual SGD lr works.
+every step and diverges. For efsignsgd and onebit the fp32 scale keeps the gradient's magnitude (each
+coordinate moves by the mean |p| of its side), so the usual SGD lr works — measured on MNIST
+(docs/methods/sign.md): lr 0.4 without optimizer momentum, about the reference's effective step
+0.05/(1 − 0.9); momentum 0.9 on top of error feedback diverged at lr 0.05 and was worse at lr 0.01.
 
 Wire layout. The sign bits are the LSB-first bitmap of the *negative* mask: bit k of byte k // 8 (counted
 from the least significant bit) is 1 when entry k is < 0; the unused high bits of the last byte are 0.
 These are exactly the bytes ``gradcomp.wire.pack_bool(x < 0)`` produces, ceil(d/8) of them. The compressor
 packs them itself in one vectorised pass (``pack_signs``: the comparison writes a byte per entry, every 8
 bytes are read as one little-endian 64-bit word and three shift-ors gather its 8 low bits into its low
-byte) and hands the container ceil(d/8) bytes, declared as a BITS section of width 8 — the container's
-width-1 path would need every sign as an int64 in memory (64 times the wire size) and is several times
-slower. So one slot's message is:
+byte; in chunks of 2^20 entries, so that the scratch buffers stay small and are reused) and hands the
+container ceil(d/8) bytes, declared as a BITS section of width 8 — the container's width-1 path would need
+every sign as an int64 in memory (64 times the wire size) and is several times slower. The field is int64
+in memory, one value per byte, as every integer field of a message is. So one slot's message is:
 
     signsgd, signum:  [BITS width 8, count ceil(d/8)]                         10 + ceil(d/8) bytes
     efsignsgd:        [BITS width 8, count ceil(d/8)], [F32, count 1: scale]  10 + ceil(d/8) + 10 + 4
@@ -54,7 +57,8 @@ slower. So one slot's message is:
 
 plus the container's 20-byte header once per message (all slots of a step travel in one message). A set
 padding bit in the last byte is rejected with WireError by ``decompress``, as the container does for its
-own bitmaps. Decoding reads each byte's 8 values from a 256-row table (±1, ±scale, or the two means).
+own bitmaps. Decoding reads each byte's 8 values from a 256-row table (±1, ±scale, or the two means);
+``accumulate`` adds them into the running sum chunk by chunk, without a d-sized temporary.
 
 Choices where the papers are silent or differ:
 
@@ -63,9 +67,10 @@ Choices where the papers are silent or differ:
 - a tie of the vote (even number of workers) gives 0 — the coordinate does not move. With the parameter
   server topology and ``--server-compressor signsgd`` the vote travels down in one bit, and a tie is then +;
 - signum's m starts at 0 and is float32; β = 0 is signsgd;
-- the sums behind efsignsgd's scale and onebit's means are float32 reductions; if one overflows (only for
-  entries near float32's largest value) it is recomputed in float64, so the scale of finite input is
-  finite. This check is compress's one host synchronisation (efsignsgd and onebit; signsgd/signum have none);
+- the sums behind efsignsgd's scale and onebit's means are float32 reductions over chunks of 2^20 entries,
+  added in float64; if a chunk's sum overflows (only for entries near float32's largest value) the sums are
+  recomputed in float64, so the scale of finite input is finite. This check is compress's one host
+  synchronisation (efsignsgd and onebit; signsgd/signum have none);
 - error feedback works in gradient units (residual r, p = g + r, update lr·C(p)), where the EF-signSGD
   paper feeds back in update units (p = γ·g + e). As C is positively homogeneous, C(γ·p) = γ·C(p), the two
   are the same for a constant lr;
@@ -98,34 +103,56 @@ def packed_count(numel: int) -> int:
     return (numel + 7) // 8
 
 
-def _negative_mask(flat: Tensor) -> Tensor:
-    """bool tensor of 8·ceil(d/8) entries: x < 0 for the first d, False (zero padding) for the rest."""
-    d = flat.numel()
-    mask = torch.empty(8 * packed_count(d), dtype=torch.bool, device=flat.device)
-    torch.lt(flat, 0, out=mask[:d])
-    mask[d:] = False
-    return mask
+_CHUNK = 1 << 20  # entries per pass: scratch buffers of about 1–4 MB that the allocator reuses
 
 
-def _pack_mask(mask: Tensor) -> Tensor:
-    """The LSB-first bitmap of a padded bool mask, as int64 byte values (one per 8 entries).
+def _pack_into(flat: Tensor, out: Tensor, mask: Tensor, shifted: Tensor) -> None:
+    """Pack the signs of ``flat`` (at most ``mask.numel()`` entries) into ``out`` (ceil(n/8) int64 bytes).
 
-    Each group of 8 bool bytes (each 0 or 1) is read as one little-endian int64 word w, entry j at bit 8j.
-    Or-ing in w >> 7, then w >> 14, then w >> 28 copies every bit to all positions 8j − 7k, k = 0..7; entry
-    j thus reaches bit j (k = j), and no other entry lands in bits 0..7 (8i − 7k = j with i, k in 0..7
-    forces i = k = j), so the low byte is the packed byte. Values stay below 2^57: no sign or overflow.
+    The comparison writes one bool byte per entry into ``mask``, zero-padded to a multiple of 8. Each group
+    of 8 bool bytes (each 0 or 1) is then read as one little-endian int64 word w, entry j at bit 8j. Or-ing
+    in w >> 7, then w >> 14, then w >> 28 copies every bit to all positions 8j − 7k, k = 0..7; entry j thus
+    reaches bit j (k = j), and no other entry lands in bits 0..7 (8i − 7k = j with i, k in 0..7 forces
+    i = k = j), so the low byte is the packed byte. Values stay below 2^57: no sign or overflow issues.
     """
-    words = mask.view(torch.uint8).view(torch.int64)
-    packed = torch.bitwise_right_shift(words, 7).bitwise_or_(words)
-    shifted = torch.bitwise_right_shift(packed, 14)
-    packed.bitwise_or_(shifted)
-    packed.bitwise_or_(torch.bitwise_right_shift(packed, 28, out=shifted))
-    return packed.bitwise_and_(0xFF)
+    n, groups = flat.numel(), out.numel()
+    padded = mask[: 8 * groups]
+    torch.lt(flat, 0, out=padded[:n])
+    padded[n:] = False
+    words = padded.view(torch.uint8).view(torch.int64)
+    tmp = shifted[:groups]
+    torch.bitwise_right_shift(words, 7, out=out).bitwise_or_(words)
+    out.bitwise_or_(torch.bitwise_right_shift(out, 14, out=tmp))
+    out.bitwise_or_(torch.bitwise_right_shift(out, 28, out=tmp))
+    out.bitwise_and_(0xFF)
+
+
+def _pack(flat: Tensor, count: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(sign bitmap as ceil(d/8) int64 byte values, number of negative entries if ``count``).
+
+    Works through chunks of 2^20 entries with two small scratch buffers: d-sized temporaries would cost
+    page faults (on CPU a fresh 40 MB tensor takes several times as long as the arithmetic on it).
+    """
+    d = flat.numel()
+    out = torch.empty(packed_count(d), dtype=torch.int64, device=flat.device)
+    width = min(d, _CHUNK)
+    mask = torch.empty(8 * packed_count(width), dtype=torch.bool, device=flat.device)
+    shifted = torch.empty(packed_count(width), dtype=torch.int64, device=flat.device)
+    negatives = []
+    for start in range(0, d, _CHUNK):  # _CHUNK is a multiple of 8: every chunk starts on a byte
+        piece = flat[start : start + _CHUNK]
+        _pack_into(piece, out[start // 8 : start // 8 + packed_count(piece.numel())], mask, shifted)
+        if count:
+            negatives.append(torch.count_nonzero(mask[: piece.numel()]))
+    total = None
+    if count:
+        total = torch.stack(negatives).sum() if negatives else torch.zeros((), dtype=torch.int64, device=flat.device)
+    return out, total
 
 
 def pack_signs(x: Tensor) -> Tensor:
     """The sign bitmap of ``x`` (bit = 1 where x < 0), ceil(d/8) int64 byte values; equals pack_bool(x < 0)."""
-    return _pack_mask(_negative_mask(x.reshape(-1)))
+    return _pack(x.reshape(-1))[0]
 
 
 _BIT_TABLES: dict[torch.device, Tensor] = {}
@@ -149,10 +176,27 @@ def _check_packed(packed: Tensor, numel: int, where: str) -> None:
         raise WireError(f"{where}: nonzero padding bits after {numel} signs")
 
 
+def _value_table(device: torch.device, positive: Tensor, negative: Tensor) -> Tensor:
+    """(256, 8) float32: row b holds the decoded values of the 8 entries that byte b stands for."""
+    return torch.where(_bit_table(device), negative, positive)
+
+
 def _expand(packed: Tensor, numel: int, positive: Tensor, negative: Tensor) -> Tensor:
     """float32 vector of ``numel`` entries: ``negative`` where the bit is 1, ``positive`` where it is 0."""
-    values = torch.where(_bit_table(packed.device), negative, positive)  # (256, 8) float32
-    return torch.index_select(values, 0, packed.reshape(-1)).reshape(-1)[:numel]
+    table = _value_table(packed.device, positive, negative)
+    return torch.index_select(table, 0, packed.reshape(-1)).reshape(-1)[:numel]
+
+
+def _expand_add(packed: Tensor, numel: int, positive: Tensor, negative: Tensor, out: Tensor) -> None:
+    """``out += _expand(...)`` through chunks of 2^20 entries and one small scratch buffer (see ``_pack``)."""
+    table = _value_table(packed.device, positive, negative)
+    packed = packed.reshape(-1)
+    scratch = torch.empty(packed_count(min(numel, _CHUNK)), 8, dtype=torch.float32, device=packed.device)
+    for start in range(0, numel, _CHUNK):
+        n = min(_CHUNK, numel - start)
+        rows = scratch[: packed_count(n)]
+        torch.index_select(table, 0, packed[start // 8 : start // 8 + packed_count(n)], out=rows)
+        out[start : start + n] += rows.reshape(-1)[:n]
 
 
 def unpack_signs(packed: Tensor, numel: int) -> Tensor:
@@ -185,6 +229,12 @@ class _Sign(Compressor):
         _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
         positive, negative = self._decode_values(fields, slot)
         return _expand(packed, slot.numel, positive, negative)
+
+    def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+        packed = fields[0]
+        _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
+        positive, negative = self._decode_values(fields, slot)
+        _expand_add(packed, slot.numel, positive, negative, out.reshape(-1))
 
 
 class _MajorityVote(_Sign):
@@ -274,6 +324,29 @@ class Signum(_MajorityVote):
         self.buffers = {k: v.detach().to(torch.float32).clone() for k, v in buffers.items()}
 
 
+def _chunked_sums(flat: Tensor, *maps) -> Tensor:
+    """float64 tensor of sum(m(flat)) for each elementwise map ``m(piece, out=scratch)``.
+
+    Chunked through one small scratch buffer, for the reason given in ``_pack``. Chunk sums are float32,
+    added in float64.
+    """
+    scratch = torch.empty(min(flat.numel(), _CHUNK), dtype=torch.float32, device=flat.device)
+    parts = []
+    for start in range(0, flat.numel(), _CHUNK):
+        piece = flat[start : start + _CHUNK]
+        out = scratch[: piece.numel()]
+        parts.append(torch.stack([m(piece, out=out).sum() for m in maps]))
+    return torch.stack(parts).double().sum(0)
+
+
+def _nonnegative(piece: Tensor, out: Tensor) -> Tensor:
+    return torch.clamp(piece, min=0, out=out)
+
+
+def _negative(piece: Tensor, out: Tensor) -> Tensor:
+    return torch.clamp(piece, max=0, out=out)
+
+
 def _finite_or_f64(values: Tensor, recompute) -> Tensor:
     """``values`` if all finite (one host sync), else ``recompute()`` (float64 sums) cast to float32."""
     if bool(torch.isfinite(values).all()):
@@ -286,7 +359,8 @@ class EFSignSGD(_Sign):
     """EF-signSGD: send sign(p) and one fp32 scale ||p||_1 / d, p = g + residual; mean aggregation.
 
     Error feedback is on by default (``make`` wraps it in ErrorFeedback). Learning rate: the scale keeps
-    the magnitude of the gradient (the update has the size of mean |g|), so the usual SGD lr works.
+    the magnitude of the gradient (the update has the size of mean |g|), so the usual SGD lr works; on
+    MNIST lr 0.4 without optimizer momentum (the effective step of lr 0.05 with momentum 0.9).
     """
 
     name = "efsignsgd"
@@ -300,7 +374,7 @@ class EFSignSGD(_Sign):
         d = flat.numel()
         if d == 0:
             return [torch.zeros(0, dtype=torch.int64, device=flat.device), torch.zeros(1, device=flat.device)]
-        scale = (torch.linalg.vector_norm(flat, 1).double() / d).to(torch.float32).reshape(1)
+        scale = (_chunked_sums(flat, torch.abs) / d).to(torch.float32)
         scale = _finite_or_f64(scale, lambda: (flat.double().abs().sum() / d).to(torch.float32).reshape(1))
         return [pack_signs(flat), scale]
 
@@ -314,7 +388,8 @@ class OneBit(_Sign):
     """1-bit SGD: sign bit plus two fp32 values, the mean of the entries >= 0 and of the entries < 0.
 
     Error feedback is on by default. Learning rate: the two means keep the gradient's magnitude, so the
-    usual SGD lr works.
+    usual SGD lr works; on MNIST lr 0.4 without optimizer momentum (the effective step of lr 0.05 with
+    momentum 0.9).
     """
 
     name = "onebit"
@@ -328,21 +403,17 @@ class OneBit(_Sign):
         d = flat.numel()
         if d == 0:
             return [torch.zeros(0, dtype=torch.int64, device=flat.device), torch.zeros(2, device=flat.device)]
-        mask = _negative_mask(flat)
-        n_negative = torch.count_nonzero(mask).double()
+        packed, n_negative = _pack(flat, count=True)
+        n_negative = n_negative.double()
         counts = torch.stack([(d - n_negative).clamp(min=1), n_negative.clamp(min=1)])  # an empty side sums to 0
-        side = flat.clamp(max=0)
-        sum_negative = side.sum()
-        torch.clamp(flat, min=0, out=side)
-        sums = torch.stack([side.sum(), sum_negative])
-        means = (sums.double() / counts).to(torch.float32)
+        means = (_chunked_sums(flat, _nonnegative, _negative) / counts).to(torch.float32)
 
         def in_float64() -> Tensor:
             wide = flat.double()
             exact = torch.stack([wide.clamp(min=0).sum(), wide.clamp(max=0).sum()])
             return (exact / counts).to(torch.float32)
 
-        return [_pack_mask(mask), _finite_or_f64(means, in_float64)]
+        return [packed, _finite_or_f64(means, in_float64)]
 
     def _decode_values(self, fields: Fields, slot: Slot) -> tuple[Tensor, Tensor]:
         means = fields[1].reshape(-1).to(torch.float32)
