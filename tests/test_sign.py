@@ -63,6 +63,24 @@ def test_pack_signs_is_pack_bool_of_the_negative_mask(d):
     assert torch.equal(unpack_signs(packed, d), torch.where(negative(x), -1.0, 1.0))
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_several_chunks(name):
+    # packing, the sums and accumulate work through chunks of 2^20 entries: cross two boundaries
+    d = 2 * (1 << 20) + 13
+    x = torch.randn(d, generator=torch.Generator().manual_seed(9))
+    x[(1 << 20) - 3 : (1 << 20) + 3] = torch.tensor([-1.0, 0.0, -2.0, 3.0, -0.0, -4.0])
+    c = bare(name)
+    slot = Slot("big", 0, d)
+    out = round_trip(c, x, slot)
+    assert torch.equal(c.compress(x, slot, 1)[0], pack_bool(negative(x)).to(torch.int64))
+    xd = x.double()
+    if name == "efsignsgd":
+        assert out[0].abs().item() == pytest.approx(float(xd.abs().mean()), rel=1e-6)
+    if name == "onebit":
+        assert out[x >= 0][0].item() == pytest.approx(float(xd[x >= 0].mean()), rel=1e-6)
+        assert out[x < 0][0].item() == pytest.approx(float(xd[x < 0].mean()), rel=1e-6)
+
+
 def test_pack_signs_bit_order_by_hand():
     # entries 0 and 9 negative: byte 0 = 0b00000001, byte 1 = 0b00000010; entry 3 is -0.0 (counted as +)
     x = torch.tensor([-1.0, 2, 3, -0.0, 5, 6, 7, 8, 9, -10])
