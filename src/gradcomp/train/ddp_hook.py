@@ -45,8 +45,8 @@ their own (``make("powersgd", min_compression_rate=...)``). ``None`` turns it of
 so the hook issues it itself, asynchronously, in DDP's bucket order, as torch's own allreduce does (this
 state then never uses the thread, so the order is the same on every rank). The bucket buffer *is* its
 parameters' gradients back to back, i.e. the scheme's message: it is divided by W and all-reduced in place,
-with no copy; the bytes and the average are the scheme's. The hop through the thread (two wake-ups per
-bucket) cost about 4 % of the step on a busy machine; see docs/ddp.md.
+with no copy; the bytes and the average are the scheme's. Through the thread it measured 1.07-1.14x torch's
+built-in allreduce, directly 1.01-1.06x, like torch's own Python allreduce hook (docs/ddp.md).
 
 Errors. A NaN / Inf found by the hook is raised from the hook (so from ``loss.backward()``) as
 NonFiniteGradientError, after the buckets already queued have finished: when ``backward`` returns with the
