@@ -280,6 +280,16 @@ def _overlap_and_state(rank: int, world: int) -> dict:
         time.sleep(0.1)
     out["threads"] = (before, sum(t.name == "gradcomp-ddp-comm" for t in threading.enumerate()))
 
+    # a closed state refuses buckets, on the direct path (none) too
+    out["closed"] = []
+    for name in ("topk", "none"):
+        closed_ddp = DDP(build_model("cnn", data, seed=0))
+        gradcomp.register_ddp_hook(closed_ddp, _method(name)).close()
+        try:
+            F.cross_entropy(closed_ddp(batches[0][0]), batches[0][1]).backward()
+        except gradcomp.CommunicationError as exc:
+            out["closed"].append(str(exc))
+
     # checkpoint round trip: 3 steps, save, a new model / DDP / hook / optimizer loads it, 3 more steps;
     # against 6 steps in one go. Per-parameter residuals do not care that the new DDP's first pass has one
     # bucket. Bucket slots do: a restored DDP starts with one bucket again, whose slot is new, so with
@@ -336,6 +346,7 @@ def test_overlap_dtype_thread_lifetime_and_checkpoint():
         assert r["none64"]["dtypes"] == ["torch.float64"]
         assert r["none64"]["bytes"] == 2 * 4 * r["none64"]["numel"]  # two steps of fp32
         assert 0 < r["none64"]["max_error"] < 1e-6  # fp32 rounding against DDP's own float64 allreduce
+        assert len(r["closed"]) == 2 and all("closed" in m for m in r["closed"]), r["closed"]
         before, after = r["threads"]
         assert before >= 1 and after == before - 1
         assert r["layer"]["continuous"] == r["layer"]["restored"]

@@ -153,6 +153,10 @@ class _CommThread:
             thread.join()
 
     @property
+    def closed(self) -> bool:
+        return self._stopped
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -285,6 +289,8 @@ class CompressionHookState:
         return self._layouts[key]
 
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        if self._worker.closed:
+            raise CommunicationError("this DDP hook state was closed; register a new hook")
         if bucket.index() == 0:  # DDP hands buckets over in index order: a new backward pass
             self._pass_slots, self._pass_sizes = [], {}
         try:
