@@ -81,6 +81,16 @@ def test_several_chunks(name):
         assert out[x < 0][0].item() == pytest.approx(float(xd[x < 0].mean()), rel=1e-6)
 
 
+def test_accumulate_into_a_non_contiguous_tensor():
+    c = bare("onebit")
+    slot = Slot("w", 0, 12)
+    x = torch.randn(12)
+    fields = c.compress(x, slot, 0)
+    out = torch.ones(4, 3).t()  # (3, 4), not contiguous
+    c.accumulate(fields, slot, 0, out)
+    assert torch.equal(out.reshape(-1), 1.0 + c.decompress(fields, slot, 0))
+
+
 def test_pack_signs_bit_order_by_hand():
     # entries 0 and 9 negative: byte 0 = 0b00000001, byte 1 = 0b00000010; entry 3 is -0.0 (counted as +)
     x = torch.tensor([-1.0, 2, 3, -0.0, 5, 6, 7, 8, 9, -10])

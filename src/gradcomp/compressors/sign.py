@@ -234,7 +234,10 @@ class _Sign(Compressor):
         packed = fields[0]
         _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
         positive, negative = self._decode_values(fields, slot)
-        _expand_add(packed, slot.numel, positive, negative, out.reshape(-1))
+        if out.is_contiguous():
+            _expand_add(packed, slot.numel, positive, negative, out.view(-1))
+        else:  # a reshape would copy: add the dense tensor instead
+            out += _expand(packed, slot.numel, positive, negative).reshape(out.shape)
 
 
 class _MajorityVote(_Sign):
