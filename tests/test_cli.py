@@ -96,3 +96,29 @@ def test_train_as_launched_by_torchrun(tmp_path):
     result = json.loads(out.read_text())
     assert result["workers"] == 2 and result["backend"] == "gloo" and result["replicas_identical"]
     assert done.stdout.count("test accuracy") == 1  # only rank 0 reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", [["none"], ["powersgd", "--param", "rank=1"], ["topk", "--param", "density=0.05"]])
+def test_train_through_the_ddp_hook(tmp_path, method):
+    out = tmp_path / "run.json"
+    args = ["train", *SMALL, "--workers", "2", "--ddp", "--bucket-cap-mb", "0.01", "--compressor", *method,
+            "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["replicas_identical"] and result["backend"] == "gloo"
+    if method[0] == "none":
+        # the hook's own transport counted exactly fp32 allreduce: 4 bytes per parameter up and down each step
+        assert result["bits_up_per_worker"] == 32 * MLP_PARAMETERS * 12 == result["dense_bits_per_worker"]
+    else:
+        assert 0 < result["bits_up_per_worker"] < result["dense_bits_per_worker"] / 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [(["--ddp", "--simulate"], "drop --simulate"), (["--ddp", "--local-steps", "2"], "local-steps"),
+     (["--ddp", "--granularity", "model"], "granularity layer"), (["--bucket-cap-mb", "1"], "needs --ddp")],
+)
+def test_ddp_options_are_checked_before_any_worker(extra, match, capsys):
+    assert main(["train", *SMALL, *extra]) == 2
+    assert match in capsys.readouterr().err

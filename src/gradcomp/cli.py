@@ -23,6 +23,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--server-compressor", default=None, help="downstream compressor of the parameter server")
     p.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no-server-error-feedback", action="store_true", help="no residual on the server")
+    p.add_argument("--ddp", action="store_true",
+                   help="train a DistributedDataParallel model with gradcomp's communication hook "
+                        "(exchanges overlap backward) instead of calling the aggregator after backward")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, metavar="MB",
+                   help="with --ddp: DDP's bucket size (default: DDP's 25 MB)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--local-steps", type=int, default=None, metavar="N",
                    help="exchange the weight update every N local steps (communication delay) instead of "
@@ -82,6 +87,8 @@ def _train(args: argparse.Namespace) -> int:
         latency=args.latency,
         progress=not args.no_progress,
         timeout_s=args.timeout,
+        ddp=args.ddp,
+        bucket_cap_mb=args.bucket_cap_mb,
     )
     note = cfg.hand_momentum_to_method()
     if note:

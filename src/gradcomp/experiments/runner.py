@@ -76,6 +76,8 @@ class TrainConfig:
     latency: str | float = 0.0  # per-message latency for that model, e.g. "50us"
     progress: bool = True
     timeout_s: float = 900.0
+    ddp: bool = False  # train a DistributedDataParallel model with gradcomp's communication hook
+    bucket_cap_mb: float | None = None  # DDP's bucket size (None: DDP's default, 25 MB)
 
     def validate(self) -> None:
         """Everything that can be checked before a worker starts; raises ConfigError."""
@@ -97,6 +99,14 @@ class TrainConfig:
             raise ConfigError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.ddp and self.simulate:
+            raise ConfigError("--ddp needs real workers (a torch.distributed process group): drop --simulate")
+        if self.ddp and self.local_steps is not None:
+            raise ConfigError("--ddp exchanges gradients inside backward: it cannot take --local-steps")
+        if self.ddp and self.granularity != "layer":
+            raise ConfigError("--ddp compresses every parameter of a bucket as its own slot: use --granularity layer")
+        if self.bucket_cap_mb is not None and not (self.ddp and self.bucket_cap_mb > 0):
+            raise ConfigError(f"--bucket-cap-mb needs --ddp and a positive size, got {self.bucket_cap_mb}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda asked for, but torch sees no CUDA device")
         compressor, server = self.build_compressors()
@@ -252,9 +262,21 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
     model = build_model(cfg.model, data, cfg.seed).to(device)
     optimizer = make_optimizer(model, cfg)
     compressor, server = cfg.build_compressors()
-    aggregator = GradientAggregator(
-        model, compressor, transport, granularity=cfg.granularity, topology=cfg.topology, server_compressor=server
-    )
+    if cfg.ddp:
+        # DistributedDataParallel with gradcomp's hook: the exchange runs inside backward, bucket by bucket,
+        # on the hook's own transport (so the hook's bytes are what this worker reports)
+        from gradcomp.train.ddp_hook import register_ddp_hook
+
+        ddp_options = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
+        trained = nn.parallel.DistributedDataParallel(model, **ddp_options)
+        hook = register_ddp_hook(trained, compressor, topology=cfg.topology, server_compressor=server)
+        exchange, transport, aggregator = hook.exchange, hook.transport, hook
+    else:
+        trained, hook = model, None
+        aggregator = GradientAggregator(
+            model, compressor, transport, granularity=cfg.granularity, topology=cfg.topology, server_compressor=server
+        )
+        exchange = aggregator.exchange
     delayed = LocalUpdateExchange(aggregator, cfg.local_steps) if cfg.local_steps is not None else None
     batches = Batches(data, cfg, transport.rank)
     total = batches.total_steps()
@@ -265,9 +287,9 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
     for step in range(total):
         started = time.perf_counter()
         xb, yb = batches.get(step, device)
-        loss = compute_gradients(model, xb, yb)
+        loss = compute_gradients(trained, xb, yb)  # with --ddp, backward also runs the hook's exchanges
         compute_s += time.perf_counter() - started
-        if delayed is None:
+        if delayed is None and hook is None:
             aggregator.step()  # exchange gradients every step
         started = time.perf_counter()
         optimizer.step()
@@ -279,6 +301,8 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
     if delayed is not None:
         delayed.sync()  # a last, shorter round so the replicas end identical
     progress.close()
+    if hook is not None:
+        hook.close()
     if lead and cfg.save_path:
         save_checkpoint(cfg, model, aggregator)
     return {
@@ -287,8 +311,8 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
         "syncs": delayed.syncs if delayed is not None else total,
         "epochs": total / batches.per_epoch,
         "compute_s": compute_s,
-        "compress_s": aggregator.exchange.compress_s,
-        "communicate_s": aggregator.exchange.communicate_s,
+        "compress_s": exchange.compress_s,
+        "communicate_s": exchange.communicate_s,
         "counter": transport.counter.as_dict(),
         "digest": parameter_digest(model),
         "final_loss": loss,
