@@ -14,3 +14,6 @@ $G --compressor powersgd --param rank=4 --json runs/powersgd_r4.json > runs/powe
 $G --compressor none --seed 1 --json runs/powersgd_fp32_seed1.json > runs/powersgd_fp32_seed1.log 2>&1
 $G --compressor powersgd --param rank=2 --seed 1 --json runs/powersgd_r2_seed1.json > runs/powersgd_r2_seed1.log 2>&1
 $G --compressor powersgd --param rank=4 --seed 1 --json runs/powersgd_r4_seed1.json > runs/powersgd_r4_seed1.log 2>&1
+# through the DDP communication hook (DDP's default buckets)
+$G --ddp --compressor none --json runs/ddp_none.json > runs/ddp_none.log 2>&1
+$G --ddp --compressor powersgd --param rank=2 --json runs/ddp_powersgd_r2.json > runs/ddp_powersgd_r2.log 2>&1
