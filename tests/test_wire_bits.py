@@ -164,3 +164,26 @@ def test_bool_helpers(device):
     assert out.dtype == torch.bool and torch.equal(out, m)
     with pytest.raises(WireError):
         unpack_bool(packed[:-1], 1003)
+
+
+@pytest.mark.parametrize("width", [1, 3, 7, 10, 13, 16, 17, 24, 31, 32])
+def test_small_cpu_path_writes_the_same_bytes_as_the_vectorised_one(width, monkeypatch):
+    import gradcomp.wire.bits as bits
+
+    gen = torch.Generator().manual_seed(width)
+    for n in (1, 7, 8, 9, 63, 200):
+        values = torch.randint(0, min(1 << width, 1 << 62), (n,), generator=gen, dtype=torch.int64)
+        small = pack_bits(values, width)
+        monkeypatch.setattr(bits, "_SMALL", -1)  # force the torch path
+        large = pack_bits(values, width)
+        assert torch.equal(unpack_bits(small, width, n), values)
+        monkeypatch.undo()
+        assert torch.equal(small, large)
+        assert torch.equal(unpack_bits(large, width, n), values)
+
+
+def test_small_cpu_path_rejects_padding_bits():
+    buf = pack_bits(torch.tensor([5, 1, 2]), 3)  # 9 bits: 7 padding bits in the second byte
+    buf[1] |= 0x80
+    with pytest.raises(WireError, match="padding"):
+        unpack_bits(buf, 3, 3)
