@@ -511,3 +511,8 @@ def test_real_gloo_workers_are_bit_identical_and_match_the_simulated_cluster(sin
     # gloo sums in another order than the simulator: the same model up to fp32 rounding, step for step
     torch.testing.assert_close(sim[0][0], real[0]["trajectory"], rtol=0, atol=1e-5)
     assert not torch.equal(sim[0][0][0], sim[0][0][-1])
+
+
+def test_state_that_is_not_tensors_is_refused():
+    with pytest.raises(gradcomp.ConfigError, match="tensors"):
+        gradcomp.make("powersgd").load_state_dict({"q": {"a#4x6": [[1.0]]}})

@@ -207,3 +207,29 @@ def test_min_compression_rate_sends_small_tensors_uncompressed():
 def test_min_compression_rate_must_be_positive():
     with pytest.raises(ConfigError, match="min_compression_rate"):
         SingleRound(gradcomp.make("topk"), min_compression_rate=0)
+
+
+def test_a_server_compressors_limits_are_checked_before_anything_is_sent():
+    slots = [Slot("a", 0, 50)]
+
+    def fn(t):
+        ex = GradientExchange(gradcomp.make("topk", k=5), t, topology="ps",
+                              server_compressor=gradcomp.make("topk", k=100))
+        with pytest.raises(ConfigError, match="k=100 exceeds"):
+            ex.exchange(slots, [torch.ones(50)], 0)
+        return t.counter.collectives
+
+    with SimulatedCluster(3) as cluster:
+        assert cluster.run(fn) == [0, 0, 0]
+
+
+def test_the_server_compressor_must_be_its_own_instance():
+    c = gradcomp.make("topk", density=0.1, error_feedback=True)
+    with pytest.raises(ConfigError, match="own instance"):
+        SingleRound(c, "ps", server_compressor=c)
+
+
+@pytest.mark.parametrize("rate", ["2", True, float("inf"), float("nan"), -1])
+def test_bad_min_compression_rates_are_config_errors(rate):
+    with pytest.raises(ConfigError, match="min_compression_rate"):
+        SingleRound(gradcomp.make("topk"), "allgather", min_compression_rate=rate)

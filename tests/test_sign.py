@@ -587,3 +587,8 @@ def test_cuda_matches_cpu(name):
     assert buf.is_cuda
     out = gpu.decompress(decode(buf, gpu.specs(slot)), slot, 0)
     assert out.is_cuda and torch.equal(torch.sign(out.cpu()), torch.sign(cpu.decompress(a, slot, 0)))
+
+
+def test_signum_state_of_the_wrong_size_is_refused():
+    with pytest.raises(gradcomp.ConfigError, match="size"):
+        gradcomp.make("signum").load_state_dict({"momentum": {"a#4": torch.zeros(5)}})

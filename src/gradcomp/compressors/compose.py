@@ -31,6 +31,7 @@ class ComposedValues(Compressor):
     def __init__(self, inner: Compressor, values: Compressor):
         self.inner, self.values = inner, values
         self.name = f"{inner.name}+{values.name}"
+        self.owns_momentum = inner.owns_momentum
         self.unbiased = bool(inner.unbiased and values.unbiased)
         w1, w2 = inner.omega, values.omega
         self.omega = w1 * w2 + w1 + w2 if (self.unbiased and w1 is not None and w2 is not None) else None
@@ -45,6 +46,9 @@ class ComposedValues(Compressor):
 
     def aggregate(self, total: Tensor, count: int) -> Tensor:
         return self.inner.aggregate(total, count)
+
+    def retain(self, slots: list[Slot]) -> None:
+        self.inner.retain(slots)
 
     def _value_slots(self, slot: Slot) -> list[tuple[FieldSpec, Slot | None]]:
         """Each inner field spec, with the value compressor's slot where the field is composed."""
@@ -71,7 +75,8 @@ class ComposedValues(Compressor):
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         fields: Fields = []
-        for field, (_, vslot) in zip(self.inner.compress(x, slot, step), self._value_slots(slot)):
+        value_slots = self._value_slots(slot)  # refuses a composition first, before the inner state moves
+        for field, (_, vslot) in zip(self.inner.compress(x, slot, step), value_slots):
             fields.extend([field] if vslot is None else self.values.compress(field, vslot, step))
         return fields
 

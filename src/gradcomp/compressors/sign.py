@@ -324,6 +324,10 @@ class Signum(_MajorityVote):
             isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() == 1 for k, v in buffers.items()
         ):
             raise ConfigError("signum state 'momentum' must map slot keys to flat tensors")
+        for key, v in buffers.items():
+            size = key.rpartition("#")[2]
+            if not size.isdigit() or int(size) != v.numel():
+                raise ConfigError(f"signum state {key!r}: {v.numel()} entries do not match the slot's size")
         self.buffers = {k: v.detach().to(torch.float32).clone() for k, v in buffers.items()}
 
 

@@ -403,6 +403,10 @@ class PowerSGD(Scheme):
         if unknown:
             raise ConfigError(f"unexpected powersgd state keys {sorted(unknown)}")
         qs, errors = dict(state.get("q", {})), dict(state.get("error", {}))
+        for what, tensors in (("q", qs), ("error", errors)):
+            bad = sorted(k for k, v in tensors.items() if not isinstance(k, str) or not isinstance(v, Tensor))
+            if bad:
+                raise ConfigError(f"powersgd state {what!r}: {bad} must map slot keys to tensors")
         if errors and not self.error_feedback:
             raise ConfigError("the checkpoint holds PowerSGD errors but this PowerSGD runs without error feedback")
         for key, q in qs.items():

@@ -26,6 +26,7 @@ their fixed-width size, an upper bound.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -120,8 +121,18 @@ class SingleRound(Scheme):
         if topology not in TOPOLOGIES:
             raise ConfigError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
         self.topology = resolve_topology(compressor, topology, server_compressor)
-        if min_compression_rate is not None and not min_compression_rate > 0:
-            raise ConfigError(f"min_compression_rate must be > 0, got {min_compression_rate!r}")
+        if min_compression_rate is not None and (
+            isinstance(min_compression_rate, bool)
+            or not isinstance(min_compression_rate, (int, float))
+            or not math.isfinite(min_compression_rate)
+            or min_compression_rate <= 0
+        ):
+            raise ConfigError(f"min_compression_rate must be a finite number > 0, got {min_compression_rate!r}")
+        if server_compressor is not None and server_compressor is compressor:
+            raise ConfigError(
+                "the server compressor must be its own instance (it keeps its own residual and randomness): "
+                "build it with a second gradcomp.make(...)"
+            )
         self.compressor = compressor
         self.server_compressor = server_compressor if server_compressor is not None else NoCompression()
         self.root = root

@@ -347,6 +347,11 @@ class CompressionHookState:
         still DDP's bucket order on every rank). A buffer that is not fp32 is sent as fp32, like the scheme.
         """
         transport = self.transport
+        if self._worker.failure is not None:  # the ranks' collective sequences may no longer agree
+            raise CommunicationError(
+                f"an earlier exchange of this DDP hook failed ({type(self._worker.failure).__name__}: "
+                f"{self._worker.failure}); nothing more is sent"
+            )
         flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
         flat.div_(transport.world_size)
         started = time.perf_counter()

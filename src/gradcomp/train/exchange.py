@@ -100,6 +100,7 @@ class GradientExchange:
         self.method = method
         self.transport = transport
         self.compress_s = 0.0
+        self._checked: set[tuple[Slot, ...]] = set()  # slot lists whose limits check_slots passed (DDP: per bucket)
 
     @property
     def topology(self) -> str:
@@ -129,6 +130,10 @@ class GradientExchange:
         for slot, t in zip(slots, tensors):
             if t.numel() != slot.numel:
                 raise ConfigError(f"{slot.name}: tensor has {t.numel()} elements, slot says {slot.numel}")
+        key = tuple(slots)
+        if key not in self._checked:
+            self.scheme.check_slots(slots)  # k larger than a tensor, a server compressor's limits: before sending
+            self._checked.add(key)
         if validate:
             check_gradients([s.name for s in slots], tensors)
 
