@@ -516,3 +516,22 @@ def test_real_gloo_workers_are_bit_identical_and_match_the_simulated_cluster(sin
 def test_state_that_is_not_tensors_is_refused():
     with pytest.raises(gradcomp.ConfigError, match="tensors"):
         gradcomp.make("powersgd").load_state_dict({"q": {"a#4x6": [[1.0]]}})
+
+
+def test_retain_drops_the_buffers_of_a_slot_list_that_stopped_coming():
+    # DDP's first pass has one bucket with every parameter; after its rebuild the same parameters come in
+    # two buckets. The first bucket's buffers must go at the next retain, though its slots are all alive.
+    a, b = Slot("a", 0, 64 * 64, (64, 64)), Slot("b", 1, 64 * 64, (64, 64))
+
+    def fn(t):
+        scheme = gradcomp.make("powersgd")
+        ex = gradcomp.GradientExchange(scheme, t)
+        ex.exchange([a, b], [torch.randn(4096), torch.randn(4096)], 0)
+        scheme.retain([a, b])
+        ex.exchange([a], [torch.randn(4096)], 1)
+        ex.exchange([b], [torch.randn(4096)], 1)
+        scheme.retain([a, b])
+        return sorted(len(slots) for slots, _ in scheme._plans)
+
+    with gradcomp.SimulatedCluster(1) as cluster:
+        assert cluster.run(fn) == [[1, 1]]

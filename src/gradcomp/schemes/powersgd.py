@@ -194,6 +194,7 @@ class PowerSGD(Scheme):
         self._q: dict[str, Tensor] = {}  # key → (m, r), a view into a plan's stacked Q's
         self._e: dict[str, Tensor] = {}  # key → (n, m), a view into a plan's stacked errors
         self._plans: dict[tuple[tuple[Slot, ...], torch.device], _Plan] = {}
+        self._used_plans: set[tuple[tuple[Slot, ...], torch.device]] = set()  # since the last retain()
         self._warned_shapeless = False
 
     def params(self) -> dict[str, Any]:
@@ -303,6 +304,7 @@ class PowerSGD(Scheme):
     # -- buffers and state ---------------------------------------------------------------------------------------
 
     def _plan(self, slots: tuple[Slot, ...], device: torch.device) -> _Plan:
+        self._used_plans.add((slots, device))
         plan = self._plans.get((slots, device))
         if plan is None:
             self.check_slots(slots)
@@ -390,7 +392,12 @@ class PowerSGD(Scheme):
         self._q = {k: v for k, v in self._q.items() if k in keep}
         self._e = {k: v for k, v in self._e.items() if k in keep}
         wanted = set(slots)
-        self._plans = {k: p for k, p in self._plans.items() if set(k[0]) <= wanted}
+        # a plan (buffers for one slot list, e.g. one DDP bucket) survives only if it was used since the last
+        # retain: DDP's single first-pass bucket holds live slots but never comes back after the rebuild
+        self._plans = {
+            k: p for k, p in self._plans.items() if set(k[0]) <= wanted and (k in self._used_plans or not self._used_plans)
+        }
+        self._used_plans = set()
 
     def state_dict(self) -> dict[str, Any]:
         return {
