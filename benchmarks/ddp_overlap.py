@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(after {args.warmup} warm-up steps), torch {torch.__version__}, {os.cpu_count()} CPUs, "
         f"{args.threads} torch thread(s) per worker, load average {os.getloadavg()[0]:.1f} at the end"
     )
-    for v, sizes in buckets.items():
+    for sizes in buckets.values():
         print(f"DDP buckets: {len(sizes)}, elements {[sizes[i] for i in sorted(sizes)]}")
         break
     print()

@@ -197,7 +197,7 @@ def test_vote_through_the_exchange_with_every_gathering_topology():
     for topology in ("allgather", "ps", "sharded"):
         with gradcomp.SimulatedCluster(4) as cluster:
             out = cluster.run(
-                lambda t: gradcomp.GradientExchange(bare("signsgd"), t, topology=topology).exchange(
+                lambda t, topology=topology: gradcomp.GradientExchange(bare("signsgd"), t, topology=topology).exchange(
                     [slot], [rows[t.rank]], 0
                 )[0]
             )
@@ -469,7 +469,7 @@ def decode_and_use(c, slots, raw: bytes) -> bool:
             out = torch.zeros(slot.numel)
             c.accumulate(f, slot, 0, out)
             c.decompress(f, slot, 0)
-    except Exception as e:  # noqa: BLE001 - the point: nothing but WireError
+    except Exception as e:
         assert type(e) is WireError, f"{type(e).__name__}: {e}"
         return False
     return True
@@ -481,7 +481,7 @@ def test_fuzz_only_wire_errors(name):
     c = bare(name)
     slots = [Slot("a", 0, 13), Slot("b", 1, 64), Slot("c", 2, 3)]
     rejected = 0
-    for trial in range(150):
+    for _ in range(150):
         xs = [torch.randn(s.numel) for s in slots]
         raw = bytearray(encode_slots(c, slots, [c.compress(x, s, 0) for x, s in zip(xs, slots)]).tolist())
         assert decode_and_use(c, slots, bytes(raw))

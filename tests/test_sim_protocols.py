@@ -248,7 +248,8 @@ def test_a_failing_worker_fails_the_run_fast(world, when):
 
         # the same cluster runs again, cleanly, after the failure
         def ok(t):
-            return drive(t, allreduce_sum(torch.full((2,), float(t.rank)))), drive(t, allgather_buffers(t.rank, rank_bytes(t.rank, t.rank)))
+            summed = drive(t, allreduce_sum(torch.full((2,), float(t.rank))))
+            return summed, drive(t, allgather_buffers(t.rank, rank_bytes(t.rank, t.rank)))
 
         for sums, gathered in cluster.run(ok):
             assert torch.equal(sums, torch.full((2,), float(sum(range(world)))))

@@ -8,7 +8,12 @@
 
 from gradcomp.compressors import Compressor, Slot
 from gradcomp.errors import (
-    CommunicationError, ConfigError, GradcompError, NonFiniteGradientError, WireError, WorkerLostError,
+    CommunicationError,
+    ConfigError,
+    GradcompError,
+    NonFiniteGradientError,
+    WireError,
+    WorkerLostError,
 )
 from gradcomp.feedback import ErrorFeedback
 from gradcomp.registry import available, make, register
@@ -25,7 +30,8 @@ from gradcomp.transport import ByteCounter, DistTransport, SimulatedCluster, Tra
 __version__ = "0.1.0"
 
 __all__ = [
-    "ByteCounter", "CommunicationError", "CompressionHookState", "Compressor", "ConfigError", "DistTransport", "ErrorFeedback",
+    "ByteCounter", "CommunicationError", "CompressionHookState", "Compressor", "ConfigError", "DistTransport",
+    "ErrorFeedback",
     "GradcompError", "GradientAggregator", "GradientExchange", "LocalUpdateExchange", "NonFiniteGradientError",
     "SimulatedCluster", "Slot", "Transport", "WireError", "WorkerLostError", "available", "compression_hook",
     "make", "register", "register_ddp_hook",

@@ -1,7 +1,8 @@
 """The compressor registry: ``gradcomp.make(name, **params)`` and the CLI's ``--compressor NAME --param k=v``.
 
 Both paths build the same object. Methods register themselves in the leaf module ``gradcomp.catalog``; this
-module imports them (no module imports one that imports it back). Unknown names and bad parameters raise ConfigError before anything is sent.
+module imports them (no module imports one that imports it back). Unknown names and bad parameters raise
+ConfigError before anything is sent.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import inspect
 from collections.abc import Iterable
 from typing import Any
 
-import gradcomp.compressors  # noqa: F401  (importing the package registers every built-in method)
+import gradcomp.compressors
 import gradcomp.schemes.powersgd  # noqa: F401  (registers powersgd)
 from gradcomp.catalog import CATALOG, register
 from gradcomp.errors import ConfigError

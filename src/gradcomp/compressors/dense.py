@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.catalog import register
+from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.wire import Codec, FieldSpec
 
 FP16_MAX = 65504.0

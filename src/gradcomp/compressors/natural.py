@@ -86,9 +86,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradcomp.catalog import register
 from gradcomp.compressors.base import Compressor, Fields, Slot, check_int, shared_generator
 from gradcomp.errors import ConfigError, NonFiniteGradientError
-from gradcomp.catalog import register
 from gradcomp.wire import Codec, FieldSpec
 
 __all__ = ["NaturalCompression", "RandomDithering", "NaturalDithering", "TernGrad", "cnat_encode", "cnat_decode"]

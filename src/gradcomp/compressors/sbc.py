@@ -34,9 +34,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from gradcomp.catalog import register
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.compressors.sparse import KeptCount, check_positions_codec, position_spec
-from gradcomp.catalog import register
 from gradcomp.wire import Codec, FieldSpec
 
 

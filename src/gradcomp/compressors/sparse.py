@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gradcomp.catalog import register
 from gradcomp.compressors.base import (
     Compressor,
     Fields,
@@ -42,7 +43,6 @@ from gradcomp.compressors.base import (
     shared_seed,
 )
 from gradcomp.errors import ConfigError
-from gradcomp.catalog import register
 from gradcomp.wire import Codec, FieldSpec
 
 POSITION_CODECS = {"fixed": Codec.POSITIONS, "golomb": Codec.GOLOMB}

@@ -394,9 +394,8 @@ class PowerSGD(Scheme):
         wanted = set(slots)
         # a plan (buffers for one slot list, e.g. one DDP bucket) survives only if it was used since the last
         # retain: DDP's single first-pass bucket holds live slots but never comes back after the rebuild
-        self._plans = {
-            k: p for k, p in self._plans.items() if set(k[0]) <= wanted and (k in self._used_plans or not self._used_plans)
-        }
+        used = self._used_plans
+        self._plans = {k: p for k, p in self._plans.items() if set(k[0]) <= wanted and (k in used or not used)}
         self._used_plans = set()
 
     def state_dict(self) -> dict[str, Any]:

@@ -70,7 +70,7 @@ class Broadcast:
     kind: str = PAYLOAD
 
 
-Request = Union[AllReduce, AllGather, AllToAll, Gather, Broadcast]
+Request = Union[AllReduce, AllGather, AllToAll, Gather, Broadcast]  # noqa: UP007 (a runtime alias; Python 3.10)
 # A scheme's rounds: yields requests, receives their results, returns the aggregated tensors.
 Rounds = Generator[Request, Any, Any]
 

@@ -188,7 +188,7 @@ class _CommThread:
                     self._exchange(job)
                     if job.retain is not None:
                         self.exchange.scheme.retain(job.retain)
-            except BaseException as exc:  # noqa: BLE001 - every error must reach the future, or DDP waits forever
+            except BaseException as exc:
                 if self.failure is None:
                     self.failure = exc
                 job.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
