@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import gradcomp.compressors
-import gradcomp.schemes.powersgd  # noqa: F401  (registers powersgd)
+import gradcomp.schemes.powersgd  # registers powersgd
+import gradcomp.schemes.sketch  # noqa: F401  (registers sketch)
 from gradcomp.catalog import CATALOG, register
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme

@@ -1,0 +1,322 @@
+"""Sketched SGD (schemes/sketch.py) and its count sketch (compressors/countsketch.py): linearity, heavy-hitter
+recovery, identical candidates on every worker, bytes per step, momentum/error zeroing, bad parameters, state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradcomp
+from gradcomp.compressors.base import Slot
+from gradcomp.compressors.countsketch import CountSketch
+from gradcomp.errors import ConfigError
+from gradcomp.schemes.sketch import SketchedSGD
+from gradcomp.train.exchange import GradientExchange
+
+WORLD = 4
+
+
+def randn(n, seed):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def planted(d, heavy, magnitude, seed):
+    """Shared heavy coordinates (positions, values) for a planted-signal test."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.randperm(d, generator=gen)[:heavy]
+    signs = torch.randint(0, 2, (heavy,), generator=gen).float().mul(2).sub(1)
+    return pos, signs * magnitude
+
+
+def run_cluster(world, make_scheme, slots, grads_for, steps):
+    """Every worker exchanges grads_for(rank, step); per worker, per step: (outputs, selection, state, bytes)."""
+
+    def worker(t):
+        scheme = make_scheme()
+        ex = GradientExchange(scheme, t)
+        history = []
+        for step in steps:
+            before = t.counter.snapshot()
+            out = ex.exchange(slots, grads_for(t.rank, step), step)
+            after = t.counter
+            counts = (
+                after.collectives - before.collectives,
+                after.ops["all_reduce"][0] - before.ops.get("all_reduce", [0, 0])[0],
+                after.up_payload - before.up_payload,
+                after.down_payload - before.down_payload,
+            )
+            selection = {k: (c.clone(), s.clone()) for k, (c, s) in scheme.last_selection.items()}
+            history.append(([o.clone() for o in out], selection, scheme.state_dict(), counts))
+        return history
+
+    with gradcomp.SimulatedCluster(world, timeout=60) as cluster:
+        return cluster.run(worker)
+
+
+# -- the count sketch --------------------------------------------------------------------------------------------
+
+
+def test_count_sketch_is_linear():
+    cs = CountSketch(5000, rows=5, cols=300, seed=3, index=1)
+    xs = [randn(5000, seed=i) for i in range(4)]
+    total = sum(cs.sketch(x) for x in xs)
+    assert torch.allclose(total, cs.sketch(sum(xs)), rtol=0, atol=1e-4)
+    assert torch.allclose(cs.sketch(2.5 * xs[0]), 2.5 * cs.sketch(xs[0]), rtol=1e-6, atol=1e-5)
+    # every coordinate lands once in every row, with its sign: the rows' sums of sign·x agree
+    table = cs.sketch(xs[0]).view(5, 300)
+    assert torch.allclose(table.sum(dim=1), (cs.signs * xs[0]).sum(dim=1), atol=1e-3)
+
+
+def test_count_sketch_tables_come_from_the_seed():
+    a, b = CountSketch(1000, 3, 50, seed=7, index=2), CountSketch(1000, 3, 50, seed=7, index=2)
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.signs, b.signs)
+    c = CountSketch(1000, 3, 50, seed=7, index=3)
+    assert not torch.equal(a.positions, c.positions)
+    assert set(a.signs.unique().tolist()) == {-1.0, 1.0}
+    rows = (a.positions.view(3, 1000) // 50).to(torch.int64)
+    assert torch.equal(rows, torch.arange(3).unsqueeze(1).expand(3, 1000))
+
+
+def test_count_sketch_estimates_a_heavy_coordinate_and_a_sparse_vector_exactly():
+    cs = CountSketch(2000, rows=5, cols=400, seed=0, index=0)
+    x = torch.zeros(2000)
+    x[[3, 99, 1500]] = torch.tensor([5.0, -2.0, 7.0])
+    assert torch.allclose(cs.estimate(cs.sketch(x)), x)  # 3 coordinates rarely collide in 3 of 5 rows
+
+
+# -- the algorithm ------------------------------------------------------------------------------------------------
+
+
+def test_planted_heavy_coordinates_are_recovered_exactly_with_the_default_sizes():
+    d = 20_000
+    k = SketchedSGD().plan(Slot("w", 0, d)).k
+    assert k == 200
+    pos, values = planted(d, k, 20.0, seed=1)
+    slots = [Slot("w", 0, d)]
+
+    def grads(rank, step):
+        g = randn(d, seed=100 + rank)
+        g[pos] += values
+        return [g]
+
+    runs = run_cluster(WORLD, SketchedSGD, slots, grads, [0])
+    out = runs[0][0][0][0]
+    assert set(torch.nonzero(out).reshape(-1).tolist()) == set(pos.tolist())
+    mean = sum(grads(r, 0)[0] for r in range(WORLD)) / WORLD
+    assert torch.allclose(out[pos], mean[pos], atol=1e-5)  # the exact mean at the selected coordinates
+    for history in runs[1:]:
+        assert torch.equal(history[0][0][0], out)
+
+
+def test_one_round_takes_the_sketch_estimates_of_the_heavy_coordinates():
+    # with rounds=1 a light coordinate that shares buckets with heavy ones in 3 of 5 rows looks heavy (about
+    # 1 % of them when k heavy coordinates fill 10 % of every row): round 2 is what removes those; here
+    # fewer heavy coordinates than k are planted and must all be among the k sent
+    d = 20_000
+    pos, values = planted(d, 20, 20.0, seed=2)
+    slots = [Slot("w", 0, d)]
+
+    def grads(rank, step):
+        g = randn(d, seed=200 + rank)
+        g[pos] += values
+        return [g]
+
+    runs = run_cluster(WORLD, lambda: SketchedSGD(rounds=1), slots, grads, [0])
+    out = runs[0][0][0][0]
+    support = set(torch.nonzero(out).reshape(-1).tolist())
+    assert len(support) == 200 and set(pos.tolist()) <= support
+    mean = sum(grads(r, 0)[0] for r in range(WORLD)) / WORLD
+    assert torch.allclose(out[pos], mean[pos], atol=3.0)  # estimates, not exact values
+    for history in runs[1:]:
+        assert torch.equal(history[0][0][0], out)
+
+
+def test_candidates_are_identical_on_every_worker():
+    slots = [Slot("a", 0, 4000), Slot("b", 1, 3000, (30, 100)), Slot("bias", 2, 50)]
+
+    def grads(rank, step):
+        return [randn(s.numel, seed=1000 * step + 10 * rank + s.index) for s in slots]
+
+    runs = run_cluster(WORLD, lambda: SketchedSGD(density=0.02, seed=5), slots, grads, range(3))
+    for step in range(3):
+        ref_out, ref_sel, _, _ = runs[0][step]
+        assert set(ref_sel) == {"a", "b"}
+        for name, (cand, chosen) in ref_sel.items():
+            k = 80 if name == "a" else 60
+            assert cand.numel() == 10 * k and chosen.numel() == k
+            assert len(set(cand.tolist())) == cand.numel()
+            assert set(chosen.tolist()) <= set(cand.tolist())
+        for history in runs[1:]:
+            out, sel, _, _ = history[step]
+            for o, r in zip(out, ref_out):
+                assert torch.equal(o, r)
+            for name, (cand, chosen) in sel.items():
+                assert torch.equal(cand, ref_sel[name][0]) and torch.equal(chosen, ref_sel[name][1])
+
+
+def test_two_allreduces_with_the_formula_bytes_per_step():
+    slots = [Slot("a", 0, 4000), Slot("b", 1, 3000, (30, 100)), Slot("bias", 2, 50), Slot("c", 3, 1200)]
+    rows, cols, p, k = 4, 100, 3, 20
+    sketch_elems = 3 * rows * cols
+    dense = 50
+    round2 = 3 * p * k
+
+    def grads(rank, step):
+        return [randn(s.numel, seed=1000 * step + 10 * rank + s.index) for s in slots]
+
+    def make():
+        return gradcomp.make("sketch", k=k, rows=rows, cols=cols, candidates=p)
+
+    for history in run_cluster(WORLD, make, slots, grads, range(3)):
+        for _, _, _, counts in history:
+            assert counts == (2, 2, 4 * (sketch_elems + dense) + 4 * round2, 4 * (sketch_elems + dense) + 4 * round2)
+    # one round with rounds=1
+    for history in run_cluster(2, lambda: SketchedSGD(k=k, rows=rows, cols=cols, rounds=1), slots, grads, [0]):
+        assert history[0][3] == (1, 1, 4 * (sketch_elems + dense), 4 * (sketch_elems + dense))
+    # uncompressed slots are exact means; P·k is capped at d
+    slots2 = [Slot("bias", 0, 50), Slot("w", 1, 1000)]
+
+    def grads2(rank, step):
+        return [randn(s.numel, seed=10 * rank + s.index) for s in slots2]
+
+    runs = run_cluster(2, lambda: SketchedSGD(k=300, cols=10, momentum=0.0), slots2, grads2, [0])
+    assert runs[0][0][3][2] == 4 * (50 + 5 * 10) + 4 * 1000
+    mean = (grads2(0, 0)[0] + grads2(1, 0)[0]) / 2
+    assert torch.allclose(runs[0][0][0][0], mean, atol=1e-6)
+
+
+def test_momentum_and_error_are_zeroed_where_sent_and_kept_elsewhere():
+    d, k, rho = 2000, 20, 0.5
+    slots = [Slot("w", 0, d), Slot("bias", 1, 10)]
+
+    def grads(rank, step):
+        return [randn(d, seed=10 * step + rank), randn(10, seed=500 + 10 * step + rank)]
+
+    runs = run_cluster(2, lambda: SketchedSGD(k=k, momentum=rho), slots, grads, range(3))
+    for rank, history in enumerate(runs):
+        u = torch.zeros(d)
+        v = torch.zeros(d)
+        u_bias = torch.zeros(10)
+        for step, (out, sel, state, _) in enumerate(history):
+            g = grads(rank, step)
+            u = rho * u + g[0]
+            v = v + u
+            u_bias = rho * u_bias + g[1]
+            _, chosen = sel["w"]
+            sent = torch.zeros(d, dtype=torch.bool)
+            sent[chosen] = True
+            assert torch.equal(torch.nonzero(out[0]).reshape(-1).sort().values, chosen.sort().values)
+            assert torch.all(state["momentum"]["w#2000"][sent] == 0) and torch.all(state["error"]["w#2000"][sent] == 0)
+            assert torch.allclose(state["momentum"]["w#2000"][~sent], u[~sent], atol=1e-5)
+            assert torch.allclose(state["error"]["w#2000"][~sent], v[~sent], atol=1e-5)
+            assert torch.allclose(state["momentum"]["bias#10"], u_bias, atol=1e-6)
+            assert "bias#10" not in state["error"]
+            u[sent] = 0
+            v[sent] = 0
+    # the update is the mean of the workers' v at the sent coordinates: step 0, v = u = g
+    _, chosen = runs[0][0][1]["w"]
+    mean = (grads(0, 0)[0] + grads(1, 0)[0]) / 2
+    assert torch.allclose(runs[0][0][0][0][chosen], mean[chosen], atol=1e-6)
+    # and they are the k largest |mean| among the candidates
+    cand = runs[0][0][1]["w"][0]
+    assert set(chosen.tolist()) == set(cand[mean[cand].abs().argsort(descending=True)[:k]].tolist())
+
+
+# -- construction and state ----------------------------------------------------------------------------------------
+
+
+def test_registered_and_owns_momentum():
+    scheme = gradcomp.make("sketch", k=50, rows=3)
+    assert isinstance(scheme, SketchedSGD) and scheme.owns_momentum
+    assert scheme.params()["k"] == 50 and scheme.params()["rows"] == 3
+    assert gradcomp.make("sketch").params()["density"] == 0.01
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"rows": 0},
+        {"cols": 0},
+        {"candidates": 0},
+        {"k": 0},
+        {"k": 5, "density": 0.1},
+        {"density": 0.0},
+        {"density": 1.5},
+        {"momentum": 1.0},
+        {"momentum": -0.1},
+        {"rounds": 3},
+        {"rounds": 0},
+        {"seed": -1},
+        {"min_size": -1},
+        {"rows": 2.0},
+        {"k": True},
+    ],
+)
+def test_bad_parameters_raise_config_error(params):
+    with pytest.raises(ConfigError):
+        gradcomp.make("sketch", **params)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"k": 2001}, "larger than its"),
+        ({"rows": 5, "cols": 401}, "larger than the"),
+        ({"k": 10, "cols": 500}, "sketch"),
+    ],
+)
+def test_sizes_that_cannot_work_raise_before_sending(params, match):
+    slots = [Slot("w", 0, 2000)]
+
+    def worker(t):
+        ex = GradientExchange(SketchedSGD(**params), t)
+        sent = t.counter.collectives
+        with pytest.raises(ConfigError, match=match):
+            ex.exchange(slots, [torch.zeros(2000)], 0)
+        return t.counter.collectives - sent
+
+    with gradcomp.SimulatedCluster(1) as cluster:
+        assert cluster.run(worker) == [0]
+
+
+def test_state_round_trip_and_retain():
+    slots = [Slot("a", 0, 3000), Slot("bias", 1, 20)]
+    grads = [randn(3000, seed=1), randn(20, seed=2)]
+    scheme = SketchedSGD(density=0.01)
+    with gradcomp.SimulatedCluster(1) as cluster:
+        cluster.run(lambda t: GradientExchange(scheme, t).exchange(slots, grads, 0))
+    state = scheme.state_dict()
+    assert set(state["momentum"]) == {"a#3000", "bias#20"} and set(state["error"]) == {"a#3000"}
+    other = SketchedSGD(density=0.01)
+    other.load_state_dict(state)
+    for part in ("momentum", "error"):
+        for key, value in state[part].items():
+            assert torch.equal(other.state_dict()[part][key], value)
+    state["error"]["a#3000"].add_(1.0)  # a copy, not the live buffer
+    assert not torch.equal(scheme.state_dict()["error"]["a#3000"], state["error"]["a#3000"])
+
+    # the loaded scheme continues exactly like the original
+    nxt = [randn(3000, seed=3), randn(20, seed=4)]
+    with gradcomp.SimulatedCluster(1) as cluster:
+        a = cluster.run(lambda t: GradientExchange(scheme, t).exchange(slots, nxt, 1))[0]
+    with gradcomp.SimulatedCluster(1) as cluster:
+        b = cluster.run(lambda t: GradientExchange(other, t).exchange(slots, nxt, 1))[0]
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+    scheme.retain([slots[1]])
+    kept = scheme.state_dict()
+    assert set(kept["momentum"]) == {"bias#20"} and kept["error"] == {}
+    scheme.retain([])
+    assert scheme.state_dict() == {"momentum": {}, "error": {}}
+
+
+def test_bad_state_raises_config_error():
+    with pytest.raises(ConfigError, match="keys"):
+        SketchedSGD().load_state_dict({"residuals": {}})
+    with pytest.raises(ConfigError, match="key"):
+        SketchedSGD().load_state_dict({"error": {"w": torch.zeros(3)}})
+    with pytest.raises(ConfigError, match="expected 10"):
+        SketchedSGD().load_state_dict({"momentum": {"w#10": torch.zeros(3)}})
+    with pytest.raises(ConfigError, match="tensor"):
+        SketchedSGD().load_state_dict({"momentum": {"w#10": [0.0] * 10}})
