@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gradients import rank_order_mean, worker_gradients
 from torch import nn
 
 import gradcomp
@@ -48,15 +49,7 @@ def fresh_counters(cluster):
 
 
 def grads(rank: int, step: int = 0, sizes=SIZES) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * rank + step)
-    return [torch.randn(n, generator=g) * (1 + rank) for n in sizes]
-
-
-def rank_order_mean(per_worker: list[torch.Tensor]) -> torch.Tensor:
-    total = torch.zeros_like(per_worker[0], dtype=torch.float32)
-    for t in per_worker:
-        total += t
-    return total / len(per_worker)
+    return worker_gradients(rank, step, sizes, stride=100)
 
 
 def run_exchange(cluster, make_compressor, steps=1, slots=SLOTS, inputs=grads, **kwargs):

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from distributed import run_workers
+from gradients import rank_order_mean, worker_gradients
 
 import gradcomp
 from gradcomp import ConfigError, GradientExchange, SimulatedCluster, Slot
@@ -27,15 +28,7 @@ SLOTS = [Slot(f"layer{i}.weight", i, n) for i, n in enumerate(SIZES)]
 
 
 def grads(rank: int, step: int = 0, sizes=SIZES) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return [torch.randn(n, generator=g) * (1 + rank) for n in sizes]
-
-
-def rank_order_mean(per_worker: list[torch.Tensor]) -> torch.Tensor:
-    total = torch.zeros_like(per_worker[0], dtype=torch.float32)
-    for t in per_worker:
-        total += t
-    return total / len(per_worker)
+    return worker_gradients(rank, step, sizes, stride=1000)
 
 
 def run_sharded(world, make, steps=1, slots=SLOTS, inputs=grads, make_server=None, extra=None):

@@ -38,11 +38,10 @@ from gradcomp.errors import ConfigError
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.requests import Rounds
-from gradcomp.wire import Codec, FieldSpec, decode, encode
+from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode
 from gradcomp.wire.bits import bits_needed, packed_nbytes
 
-TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")
-_FIELD_DTYPES = {Codec.F32: torch.float32, Codec.F16: torch.float16, Codec.BF16: torch.bfloat16}
+TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")  # what SingleRound carries
 
 
 def resolve_topology(compressor: Compressor, topology: str, server_compressor: Compressor | None) -> str:
@@ -63,8 +62,8 @@ def message_nbytes(specs: Sequence[FieldSpec]) -> int | None:
         if spec.count is None:
             return None
         codec = Codec(spec.codec)
-        if codec in _FIELD_DTYPES:
-            total += spec.count * _FIELD_DTYPES[codec].itemsize
+        if codec in FLOAT_DTYPES:
+            total += spec.count * FLOAT_DTYPES[codec].itemsize
         elif codec == Codec.BITS:
             total += packed_nbytes(spec.count, spec.width)
         else:  # POSITIONS, GOLOMB (estimated at the fixed width, an upper bound)
@@ -197,7 +196,7 @@ class SingleRound(Scheme):
         dtype = None
         for s, fields in zip(slots, messages):
             for f, spec in zip(fields, self.compressor.specs(s)):
-                want = _FIELD_DTYPES.get(Codec(spec.codec))
+                want = FLOAT_DTYPES.get(Codec(spec.codec))
                 if want is None or f.dtype != want or f.numel() != spec.count:
                     raise ConfigError(
                         f"{self.compressor.name}: {s.name}: a summed field must be {spec.count} values of "

@@ -29,10 +29,11 @@ from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.requests import drive
+from gradcomp.schemes.single_round import TOPOLOGIES as SINGLE_ROUND_TOPOLOGIES
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.transport.base import Transport
 
-TOPOLOGIES = ("auto", "allreduce", "allgather", "ps", "sharded")
+TOPOLOGIES = (*SINGLE_ROUND_TOPOLOGIES, "sharded")
 
 
 def build_scheme(

@@ -10,6 +10,7 @@ Decoders raise only :class:`gradcomp.errors.WireError` for bad bytes; encoders r
 from gradcomp.wire.bits import bits_needed, pack_bits, pack_bool, unpack_bits, unpack_bool
 from gradcomp.wire.checksum import checksum64
 from gradcomp.wire.container import (
+    FLOAT_DTYPES,
     FORMAT_VERSION,
     HEADER_BYTES,
     SECTION_HEADER_BYTES,
@@ -24,6 +25,7 @@ from gradcomp.wire.golomb import golomb_decode, golomb_encode, optimal_rice_para
 __all__ = [
     "Codec",
     "FieldSpec",
+    "FLOAT_DTYPES",
     "encode",
     "decode",
     "encoded_size",

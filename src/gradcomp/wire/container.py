@@ -44,6 +44,7 @@ from gradcomp.wire.golomb import MAX_UNIVERSE, golomb_decode, golomb_encode, opt
 __all__ = [
     "Codec",
     "FieldSpec",
+    "FLOAT_DTYPES",
     "encode",
     "decode",
     "encoded_size",
@@ -73,7 +74,7 @@ class Codec(enum.IntEnum):
     GOLOMB = 6  # sorted positions in [0, universe), Golomb–Rice coded; b stored in the section header
 
 
-_FLOAT_DTYPES = {Codec.F32: torch.float32, Codec.F16: torch.float16, Codec.BF16: torch.bfloat16}
+FLOAT_DTYPES = {Codec.F32: torch.float32, Codec.F16: torch.float16, Codec.BF16: torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -150,10 +151,10 @@ def _check_positions(pos: torch.Tensor, universe: int, exc: type[Exception], whe
 def _encode_field(t: torch.Tensor, spec: FieldSpec, codec: Codec, i: int) -> tuple[int, torch.Tensor]:
     """Returns (param, data bytes) for one field."""
     where = f"field {i} ({codec.name})"
-    if codec in _FLOAT_DTYPES:
+    if codec in FLOAT_DTYPES:
         if not t.dtype.is_floating_point:
             raise ConfigError(f"{where}: expected a floating-point tensor, got dtype {t.dtype}")
-        data = t.to(_FLOAT_DTYPES[codec]).contiguous().view(torch.uint8)
+        data = t.to(FLOAT_DTYPES[codec]).contiguous().view(torch.uint8)
         return 0, data
     if t.dtype.is_floating_point or t.dtype.is_complex:
         raise ConfigError(f"{where}: expected an integer tensor, got dtype {t.dtype}")
@@ -274,7 +275,7 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
             raise WireError(f"{where}: count {count} != expected {spec.count}")
         if count > _max_count(spec):
             raise WireError(f"{where}: count {count} exceeds the maximum {_max_count(spec)}")
-        if codec in _FLOAT_DTYPES and param != 0:
+        if codec in FLOAT_DTYPES and param != 0:
             raise WireError(f"{where}: param {param} != 0 for a float codec")
         if codec == Codec.BITS and param != spec.width:
             raise WireError(f"{where}: bit width {param} != expected {spec.width}")
@@ -292,8 +293,8 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
             raise WireError(f"{where}: {nbytes} data bytes run past the end of the body ({total - off} bytes left)")
         data = buf[off : off + nbytes]
         off += nbytes
-        if codec in _FLOAT_DTYPES:
-            out.append(data.clone().view(_FLOAT_DTYPES[codec]))  # clone: fresh, aligned storage
+        if codec in FLOAT_DTYPES:
+            out.append(data.clone().view(FLOAT_DTYPES[codec]))  # clone: fresh, aligned storage
         elif codec == Codec.BITS:
             out.append(_unpack_checked(data, param, count, where))
         elif codec == Codec.POSITIONS:
