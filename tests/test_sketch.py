@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distributed import run_workers
 
 import gradcomp
 from gradcomp.compressors.base import Slot
 from gradcomp.compressors.countsketch import CountSketch
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.sketch import SketchedSGD
-from gradcomp.train.exchange import GradientExchange
+from gradcomp.train.exchange import GradientExchange, build_scheme
 
 WORLD = 4
 
@@ -41,7 +42,7 @@ def run_cluster(world, make_scheme, slots, grads_for, steps):
             after = t.counter
             counts = (
                 after.collectives - before.collectives,
-                after.ops["all_reduce"][0] - before.ops.get("all_reduce", [0, 0])[0],
+                after.ops.get("all_reduce", [0, 0])[0] - before.ops.get("all_reduce", [0, 0])[0],
                 after.up_payload - before.up_payload,
                 after.down_payload - before.down_payload,
             )
@@ -320,3 +321,159 @@ def test_bad_state_raises_config_error():
         SketchedSGD().load_state_dict({"momentum": {"w#10": torch.zeros(3)}})
     with pytest.raises(ConfigError, match="tensor"):
         SketchedSGD().load_state_dict({"momentum": {"w#10": [0.0] * 10}})
+
+
+# -- the median and the selection ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 10, 11])
+def test_estimate_is_the_lower_median_over_rows(rows):
+    cs = CountSketch(3000, rows=rows, cols=64, seed=1, index=0)
+    table = randn(rows * 64, seed=rows)
+    per_row = table[cs.positions.long()].view(rows, 3000) * cs.signs
+    assert torch.equal(cs.estimate(table), per_row.median(dim=0).values)
+
+
+def test_largest_is_the_stable_sort_cut_with_ties_to_the_lower_index():
+    from gradcomp.schemes.accumulation import largest
+
+    x = torch.tensor([1.0, -3.0, 2.0, 3.0, -2.0, 2.0, 0.5, -2.0])
+    assert largest(x, 2).tolist() == [1, 3]
+    assert largest(x, 3).tolist() == [1, 3, 2]  # three |x| = 2 tie: the lowest index goes
+    assert sorted(largest(x, 5).tolist()) == [1, 2, 3, 4, 5]
+    assert largest(x, 8).tolist() == list(range(8)) and largest(x, 20).tolist() == list(range(8))
+    y = torch.randint(-5, 6, (5000,), generator=torch.Generator().manual_seed(0)).float()  # many ties
+    for n in (1, 17, 999, 2500):
+        ref = torch.sort(y.abs(), descending=True, stable=True).indices[:n]
+        assert set(largest(y, n).tolist()) == set(ref.tolist())
+
+
+# -- one round: error accumulation of estimates -------------------------------------------------------------------
+
+
+def test_one_round_subtracts_the_applied_estimate_from_the_error_and_zeroes_momentum():
+    d, k = 3000, 30
+    slots = [Slot("w", 0, d)]
+
+    def grads(rank, step):
+        return [randn(d, seed=50 * step + rank)]
+
+    runs = run_cluster(2, lambda: SketchedSGD(k=k, rows=3, cols=100, rounds=1, momentum=0.5), slots, grads, range(2))
+    for rank, history in enumerate(runs):
+        u = torch.zeros(d)
+        v = torch.zeros(d)
+        for step, (out, sel, state, _) in enumerate(history):
+            u = 0.5 * u + grads(rank, step)[0]
+            v = v + u
+            _, chosen = sel["w"]
+            assert chosen.numel() == k and torch.equal(out[0].nonzero().reshape(-1).sort().values, chosen.sort().values)
+            v[chosen] -= out[0][chosen]  # the applied mean estimate leaves every worker's v
+            u[chosen] = 0
+            assert torch.allclose(state["error"]["w#3000"], v, atol=1e-5)
+            assert torch.allclose(state["momentum"]["w#3000"], u, atol=1e-6)
+            assert not torch.all(state["error"]["w#3000"][chosen] == 0)  # estimates are not exact values
+
+
+# -- the parameter-server topology -------------------------------------------------------------------------------
+
+
+def _ps_slots():
+    return [Slot("a", 0, 4000), Slot("b", 1, 3000, (30, 100)), Slot("bias", 2, 50)]
+
+
+def _ps_grads(rank, step):
+    return [randn(s.numel, seed=1000 * step + 10 * rank + s.index) for s in _ps_slots()]
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_parameter_server_selects_like_the_allreduce_and_counts_its_bytes(rounds):
+    slots, k, rows, cols, p = _ps_slots(), 20, 3, 200, 4
+
+    def make(topology):
+        def build():
+            scheme = SketchedSGD(k=k, rows=rows, cols=cols, candidates=p, rounds=rounds, seed=3)
+            return build_scheme(scheme, topology=topology, root=1)
+
+        return build
+
+    ps = run_cluster(WORLD, make("ps"), slots, _ps_grads, range(3))
+    ar = run_cluster(WORLD, make("auto"), slots, _ps_grads, range(3))
+    sketch, dense = 2 * rows * cols, 50
+    up = 4 * (sketch + dense) + (4 * 2 * p * k if rounds == 2 else 0)
+    down = 4 * dense + 8 * 2 * k + (4 * 2 * p * k if rounds == 2 else 0)
+    collectives = 4 if rounds == 2 else 2
+    for step in range(3):
+        ref_out, ref_sel, _, _ = ar[0][step]
+        for rank in range(WORLD):
+            out, sel, state, counts = ps[rank][step]
+            assert counts[0] == collectives and counts[2:] == (up, down)
+            for name in ("a", "b"):
+                assert set(sel[name][1].tolist()) == set(ref_sel[name][1].tolist())
+            for o, r in zip(out, ref_out):  # the same update up to the order of the sums
+                torch.testing.assert_close(o, r, rtol=0, atol=1e-6)
+            for o, r in zip(out, ps[0][step][0]):  # identical on every worker
+                assert torch.equal(o, r)
+
+
+def test_topologies_a_scheme_can_take():
+    assert build_scheme(SketchedSGD(), topology="ps").topology == "ps"
+    assert build_scheme(SketchedSGD(), topology="allreduce").topology == "allreduce"
+    for topology in ("allgather", "sharded"):
+        with pytest.raises(ConfigError, match="runs over allreduce, ps"):
+            build_scheme(SketchedSGD(), topology=topology)
+    with pytest.raises(ConfigError, match="no topology"):
+        build_scheme(gradcomp.make("powersgd"), topology="ps")
+    scheme = build_scheme(SketchedSGD(), topology="ps", root=4)
+    with pytest.raises(ConfigError, match="root 4"):
+        scheme.bind(0, 4)
+
+
+# -- real gloo workers -------------------------------------------------------------------------------------------
+
+
+GLOO_SLOTS = [Slot("a", 0, 4000), Slot("b", 1, 3000, (30, 100)), Slot("bias", 2, 50)]
+GLOO_STEPS = 4
+
+
+def _candidates_worker(rank: int, world_size: int, topology: str) -> list:
+    from gradcomp.transport.dist import DistTransport
+
+    scheme = build_scheme(SketchedSGD(density=0.02, seed=5), topology=topology)
+    ex = GradientExchange(scheme, DistTransport())
+    history = []
+    for step in range(GLOO_STEPS):
+        grads = [randn(s.numel, seed=1000 * step + 10 * rank + s.index) for s in GLOO_SLOTS]
+        out = ex.exchange(GLOO_SLOTS, grads, step)
+        history.append(({k: (c.clone(), s.clone()) for k, (c, s) in scheme.last_selection.items()}, out))
+    return history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["allreduce", "ps"])
+def test_candidates_are_identical_on_4_gloo_workers_and_on_the_simulated_cluster(single_thread, topology):
+    real = run_workers(_candidates_worker, WORLD, topology, timeout=240)
+
+    def sim_grads(rank, step):
+        return [randn(s.numel, seed=1000 * step + 10 * rank + s.index) for s in GLOO_SLOTS]
+
+    sim = run_cluster(
+        WORLD,
+        lambda: build_scheme(SketchedSGD(density=0.02, seed=5), topology=topology),
+        GLOO_SLOTS,
+        sim_grads,
+        range(GLOO_STEPS),
+    )
+    for step in range(GLOO_STEPS):
+        ref_sel, ref_out = real[0][step]
+        for rank in range(WORLD):
+            sel, out = real[rank][step]
+            for name, (cand, chosen) in sel.items():
+                assert torch.equal(cand, ref_sel[name][0]), f"gloo rank {rank} step {step}: other candidates"
+                assert torch.equal(chosen, ref_sel[name][1])
+            for o, r in zip(out, ref_out):
+                assert torch.equal(o, r)
+            sim_sel = sim[rank][step][1]
+            for name, (cand, chosen) in sel.items():
+                assert torch.equal(cand, sim_sel[name][0]) and torch.equal(chosen, sim_sel[name][1])
+            for o, s in zip(out, sim[rank][step][0]):
+                torch.testing.assert_close(o, s, rtol=0, atol=1e-6)

@@ -13,7 +13,8 @@ from typing import Any
 
 import gradcomp.compressors
 import gradcomp.schemes.powersgd  # registers powersgd
-import gradcomp.schemes.sketch  # noqa: F401  (registers sketch)
+import gradcomp.schemes.sketch  # registers sketch
+import gradcomp.schemes.topk_baselines  # noqa: F401  (registers local_topk, true_topk)
 from gradcomp.catalog import CATALOG, register
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme

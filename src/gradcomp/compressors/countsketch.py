@@ -16,7 +16,8 @@ device. The tables cost 8 bytes per row and coordinate (int64 flat positions wou
 int32, signs fp32) and are built once per (slot, size), then cached by the caller.
 
 Sketching is one flat ``index_add_`` over all r·d (row, coordinate) pairs into the flattened r·c table;
-estimation is one gather of r·d values and a median over rows (the lower median for an even r).
+estimation is one gather of r·d values and a median over rows (the lower median for an even r), taken by
+elementwise min/max passes for r ≤ 9.
 """
 
 from __future__ import annotations
@@ -70,4 +71,21 @@ class CountSketch:
         per_row = table.reshape(-1)[self.positions].view(self.rows, self.numel).mul_(self.signs)
         if self.rows == 1:
             return per_row[0]
+        if self.rows <= _SORTING_NETWORK_ROWS:
+            return _lower_median_by_min_max(list(per_row.unbind(0)))
         return per_row.median(dim=0).values
+
+
+# Up to this many rows, the median is taken by elementwise min/max passes (a bubble-sort network, r·(r−1)/2
+# compare-exchanges of d-vectors): 0.8 ms for 5 rows of 200,704 coordinates on one CPU thread, against 19 ms
+# for ``median(dim=0)``, which sorts each short column on its own.
+_SORTING_NETWORK_ROWS = 9
+
+
+def _lower_median_by_min_max(rows: list[Tensor]) -> Tensor:
+    """The lower median, elementwise, of r equally shaped tensors (what ``torch.median`` returns)."""
+    r = len(rows)
+    for i in range(r):
+        for j in range(r - 1 - i):
+            rows[j], rows[j + 1] = torch.minimum(rows[j], rows[j + 1]), torch.maximum(rows[j], rows[j + 1])
+    return rows[(r - 1) // 2]

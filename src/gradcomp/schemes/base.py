@@ -32,6 +32,8 @@ class Scheme(ABC):
     name: ClassVar[str] = ""
     # a method that applies momentum itself: the outer optimizer must run without momentum
     owns_momentum: ClassVar[bool] = False
+    # topologies the scheme can run its rounds over besides its own default ("auto"); see use_topology
+    topologies: ClassVar[tuple[str, ...]] = ()
     rank: int = 0
     world_size: int = 1
 
@@ -42,6 +44,10 @@ class Scheme(ABC):
 
     def params(self) -> dict[str, Any]:
         return {}
+
+    def use_topology(self, topology: str, root: int = 0) -> None:
+        """Run the rounds over ``topology`` (one of ``topologies``), with a parameter server at ``root``."""
+        raise ConfigError(f"{self.name!r} owns its rounds: it takes no topology")
 
     @abstractmethod
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:

@@ -4,23 +4,32 @@ Ivkin, Rothchild, Ullah, Braverman, Stoica, Arora, "Communication-efficient Dist
 NeurIPS 2019 (arXiv:1903.04488); the variant of SPEC.md section 5.
 
     gradcomp.make("sketch", density=0.01)
-    gradcomp train --compressor sketch --param density=0.01
+    gradcomp train --compressor sketch --param density=0.01 [--topology ps]
 
 Per step, on every worker, for every compressed slot (d coordinates, k = ``k`` or ceil(density·d)):
 
-    u ← ρ·u + g                    momentum, kept on the worker (``owns_momentum``: the optimizer runs without)
-    v ← v + u                      error accumulation, kept on the worker
-    round 1: S = allreduce-sum(sketch(v))             one allreduce of every slot's r×c sketch
+    u ← ρ·u + g, v ← v + u          worker momentum and error accumulation (``gradcomp.schemes.accumulation``;
+                                     ``owns_momentum``: the optimizer runs without momentum)
+    round 1: S = Σ_workers sketch(v)                     one allreduce of every slot's r×c sketch
              candidates = the P·k largest |estimates of S|   the same on every worker (same S, stable order)
-    round 2: V = allreduce-sum(v[candidates])          one allreduce of every slot's P·k exact values
+    round 2: V = Σ_workers v[candidates]                 one allreduce of every slot's P·k exact values
              g̃ = (the k largest |V| among the candidates) / W, zero elsewhere
     u, v ← 0 where g̃ is nonzero; the slot's result is g̃ (dense)
 
-``rounds=1`` skips round 2: g̃ is the k largest |estimates of S| divided by W (the sketch's estimates, not
-exact values); u and v are zeroed there as well.
+``rounds=1`` skips round 2 (as FetchSGD does): g̃ is the k largest |estimates of S| divided by W (the sketch's
+estimates, not exact values). u is zeroed there, but v is not: every worker subtracts g̃ from its v, so the sum
+of the workers' v drops by exactly what was applied, and what the estimate missed (or overshot) stays to go out
+later. This is FetchSGD's error accumulation (S_e ← S_e − S(Δ)) written on the workers' side, which the
+sketch's linearity makes the same thing. Zeroing v instead, as round 2's exact values allow, loses the
+estimation error for good: measured, it made the default MNIST job diverge within 60 steps (14 % accuracy).
 
-Per step a worker hands 4·(Σ r·c over compressed slots + Σ d over uncompressed slots) bytes to round 1 and
-4·Σ min(P·k, d) bytes to round 2: two allreduces, whatever the number of slots.
+Topologies. ``allreduce`` (the default): two allreduces per step, whatever the number of slots; a worker hands
+4·(Σ r·c over compressed slots + Σ d over dense slots) bytes to round 1 and 4·Σ min(P·k, d) to round 2, and
+receives as much. ``ps`` (``--topology ps``; the paper's server): the root gathers the sketches and sums them
+(in rank order), broadcasts the candidates' positions (int32), gathers the workers' exact values there, and
+broadcasts the result: the dense slots' sums and, per compressed slot, k float32 values and k int32
+positions. Up per worker: 4·(sketch + dense + P·k) bytes; down: 4·P·k + 4·dense + 8·k. ``rounds=1`` over ps
+sends no candidates: one gather, one broadcast.
 
 Choices (each a parameter):
 
@@ -40,16 +49,16 @@ Choices (each a parameter):
   large enough that the true top k sit among the P·k largest estimates although the estimates are noisy by
   about the k-th value itself: with P = 10 a heavy coordinate is missed only if 9·k light ones are
   estimated above it. P·k is capped at d.
-- ``min_size`` (default 1000): a slot of fewer coordinates (a bias, a norm's scale: well under 1 % of a
-  model) is sent as it is in round 1's allreduce: its sketch would save next to nothing. Such a slot keeps
-  momentum u ← ρ·u + g and sends u, so it gets exactly momentum SGD on the mean gradient (the sketched
-  rule would zero u at every coordinate it sends, i.e. every step, and lose the momentum).
+- ``min_size`` (default 1000): smaller slots go dense in round 1 (see ``gradcomp.schemes.accumulation``).
 - **Ties** in both selections are broken by the lower coordinate (a stable sort), so every worker, given
   the same summed values, takes the same coordinates.
 - **Mean**: sums are divided by W after the allreduce (g̃ is the mean of the workers' v at the selected
   coordinates).
 
-State (``state_dict``): u and v of every compressed slot and u of every uncompressed one, keyed by
+The paper's compression factor, 2d / (sketch size + P·k + k), is ``paper_compression(slots)``; gradcomp's
+is measured from the bytes that crossed the process group, like every other method's.
+
+State (``state_dict``): u and v of every compressed slot and u of every dense one, keyed by
 ``"<slot name>#<d>"``. The hash tables are derived from the seed and are not saved.
 """
 
@@ -64,11 +73,11 @@ import torch
 from torch import Tensor
 
 from gradcomp.catalog import register
-from gradcomp.compressors.base import Slot, check_density, check_int, kept_count
+from gradcomp.compressors.base import Slot, check_int
 from gradcomp.compressors.countsketch import CountSketch
 from gradcomp.errors import ConfigError
-from gradcomp.schemes.base import Scheme
-from gradcomp.schemes.requests import AllReduce, Rounds
+from gradcomp.schemes.accumulation import AccumulatingScheme, largest, offsets_of
+from gradcomp.schemes.requests import AllReduce, Broadcast, Gather, Rounds
 
 
 @dataclass(frozen=True)
@@ -82,9 +91,9 @@ class SlotPlan:
 
 
 @register
-class SketchedSGD(Scheme):
+class SketchedSGD(AccumulatingScheme):
     name = "sketch"
-    owns_momentum = True
+    topologies = ("allreduce", "ps")
 
     def __init__(
         self,
@@ -92,65 +101,63 @@ class SketchedSGD(Scheme):
         density: float | None = None,
         rows: int = 5,
         cols: int | None = None,
+        cols_per_k: float = 10.0,
         candidates: int = 10,
         momentum: float = 0.9,
         rounds: int = 2,
         seed: int = 0,
         min_size: int = 1000,
     ):
-        if k is not None and density is not None:
-            raise ConfigError("give k or density, not both")
-        self.k = None if k is None else check_int("k", k, minimum=1)
-        self.density = None if k is not None else check_density(0.01 if density is None else density)
+        super().__init__(k=k, density=density, momentum=momentum, min_size=min_size)
         self.rows = check_int("rows", rows, minimum=1)
         self.cols = None if cols is None else check_int("cols", cols, minimum=1)
+        if isinstance(cols_per_k, bool) or not isinstance(cols_per_k, (int, float)) or not cols_per_k > 0:
+            raise ConfigError(f"cols_per_k must be a positive number, got {cols_per_k!r}")
+        self.cols_per_k = float(cols_per_k)
         self.candidates = check_int("candidates", candidates, minimum=1)
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (0.0 <= momentum < 1.0):
-            raise ConfigError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        self.momentum = float(momentum)
         self.rounds = check_int("rounds", rounds, minimum=1)
         if self.rounds not in (1, 2):
             raise ConfigError(f"rounds must be 1 or 2, got {rounds}")
         self.seed = check_int("seed", seed, minimum=0)
-        self.min_size = check_int("min_size", min_size, minimum=0)
-        self._u: dict[str, Tensor] = {}
-        self._v: dict[str, Tensor] = {}
+        self.topology, self.root = "allreduce", 0
         self._sketches: dict[tuple[str, int, int, torch.device], CountSketch] = {}
+        self._candidates: dict[int, Tensor] = {}  # this step's candidates per compressed slot (position in slots)
         # the last step's selection per compressed slot name: (candidates, the k coordinates sent); diagnostics
         self.last_selection: dict[str, tuple[Tensor, Tensor]] = {}
 
     def params(self) -> dict[str, Any]:
         return {
-            "k": self.k,
-            "density": self.density,
+            **super().params(),
             "rows": self.rows,
             "cols": self.cols,
+            "cols_per_k": self.cols_per_k,
             "candidates": self.candidates,
-            "momentum": self.momentum,
             "rounds": self.rounds,
             "seed": self.seed,
-            "min_size": self.min_size,
         }
+
+    def use_topology(self, topology: str, root: int = 0) -> None:
+        if topology not in self.topologies:
+            raise ConfigError(f"{self.name!r} runs over {' or '.join(self.topologies)}, not {topology!r}")
+        self.topology, self.root = topology, check_int("root", root, minimum=0)
+
+    def bind(self, rank: int, world_size: int) -> None:
+        if self.topology == "ps" and self.root >= world_size:
+            raise ConfigError(f"parameter-server root {self.root} is not a rank of a world of size {world_size}")
+        super().bind(rank, world_size)
 
     # -- sizes ----------------------------------------------------------------------------------------------------
 
     def plan(self, slot: Slot) -> SlotPlan:
         """The slot's k, columns and number of candidates; ConfigError for sizes that cannot work."""
-        d = slot.numel
-        if slot.shape is not None and math.prod(slot.shape) != d:
-            raise ConfigError(f"{slot.name}: shape {tuple(slot.shape)} does not hold {d} elements")
-        if d < max(self.min_size, 1):
+        k = self.kept(slot)
+        if not k:
             return SlotPlan(compressed=False)
-        if self.k is not None:
-            if self.k > d:
-                raise ConfigError(f"{slot.name}: k={self.k} is larger than its {d} coordinates")
-            k = self.k
-        else:
-            k = kept_count(self.density, d)  # type: ignore[arg-type]
-        if self.cols is None:
-            cols = max(1, min(10 * k, d // (2 * self.rows)))
-        else:
+        d = slot.numel
+        if self.cols is not None:
             cols = self.cols
+        else:
+            cols = max(1, min(math.ceil(self.cols_per_k * k), d // (2 * self.rows)))
         if self.rows * cols > d:
             raise ConfigError(
                 f"{slot.name}: a {self.rows}×{cols} sketch ({self.rows * cols} floats) is larger than the "
@@ -162,138 +169,173 @@ class SketchedSGD(Scheme):
         for slot in slots:
             self.plan(slot)
 
-    @staticmethod
-    def _key(slot: Slot) -> str:
-        return f"{slot.name}#{slot.numel}"
+    def paper_compression(self, slots: Sequence[Slot]) -> float:
+        """The paper's compression factor 2d / (sketch size + P·k + k) over the compressed slots."""
+        plans = [self.plan(s) for s in slots]
+        d = sum(s.numel for s, p in zip(slots, plans) if p.compressed)
+        cost = sum(self.rows * p.cols + (p.candidates if self.rounds == 2 else 0) + p.k for p in plans)
+        return 2 * d / cost if cost else 1.0
 
     def _sketch(self, slot: Slot, cols: int, device: torch.device) -> CountSketch:
-        key = (self._key(slot), slot.index, cols, device)
+        key = (self.key(slot), slot.index, cols, device)
         cs = self._sketches.get(key)
         if cs is None:
-            cs = CountSketch(slot.numel, self.rows, cols, self.seed, slot.index, device)
-            self._sketches[key] = cs
+            cs = self._sketches[key] = CountSketch(slot.numel, self.rows, cols, self.seed, slot.index, device)
         return cs
-
-    def _state(self, store: dict[str, Tensor], slot: Slot, device: torch.device) -> Tensor:
-        key = self._key(slot)
-        t = store.get(key)
-        if t is None or t.device != device:
-            t = torch.zeros(slot.numel, dtype=torch.float32, device=device) if t is None else t.to(device)
-            store[key] = t
-        return t
 
     # -- the rounds -----------------------------------------------------------------------------------------------
 
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         if not slots:
             return []
-        if len(slots) != len(tensors):
-            raise ConfigError(f"{len(slots)} slots but {len(tensors)} tensors")
         plans = [self.plan(s) for s in slots]  # raises before anything is sent
-        device = tensors[0].device
-        world = self.world_size
+        us, vs = self.accumulate(slots, tensors, [p.k for p in plans])
+        device = us[0].device
+        squeezed = [i for i, p in enumerate(plans) if p.compressed]
+        dense = [i for i, p in enumerate(plans) if not p.compressed]
 
-        # momentum and error accumulation; round 1's buffer: sketches of v, then the dense slots' u
+        # round 1: every compressed slot's sketch of v, then every dense slot's u, in one float32 buffer
         sizes = [self.rows * p.cols if p.compressed else s.numel for s, p in zip(slots, plans)]
-        buf = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + n)
-        us, vs, sketches = [], [], []
-        for i, (slot, plan, g) in enumerate(zip(slots, plans, tensors)):
-            u = self._state(self._u, slot, device)
-            u.mul_(self.momentum).add_(g.reshape(-1).to(torch.float32))
-            us.append(u)
+        offsets = offsets_of(sizes)
+        buf = torch.empty(offsets[-1], dtype=torch.float32, device=device)
+        sketches: dict[int, CountSketch] = {}
+        for i, (slot, plan) in enumerate(zip(slots, plans)):
             part = buf[offsets[i] : offsets[i + 1]]
             if plan.compressed:
-                v = self._state(self._v, slot, device)
-                v.add_(u)
-                cs = self._sketch(slot, plan.cols, device)
-                cs.sketch(v, out=part)
-                vs.append(v)
-                sketches.append(cs)
+                sketches[i] = self._sketch(slot, plan.cols, device)
+                sketches[i].sketch(vs[i], out=part)  # type: ignore[arg-type]
             else:
-                part.copy_(u)
-                vs.append(None)
-                sketches.append(None)
-        summed = yield AllReduce(buf, inplace=True)
+                part.copy_(us[i])
+        if self.topology == "allreduce":
+            summed = yield AllReduce(buf, inplace=True)
+            selected = yield from self._select_allreduce(slots, plans, vs, sketches, summed, offsets)
+        else:
+            selected = yield from self._select_ps(slots, plans, vs, sketches, buf, offsets)
+        # selected: per slot, (coordinates, summed values) for compressed slots, the summed dense u otherwise
 
-        out: list[Tensor] = [torch.empty(0)] * len(slots)
-        chosen: list[Tensor | None] = [None] * len(slots)
-        candidates: list[Tensor | None] = [None] * len(slots)
-        for i, (slot, plan) in enumerate(zip(slots, plans)):
+        world = self.world_size
+        out: list[Tensor] = []
+        for i, slot in enumerate(slots):
+            if i in dense:
+                out.append(selected[i].div(world))
+                continue
+            coords, values = selected[i]
+            result = torch.zeros(slot.numel, dtype=torch.float32, device=device)
+            result[coords] = values.div(world)
+            out.append(result)
+            us[i][coords] = 0.0
+            if self.rounds == 2:
+                vs[i][coords] = 0.0  # type: ignore[index]
+            else:  # an estimate went out: the rest of the sum (or an overshoot) stays in the accumulation
+                vs[i][coords] -= result[coords]  # type: ignore[index]
+        self.last_selection = {
+            slots[i].name: (self._candidates.get(i, selected[i][0]), selected[i][0]) for i in squeezed
+        }
+        return out
+
+    def _candidates_of(self, sketches, i: int, plan: SlotPlan, table: Tensor) -> tuple[Tensor, Tensor]:
+        """(coordinates, estimates there) of the slot's P·k (rounds=2) or k (rounds=1) largest estimates."""
+        estimates = sketches[i].estimate(table)
+        take = plan.candidates if self.rounds == 2 else plan.k
+        coords = largest(estimates, take)
+        return coords, estimates[coords]
+
+    def _select_allreduce(self, slots, plans, vs, sketches, summed, offsets) -> Rounds:
+        """Every worker holds the summed sketch: the same candidates; round 2 allreduces their exact values."""
+        selected: list[Any] = [None] * len(slots)
+        self._candidates = {}
+        for i, plan in enumerate(plans):
             part = summed[offsets[i] : offsets[i + 1]]
             if not plan.compressed:
-                out[i] = part.div(world)
+                selected[i] = part
                 continue
-            estimates = sketches[i].estimate(part)
-            take = plan.candidates if self.rounds == 2 else plan.k
-            chosen[i] = _largest(estimates, take)
-            candidates[i] = chosen[i]
-            if self.rounds == 1:
-                result = torch.zeros(slot.numel, dtype=torch.float32, device=device)
-                result[chosen[i]] = estimates[chosen[i]].div_(world)
-                out[i] = result
-        if self.rounds == 2 and any(p.compressed for p in plans):
-            values = torch.cat([vs[i][c] for i, c in enumerate(chosen) if c is not None])
-            exact = yield AllReduce(values, inplace=True)
-            pos = 0
-            for i, (slot, plan) in enumerate(zip(slots, plans)):
-                if not plan.compressed:
-                    continue
-                c = chosen[i]
-                vals = exact[pos : pos + c.numel()]
-                pos += c.numel()
-                top = _largest(vals, plan.k)
-                result = torch.zeros(slot.numel, dtype=torch.float32, device=device)
-                result[c[top]] = vals[top].div(world)
-                chosen[i] = c[top]
-                out[i] = result
-        self.last_selection = {}
-        for i, plan in enumerate(plans):
-            if plan.compressed:
-                self.last_selection[slots[i].name] = (candidates[i], chosen[i])
-                us[i][chosen[i]] = 0.0
-                vs[i][chosen[i]] = 0.0
-        return out
+            selected[i] = self._candidates_of(sketches, i, plan, part)
+            self._candidates[i] = selected[i][0]
+        if self.rounds == 1 or not self._candidates:
+            return selected
+        order = sorted(self._candidates)
+        values = torch.cat([vs[i][self._candidates[i]] for i in order])
+        exact = yield AllReduce(values, inplace=True)
+        pos = 0
+        for i in order:
+            coords = self._candidates[i]
+            vals = exact[pos : pos + coords.numel()]
+            pos += coords.numel()
+            top = largest(vals, plans[i].k)
+            selected[i] = (coords[top], vals[top])
+        return selected
+
+    def _select_ps(self, slots, plans, vs, sketches, buf, offsets) -> Rounds:
+        """A parameter server at ``root``: it sums the sketches, sends the candidates, sums their exact values,
+        and sends the k coordinates and values (int32 positions, float32 sums) with the dense slots' sums."""
+        device = buf.device
+        squeezed = [i for i, p in enumerate(plans) if p.compressed]
+        dense = [i for i, p in enumerate(plans) if not p.compressed]
+        is_root = self.rank == self.root
+        gathered = yield Gather(buf, self.root)
+        self._candidates = {}
+        chosen: dict[int, tuple[Tensor, Tensor]] = {}
+        if is_root:
+            summed = _sum_in_rank_order(gathered)
+            for i in squeezed:
+                chosen[i] = self._candidates_of(sketches, i, plans[i], summed[offsets[i] : offsets[i + 1]])
+        if self.rounds == 2 and squeezed:
+            lengths = [plans[i].candidates for i in squeezed]
+            starts = offsets_of(lengths)
+            if is_root:
+                flat = torch.cat([chosen[i][0] for i in squeezed]).to(torch.int32)
+            else:
+                flat = torch.empty(starts[-1], dtype=torch.int32, device=device)
+            flat = yield Broadcast(flat, self.root)
+            for n, i in enumerate(squeezed):
+                self._candidates[i] = flat[starts[n] : starts[n + 1]].to(torch.int64)
+            values = torch.cat([vs[i][self._candidates[i]] for i in squeezed])
+            gathered = yield Gather(values, self.root)
+            if is_root:
+                exact = _sum_in_rank_order(gathered)
+                for n, i in enumerate(squeezed):
+                    vals = exact[starts[n] : starts[n + 1]]
+                    top = largest(vals, plans[i].k)
+                    chosen[i] = (self._candidates[i][top], vals[top])
+        # downstream: float32 [dense sums | k values per compressed slot], then int32 [k positions per slot]
+        n_float = sum(slots[i].numel for i in dense) + sum(plans[i].k for i in squeezed)
+        n_int = sum(plans[i].k for i in squeezed)
+        if is_root:
+            floats = torch.cat([summed[offsets[i] : offsets[i + 1]] for i in dense] + [chosen[i][1] for i in squeezed])
+            ints = torch.cat([chosen[i][0] for i in squeezed]).to(torch.int32) if squeezed else _no_ints(device)
+            message = torch.cat([floats.view(torch.uint8), ints.view(torch.uint8)])
+        else:
+            message = torch.empty(4 * (n_float + n_int), dtype=torch.uint8, device=device)
+        message = yield Broadcast(message, self.root)
+        floats = message[: 4 * n_float].view(torch.float32)
+        ints = message[4 * n_float :].view(torch.int32).to(torch.int64)
+        selected: list[Any] = [None] * len(slots)
+        pos = 0
+        for i in dense:
+            selected[i] = floats[pos : pos + slots[i].numel]
+            pos += slots[i].numel
+        ipos = 0
+        for i in squeezed:
+            k = plans[i].k
+            selected[i] = (ints[ipos : ipos + k], floats[pos : pos + k])
+            pos += k
+            ipos += k
+        return selected
 
     # -- state ----------------------------------------------------------------------------------------------------
 
     def retain(self, slots: Sequence[Slot]) -> None:
-        keep = {self._key(s) for s in slots}
-        self._u = {k: v for k, v in self._u.items() if k in keep}
-        self._v = {k: v for k, v in self._v.items() if k in keep}
+        super().retain(slots)
+        keep = {self.key(s) for s in slots}
         self._sketches = {k: v for k, v in self._sketches.items() if k[0] in keep}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "momentum": {k: v.detach().clone() for k, v in self._u.items()},
-            "error": {k: v.detach().clone() for k, v in self._v.items()},
-        }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        unknown = set(state) - {"momentum", "error"}
-        if unknown:
-            raise ConfigError(f"unexpected sketch state keys {sorted(unknown)}")
-        loaded = {}
-        for part in ("momentum", "error"):
-            tensors = dict(state.get(part, {}))
-            for key, value in tensors.items():
-                if not isinstance(key, str) or not isinstance(value, Tensor):
-                    raise ConfigError(f"sketch state {part!r}: {key!r} must map a slot key to a tensor")
-                try:
-                    numel = int(key.rsplit("#", 1)[1])
-                except (IndexError, ValueError):
-                    raise ConfigError(f"bad sketch state key {key!r} (expected '<slot name>#<d>')") from None
-                if value.numel() != numel:
-                    raise ConfigError(f"sketch state {key!r}: {value.numel()} values, expected {numel}")
-            loaded[part] = {k: v.detach().to(torch.float32).reshape(-1).clone() for k, v in tensors.items()}
-        self._u, self._v = loaded["momentum"], loaded["error"]
+def _sum_in_rank_order(tensors: Sequence[Tensor]) -> Tensor:
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total.add_(t)
+    return total
 
 
-def _largest(x: Tensor, n: int) -> Tensor:
-    """Indices of the n largest |x|, ties broken by the lower index (a stable sort): the same on every worker."""
-    if n >= x.numel():
-        return torch.arange(x.numel(), device=x.device)
-    order = torch.sort(x.abs(), descending=True, stable=True).indices
-    return order[:n]
+def _no_ints(device: torch.device) -> Tensor:
+    return torch.empty(0, dtype=torch.int32, device=device)

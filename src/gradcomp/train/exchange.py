@@ -48,8 +48,13 @@ def build_scheme(
     if topology not in TOPOLOGIES:
         raise ConfigError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
     if isinstance(method, Scheme):
-        if topology != "auto" or server_compressor is not None:
-            raise ConfigError(f"{method.name!r} owns its rounds: it takes no topology or server compressor")
+        if server_compressor is not None:
+            raise ConfigError(f"{method.name!r} owns its rounds: it takes no server compressor")
+        if topology != "auto":
+            if topology not in method.topologies:
+                runs_over = f" (it runs over {', '.join(method.topologies)})" if method.topologies else ""
+                raise ConfigError(f"{method.name!r} owns its rounds: it takes no topology {topology!r}{runs_over}")
+            method.use_topology(topology, root)
         return method
     if not isinstance(method, Compressor):
         raise ConfigError(f"expected a compressor or a scheme (gradcomp.make(...)), got {type(method).__name__}")
@@ -94,7 +99,10 @@ class GradientExchange:
         min_compression_rate: float | None = None,
     ):
         self.scheme = build_scheme(
-            method, topology=topology, server_compressor=server_compressor, root=root,
+            method,
+            topology=topology,
+            server_compressor=server_compressor,
+            root=root,
             min_compression_rate=min_compression_rate,
         )
         self.scheme.bind(transport.rank, transport.world_size)

@@ -1,0 +1,100 @@
+"""The two baselines of the sketched-SGD paper: local top-k and true top-k, on worker momentum + accumulation.
+
+Ivkin et al. (NeurIPS 2019) compare sketched SGD (``gradcomp.schemes.sketch``) with two ways of sending k
+coordinates of the same worker state (u ← ρ·u + g, v ← v + u; ``gradcomp.schemes.accumulation``):
+
+``local_topk``
+    Every worker sends its own k largest |v| as (int32 position, float32 value) pairs; one allgather of one
+    fixed-size buffer per step (every worker's k is the same, so no size exchange and no padding); every
+    worker sums the W sparse vectors in rank order and divides by W. A worker zeroes u and v at the
+    coordinates *it* sent. Up per worker: 8·Σk (+ 4·dense) bytes; down: (W − 1) times that — the union of
+    the workers' selections grows with W, which is what sketched SGD avoids.
+
+``true_topk``
+    The k largest coordinates of Σ_workers v, i.e. what sketched SGD approximates. It is an **oracle**: it
+    needs the dense sum, so it allreduces every worker's full v (d floats), and its bits up and down are
+    those of an uncompressed fp32 allreduce. It shows the accuracy that a perfect selection of k coordinates
+    would reach; it saves no communication. Every worker zeroes u and v at the same k coordinates.
+
+Both: ``k`` or ``density`` (default 0.01), ``momentum`` (0.9, applied by the method: ``owns_momentum``),
+``min_size`` (1000: smaller slots go dense, see ``gradcomp.schemes.accumulation``). Ties are broken by the
+lower coordinate. Dense slots travel in the same collective: in local top-k's allgather (so their bytes down
+grow with W as well) and in true top-k's allreduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gradcomp.catalog import register
+from gradcomp.compressors.base import Slot
+from gradcomp.schemes.accumulation import AccumulatingScheme, largest, offsets_of
+from gradcomp.schemes.requests import AllGather, AllReduce, Rounds
+
+
+@register
+class LocalTopK(AccumulatingScheme):
+    name = "local_topk"
+
+    def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        if not slots:
+            return []
+        ks = [self.kept(s) for s in slots]  # raises before anything is sent
+        us, vs = self.accumulate(slots, tensors, ks)
+        device = us[0].device
+        squeezed = [i for i, k in enumerate(ks) if k]
+        dense = [i for i, k in enumerate(ks) if not k]
+
+        # message: float32 [k values per compressed slot | dense slots' u], then int32 [k positions per slot]
+        mine: dict[int, Tensor] = {i: largest(vs[i], ks[i]) for i in squeezed}  # type: ignore[arg-type]
+        floats = torch.cat([vs[i][mine[i]] for i in squeezed] + [us[i] for i in dense])  # type: ignore[index]
+        ints = torch.cat([mine[i] for i in squeezed]).to(torch.int32) if squeezed else floats.new_empty(0).int()
+        message = torch.cat([floats.view(torch.uint8), ints.view(torch.uint8)])
+        gathered = yield AllGather(message)
+
+        n_float = floats.numel()
+        value_starts = offsets_of([ks[i] for i in squeezed] + [slots[i].numel for i in dense])
+        out: list[Tensor] = [torch.zeros(s.numel, dtype=torch.float32, device=device) for s in slots]
+        for received in gathered:  # rank order: the same sums on every worker
+            their_floats = received[: 4 * n_float].view(torch.float32)
+            their_ints = received[4 * n_float :].view(torch.int32).to(torch.int64)
+            for n, i in enumerate(squeezed):
+                lo, hi = value_starts[n], value_starts[n + 1]
+                out[i].index_add_(0, their_ints[lo:hi], their_floats[lo:hi])
+            for n, i in enumerate(dense, start=len(squeezed)):
+                out[i].add_(their_floats[value_starts[n] : value_starts[n + 1]])
+        for i in squeezed:
+            us[i][mine[i]] = 0.0
+            vs[i][mine[i]] = 0.0  # type: ignore[index]
+        return [t.div_(self.world_size) for t in out]
+
+
+@register
+class TrueTopK(AccumulatingScheme):
+    name = "true_topk"
+
+    def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        if not slots:
+            return []
+        ks = [self.kept(s) for s in slots]  # raises before anything is sent
+        us, vs = self.accumulate(slots, tensors, ks)
+        # the oracle's dense allreduce: every compressed slot's v, every dense slot's u
+        buf = torch.cat([vs[i] if k else us[i] for i, k in enumerate(ks)])  # type: ignore[list-item]
+        summed = yield AllReduce(buf, inplace=True)
+        offsets = offsets_of([s.numel for s in slots])
+        out: list[Tensor] = []
+        for i, (slot, k) in enumerate(zip(slots, ks)):
+            part = summed[offsets[i] : offsets[i + 1]]
+            if not k:
+                out.append(part.div(self.world_size))
+                continue
+            top = largest(part, k)
+            result = torch.zeros(slot.numel, dtype=torch.float32, device=part.device)
+            result[top] = part[top].div(self.world_size)
+            out.append(result)
+            us[i][top] = 0.0
+            vs[i][top] = 0.0  # type: ignore[index]
+        return out
