@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -179,11 +180,13 @@ def test_position_bits_are_measured_beside_the_entropy_minimum():
 
 
 def test_random_block_time_is_reported_against_top_k_at_the_same_density():
-    res = bench.run_bench(size=20_000, repeats=1, compressors=["topk", "randomblock", "threshold"],
-                          inputs=["synthetic"])
+    res = bench.run_bench(
+        size=20_000, repeats=1, compressors=["topk", "randomblock", "threshold"], inputs=["synthetic"]
+    )
     compared = bench.versus_topk(res)
-    rows = {(r["compressor"], r["params"].get("density"), r["params"].get("positions", "fixed")): r
-            for r in res["rows"]}
+    rows = {
+        (r["compressor"], r["params"].get("density"), r["params"].get("positions", "fixed")): r for r in res["rows"]
+    }
     assert {(c["compressor"], c["density"]) for c in compared} == {("randomblock", 0.01), ("randomblock", 0.001)}
     for c in compared:  # ratios of the measured medians, against fixed-position top-k
         block, topk = rows[("randomblock", c["density"], "fixed")], rows[("topk", c["density"], "fixed")]
@@ -191,3 +194,118 @@ def test_random_block_time_is_reported_against_top_k_at_the_same_density():
         assert c["compress_fraction"] == block["compress_s"] / topk["compress_s"]
     report = bench.format_report(res)
     assert "fraction of top-k's at the same density" in report and "randomblock" in report
+
+
+# ------------------------------------------------------------------------------- sketched SGD's round 1 halves
+
+
+@pytest.fixture(scope="module")
+def sketch_result():
+    return bench.run_bench(size=N, repeats=1, compressors=["sketch", "topk"], inputs=["synthetic"])
+
+
+def _half(result, part):
+    (row,) = [r for r in result["rows"] if r["compressor"] == f"sketch ({part})"]
+    return row
+
+
+def test_sketch_is_benchmarked_in_two_halves_and_other_schemes_are_not():
+    names = bench._check_names(None)
+    assert "sketch" in names
+    assert not {"powersgd", "local_topk", "true_topk"} & set(names)
+    with pytest.raises(ConfigError, match="own"):
+        bench.run_bench(size=100, repeats=1, compressors=["powersgd"], inputs=["synthetic"])
+
+
+def test_sketch_rows_have_positive_rates_as_fractions_of_memcpy(sketch_result):
+    memcpy = sketch_result["meta"]["memcpy_gbps"]["synthetic"]
+    labels = [r["compressor"] for r in sketch_result["rows"]]
+    assert labels[:3] == ["memcpy", "sketch (sketch)", "sketch (unsketch)"]  # in the order named, like the rest
+    for part, side, other in (
+        ("sketch", "compress_encode", "decode_decompress"),
+        ("unsketch", "decode_decompress", "compress_encode"),
+    ):
+        row = _half(sketch_result, part)
+        assert row["part"] == part and row["method"] == "sketch" and row["numel"] == N and row["verified"] is True
+        seconds, gbps = row[f"{side}_s"], row[f"{side}_gbps"]
+        assert seconds > 0 and math.isfinite(gbps) and gbps > 0
+        assert gbps == pytest.approx(4 * N / seconds / 1e9)
+        assert row[f"{side}_vs_memcpy"] == pytest.approx(gbps / memcpy)
+        assert row[f"{other}_s"] is None and row[f"{other}_gbps"] is None  # the other half's cells are blank
+        assert "prebuilt" in row["setting"] and "outside the timed region" in row["hash_tables"]
+    report = bench.format_report(sketch_result)
+    assert "sketch (sketch)" in report and "sketch (unsketch)" in report and "outside the timed region" in report
+    assert not any(c["compressor"].startswith("sketch") for c in bench.versus_topk(sketch_result))
+
+
+def test_sketch_sizes_come_from_the_schemes_plan(sketch_result):
+    scheme = gradcomp.make("sketch")
+    plan = scheme.plan(Slot("bench", 0, N))
+    sketch, unsketch = _half(sketch_result, "sketch"), _half(sketch_result, "unsketch")
+    for row in (sketch, unsketch):
+        assert row["plan"]["cols"] == plan.cols and row["plan"]["k"] == plan.k
+        assert row["plan"]["rows"] == scheme.rows and row["plan"]["selected"] == plan.candidates
+    table = scheme.rows * plan.cols
+    assert sketch["encoded_bytes"] == 4 * table
+    assert sketch["bits_per_element"] == 32 * table / N and sketch["ratio_vs_fp32"] == N / table
+    assert unsketch["bits_per_element"] is None and unsketch["ratio_vs_fp32"] is None
+
+
+def test_sketch_params_reach_the_plan_through_the_cli(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        "--size",
+        str(N),
+        "--repeats",
+        "1",
+        "--no-model",
+        "--compressors",
+        "sketch",
+        "--quiet",
+        "--param",
+        "density=0.001",
+        "--param",
+        "rows=3",
+        "--param",
+        "rounds=1",
+        "--json",
+        str(out),
+    ]
+    assert cli_main(argv) == 0
+    data = json.loads(out.read_text())
+    assert [r["compressor"] for r in data["rows"]] == ["memcpy", "sketch (sketch)", "sketch (unsketch)"]
+    plan = gradcomp.make("sketch", density=0.001, rows=3).plan(Slot("bench", 0, N))
+    row = data["rows"][1]
+    assert row["plan"]["rows"] == 3 and row["plan"]["cols"] == plan.cols and row["plan"]["k"] == plan.k == 20
+    assert data["rows"][2]["plan"]["selected"] == plan.k  # rounds=1 selects k estimates, not P·k
+    assert data["meta"]["sketch_params"] == {"density": 0.001, "rows": 3, "rounds": 1}
+
+
+def test_bad_sketch_parameters_are_refused_before_timing(monkeypatch):
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed before the sketch parameters were checked")
+
+    monkeypatch.setattr(bench, "_measure_memcpy", no_timing)
+    with pytest.raises(ConfigError, match="rows"):
+        bench.run_bench(
+            size=N, repeats=1, compressors=["topk", "sketch"], inputs=["synthetic"], sketch_params={"rows": 0}
+        )
+    with pytest.raises(ConfigError, match="larger than"):  # a 5 x 10^6 sketch of 20,000 coordinates
+        bench.run_bench(size=N, repeats=1, compressors=["sketch"], inputs=["synthetic"], sketch_params={"cols": 10**6})
+    with pytest.raises(ConfigError, match="not among the compressors"):
+        bench.run_bench(size=N, repeats=1, compressors=["topk"], inputs=["synthetic"], sketch_params={"rows": 3})
+
+
+def test_sketch_below_min_size_is_skipped_with_a_note():
+    res = bench.run_bench(size=500, repeats=1, compressors=["sketch"], inputs=["synthetic"])
+    assert [r["compressor"] for r in res["rows"]] == ["memcpy"]
+    assert any("min_size" in note for note in res["meta"]["skipped"])
+
+
+def test_broken_unsketch_aborts(monkeypatch):
+    from gradcomp.compressors.countsketch import CountSketch
+
+    monkeypatch.setattr(CountSketch, "estimate", lambda self, table: torch.zeros(self.numel))
+    with pytest.raises(bench.BenchError, match="median"):
+        bench.run_bench(size=N, repeats=1, compressors=["sketch"], inputs=["synthetic"])

@@ -37,6 +37,23 @@ whose ``decompress`` is not reproducible on identical fields (detected during wa
 not checked for exact equality, and its rows say ``verified: false``.
 
 Compressors without an entry in :data:`SETTINGS` run once, with their default parameters.
+
+Methods that own their communication rounds (Schemes: ``powersgd``, ``local_topk``, ``true_topk``) have no
+single message to time and are not benchmarked, with one exception, ``sketch`` (sketched SGD), of which the
+two halves of one worker's local work in round 1 are timed, the whole input being one slot:
+
+- ``sketch (sketch)``: ``CountSketch.sketch(x, out=table)`` into a preallocated r×c table (the c+e columns);
+- ``sketch (unsketch)``: ``CountSketch.estimate(table)`` (all d estimates, median over the r rows) followed by
+  the selection of the P·k largest (``accumulation.largest``; k with ``rounds=1``) (the d+d columns),
+
+with the r, c, k and P·k that ``SketchedSGD.plan()`` gives for a slot of the input's length and the parameters
+given by ``--param KEY=VALUE`` (``sketch_params``; bad ones are a ConfigError before anything is timed). Both
+throughputs are GB/s of the d-float input, as for every other row. The hash tables are built once per slot (as
+in training, where they are cached) outside the timed region. The sketch row's bits per element are those of
+the r×c fp32 table (``32·r·c / d``; sent raw by an allreduce, no wire headers; round 2's P·k exact values are
+not counted); the unsketch row has none. Verification (warm-up): the table matches a float64 per-row bincount
+of the same hashes, the estimates equal ``torch.median`` over rows exactly, the selection holds ``take``
+distinct coordinates whose |estimates| are no smaller than any other's, and the input is untouched.
 """
 
 from __future__ import annotations
@@ -58,14 +75,18 @@ from torch import Tensor
 
 from gradcomp import wire
 from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.compressors.countsketch import CountSketch
 from gradcomp.errors import ConfigError
-from gradcomp.registry import available, compressor_class, make
+from gradcomp.registry import available, compressor_class, make, parse_param_strings
+from gradcomp.schemes.accumulation import largest
 from gradcomp.schemes.base import Scheme
+from gradcomp.schemes.sketch import SketchedSGD, SlotPlan
 
 __all__ = [
     "DEFAULT_REPEATS",
     "DEFAULT_SIZE",
     "INPUT_NAMES",
+    "SCHEME_HALVES",
     "SETTINGS",
     "AbsQuantile",
     "BenchError",
@@ -137,6 +158,10 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     "terngrad": [{}],
     "stc": [{"density": 0.01}],
 }
+
+
+# Schemes (methods that own their rounds) that bench times anyway, as the two local halves of their round 1.
+SCHEME_HALVES: tuple[str, ...] = ("sketch",)
 
 
 def position_bits(compressor: Compressor, fields: list[Tensor], slot: Slot) -> tuple[float, float] | None:
@@ -323,23 +348,184 @@ def _bench_one(
     }
 
 
+def _sketch_plan(scheme: SketchedSGD, numel: int, what: str) -> SlotPlan:
+    """The plan sketched SGD makes for the input as one slot; ConfigError (naming the input) if it cannot work."""
+    try:
+        return scheme.plan(Slot(name="bench", index=0, numel=numel))
+    except ConfigError as exc:
+        raise ConfigError(f"sketch on {what}: {exc}") from None
+
+
+def _sketch_selection_size(scheme: SketchedSGD, plan: SlotPlan) -> int:
+    """How many estimates round 1 selects: the P·k candidates, or the k sent with ``rounds=1``."""
+    return plan.candidates if scheme.rounds == 2 else plan.k
+
+
+def _verify_sketch(cs: CountSketch, x: Tensor, table: Tensor, chosen: Tensor, take: int, what: str) -> None:
+    """Check a count sketch, its estimates and the selection against slower references; BenchError if broken."""
+    d, r, c = cs.numel, cs.rows, cs.cols
+    xd = x.reshape(-1).to(torch.float64)
+    positions = cs.positions.view(r, d)
+    for j in range(r):  # the table, row by row: a float64 bincount of the same hashes
+        buckets = positions[j].to(torch.int64) - j * c
+        ref = torch.bincount(buckets, weights=cs.signs[j].to(torch.float64) * xd, minlength=c)
+        scale = torch.bincount(buckets, weights=xd.abs(), minlength=c)
+        count = torch.bincount(buckets, minlength=c).to(torch.float64)
+        err = (table[j * c : (j + 1) * c].to(torch.float64) - ref).abs()
+        # fp32 summation of n terms in any order is within (n - 1)·2^-24·Σ|terms| of the exact sum
+        if not bool((err <= count * 2.0**-23 * scale + 1e-30).all()):
+            raise BenchError(
+                f"{what}: row {j} of the count sketch differs from a float64 bincount of the same hashes (max "
+                f"|diff| {float(err.max()):.3g}); not timing it"
+            )
+    estimates = cs.estimate(table)
+    per_row = table[cs.positions.to(torch.int64)].view(r, d) * cs.signs
+    expected = per_row.median(dim=0).values if r > 1 else per_row[0]
+    if estimates.shape != (d,) or not torch.equal(estimates, expected):
+        raise BenchError(f"{what}: the estimates are not the median over rows of the signed buckets; not timing it")
+    magnitude = estimates.abs()
+    picked = torch.zeros(d, dtype=torch.bool, device=estimates.device)
+    picked[chosen] = True
+    if chosen.numel() != take or int(picked.sum()) != take:
+        raise BenchError(f"{what}: selected {chosen.numel()} coordinates ({int(picked.sum())} distinct), not {take}")
+    if take < d and float(magnitude[picked].min()) < float(magnitude[~picked].max()):
+        raise BenchError(f"{what}: the selection missed a larger estimate than one it took; not timing it")
+
+
+def _bench_sketch(
+    scheme: SketchedSGD, plan: SlotPlan, x: Tensor, repeats: int, timer: _Timer, what: str
+) -> dict[str, Any]:
+    """Time one worker's round 1 of sketched SGD on ``x`` as one slot: sketching, then unsketching.
+
+    Sketching is ``CountSketch.sketch`` into a preallocated table; unsketching is ``estimate`` of that table and
+    the selection of the ``_sketch_selection_size`` largest estimates. The hash tables are built here, before the
+    timed loop (training builds them once per slot and caches them). Verified on the warm-up (``_verify_sketch``).
+    """
+    numel = x.numel()
+    cs = CountSketch(numel, scheme.rows, plan.cols, scheme.seed, 0, x.device)  # as SketchedSGD builds them
+    take = _sketch_selection_size(scheme, plan)
+    table = torch.empty(cs.size, dtype=torch.float32, device=x.device)
+    x_ref = x.clone()
+    parts: dict[str, list[float]] = {"sketch": [], "unsketch": []}
+    for i in range(repeats + 1):  # i == 0 is the warm-up
+        t0 = timer.now()
+        cs.sketch(x, out=table)
+        t1 = timer.now()
+        chosen = largest(cs.estimate(table), take)
+        t2 = timer.now()
+        if i == 0:
+            _verify_sketch(cs, x, table, chosen, take, what)
+            continue
+        if chosen.numel() != take:
+            raise BenchError(f"{what}: selected {chosen.numel()} coordinates, not {take}")
+        parts["sketch"].append(t1 - t0)
+        parts["unsketch"].append(t2 - t1)
+    if not torch.equal(x, x_ref):
+        raise BenchError(f"{what}: sketching modified its input tensor")
+    return {"sketch_s": _median(parts["sketch"]), "unsketch_s": _median(parts["unsketch"]), "selected": take}
+
+
+def _sketch_rows(
+    scheme: SketchedSGD,
+    plan: SlotPlan,
+    m: dict[str, Any],
+    input_name: str,
+    numel: int,
+    memcpy_gbps: float,
+    label: str,
+) -> list[dict[str, Any]]:
+    """The ``sketch (sketch)`` and ``sketch (unsketch)`` rows: each half's time in its own column pair, the other
+    pair (and the unsketch row's bits) None, as non-applicable cells."""
+    size = scheme.rows * plan.cols
+    shape = f"{scheme.rows}x{plan.cols} table, k={plan.k}"
+    common = {
+        "input": input_name,
+        "numel": numel,
+        "method": "sketch",
+        "params": scheme.params(),
+        "plan": {
+            "rows": scheme.rows,
+            "cols": plan.cols,
+            "k": plan.k,
+            "candidates": plan.candidates,
+            "selected": m["selected"],
+            "table_floats": size,
+        },
+        "encode_s": None,
+        "decode_s": None,
+        "verified": True,
+        "position_bits_per_kept": None,
+        "entropy_bits_per_kept": None,
+        "hash_tables": "built once per slot, outside the timed region",
+    }
+    none_side = {
+        f"{side}{suffix}": None
+        for side in ("compress_encode", "decode_decompress")
+        for suffix in ("_s", "_gbps", "_vs_memcpy")
+    }
+    sketch_gbps = _gbps(numel, m["sketch_s"])
+    unsketch_gbps = _gbps(numel, m["unsketch_s"])
+    return [
+        {
+            **common,
+            **none_side,
+            "compressor": "sketch (sketch)",
+            "part": "sketch",
+            "setting": f"{label}: {shape}, tables prebuilt",
+            "encoded_bytes": 4 * size,
+            "bits_per_element": 32.0 * size / numel,
+            "ratio_vs_fp32": numel / size,
+            "compress_encode_s": m["sketch_s"],
+            "compress_s": m["sketch_s"],
+            "decompress_s": None,
+            "compress_encode_gbps": sketch_gbps,
+            "compress_encode_vs_memcpy": sketch_gbps / memcpy_gbps,
+        },
+        {
+            **common,
+            **none_side,
+            "compressor": "sketch (unsketch)",
+            "part": "unsketch",
+            "setting": f"{label}: {shape}, estimate + top {m['selected']}, tables prebuilt",
+            "encoded_bytes": None,
+            "bits_per_element": None,
+            "ratio_vs_fp32": None,
+            "compress_s": None,
+            "decode_decompress_s": m["unsketch_s"],
+            "decompress_s": m["unsketch_s"],
+            "decode_decompress_gbps": unsketch_gbps,
+            "decode_decompress_vs_memcpy": unsketch_gbps / memcpy_gbps,
+        },
+    ]
+
+
 # ------------------------------------------------------------------------------------------------- driver
 
 
 def _check_names(compressors: Sequence[str] | None) -> list[str]:
-    # single-message compressors only: a method that owns its rounds (PowerSGD) has no one message to time
-    registered = [n for n in available() if not issubclass(compressor_class(n), Scheme)]
+    # single-message compressors only: a method that owns its rounds (PowerSGD) has no one message to time;
+    # the exception is sketch (SCHEME_HALVES), whose round 1 is timed in two halves (_bench_sketch)
+    every = available()
+    registered = [n for n in every if not issubclass(compressor_class(n), Scheme)]
     # The SETTINGS order (dense baselines first, compositions whose parts are registered), then any other
-    # registered name alphabetically.
+    # registered name alphabetically, then the schemes timed in halves.
     known = set(registered)
     names = [n for n in SETTINGS if all(part in known for part in n.split("+"))]
     names += [n for n in registered if n not in SETTINGS]
+    names += [n for n in SCHEME_HALVES if n in every]
     if compressors is None:
         return names
     chosen = [c.strip() for c in compressors if c.strip()]
+    schemes = [c for c in chosen if c in every and c not in names]
+    if schemes:
+        raise ConfigError(
+            f"{', '.join(map(repr, schemes))} own(s) its communication rounds: no single message to time "
+            f"(of such methods, bench times only {', '.join(SCHEME_HALVES)})"
+        )
     unknown = [c for c in chosen if c not in names]
     if unknown:
-        raise ConfigError(f"unknown compressor(s) {', '.join(map(repr, unknown))}; available: {', '.join(registered)}")
+        benched = sorted(registered + [n for n in SCHEME_HALVES if n in every])
+        raise ConfigError(f"unknown compressor(s) {', '.join(map(repr, unknown))}; available: {', '.join(benched)}")
     if not chosen:
         raise ConfigError("no compressor selected")
     return list(dict.fromkeys(chosen))
@@ -362,6 +548,7 @@ def run_bench(
     inputs: Sequence[str] = INPUT_NAMES,
     device: str | torch.device = "cpu",
     progress: Callable[[str], None] | None = None,
+    sketch_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns ``{"meta": {...}, "rows": [...]}`` (the same object ``--json`` writes).
 
@@ -370,12 +557,24 @@ def run_bench(
     ``encoded_bytes``, ``bits_per_element`` (= 8 * encoded_bytes / numel), ``ratio_vs_fp32``, the median
     seconds ``compress_encode_s`` / ``decode_decompress_s`` (and their four parts), the throughputs
     ``compress_encode_gbps`` / ``decode_decompress_gbps`` (GB/s of fp32 input) and ``*_vs_memcpy`` fractions.
+
+    ``sketch`` gives two rows, ``sketch (sketch)`` (its time in the ``compress_encode_*`` keys and
+    ``compress_s``) and ``sketch (unsketch)`` (in ``decode_decompress_*`` and ``decompress_s``); their other keys
+    are None, and they add ``method``, ``part``, ``plan`` and ``hash_tables``. ``sketch_params`` go to
+    ``gradcomp.make("sketch", ...)``; they and the plan for every input are checked before anything is timed.
     Raises ConfigError for bad arguments and BenchError when a round trip is broken.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
     names = _check_names(compressors)
     input_names = _check_inputs(inputs)
+    sketch_params = dict(sketch_params or {})
+    scheme: SketchedSGD | None = None
+    if "sketch" in names:
+        scheme = make("sketch", **sketch_params)
+        assert isinstance(scheme, SketchedSGD)
+    elif sketch_params:
+        raise ConfigError("sketch parameters (--param) were given, but sketch is not among the compressors")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda requested but torch.cuda.is_available() is False")
@@ -400,7 +599,10 @@ def run_bench(
         "memcpy_gbps": {},
         "skipped": [],
     }
-    rows: list[dict[str, Any]] = []
+    if scheme is not None:
+        meta["sketch_params"] = sketch_params
+    # Every input is made, and the sketch's plan for it checked, before anything is timed.
+    prepared: list[tuple[str, Tensor, str, SlotPlan | None]] = []
     for input_name in input_names:
         if input_name == "synthetic":
             x = synthetic_gradient(size).to(dev)
@@ -410,6 +612,12 @@ def run_bench(
             )
         else:
             x, desc = model_gradient(dev)
+        plan = None if scheme is None else _sketch_plan(scheme, x.numel(), f"input {input_name}")
+        prepared.append((input_name, x, desc, plan))
+        del x
+    rows: list[dict[str, Any]] = []
+    while prepared:
+        input_name, x, desc, plan = prepared.pop(0)
         numel = x.numel()
         meta["inputs"][input_name] = {"numel": numel, "description": desc}
         say(f"bench: input {input_name}: {numel:,} elements ({desc})")
@@ -437,6 +645,19 @@ def run_bench(
             }
         )
         for name in names:
+            if name == "sketch":
+                assert scheme is not None and plan is not None
+                label = _label(sketch_params, sketch_params)
+                what = f"sketch [{label}] on {input_name}"
+                if not plan.compressed:
+                    note = f"{what}: {numel} coordinates are below min_size={scheme.min_size}: sent dense, no sketch"
+                    meta["skipped"].append(note)
+                    say(f"bench: skipped {note}")
+                    continue
+                say(f"bench: {what} (sketch and unsketch)")
+                m = _bench_sketch(scheme, plan, x, repeats, timer, what)
+                rows += _sketch_rows(scheme, plan, m, input_name, numel, memcpy_gbps, label)
+                continue
             for setting in SETTINGS.get(name, [{}]):
                 resolved = {k: (v.resolve(x) if isinstance(v, AbsQuantile) else v) for k, v in setting.items()}
                 label = _label(setting, resolved)
@@ -487,10 +708,17 @@ def run_bench(
 # ----------------------------------------------------------------------------------------------- printing
 
 
-def _fmt(v: float) -> str:
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
     if v == float("inf"):
         return "inf"
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def _num(v: float | None, spec: str) -> str:
+    """``format(v, spec)``, or "-" for a cell that does not apply to the row (None)."""
+    return "-" if v is None else format(v, spec)
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -515,12 +743,12 @@ def format_table(result: dict[str, Any]) -> str:
                 r["input"],
                 r["compressor"],
                 r["setting"] + ("" if r["verified"] else " (unverified)"),
-                f"{r['bits_per_element']:.4g}",
-                f"{r['ratio_vs_fp32']:.3g}",
+                _num(r["bits_per_element"], ".4g"),
+                _num(r["ratio_vs_fp32"], ".3g"),
                 _fmt(r["compress_encode_gbps"]),
-                f"{r['compress_encode_vs_memcpy']:.3g}",
+                _num(r["compress_encode_vs_memcpy"], ".3g"),
                 _fmt(r["decode_decompress_gbps"]),
-                f"{r['decode_decompress_vs_memcpy']:.3g}",
+                _num(r["decode_decompress_vs_memcpy"], ".3g"),
                 "-" if r.get("position_bits_per_kept") is None else f"{r['position_bits_per_kept']:.3f}",
                 "-" if r.get("entropy_bits_per_kept") is None else f"{r['entropy_bits_per_kept']:.3f}",
             ]
@@ -545,7 +773,8 @@ def versus_topk(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Every other sparsifier's compress+encode time as a fraction of top-k's at the same density and input.
 
     Top-k with fixed-width positions is the reference (its default); rows without a ``density`` parameter
-    (threshold) have no same-density top-k row and are left out.
+    (threshold) have no same-density top-k row and are left out, as are the two halves of ``sketch``, which are
+    not one compress+encode.
     """
     reference = {
         (r["input"], r["params"].get("density")): r
@@ -556,11 +785,18 @@ def versus_topk(result: dict[str, Any]) -> list[dict[str, Any]]:
     for r in result["rows"]:
         density = r["params"].get("density")
         ref = reference.get((r["input"], density))
-        if r["compressor"] in ("topk", "memcpy") or density is None or ref is None:
+        if r["compressor"] in ("topk", "memcpy") or "part" in r or density is None or ref is None:
             continue
-        out.append({"input": r["input"], "compressor": r["compressor"], "setting": r["setting"],
-                    "density": density, "fraction": r["compress_encode_s"] / ref["compress_encode_s"],
-                    "compress_fraction": r["compress_s"] / ref["compress_s"]})
+        out.append(
+            {
+                "input": r["input"],
+                "compressor": r["compressor"],
+                "setting": r["setting"],
+                "density": density,
+                "fraction": r["compress_encode_s"] / ref["compress_encode_s"],
+                "compress_fraction": r["compress_s"] / ref["compress_s"],
+            }
+        )
     return out
 
 
@@ -587,6 +823,14 @@ def format_report(result: dict[str, Any]) -> str:
         "  bits/elem = 8 * encoded bytes / numel (headers included); ratio = 32 / bits; GB/s of fp32 input "
         "(4 * numel bytes / median time); xmemcpy = fraction of the memcpy rate on the same input"
     )
+    if any(r.get("method") == "sketch" for r in result["rows"]):
+        lines.append(
+            "  sketch (sketch) / sketch (unsketch): one worker's round 1 of sketched SGD on the input as one slot, "
+            "sizes from SketchedSGD.plan(): count-sketching it into a preallocated r x c table (c+e columns), "
+            "then estimating all d coordinates and selecting the P*k largest (d+d columns); GB/s of the d-float "
+            "input; the hash tables are built once per slot, outside the timed region; bits/elem = the r x c fp32 "
+            "table (32*r*c/d, no headers; round 2's P*k values not counted)"
+        )
     lines.append("")
     lines.append(format_table(result))
     for note in meta["skipped"]:
@@ -618,6 +862,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compressors", type=_csv, default=None, metavar="A,B,C", help="subset of compressors (default: all)"
     )
     parser.add_argument("--inputs", type=_csv, default=list(INPUT_NAMES), metavar="I,J", help="synthetic and/or model")
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="parameter of the sketch rows, as gradcomp.make('sketch', ...) takes it (repeatable; e.g. "
+        "density=0.001, rows=3); the other compressors run their fixed settings",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows and metadata as JSON")
     parser.add_argument("--no-model", action="store_true", help="skip the model-gradient input")
@@ -647,6 +899,7 @@ def main(args: argparse.Namespace) -> int:
             inputs=inputs,
             device=args.device,
             progress=None if args.quiet else progress,
+            sketch_params=parse_param_strings(getattr(args, "param", [])),
         )
     except BenchError as exc:
         print(f"gradcomp bench: aborted: {exc}", file=sys.stderr)

@@ -41,6 +41,9 @@ def format_summary(r: dict[str, Any]) -> str:
             f"{r['modelled_communicate_s']:.3g} s of communication at {human_bits(net['bandwidth_bps'])}/s, "
             f"{1e6 * net['latency_s']:g} us latency (alpha-beta model of the measured collectives)",
         ))
+    if r.get("paper_compression"):
+        factor = f"x{r['paper_compression']:,.1f} (as the method's paper counts it; see its docs)"
+        rows.insert(5, ("paper's factor", factor))
     if r.get("server_bits_out"):
         rows.insert(5, ("server in / out", f"{human_bits(r['server_bits_in'])} / {human_bits(r['server_bits_out'])}"))
     width = max(len(k) for k, _ in rows)

@@ -320,7 +320,16 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
         "loss_curve": curves.loss,
         "accuracy_curve": curves.accuracy,
         "num_parameters": sum(p.numel() for p in model.parameters()),
+        "paper_compression": _paper_compression(compressor, model, cfg),
     }
+
+
+def _paper_compression(method: Any, model: nn.Module, cfg: TrainConfig) -> float | None:
+    """The compression factor as the method's paper defines it (sketched SGD: 2d / (sketch + P·k + k)), if any."""
+    rule = getattr(method, "paper_compression", None)
+    if rule is None:
+        return None
+    return float(rule(GradientAggregator.slots_for(list(model.named_parameters()), cfg.granularity)))
 
 
 # -- the simulated cluster -----------------------------------------------------------------------------------
@@ -399,6 +408,7 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "dense_bits_per_worker": dense_bits,
         "compression_ratio_up": dense_bits / up if up else math.inf,
         "compression_ratio_down": dense_bits / down if down else math.inf,
+        "paper_compression": lead.get("paper_compression"),
         "padding_bits": mean([8 * c.padding_bytes for c in counters]),
         "control_bits": mean([8 * (c.up_control + c.down_control) for c in counters]),
         "server_bits_in": sum(8 * c.server_in for c in counters),
