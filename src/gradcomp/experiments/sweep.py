@@ -258,7 +258,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--dataset", default="mnist")
     p.add_argument("--data", default=None, metavar="DIR")
-    p.add_argument("--model", default="cnn")
+    p.add_argument("--model", default="cnn", help="cnn, mlp or convnet (1.2M parameters on MNIST)")
     p.add_argument("--bandwidth", default=None, metavar="RATE")
     p.add_argument("--latency", default="0", metavar="TIME")
 
