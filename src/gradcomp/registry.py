@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import gradcomp.compressors
+import gradcomp.schemes.lgc  # registers lgc
 import gradcomp.schemes.powersgd  # registers powersgd
 import gradcomp.schemes.sketch  # registers sketch
 import gradcomp.schemes.topk_baselines  # noqa: F401  (registers local_topk, true_topk)

@@ -1,0 +1,411 @@
+"""Learned Gradient Compression: an autoencoder trained during training, parameter-server and ring variants.
+
+Abrahamyan, Chen, Bekoulis, Deligiannis, "Learned Gradient Compression for Distributed Deep Learning", IEEE
+TNNLS 2021 (arXiv:2103.08870); SPEC.md section 3.
+
+    gradcomp.make("lgc", variant="ring", dense_steps=100, topk_steps=200, density=0.001)
+    gradcomp train --model convnet --compressor lgc --param variant=ps
+
+The tensors of one exchange (one slot list) are handled together: the first and the last layer (by module
+name; ``skip=true``, as the paper's implementation does) travel dense, the others are concatenated into one
+vector of d values, of which k = ⌈density·d⌉ are sent. Every worker keeps an error-feedback accumulator
+a ← residual + g over the d values. Three stages, by step:
+
+1. ``step < dense_steps``: a dense allreduce of everything (no residual).
+2. the next ``topk_steps`` steps, top-k with error feedback at **common positions**: the leader (worker
+   ``step mod W`` with ``rotate=true``, else 0) takes the k largest |a| and broadcasts their positions,
+   Golomb–Rice coded (its length first, as control traffic); every worker allgathers its values a[P]; the
+   update is their mean at P; the residual is a with a[P] = 0. Every worker now holds the same W value
+   vectors, and trains its copy of the autoencoder (``gradcomp.schemes.lgc_autoencoder``) on them, one Adam
+   step per exchange. Identical data, identical order, identical seed: the copies stay bit-identical, so no
+   weights ever cross the wire (the tests compare the copies' digests on gloo and on the simulated cluster).
+3. afterwards, compressed steps with the autoencoder frozen:
+
+   ``variant=ring``: positions as in stage 2; a max-allreduce of the workers' RMS of a[P] gives a common
+   scale s (one fp32); every worker encodes its a[P] / s (zero-padded to a multiple of 16) with the same
+   encoder; one allreduce sums the codes (C·L/16 floats, with the dense layers); every worker decodes the
+   mean code once: the update at P is s·D(z̄). Residual: a with a[P] replaced by a[P] − s·D(z_i), what the
+   worker's own code does not carry.
+
+   ``variant=ps`` (the server is rank ``root``, 0): the leader broadcasts one message — its scale s_ℓ, its
+   code z_ℓ, and the Golomb-coded positions; every worker i predicts its own values from the leader's code
+   with decoder i, p_i = s_ℓ·D_i(z_ℓ), and sends its **innovation**: the k' = ⌈innovation·k⌉ largest entries
+   of a[P] − p_i (int32 index into P, fp32 value) with its dense layers, gathered at the server; the server
+   rebuilds each worker's values as p_i plus its innovation, averages them, and broadcasts the k means (fp32;
+   the positions are known) with the dense means. Residual: a with a[P] replaced by what the innovation left
+   out. The autoencoder has one decoder per worker (the server's per-node decoders); every worker holds all
+   of them, trained identically, because it needs its own to compute its innovation.
+
+Choices where the paper is silent, and why:
+
+- **Common positions from a rotating leader** (both variants, stages 2 and 3): the encoder needs every
+  worker's values at the same positions; the leader's top-k follows the largest gradients, and rotating it
+  lets every worker's gradient choose in turn. Its positions cost k·(b + 1 + …) bits (Golomb–Rice, b from the
+  density), counted like everything else.
+- **Scale**: the network sees unit-RMS values; the scale is sent as one fp32 (ring: the max over workers,
+  by an allreduce, so that all codes share it).
+- **Stage 2 is an allgather in both variants**, so that every worker has the training data; the
+  parameter-server variant's stage 3 is a true gather/broadcast through the server.
+- **Error feedback of what the code does not carry** (ring: own reconstruction error; ps: what the
+  innovation left out), so that the compression error is sent later, as top-k's error feedback does.
+
+Bad parameters (a variant other than ring/ps, negative stage lengths, topk_steps = 0 with compressed steps
+to follow, densities outside (0, 1], a latent code not smaller than the k values it encodes, nothing left to
+compress after skipping) raise ConfigError before anything is sent.
+
+State (``state_dict``): per slot list, the residual and the autoencoder's weights and Adam state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradcomp.catalog import register
+from gradcomp.compressors.base import Slot, check_bool, check_density, check_int, kept_count
+from gradcomp.errors import ConfigError
+from gradcomp.schemes.accumulation import largest, offsets_of
+from gradcomp.schemes.base import Scheme
+from gradcomp.schemes.lgc_autoencoder import AutoencoderTrainer, latent_size, padded_length
+from gradcomp.schemes.requests import AllGather, AllReduce, Broadcast, Gather, Rounds
+from gradcomp.transport.base import CONTROL
+from gradcomp.wire.golomb import golomb_decode, golomb_encode, optimal_rice_parameter
+
+VARIANTS = ("ring", "ps")
+
+
+@dataclass
+class Layout:
+    """One slot list: which slots are compressed, the sizes, and the state kept for it."""
+
+    names: tuple[str, ...]
+    compressed: list[int]
+    skipped: list[int]
+    d: int
+    k: int
+    length: int  # k padded to a multiple of 16
+    latent: int
+    innovation: int
+    rice: int
+    residual: Tensor | None = None
+    trainer: AutoencoderTrainer | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+@register
+class LGC(Scheme):
+    name = "lgc"
+
+    def __init__(
+        self,
+        variant: str = "ring",
+        dense_steps: int = 100,
+        topk_steps: int = 200,
+        density: float = 0.001,
+        innovation: float = 0.1,
+        latent_channels: int = 4,
+        skip: bool = True,
+        rotate: bool = True,
+        root: int = 0,
+        lr: float = 1e-3,
+        similarity: float = 0.1,
+        seed: int = 0,
+    ):
+        if variant not in VARIANTS:
+            raise ConfigError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        self.variant = variant
+        self.dense_steps = check_int("dense_steps", dense_steps, minimum=0)
+        self.topk_steps = check_int("topk_steps", topk_steps, minimum=1)
+        self.density = check_density(density)
+        if isinstance(innovation, bool) or not isinstance(innovation, (int, float)) or not 0 < innovation <= 1:
+            raise ConfigError(f"innovation must be a fraction of k in (0, 1], got {innovation!r}")
+        self.innovation = float(innovation)
+        self.latent_channels = check_int("latent_channels", latent_channels, minimum=1)
+        self.skip = check_bool("skip", skip)
+        self.rotate = check_bool("rotate", rotate)
+        self.root = check_int("root", root, minimum=0)
+        for name, value in (("lr", lr), ("similarity", similarity)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
+        if not lr > 0:
+            raise ConfigError(f"lr must be positive, got {lr!r}")
+        self.lr, self.similarity = float(lr), float(similarity)
+        self.seed = check_int("seed", seed, minimum=0)
+        self._layouts: dict[tuple[str, ...], Layout] = {}
+        self._pending_state: dict[str, dict[str, Any]] = {}  # loaded state, applied when its slot list comes
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "variant": self.variant,
+            "dense_steps": self.dense_steps,
+            "topk_steps": self.topk_steps,
+            "density": self.density,
+            "innovation": self.innovation,
+            "latent_channels": self.latent_channels,
+            "skip": self.skip,
+            "rotate": self.rotate,
+            "root": self.root,
+            "lr": self.lr,
+            "similarity": self.similarity,
+            "seed": self.seed,
+        }
+
+    def bind(self, rank: int, world_size: int) -> None:
+        if self.variant == "ps" and self.root >= world_size:
+            raise ConfigError(f"parameter-server root {self.root} is not a rank of a world of size {world_size}")
+        super().bind(rank, world_size)
+
+    def stage(self, step: int) -> int:
+        """1 (dense), 2 (top-k, training the autoencoder) or 3 (compressed with the frozen autoencoder)."""
+        if step < self.dense_steps:
+            return 1
+        return 2 if step < self.dense_steps + self.topk_steps else 3
+
+    # -- sizes ----------------------------------------------------------------------------------------------------
+
+    def layout(self, slots: Sequence[Slot]) -> Layout:
+        names = tuple(s.name for s in slots)
+        cached = self._layouts.get(names)
+        if cached is not None and cached.d == sum(slots[i].numel for i in cached.compressed):
+            return cached
+        for s in slots:
+            if s.shape is not None and math.prod(s.shape) != s.numel:
+                raise ConfigError(f"{s.name}: shape {tuple(s.shape)} does not hold {s.numel} elements")
+        modules = [s.name.rsplit(".", 1)[0] for s in slots]
+        skipped = set()
+        if self.skip and len(set(modules)) > 2:
+            skipped = {i for i, m in enumerate(modules) if m in (modules[0], modules[-1])}
+        compressed = [i for i in range(len(slots)) if i not in skipped]
+        d = sum(slots[i].numel for i in compressed)
+        if d == 0:
+            raise ConfigError("lgc: nothing left to compress (every tensor is skipped or empty)")
+        k = kept_count(self.density, d)
+        length = padded_length(k)
+        latent = latent_size(length, self.latent_channels)
+        if latent >= k:
+            raise ConfigError(
+                f"lgc: a latent code of {latent} floats ({self.latent_channels} channels × {length // 16}) is not "
+                f"smaller than the k = {k} values it encodes (density {self.density} of {d}): raise the density "
+                "or lower latent_channels"
+            )
+        layout = Layout(
+            names=names,
+            compressed=compressed,
+            skipped=sorted(skipped),
+            d=d,
+            k=k,
+            length=length,
+            latent=latent,
+            innovation=max(1, math.ceil(self.innovation * k)),
+            rice=optimal_rice_parameter(k / d),
+        )
+        self._layouts[names] = layout
+        return layout
+
+    def check_slots(self, slots: Sequence[Slot]) -> None:
+        if slots:
+            self.layout(slots)
+
+    def _trainer(self, layout: Layout, device: torch.device) -> AutoencoderTrainer:
+        if layout.trainer is None:
+            decoders = self.world_size if self.variant == "ps" else 1
+            layout.trainer = AutoencoderTrainer(
+                self.latent_channels, decoders, seed=self.seed, lr=self.lr, similarity=self.similarity, device=device
+            )
+        return layout.trainer
+
+    # -- the rounds -----------------------------------------------------------------------------------------------
+
+    def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        if not slots:
+            return []
+        if len(slots) != len(tensors):
+            raise ConfigError(f"{len(slots)} slots but {len(tensors)} tensors")
+        layout = self.layout(slots)  # raises before anything is sent
+        if self._pending_state:
+            self._restore(layout, tensors[0].device)
+        flat = [t.reshape(-1).to(torch.float32) for t in tensors]
+        world = self.world_size
+        stage = self.stage(step)
+        if stage == 1:
+            summed = yield AllReduce(torch.cat(flat), inplace=True)
+            return _split(summed.div_(world), [s.numel for s in slots])
+
+        device = flat[0].device
+        acc = torch.cat([flat[i] for i in layout.compressed])
+        if layout.residual is not None:
+            acc.add_(layout.residual.to(device))
+        dense = torch.cat([flat[i] for i in layout.skipped]) if layout.skipped else acc.new_empty(0)
+        leader = step % world if self.rotate else 0
+        trainer = self._trainer(layout, device)
+
+        if stage == 2:
+            positions = yield from self._positions(layout, acc, leader)
+            values = acc[positions]
+            gathered = yield AllGather(values)
+            batch = torch.stack(gathered)  # (W, k): the same on every worker
+            update = batch.mean(0)
+            dense_mean = (yield AllReduce(dense, inplace=True)).div_(world) if dense.numel() else dense
+            acc[positions] = 0.0
+            scale = batch.pow(2).mean().sqrt().clamp_min(1e-30)
+            layout.losses.append(trainer.train_step(_pad(batch / scale, layout.length),
+                                                    leader if self.variant == "ps" else None))  # fmt: skip
+        elif self.variant == "ring":
+            positions, update, dense_mean, carried = yield from self._ring(layout, acc, dense, leader, trainer)
+            acc[positions] -= carried
+        else:
+            positions, update, dense_mean, carried = yield from self._ps(layout, acc, dense, leader, trainer)
+            acc[positions] -= carried
+        layout.residual = acc
+
+        out_c = torch.zeros(layout.d, dtype=torch.float32, device=device)
+        out_c[positions] = update
+        parts_c = _split(out_c, [slots[i].numel for i in layout.compressed])
+        parts_d = _split(dense_mean, [slots[i].numel for i in layout.skipped])
+        out: list[Tensor] = [torch.empty(0)] * len(slots)
+        for i, part in zip(layout.compressed, parts_c):
+            out[i] = part
+        for i, part in zip(layout.skipped, parts_d):
+            out[i] = part
+        return out
+
+    def _positions(self, layout: Layout, acc: Tensor, leader: int) -> Rounds:
+        """The leader's top-k positions, Golomb–Rice coded and broadcast (length first); sorted int64."""
+        if self.rank == leader:
+            chosen = largest(acc, layout.k).sort().values
+            payload, _ = golomb_encode(chosen, layout.rice)
+            length = torch.tensor([payload.numel()], dtype=torch.int64, device=acc.device)
+        else:
+            length = torch.zeros(1, dtype=torch.int64, device=acc.device)
+        length = yield Broadcast(length, leader, kind=CONTROL)
+        if self.rank != leader:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8, device=acc.device)
+        payload = yield Broadcast(payload, leader)
+        return golomb_decode(payload, layout.rice, layout.k, layout.d).to(acc.device)
+
+    def _ring(self, layout: Layout, acc: Tensor, dense: Tensor, leader: int, trainer: AutoencoderTrainer) -> Rounds:
+        world, k = self.world_size, layout.k
+        positions = yield from self._positions(layout, acc, leader)
+        values = acc[positions]
+        rms = values.pow(2).mean().sqrt().clamp_min(1e-30).reshape(1)
+        scale = (yield AllReduce(rms, op="max"))[0]
+        code = trainer.encode(_pad((values / scale).unsqueeze(0), layout.length))  # (1, latent)
+        summed = yield AllReduce(torch.cat([code.reshape(-1), dense]), inplace=True)
+        mean_code = summed[: layout.latent].div(world).unsqueeze(0)
+        update = trainer.decode(mean_code)[0, :k].mul(scale)
+        carried = trainer.decode(code)[0, :k].mul(scale)
+        return positions, update, summed[layout.latent :].div(world), carried
+
+    def _ps(self, layout: Layout, acc: Tensor, dense: Tensor, leader: int, trainer: AutoencoderTrainer) -> Rounds:
+        world, k, device = self.world_size, layout.k, acc.device
+        # round 1: the leader's scale, code and positions, to every worker
+        if self.rank == leader:
+            chosen = largest(acc, k).sort().values
+            lead_values = acc[chosen]
+            lead_scale = lead_values.pow(2).mean().sqrt().clamp_min(1e-30).reshape(1)
+            lead_code = trainer.encode(_pad((lead_values / lead_scale).unsqueeze(0), layout.length)).reshape(-1)
+            coded, _ = golomb_encode(chosen, layout.rice)
+            message = torch.cat([torch.cat([lead_scale, lead_code]).view(torch.uint8), coded])
+            length = torch.tensor([message.numel()], dtype=torch.int64, device=device)
+        else:
+            length = torch.zeros(1, dtype=torch.int64, device=device)
+        length = yield Broadcast(length, leader, kind=CONTROL)
+        if self.rank != leader:
+            message = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        message = yield Broadcast(message, leader)
+        head = 4 * (1 + layout.latent)
+        floats = message[:head].view(torch.float32)
+        lead_scale, lead_code = floats[0], floats[1:].unsqueeze(0)
+        positions = golomb_decode(message[head:], layout.rice, k, layout.d).to(device)
+
+        # round 2: every worker's innovation (and its dense layers) to the server
+        values = acc[positions]
+        predicted = trainer.decode(lead_code, self.rank)[0, :k].mul(lead_scale)
+        missing = values - predicted
+        picked = largest(missing, layout.innovation)
+        innovation = torch.cat([missing[picked].view(torch.uint8), picked.to(torch.int32).view(torch.uint8),
+                                dense.view(torch.uint8)])  # fmt: skip
+        gathered = yield Gather(innovation, self.root)
+
+        # round 3: the server's means at the positions, and of the dense layers
+        n, size = layout.innovation, k + dense.numel()
+        if self.rank == self.root:
+            total = torch.zeros(size, dtype=torch.float32, device=device)
+            for w, received in enumerate(gathered):  # rank order
+                rebuilt = trainer.decode(lead_code, w)[0, :k].mul(lead_scale)
+                their_values = received[: 4 * n].view(torch.float32)
+                their_index = received[4 * n : 8 * n].view(torch.int32).to(torch.int64)
+                rebuilt.index_add_(0, their_index, their_values)
+                total[:k].add_(rebuilt)
+                total[k:].add_(received[8 * n :].view(torch.float32))
+            down = total.div_(world)
+        else:
+            down = torch.empty(size, dtype=torch.float32, device=device)
+        down = yield Broadcast(down, self.root)
+        carried = predicted.clone()
+        carried[picked] += missing[picked]
+        return positions, down[:k], down[k:], carried
+
+    # -- state ----------------------------------------------------------------------------------------------------
+
+    def retain(self, slots: Sequence[Slot]) -> None:
+        names = tuple(s.name for s in slots)
+        self._layouts = {key: value for key, value in self._layouts.items() if key == names}
+
+    def autoencoder_digests(self) -> dict[tuple[str, ...], str]:
+        return {key: lay.trainer.digest() for key, lay in self._layouts.items() if lay.trainer is not None}
+
+    def training_seconds(self) -> float:
+        """Time spent training the autoencoder(s) so far."""
+        return sum(lay.trainer.seconds for lay in self._layouts.values() if lay.trainer is not None)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        for names, lay in self._layouts.items():
+            state["|".join(names)] = {
+                "residual": None if lay.residual is None else lay.residual.detach().clone(),
+                "autoencoder": None if lay.trainer is None else lay.trainer.state_dict(),
+            }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pending: dict[str, dict[str, Any]] = {}
+        for key, part in state.items():
+            if not isinstance(key, str) or not isinstance(part, dict) or set(part) - {"residual", "autoencoder"}:
+                raise ConfigError(f"lgc state {key!r}: expected {{'residual', 'autoencoder'}} per slot list")
+            residual = part.get("residual")
+            if residual is not None and not isinstance(residual, Tensor):
+                raise ConfigError(f"lgc state {key!r}: the residual must be a tensor")
+            pending[key] = part
+        self._pending_state = pending  # applied when the slot list is seen (sizes and device known)
+
+    def _restore(self, layout: Layout, device: torch.device) -> None:
+        part = self._pending_state.pop("|".join(layout.names), None)
+        if part is None:
+            return
+        residual = part.get("residual")
+        if residual is not None:
+            if residual.numel() != layout.d:
+                raise ConfigError(f"lgc state: residual of {residual.numel()} values for {layout.d} compressed ones")
+            layout.residual = residual.detach().to(device, torch.float32).reshape(-1).clone()
+        if part.get("autoencoder") is not None:
+            self._trainer(layout, device).load_state_dict(part["autoencoder"])
+
+
+def _pad(x: Tensor, length: int) -> Tensor:
+    """(B, n) → (B, length), zeros appended."""
+    if x.shape[1] == length:
+        return x
+    out = x.new_zeros(x.shape[0], length)
+    out[:, : x.shape[1]] = x
+    return out
+
+
+def _split(flat: Tensor, sizes: Sequence[int]) -> list[Tensor]:
+    offsets = offsets_of(sizes)
+    return [flat[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
