@@ -233,3 +233,14 @@ def test_gloo_workers_match_each_other_and_the_simulated_cluster(single_thread, 
     for step in range(5):
         for x, y in zip(sim[0][0][step]["out"], real[0][0][step]):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["ring", "ps"])
+def test_report_counts_training_and_held_out_errors(variant):
+    runs = run_cluster(2, make(variant=variant), 7)
+    report = runs[0][1].report()
+    assert report["autoencoder_seconds"] > 0
+    (lay,) = report["layouts"]
+    assert lay["autoencoder_steps"] == 3 and lay["held_out_steps"] == 2  # steps 5 and 6
+    assert lay["held_out_error"] >= 0 and 0 < lay["topk_same_bits_error"] < 1
+    assert lay["train_loss_first"] is not None and lay["k"] == 201

@@ -44,6 +44,18 @@ def format_summary(r: dict[str, Any]) -> str:
     if r.get("paper_compression"):
         factor = f"x{r['paper_compression']:,.1f} (as the method's paper counts it; see its docs)"
         rows.insert(5, ("paper's factor", factor))
+    lgc = r.get("method_report") or {}
+    if "autoencoder_seconds" in lgc:
+        share = 100 * lgc["autoencoder_seconds"] / r["wall_time_s"] if r["wall_time_s"] else 0.0
+        text = f"trained {lgc['autoencoder_seconds']:.1f} s ({share:.0f} % of wall, rank 0)"
+        for lay in lgc["layouts"]:
+            if lay["held_out_error"] is not None:
+                text += (
+                    f"; held-out relative error {lay['held_out_error']:.3f} against "
+                    f"{lay['topk_same_bits_error']:.3f} for top-k values of the same bits "
+                    f"({lay['held_out_steps']} steps)"
+                )
+        rows.insert(-1, ("autoencoder", text))
     if r.get("server_bits_out"):
         rows.insert(5, ("server in / out", f"{human_bits(r['server_bits_in'])} / {human_bits(r['server_bits_out'])}"))
     width = max(len(k) for k, _ in rows)

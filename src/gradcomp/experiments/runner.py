@@ -321,6 +321,7 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
         "accuracy_curve": curves.accuracy,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "paper_compression": _paper_compression(compressor, model, cfg),
+        "method_report": compressor.report() if hasattr(compressor, "report") else None,
     }
 
 
@@ -409,6 +410,7 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "compression_ratio_up": dense_bits / up if up else math.inf,
         "compression_ratio_down": dense_bits / down if down else math.inf,
         "paper_compression": lead.get("paper_compression"),
+        "method_report": lead.get("method_report"),
         "padding_bits": mean([8 * c.padding_bytes for c in counters]),
         "control_bits": mean([8 * (c.up_control + c.down_control) for c in counters]),
         "server_bits_in": sum(8 * c.server_in for c in counters),

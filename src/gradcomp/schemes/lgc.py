@@ -94,7 +94,8 @@ class Layout:
     rice: int
     residual: Tensor | None = None
     trainer: AutoencoderTrainer | None = None
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # the autoencoder's training loss per stage-2 step
+    held_out: list[tuple[float, float]] = field(default_factory=list)  # stage 3: (its error, top-k's at its bits)
 
 
 @register
@@ -255,11 +256,10 @@ class LGC(Scheme):
             scale = batch.pow(2).mean().sqrt().clamp_min(1e-30)
             layout.losses.append(trainer.train_step(_pad(batch / scale, layout.length),
                                                     leader if self.variant == "ps" else None))  # fmt: skip
-        elif self.variant == "ring":
-            positions, update, dense_mean, carried = yield from self._ring(layout, acc, dense, leader, trainer)
-            acc[positions] -= carried
         else:
-            positions, update, dense_mean, carried = yield from self._ps(layout, acc, dense, leader, trainer)
+            compressed = self._ring if self.variant == "ring" else self._ps
+            positions, update, dense_mean, carried = yield from compressed(layout, acc, dense, leader, trainer)
+            self._record_error(layout, acc[positions], carried)
             acc[positions] -= carried
         layout.residual = acc
 
@@ -273,6 +273,19 @@ class LGC(Scheme):
         for i, part in zip(layout.skipped, parts_d):
             out[i] = part
         return out
+
+    def _record_error(self, layout: Layout, values: Tensor, carried: Tensor) -> None:
+        """Held-out diagnostics of a compressed step (the autoencoder never trains on these values): the
+        relative squared error of what this worker's message carries, and that of plain top-k values of the
+        same bits (the m largest of the k values, each an fp32 and an index of ⌈log2 k⌉ bits)."""
+        energy = float(values.pow(2).sum())
+        if energy == 0.0:
+            return
+        sent_bits = 32 * layout.latent if self.variant == "ring" else 64 * layout.innovation
+        m = min(layout.k, sent_bits // (32 + max(1, math.ceil(math.log2(layout.k)))))
+        kept = float(values[largest(values, m)].pow(2).sum()) if m else 0.0
+        error = float((values - carried).pow(2).sum()) / energy
+        layout.held_out.append((error, 1.0 - kept / energy))
 
     def _positions(self, layout: Layout, acc: Tensor, leader: int) -> Rounds:
         """The leader's top-k positions, Golomb–Rice coded and broadcast (length first); sorted int64."""
@@ -356,6 +369,24 @@ class LGC(Scheme):
     def retain(self, slots: Sequence[Slot]) -> None:
         names = tuple(s.name for s in slots)
         self._layouts = {key: value for key, value in self._layouts.items() if key == names}
+
+    def report(self) -> dict[str, Any]:
+        """What the run's JSON records of the method: the autoencoder's training (time, steps, loss) and its
+        held-out errors against plain top-k values of the same bits, per slot list."""
+        out: dict[str, Any] = {"autoencoder_seconds": self.training_seconds(), "layouts": []}
+        for lay in self._layouts.values():
+            errors = [e for e, _ in lay.held_out]
+            topk = [t for _, t in lay.held_out]
+            out["layouts"].append({
+                "compressed": lay.d, "k": lay.k, "latent": lay.latent, "innovation": lay.innovation,
+                "autoencoder_steps": 0 if lay.trainer is None else lay.trainer.steps,
+                "train_loss_first": lay.losses[0] if lay.losses else None,
+                "train_loss_last": lay.losses[-1] if lay.losses else None,
+                "held_out_steps": len(errors),
+                "held_out_error": sum(errors) / len(errors) if errors else None,
+                "topk_same_bits_error": sum(topk) / len(topk) if topk else None,
+            })  # fmt: skip
+        return out
 
     def autoencoder_digests(self) -> dict[tuple[str, ...], str]:
         return {key: lay.trainer.digest() for key, lay in self._layouts.items() if lay.trainer is not None}
