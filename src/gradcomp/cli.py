@@ -18,6 +18,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "--error-feedback", action=argparse.BooleanOptionalAction, default=None,
         help="wrap the compressor in error feedback (default: the compressor's own choice, on for sbc/stc)",
     )
+    p.add_argument(
+        "--feedback", default=None, choices=["none", "residual", "momentum_correction", "momentum_masking"],
+        help="feedback policy instead of --error-feedback: residual = error feedback; momentum_correction and "
+             "momentum_masking = DGC's worker-side momentum (the optimizer's momentum moves into it)",
+    )
     p.add_argument("--granularity", default="layer", choices=["layer", "model"])
     p.add_argument("--topology", default="auto", choices=["auto", "allreduce", "allgather", "ps", "sharded"])
     p.add_argument("--server-compressor", default=None, help="downstream compressor of the parameter server")
@@ -62,6 +67,7 @@ def _train(args: argparse.Namespace) -> int:
         compressor=args.compressor,
         params=parse_param_strings(args.param),
         error_feedback=args.error_feedback,
+        feedback=args.feedback,
         granularity=args.granularity,
         topology=args.topology,
         server_compressor=args.server_compressor,

@@ -34,12 +34,32 @@ def compressor_class(name: str) -> type:
         raise ConfigError(f"unknown compressor {name!r}; available: {', '.join(available())}") from None
 
 
-def make(name: str, *, error_feedback: bool | None = None, **params: Any):
+def make(
+    name: str,
+    *,
+    error_feedback: bool | None = None,
+    feedback: str | None = None,
+    feedback_momentum: float = 0.9,
+    **params: Any,
+):
     """Build a registered compressor; ``error_feedback=True`` wraps it in ErrorFeedback.
 
     ``error_feedback=None`` takes the compressor's own default (on for SBC and STC, whose papers build the
-    residual into the method; off for the rest).
+    residual into the method; off for the rest). ``feedback`` names a policy instead (``"none"``,
+    ``"residual"`` = error feedback, ``"momentum_correction"``, ``"momentum_masking"``: DGC's worker-side
+    momentum with ``feedback_momentum``, see ``gradcomp.feedback``); give one of the two, not both.
     """
+    if feedback is not None:
+        from gradcomp.feedback import FEEDBACK_POLICIES, apply_feedback
+
+        if feedback not in FEEDBACK_POLICIES:
+            raise ConfigError(f"feedback must be one of {FEEDBACK_POLICIES}, got {feedback!r}")
+        if error_feedback is not None and error_feedback != (feedback == "residual"):
+            raise ConfigError(f"feedback={feedback!r} contradicts error_feedback={error_feedback}: give one")
+        if issubclass(compressor_class(name.split("+")[0]), Scheme) and feedback != "none":
+            raise ConfigError(f"{name!r} owns its rounds: it takes no feedback policy")
+        bare = make(name, error_feedback=False, **params)
+        return apply_feedback(bare, feedback, feedback_momentum)
     if "+" in name:
         return _make_composed(name, error_feedback, params)
     cls = compressor_class(name)

@@ -15,7 +15,9 @@ def human_bits(bits: float) -> str:
 def format_summary(r: dict[str, Any]) -> str:
     params = ", ".join(f"{k}={v}" for k, v in r["params"].items())
     name = f"{r['compressor']}({params})" if params else r["compressor"]
-    if r["error_feedback"]:
+    if r.get("feedback") not in (None, "none"):
+        name += " + " + r["feedback"].replace("_", " ")
+    elif r["error_feedback"]:
         name += " + error feedback"
     up, down, dense = r["bits_up_per_worker"], r["bits_down_per_worker"], r["dense_bits_per_worker"]
     ratio = lambda x: f"x{dense / x:,.1f} fewer than fp32" if x else "nothing sent"  # noqa: E731

@@ -49,6 +49,10 @@ class TrainConfig:
     compressor: str = "none"
     params: dict[str, Any] = field(default_factory=dict)
     error_feedback: bool | None = None  # None: the compressor's default (on for sbc / stc)
+    # a feedback policy instead (gradcomp.feedback.FEEDBACK_POLICIES); the momentum policies take the
+    # optimizer's momentum (feedback_momentum, set by hand_momentum_to_method)
+    feedback: str | None = None
+    feedback_momentum: float | None = None
     granularity: str = "layer"
     topology: str = "auto"
     server_compressor: str | None = None
@@ -127,6 +131,12 @@ class TrainConfig:
         if not getattr(compressor, "owns_momentum", False) or self.momentum == 0:
             return None
         before, self.momentum = self.momentum, 0.0
+        if self.feedback in ("momentum_correction", "momentum_masking"):
+            self.feedback_momentum = before
+            return (
+                f"--feedback {self.feedback} keeps the momentum on the worker: the optimizer's momentum "
+                f"{before:g} moves into it (optimizer momentum 0)"
+            )
         return (
             f"{self.compressor} applies momentum on the worker itself; the optimizer's momentum "
             f"{before:g} is set to 0 (give the method's own momentum parameter instead)"
@@ -139,7 +149,13 @@ class TrainConfig:
             if error_feedback is not None and given != error_feedback:
                 raise ConfigError("--param error_feedback contradicts --error-feedback / --no-error-feedback")
             error_feedback = given
-        compressor = make(self.compressor, error_feedback=error_feedback, **params)
+        if self.feedback is not None:
+            if error_feedback is not None:
+                raise ConfigError("give --feedback or --error-feedback / --param error_feedback, not both")
+            momentum = self.feedback_momentum if self.feedback_momentum is not None else self.momentum
+            compressor = make(self.compressor, feedback=self.feedback, feedback_momentum=momentum, **params)
+        else:
+            compressor = make(self.compressor, error_feedback=error_feedback, **params)
         server = None
         if self.server_compressor is not None:
             server = make(self.server_compressor, error_feedback=self.server_error_feedback, **self.server_params)
@@ -151,15 +167,17 @@ class TrainConfig:
         return NetworkModel(parse_bandwidth(self.bandwidth), parse_latency(self.latency))
 
     def uses_error_feedback(self) -> bool:
-        from gradcomp.feedback import ErrorFeedback
+        from gradcomp.feedback import ErrorFeedback, MomentumCorrection
 
         method = self.build_compressors()[0]
         # a method that owns its rounds may build error feedback in (PowerSGD's error_feedback parameter)
-        return isinstance(method, ErrorFeedback) or bool(getattr(method, "error_feedback", False))
+        return isinstance(method, (ErrorFeedback, MomentumCorrection)) or bool(getattr(method, "error_feedback", False))
 
     def label(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.params.items())
         text = f"{self.compressor}({args})" if args else self.compressor
+        if self.feedback not in (None, "none"):
+            return f"{text} + {self.feedback.replace('_', ' ')}"
         return text + (" + error feedback" if self.uses_error_feedback() else "")
 
 
@@ -382,6 +400,8 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "compressor": cfg.compressor,
         "params": dict(cfg.params),
         "error_feedback": cfg.uses_error_feedback(),
+        "feedback": cfg.feedback,
+        "feedback_momentum": cfg.feedback_momentum,
         "granularity": cfg.granularity,
         "topology": cfg.topology,
         "server_compressor": cfg.server_compressor,

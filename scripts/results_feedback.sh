@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Random selection with memory at the default learning rate (lr 0.05, momentum 0.9): plain error feedback
+# against DGC's momentum correction and momentum factor masking (docs/methods/feedback.md). Default job:
+# MNIST, SmallCNN, 4 gloo workers, batch 32 per worker, one epoch. Each run writes runs/feedback/<name>.json
+# and .log (a run whose JSON exists is skipped).
+set -e
+mkdir -p runs/feedback
+G="gradcomp train --no-progress"
+run() { name=$1; shift; [ -f "runs/feedback/$name.json" ] || $G "$@" --json "runs/feedback/$name.json" > "runs/feedback/$name.log" 2>&1 || true; }
+run fp32 --compressor none
+for method in randomblock randomk; do
+  run ${method}_residual --compressor $method --param density=0.01 --feedback residual
+  run ${method}_correction --compressor $method --param density=0.01 --feedback momentum_correction
+  run ${method}_masking --compressor $method --param density=0.01 --feedback momentum_masking
+done
+run topk_residual --compressor topk --param density=0.01 --feedback residual
+run topk_masking --compressor topk --param density=0.01 --feedback momentum_masking
