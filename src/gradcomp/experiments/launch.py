@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -84,9 +85,15 @@ def _spawned_worker(rank: int, cfg: TrainConfig, port: int, result_path: str, st
     join_group(backend, port, rank, cfg.workers, cfg.timeout_s)
     result = _train_in_group(cfg, device, started)
     if result is not None:
-        with open(result_path, "w") as f:
+        with open(result_path + ".part", "w") as f:
             json.dump(result, f)
-    _leave_group()
+        os.replace(result_path + ".part", result_path)  # complete or absent
+    dist.barrier()  # every worker is done talking
+    # Leave without running gloo's destructors: seen once in a finished run, one worker aborted in them
+    # ("terminate called without an active exception") after the result was written, which lost the run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _leave_group() -> None:
@@ -115,7 +122,14 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
             last = str(exc).strip().splitlines()[-1]
             raise WorkerFailedError(f"worker {exc.error_index} failed: {last}") from None
         except mp.ProcessExitedException as exc:
-            raise WorkerLostError(f"worker {exc.error_index} died: {exc}") from None
+            if not os.path.exists(result_path):
+                raise WorkerLostError(f"worker {exc.error_index} died: {exc}") from None
+            # rank 0 writes the result only after every worker's statistics reached it: training was over
+            print(
+                f"gradcomp: warning: worker {exc.error_index} died after the run was complete ({exc}); "
+                "the result is kept",
+                file=sys.stderr,
+            )
         with open(result_path) as f:
             return json.load(f)
 
