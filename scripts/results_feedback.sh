@@ -15,3 +15,8 @@ for method in randomblock randomk; do
 done
 run topk_residual --compressor topk --param density=0.01 --feedback residual
 run topk_masking --compressor topk --param density=0.01 --feedback momentum_masking
+# the learning rate random-block needs with memory (the staleness of ~1/p steps): lower lr, momentum 0.9 kept
+for lr in 0.02 0.01 0.005; do
+  run randomblock_masking_lr$lr --compressor randomblock --param density=0.01 --feedback momentum_masking --lr $lr
+  run randomblock_residual_lr$lr --compressor randomblock --param density=0.01 --feedback residual --lr $lr
+done

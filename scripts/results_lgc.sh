@@ -26,3 +26,6 @@ run fp32_seed1 --compressor none --seed 1
 run lgc_ring_seed1 --compressor lgc --param variant=ring $STAGES --seed 1
 run lgc_ps_seed1 --compressor lgc --param variant=ps $STAGES --seed 1
 run topk_d001_seed1 --compressor topk --granularity model --error-feedback --param density=0.001 --seed 1
+# the simulated cluster on the same job: the same bits, the same model up to gloo's order of summation
+run lgc_ring_sim --compressor lgc --param variant=ring $STAGES --simulate
+run lgc_ps_sim --compressor lgc --param variant=ps $STAGES --simulate
