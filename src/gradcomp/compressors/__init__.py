@@ -1,5 +1,7 @@
 """Built-in compressors; importing this package registers them all."""
 
+import gradcomp.compressors.dgc  # noqa: F401, RUF100  (registers dgc)
+import gradcomp.compressors.qsgd  # noqa: F401  (registers qsgd)
 from gradcomp.compressors import natural  # noqa: F401  (registers cnat, dithering and terngrad)
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.compressors.dense import BFloat16, Float16, NoCompression

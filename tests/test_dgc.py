@@ -1,0 +1,344 @@
+"""Deep Gradient Compression (``dgc``): wire round trip, sampled-threshold selection against exact top-k,
+momentum correction + masking by hand, warm-up, clipping, state, refusals, registration, simulated cluster."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from gradients import rank_order_mean, worker_gradients
+from roundtrip import round_trip
+
+import gradcomp
+from gradcomp import ConfigError, Slot
+from gradcomp.compressors.base import shared_seed
+from gradcomp.compressors.dgc import DGC, WARMUP_DENSITIES, sample_count
+from gradcomp.experiments.runner import TrainConfig
+from gradcomp.registry import parse_param_strings
+from gradcomp.train.exchange import GradientExchange
+from gradcomp.wire import encode
+
+
+def randn(n, seed):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def sent_by(c, x, slot, step):
+    return c.decompress(c.compress(x, slot, step), slot, step)
+
+
+def expected_threshold(magnitude, density, sample, seed, step, index, worker):
+    """The documented rule, written out independently: the ceil(p·n_s)-th largest of n_s uniform draws."""
+    d = magnitude.numel()
+    n = max(math.ceil(Fraction(repr(sample)) * d), math.ceil(2 / Fraction(repr(density))))
+    if n >= d:
+        samples = magnitude
+    else:
+        gen = torch.Generator().manual_seed(shared_seed(seed, step, index, f"dgc:{worker}"))
+        samples = magnitude[torch.randint(d, (n,), generator=gen)]
+    kept = math.ceil(Fraction(repr(density)) * samples.numel())
+    return torch.sort(samples, descending=True).values[kept - 1]
+
+
+# ------------------------------------------------------------------------------------------ registration, wire
+
+
+def test_registered_owns_momentum_and_defaults():
+    c = gradcomp.make("dgc")
+    assert type(c) is DGC and c.name == "dgc" and "dgc" in gradcomp.available()
+    assert c.owns_momentum and DGC.owns_momentum and not c.summable and not c.unbiased
+    assert c.params() == {
+        "density": 0.001,
+        "momentum": 0.9,
+        "sample": 0.01,
+        "clip": None,
+        "warmup_steps": 0,
+        "positions": "golomb",
+        "seed": 0,
+    }
+    cfg = TrainConfig(compressor="dgc", params=parse_param_strings(["momentum=0.8", "clip=none"]))
+    note = cfg.hand_momentum_to_method()
+    assert note and "momentum" in note and cfg.momentum == 0.0
+    compressor, _ = cfg.build_compressors()
+    assert isinstance(compressor, DGC) and compressor.momentum == 0.8 and compressor.clip is None
+
+
+@pytest.mark.parametrize("positions", ["golomb", "fixed"])
+@pytest.mark.parametrize("params", [{}, {"density": 0.05, "warmup_steps": 2}, {"density": 1.0, "clip": 0.5}])
+def test_wire_round_trip(positions, params):
+    c = gradcomp.make("dgc", positions=positions, **params)
+    gen = torch.Generator().manual_seed(1)
+    for d in (1, 10, 257, 5000):
+        slot = Slot(f"w{d}", d % 7, d)
+        cases = [
+            torch.randn(d, generator=gen),
+            torch.randn(d, generator=gen) * 1e-30,
+            torch.randn(d, generator=gen) * 1e30,
+            torch.randn(d, generator=gen) * torch.logspace(-20, 20, d),
+            torch.zeros(d),
+            torch.where(torch.rand(d, generator=gen) < 0.5, torch.tensor(0.0), torch.tensor(-0.0)),
+            torch.linspace(-3, 3, d, dtype=torch.float64),
+        ]
+        for step, x in enumerate(cases):
+            before = x.clone()
+            out = round_trip(c, x, slot, step)
+            assert torch.equal(x, before)  # the input is never modified
+            assert not (out[out.nonzero()] == 0).any()
+    # a zero tensor sends nothing at all (a zero never travels)
+    fresh = gradcomp.make("dgc", positions=positions, **params)
+    positions_field, values = fresh.compress(torch.zeros(300), Slot("z", 0, 300), 0)
+    assert positions_field.numel() == 0 and values.numel() == 0
+
+
+def test_golomb_positions_are_the_smaller_default():
+    slot = Slot("fc", 0, 200_704)  # SmallCNN's largest layer on MNIST
+    x = randn(slot.numel, 3)
+    sizes = {}
+    for positions in ("golomb", "fixed"):
+        c = gradcomp.make("dgc", positions=positions)
+        fields, specs = c.compress(x, slot, 0), c.specs(slot)
+        sizes[positions] = (encode(fields[:1], specs[:1]).numel(), encode(fields, specs).numel())
+    assert sizes["golomb"][0] < 0.7 * sizes["fixed"][0]  # positions: ~12 bits against ceil(log2 d) = 18
+    assert sizes["golomb"][1] < sizes["fixed"][1]
+
+
+# ------------------------------------------------------------------------------------------------ selection
+
+
+def find_steps(x, density, sample, seed=0, index=0, worker=0, steps=range(60)):
+    """(steps where the sampled candidates exceed k, steps where they are fewer), from the documented rule."""
+    k = math.ceil(density * x.numel())
+    more, fewer = [], []
+    for step in steps:
+        tau = expected_threshold(x.abs(), density, sample, seed, step, index, worker)
+        count = int((x.abs() >= tau).sum())
+        (more if count > k else fewer if count < k else []).append(step)
+    return more, fewer
+
+
+def test_selection_is_exact_top_k_when_the_threshold_is_loose_and_the_candidates_when_few():
+    d, density, sample = 20_000, 0.01, 0.01  # n_s = 200 draws, threshold = the 2nd largest: a loose estimate
+    k = math.ceil(density * d)
+    x = randn(d, 11) * torch.exp(randn(d, 12))
+    more, fewer = find_steps(x, density, sample, index=4)
+    assert len(more) >= 3 and len(fewer) >= 3  # both branches occur: the test covers both
+    slot = Slot("w", 4, d)
+    for step in more[:3]:
+        c = gradcomp.make("dgc", density=density, sample=sample, momentum=0.0)  # first step: v = g
+        positions, values = c.compress(x, slot, step)
+        tau = expected_threshold(x.abs(), density, sample, 0, step, 4, 0)
+        assert int((x.abs() >= tau).sum()) > k
+        top = torch.sort(x.abs(), descending=True, stable=True).indices[:k]
+        assert torch.equal(positions, torch.sort(top).values)  # sorted, exactly the top-k of |v|
+        assert torch.equal(values, x[positions])
+    for step in fewer[:3]:
+        c = gradcomp.make("dgc", density=density, sample=sample, momentum=0.0)
+        positions, values = c.compress(x, slot, step)
+        tau = expected_threshold(x.abs(), density, sample, 0, step, 4, 0)
+        candidates = torch.nonzero(x.abs() >= tau).reshape(-1)
+        assert 0 < candidates.numel() < k
+        assert torch.equal(positions, candidates) and torch.equal(values, x[candidates])
+
+
+def test_sample_is_seeded_by_seed_step_slot_and_worker():
+    d = 20_000
+    x = randn(d, 5) * torch.exp(randn(d, 6))
+
+    def chosen(seed=0, step=0, index=0, worker=0):  # the sampled threshold (the selection may be exact top-k)
+        c = gradcomp.make("dgc", density=0.01, sample=0.01, seed=seed)
+        c.bind_worker(worker)
+        tau = c.selector.threshold(x.abs(), Slot("w", index, d), step)
+        assert tau == expected_threshold(x.abs(), 0.01, 0.01, seed, step, index, worker)
+        return tau
+
+    base = chosen()
+    assert torch.equal(base, chosen())  # reproducible
+    for other in (chosen(seed=1), chosen(step=1), chosen(index=1), chosen(worker=1)):
+        assert not torch.equal(base, other)
+
+
+def test_sample_size_has_a_floor_of_two_kept_values():
+    # n_s = max(ceil(sample·d), ceil(2 / p)): at p = 0.001 and d = 100k, 2000 draws (not 1000) keep 2 values
+    d = 100_000
+    x = randn(d, 8) * torch.exp(randn(d, 9))
+    assert sample_count(0.001, 0.01, d) == 2000 and sample_count(0.001, 0.05, d) == 5000
+    assert sample_count(1.0, 0.01, d) == d
+    c = gradcomp.make("dgc")
+    for step in range(3):
+        tau = c.selector.threshold(x.abs(), Slot("w", 0, d), step)
+        assert tau == expected_threshold(x.abs(), 0.001, 0.01, 0, step, 0, 0)
+
+
+def test_full_sample_is_exact_top_k():
+    # n_s >= d: the "sample" is all of |v|, so exactly k values are sent whatever the step
+    x = randn(1000, 2)
+    c = gradcomp.make("dgc", density=0.01, sample=1.0, momentum=0.0)
+    positions, _ = c.compress(x, Slot("w", 0, 1000), 7)
+    assert torch.equal(positions, torch.sort(torch.topk(x.abs(), 10).indices).values)
+
+
+# ------------------------------------------------------------------------------ momentum correction + masking
+
+
+def test_momentum_correction_and_masking_by_hand():
+    d, k, m = 400, 20, 0.5
+    slot = Slot("w", 0, d)
+    c = gradcomp.make("dgc", density=k / d, sample=1.0, momentum=m)  # sample = 1: exact top-k
+    u, v = torch.zeros(d), torch.zeros(d)
+    for step in range(6):
+        g = randn(d, 100 + step)
+        u = m * u + g
+        v = v + u
+        top = torch.sort(v.abs(), descending=True, stable=True).indices[:k]
+        sent = sent_by(c, g, slot, step)
+        assert set(sent.nonzero().reshape(-1).tolist()) == set(top.tolist())
+        torch.testing.assert_close(sent[top], v[top], rtol=0, atol=0)
+        v[top] = 0
+        u[top] = 0  # momentum factor masking
+        torch.testing.assert_close(c.accumulated["w#400"], v, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(c.velocity["w#400"], u, rtol=1e-6, atol=1e-6)
+
+
+def test_with_everything_sent_masking_leaves_no_momentum():
+    # density 1 sends all of v every step, so masking resets every coordinate's momentum: what is sent is g
+    c = gradcomp.make("dgc", density=1.0, momentum=0.9)
+    slot = Slot("p", 0, 300)
+    for step in range(4):
+        g = randn(300, step)
+        assert torch.equal(sent_by(c, g, slot, step), g)
+        assert not c.velocity["p#300"].any() and not c.accumulated["p#300"].any()
+
+
+# ------------------------------------------------------------------------------------------ warm-up, clipping
+
+
+def test_warmup_densities_per_stage():
+    d, w = 10_000, 3
+    c = gradcomp.make("dgc", warmup_steps=w, sample=1.0)  # exact top-k: the count is k = ceil(p·d)
+    expected = [p for p in WARMUP_DENSITIES for _ in range(w)] + [0.001] * 4
+    assert expected[:12:3] == [0.25, 0.0625, 0.015625, 0.004]
+    slot = Slot("w", 0, d)
+    for step, p in enumerate(expected):
+        assert c.density_at(step) == p
+        positions, _ = c.compress(randn(d, step), slot, step)
+        assert positions.numel() == math.ceil(Fraction(repr(p)) * d)
+    assert [gradcomp.make("dgc").density_at(s) for s in (0, 100)] == [0.001, 0.001]
+    # a warm-up stage never goes below the target density
+    big = gradcomp.make("dgc", density=0.1, warmup_steps=2)
+    assert [big.density_at(s) for s in range(6)] == [0.25, 0.25, 0.1, 0.1, 0.1, 0.1]
+
+
+def test_clipping_bounds_each_tensor_before_accumulation():
+    a, b = Slot("a", 0, 500), Slot("b", 1, 50)
+    ga, gb = randn(500, 1) * 10, randn(50, 2) * 1e-3  # norms ~220 and ~0.007
+    c = gradcomp.make("dgc", density=1.0, clip=2.0, momentum=0.5)
+    sa = sent_by(c, ga, a, 0)
+    assert float(sa.norm()) == pytest.approx(2.0, rel=1e-5)
+    torch.testing.assert_close(sa, ga * (2.0 / float(ga.double().norm())))  # scaled, direction kept
+    assert torch.equal(sent_by(c, gb, b, 0), gb)  # within the bound: untouched, per tensor
+    # the clipped gradient is what enters the momentum and the accumulation (by hand, exact top-1)
+    c = gradcomp.make("dgc", density=1 / 500, sample=1.0, clip=2.0, momentum=0.5)
+    u, v = torch.zeros(500), torch.zeros(500)
+    for step in range(3):
+        g = randn(500, 3 + step) * 10
+        u = 0.5 * u + g * (2.0 / float(g.double().norm()))
+        v = v + u
+        top = torch.argmax(v.abs())
+        sent = sent_by(c, g, a, step)
+        assert sent.nonzero().reshape(-1).tolist() == [int(top)]
+        torch.testing.assert_close(sent[top], v[top], rtol=1e-6, atol=0)
+        u[top], v[top] = 0, 0
+        torch.testing.assert_close(c.velocity["a#500"], u, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c.accumulated["a#500"], v, rtol=1e-5, atol=1e-6)
+    unclipped = gradcomp.make("dgc", density=1.0, momentum=0.5)
+    assert torch.equal(sent_by(unclipped, ga, a, 0), ga)
+    # huge entries do not overflow the norm (computed in float64)
+    huge = torch.full((10,), 1e30)
+    assert float(sent_by(gradcomp.make("dgc", density=1.0, clip=1.0), huge, Slot("h", 2, 10), 0).norm()) == (
+        pytest.approx(1.0, rel=1e-5)
+    )
+
+
+# ------------------------------------------------------------------------------------------ state, refusals
+
+
+def test_state_round_trip_continues_identically():
+    slots = [Slot("w", 0, 3000), Slot("b", 1, 40)]
+    stream = [[randn(s.numel, 10 * t + s.index) for s in slots] for t in range(6)]
+    params = {"density": 0.01, "clip": 5.0, "warmup_steps": 2}
+    c = gradcomp.make("dgc", **params)
+    for t in range(3):
+        for s, g in zip(slots, stream[t]):
+            c.compress(g, s, t)
+    other = gradcomp.make("dgc", **params)
+    other.load_state_dict(c.state_dict())
+    for t in range(3, 6):
+        for s, g in zip(slots, stream[t]):
+            for x, y in zip(c.compress(g, s, t), other.compress(g, s, t)):
+                assert torch.equal(x, y)
+    assert set(c.state_dict()["velocity"]) == {"w#3000", "b#40"}
+    c.retain(slots[:1])
+    assert set(c.state_dict()["velocity"]) == set(c.state_dict()["accumulated"]) == {"w#3000"}
+    with pytest.raises(ConfigError, match="keys"):
+        other.load_state_dict({"residuals": {}})
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"density": 0.0}, "density"),
+        ({"density": 1.5}, "density"),
+        ({"density": "0.1"}, "density"),
+        ({"sample": 0.0}, "sample"),
+        ({"sample": 2.0}, "sample"),
+        ({"sample": True}, "sample"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 1.5}, "warmup_steps"),
+        ({"clip": 0.0}, "clip"),
+        ({"clip": -1.0}, "clip"),
+        ({"clip": float("inf")}, "clip"),
+        ({"clip": True}, "clip"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"momentum": -0.1}, "momentum"),
+        ({"positions": "int64"}, "positions"),
+        ({"seed": -1}, "seed"),
+        ({"nesterov": True}, "no parameter"),
+    ],
+)
+def test_bad_parameters_are_refused(params, match):
+    with pytest.raises(ConfigError, match=match):
+        gradcomp.make("dgc", **params)
+
+
+def test_feedback_policies_are_refused():
+    with pytest.raises(ConfigError, match="applies momentum itself"):
+        gradcomp.make("dgc", feedback="momentum_masking")
+
+
+# ------------------------------------------------------------------------------------------ simulated cluster
+
+
+def test_simulated_cluster_keeps_replicas_identical():
+    world, sizes = 3, [5000, 300, 7]
+    slots = [Slot(f"p{i}", i, n) for i, n in enumerate(sizes)]
+    params = {"density": 0.01, "warmup_steps": 1}
+
+    def worker(t):
+        ex = GradientExchange(gradcomp.make("dgc", **params), t)
+        return [[o.clone() for o in ex.exchange(slots, worker_gradients(t.rank, s, sizes, 10), s)] for s in range(3)]
+
+    with gradcomp.SimulatedCluster(world, timeout=60) as cluster:
+        runs = cluster.run(worker)
+    references = []
+    for r in range(world):
+        ref = gradcomp.make("dgc", **params)
+        ref.bind_worker(r)
+        references.append(ref)
+    for s in range(3):
+        for i, slot in enumerate(slots):
+            per_worker = [sent_by(references[r], worker_gradients(r, s, sizes, 10)[i], slot, s) for r in range(world)]
+            for r in range(world):
+                assert torch.equal(runs[r][s][i], runs[0][s][i])  # identical replicas
+            torch.testing.assert_close(runs[0][s][i], rank_order_mean(per_worker), rtol=0, atol=1e-6)
