@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import time
 
@@ -21,12 +22,12 @@ def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple,
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
     if teardown:
-        dist.barrier()
-        dist.destroy_process_group()
-    else:
-        # a worker whose peer vanished cannot shut its process group down cleanly: gloo's destructors may
-        # abort ("terminate called without an active exception") after the result was written; skip them
-        os._exit(0)
+        dist.barrier()  # every worker is done talking
+    # Leave without gloo's destructors: they may abort ("terminate called without an active exception") after
+    # the result was written, both when a peer vanished and, seen under load, after a clean barrier.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_workers(fn, world_size: int, *args, timeout: float = 240.0, teardown: bool = True) -> list:
