@@ -13,6 +13,6 @@ with the buffers is the caller's business.
 from gradcomp.protocols.allgather import allgather_buffers
 from gradcomp.protocols.allreduce import allreduce_sum
 from gradcomp.protocols.parameter_server import parameter_server
-from gradcomp.protocols.sizes import exchange_sizes, pad_to
+from gradcomp.protocols.sizes import broadcast_buffer, exchange_sizes, pad_to
 
-__all__ = ["allgather_buffers", "allreduce_sum", "exchange_sizes", "pad_to", "parameter_server"]
+__all__ = ["allgather_buffers", "allreduce_sum", "broadcast_buffer", "exchange_sizes", "pad_to", "parameter_server"]

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 
-from gradcomp.protocols.sizes import exchange_sizes, pad_to
-from gradcomp.schemes.requests import Broadcast, Gather, Rounds
-from gradcomp.transport.base import CONTROL
+from gradcomp.protocols.sizes import broadcast_buffer, exchange_sizes, pad_to
+from gradcomp.schemes.requests import Gather, Rounds
 
 
 def parameter_server(
@@ -27,14 +25,8 @@ def parameter_server(
     largest = max(sizes)
     pad_in = sum(largest - s for s in sizes)
     gathered = yield Gather(pad_to(buffer, largest), root, pad_up=largest - sizes[rank], pad_in=pad_in)
+    downstream = None
     if rank == root:
         assert gathered is not None
         downstream = aggregate([b[:s] for b, s in zip(gathered, sizes)])
-        length = torch.tensor([downstream.numel()], dtype=torch.int64, device=buffer.device)
-    else:
-        downstream = None
-        length = torch.zeros(1, dtype=torch.int64, device=buffer.device)
-    length = yield Broadcast(length, root, kind=CONTROL)
-    if downstream is None:
-        downstream = torch.empty(int(length.item()), dtype=torch.uint8, device=buffer.device)
-    return (yield Broadcast(downstream, root))
+    return (yield from broadcast_buffer(downstream, root, buffer.device))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradcomp.schemes.requests import AllGather, Rounds
+from gradcomp.schemes.requests import AllGather, Broadcast, Rounds
 from gradcomp.transport.base import CONTROL
 
 
@@ -22,3 +22,18 @@ def pad_to(buffer: Tensor, size: int) -> Tensor:
     padded = torch.zeros(size, dtype=torch.uint8, device=buffer.device)
     padded[: buffer.numel()] = buffer
     return padded
+
+
+def broadcast_buffer(buffer: Tensor | None, root: int, device: torch.device) -> Rounds:
+    """The root's uint8 buffer on every worker: its length first (one int64, control traffic), then the bytes.
+
+    The root passes its buffer, every other worker None.
+    """
+    if buffer is not None:
+        length = torch.tensor([buffer.numel()], dtype=torch.int64, device=device)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+    length = yield Broadcast(length, root, kind=CONTROL)
+    if buffer is None:
+        buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    return (yield Broadcast(buffer, root))

@@ -69,11 +69,11 @@ from torch import Tensor
 from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot, check_bool, check_density, check_int, kept_count
 from gradcomp.errors import ConfigError
+from gradcomp.protocols.sizes import broadcast_buffer
 from gradcomp.schemes.accumulation import largest, offsets_of
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.lgc_autoencoder import AutoencoderTrainer, latent_size, padded_length
 from gradcomp.schemes.requests import AllGather, AllReduce, Broadcast, Gather, Rounds
-from gradcomp.transport.base import CONTROL
 from gradcomp.wire.golomb import golomb_decode, golomb_encode, optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")
@@ -289,16 +289,10 @@ class LGC(Scheme):
 
     def _positions(self, layout: Layout, acc: Tensor, leader: int) -> Rounds:
         """The leader's top-k positions, Golomb–Rice coded and broadcast (length first); sorted int64."""
+        payload = None
         if self.rank == leader:
-            chosen = largest(acc, layout.k).sort().values
-            payload, _ = golomb_encode(chosen, layout.rice)
-            length = torch.tensor([payload.numel()], dtype=torch.int64, device=acc.device)
-        else:
-            length = torch.zeros(1, dtype=torch.int64, device=acc.device)
-        length = yield Broadcast(length, leader, kind=CONTROL)
-        if self.rank != leader:
-            payload = torch.empty(int(length.item()), dtype=torch.uint8, device=acc.device)
-        payload = yield Broadcast(payload, leader)
+            payload, _ = golomb_encode(largest(acc, layout.k).sort().values, layout.rice)
+        payload = yield from broadcast_buffer(payload, leader, acc.device)
         return golomb_decode(payload, layout.rice, layout.k, layout.d).to(acc.device)
 
     def _ring(self, layout: Layout, acc: Tensor, dense: Tensor, leader: int, trainer: AutoencoderTrainer) -> Rounds:
@@ -317,6 +311,7 @@ class LGC(Scheme):
     def _ps(self, layout: Layout, acc: Tensor, dense: Tensor, leader: int, trainer: AutoencoderTrainer) -> Rounds:
         world, k, device = self.world_size, layout.k, acc.device
         # round 1: the leader's scale, code and positions, to every worker
+        message = None
         if self.rank == leader:
             chosen = largest(acc, k).sort().values
             lead_values = acc[chosen]
@@ -324,13 +319,7 @@ class LGC(Scheme):
             lead_code = trainer.encode(_pad((lead_values / lead_scale).unsqueeze(0), layout.length)).reshape(-1)
             coded, _ = golomb_encode(chosen, layout.rice)
             message = torch.cat([torch.cat([lead_scale, lead_code]).view(torch.uint8), coded])
-            length = torch.tensor([message.numel()], dtype=torch.int64, device=device)
-        else:
-            length = torch.zeros(1, dtype=torch.int64, device=device)
-        length = yield Broadcast(length, leader, kind=CONTROL)
-        if self.rank != leader:
-            message = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-        message = yield Broadcast(message, leader)
+        message = yield from broadcast_buffer(message, leader, device)
         head = 4 * (1 + layout.latent)
         floats = message[:head].view(torch.float32)
         lead_scale, lead_code = floats[0], floats[1:].unsqueeze(0)
