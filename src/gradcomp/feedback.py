@@ -28,30 +28,28 @@ from gradcomp.errors import ConfigError
 from gradcomp.wire import FieldSpec
 
 
-class ErrorFeedback(Compressor):
+class _FeedbackWrapper(Compressor):
+    """What every feedback policy shares: it wraps a contractive compressor and keeps its wire layout,
+    summability and aggregation, so protocols need not know that feedback is there."""
+
     unbiased = False
     omega = None
 
-    def __init__(self, inner: Compressor):
-        if isinstance(inner, ErrorFeedback):
-            raise ConfigError("error feedback is already applied to this compressor")
+    def __init__(self, inner: Compressor, what: str):
+        if isinstance(inner, _FeedbackWrapper):
+            raise ConfigError("feedback is already applied to this compressor")
         if inner.unbiased and inner.omega is not None and inner.omega >= 1:
             raise ConfigError(
-                f"error feedback needs a contractive compressor, but {inner!r} is unbiased with variance "
-                f"omega={inner.omega:g} >= 1: its residual grows without bound (for randomk use scale=False)"
+                f"{what} needs a contractive compressor, but {inner!r} is unbiased with variance "
+                f"omega={inner.omega:g} >= 1: its memory grows without bound (for randomk use scale=False)"
             )
         self.inner = inner
         self.name = inner.name
         self.summable = inner.summable
-        self.owns_momentum = inner.owns_momentum
-        self.residuals: dict[str, Tensor] = {}
 
     def bind_worker(self, worker: int) -> None:
         super().bind_worker(worker)
         self.inner.bind_worker(worker)
-
-    def params(self) -> dict[str, Any]:
-        return {**self.inner.params(), "error_feedback": True}
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
         return self.inner.specs(slot)
@@ -59,6 +57,25 @@ class ErrorFeedback(Compressor):
     @staticmethod
     def _key(slot: Slot) -> str:
         return f"{slot.name}#{slot.numel}"
+
+    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        return self.inner.decompress(fields, slot, step)
+
+    def aggregate(self, total: Tensor, count: int) -> Tensor:
+        return self.inner.aggregate(total, count)
+
+    def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+        self.inner.accumulate(fields, slot, step, out)
+
+
+class ErrorFeedback(_FeedbackWrapper):
+    def __init__(self, inner: Compressor):
+        super().__init__(inner, "error feedback")
+        self.owns_momentum = inner.owns_momentum
+        self.residuals: dict[str, Tensor] = {}
+
+    def params(self) -> dict[str, Any]:
+        return {**self.inner.params(), "error_feedback": True}
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         key = self._key(slot)
@@ -70,19 +87,10 @@ class ErrorFeedback(Compressor):
         self.residuals[key] = wanted - self.inner.decompress(fields, slot, step)
         return fields
 
-    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
-        return self.inner.decompress(fields, slot, step)
-
-    def aggregate(self, total: Tensor, count: int) -> Tensor:
-        return self.inner.aggregate(total, count)
-
     def retain(self, slots: list[Slot]) -> None:
         keep = {self._key(s) for s in slots}
         self.residuals = {k: v for k, v in self.residuals.items() if k in keep}
         self.inner.retain(slots)
-
-    def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-        self.inner.accumulate(fields, slot, step, out)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -104,7 +112,7 @@ class ErrorFeedback(Compressor):
 FEEDBACK_POLICIES = ("none", "residual", "momentum_correction", "momentum_masking")
 
 
-class MomentumCorrection(Compressor):
+class MomentumCorrection(_FeedbackWrapper):
     """DGC's momentum correction (Lin et al., ICLR 2018), with momentum factor masking when ``masking``.
 
     The worker keeps the momentum itself and compresses the accumulated velocity, not the gradient:
@@ -122,27 +130,16 @@ class MomentumCorrection(Compressor):
     ``ErrorFeedback``.
     """
 
-    unbiased = False
-    omega = None
     owns_momentum = True
 
     def __init__(self, inner: Compressor, momentum: float = 0.9, masking: bool = False):
-        if isinstance(inner, (ErrorFeedback, MomentumCorrection)):
-            raise ConfigError("feedback is already applied to this compressor")
-        if inner.unbiased and inner.omega is not None and inner.omega >= 1:
-            raise ConfigError(
-                f"momentum correction needs a contractive compressor, but {inner!r} is unbiased with variance "
-                f"omega={inner.omega:g} >= 1 (for randomk use scale=False)"
-            )
+        super().__init__(inner, "momentum correction")
         if inner.owns_momentum:
             raise ConfigError(f"{inner.name!r} applies momentum itself: it takes no momentum correction")
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
             raise ConfigError(f"momentum must be a number in [0, 1), got {momentum!r}")
         if not isinstance(masking, bool):
             raise ConfigError(f"masking must be true or false, got {masking!r}")
-        self.inner = inner
-        self.name = inner.name
-        self.summable = inner.summable
         self.momentum, self.masking = float(momentum), masking
         self.velocity: dict[str, Tensor] = {}
         self.accumulated: dict[str, Tensor] = {}
@@ -151,17 +148,8 @@ class MomentumCorrection(Compressor):
     def policy(self) -> str:
         return "momentum_masking" if self.masking else "momentum_correction"
 
-    def bind_worker(self, worker: int) -> None:
-        super().bind_worker(worker)
-        self.inner.bind_worker(worker)
-
     def params(self) -> dict[str, Any]:
         return {**self.inner.params(), "feedback": self.policy, "feedback_momentum": self.momentum}
-
-    def specs(self, slot: Slot) -> list[FieldSpec]:
-        return self.inner.specs(slot)
-
-    _key = staticmethod(ErrorFeedback._key)
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         key = self._key(slot)
@@ -176,15 +164,6 @@ class MomentumCorrection(Compressor):
             u.masked_fill_(sent != 0, 0.0)
         self.velocity[key], self.accumulated[key] = u, v - sent
         return fields
-
-    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
-        return self.inner.decompress(fields, slot, step)
-
-    def aggregate(self, total: Tensor, count: int) -> Tensor:
-        return self.inner.aggregate(total, count)
-
-    def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-        self.inner.accumulate(fields, slot, step, out)
 
     def retain(self, slots: list[Slot]) -> None:
         keep = {self._key(s) for s in slots}
