@@ -191,5 +191,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The ``gradcomp`` command. Under torchrun it leaves with ``os._exit`` once its output is written.
+
+    After a finished, torn-down gloo group, torch's teardown at interpreter exit sometimes aborts a worker
+    ("terminate called without an active exception", about one run in 20 on a loaded 2-core machine), and
+    torchrun then reports the whole job as failed although every result was written. Nothing of gradcomp's
+    is left to clean up at that point, so the process skips that teardown.
+    """
+    import os
+
+    from gradcomp.experiments.launch import launched_by_torchrun
+
+    code = main()
+    if launched_by_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
