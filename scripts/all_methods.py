@@ -39,6 +39,12 @@ ROWS: list[tuple[str, str, str]] = [
     ("qsgd", "QSGD", "--compressor qsgd"),
     ("qsgd_elias", "QSGD, Elias-coded levels", "--compressor qsgd --param coding=elias"),
     ("terngrad", "TernGrad", "--compressor terngrad"),
+    ("terngrad_shared", "TernGrad, shared scaler (max-allreduce first)", "--compressor terngrad_shared"),
+    (
+        "terngrad_shared_int8",
+        "TernGrad, shared scaler, int8 sums allreduced",
+        "--compressor terngrad_shared --param exchange=allreduce",
+    ),
     ("signsgd", "signSGD, majority vote, lr 1e-3", "--compressor signsgd --lr 0.001 --momentum 0"),
     ("signum", "Signum, majority vote, lr 1e-3", "--compressor signum --lr 0.001"),
     ("efsignsgd", "EF-signSGD, lr 0.4", "--compressor efsignsgd --lr 0.4 --momentum 0"),

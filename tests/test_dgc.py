@@ -16,6 +16,7 @@ from gradcomp import ConfigError, Slot
 from gradcomp.compressors.base import shared_seed
 from gradcomp.compressors.dgc import DGC, WARMUP_DENSITIES, sample_count
 from gradcomp.experiments.runner import TrainConfig
+from gradcomp.feedback import ErrorFeedback
 from gradcomp.registry import parse_param_strings
 from gradcomp.train.exchange import GradientExchange
 from gradcomp.wire import encode
@@ -312,11 +313,6 @@ def test_bad_parameters_are_refused(params, match):
         gradcomp.make("dgc", **params)
 
 
-def test_feedback_policies_are_refused():
-    with pytest.raises(ConfigError, match="applies momentum itself"):
-        gradcomp.make("dgc", feedback="momentum_masking")
-
-
 # ------------------------------------------------------------------------------------------ simulated cluster
 
 
@@ -342,3 +338,14 @@ def test_simulated_cluster_keeps_replicas_identical():
             for r in range(world):
                 assert torch.equal(runs[r][s][i], runs[0][s][i])  # identical replicas
             torch.testing.assert_close(runs[0][s][i], rank_order_mean(per_worker), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "extra", [{"error_feedback": True}, {"feedback": "residual"}, {"feedback": "momentum_masking"}]
+)
+def test_a_second_residual_on_top_of_dgcs_own_is_refused(extra):
+    with pytest.raises(ConfigError, match="keeps its own residual"):
+        gradcomp.make("dgc", **extra)
+    with pytest.raises(ConfigError, match="keeps its own residual"):
+        gradcomp.make("dgc+cnat", **extra)
+    assert not isinstance(gradcomp.make("dgc", feedback="none"), ErrorFeedback)

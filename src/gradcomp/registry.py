@@ -15,6 +15,7 @@ import gradcomp.compressors
 import gradcomp.schemes.lgc  # registers lgc
 import gradcomp.schemes.powersgd  # registers powersgd
 import gradcomp.schemes.sketch  # registers sketch
+import gradcomp.schemes.terngrad_shared  # registers terngrad_shared
 import gradcomp.schemes.topk_baselines  # noqa: F401  (registers local_topk, true_topk)
 from gradcomp.catalog import CATALOG, register
 from gradcomp.errors import ConfigError
@@ -58,8 +59,10 @@ def make(
             raise ConfigError(f"feedback={feedback!r} contradicts error_feedback={error_feedback}: give one")
         if issubclass(compressor_class(name.split("+")[0]), Scheme) and feedback != "none":
             raise ConfigError(f"{name!r} owns its rounds: it takes no feedback policy")
+        _refuse_second_residual(name, feedback != "none")
         bare = make(name, error_feedback=False, **params)
         return apply_feedback(bare, feedback, feedback_momentum)
+    _refuse_second_residual(name, bool(error_feedback))
     if "+" in name:
         return _make_composed(name, error_feedback, params)
     cls = compressor_class(name)
@@ -99,6 +102,14 @@ def make(
 
         compressor = ErrorFeedback(compressor)
     return compressor
+
+
+def _refuse_second_residual(name: str, wanted: bool) -> None:
+    if wanted and getattr(compressor_class(name.split("+")[0]), "owns_feedback", False):
+        raise ConfigError(
+            f"{name!r} keeps its own residual (momentum correction and masking): it takes no error feedback "
+            "or feedback policy on top"
+        )
 
 
 def _make_composed(name: str, error_feedback: bool | None, params: dict[str, Any]):

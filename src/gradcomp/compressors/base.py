@@ -104,6 +104,8 @@ class Compressor(ABC):
     default_error_feedback: ClassVar[bool] = False  # what make() does when error_feedback is not given
     # a compressor that applies momentum itself (signum): the outer optimizer must run without momentum
     owns_momentum: ClassVar[bool] = False
+    # a compressor that keeps its own residual (DGC's momentum correction): make() refuses a second one
+    owns_feedback: ClassVar[bool] = False
     worker: int = 0  # set by bind_worker(); salts randomness that must differ between workers
 
     def bind_worker(self, worker: int) -> None:

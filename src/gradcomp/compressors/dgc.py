@@ -209,6 +209,7 @@ class DGC(Compressor):
 
     name = "dgc"
     owns_momentum = True
+    owns_feedback = True  # its momentum correction keeps the residual: no error feedback on top
 
     def __init__(
         self,

@@ -74,8 +74,9 @@ after clipping, output s·sign(x_i)·b_i with b_i ~ Bernoulli(|x_i|/s). Wire: fi
 value), field 1 one BITS field of width 2 and count d: code 0 = 0, 1 = +s, 2 = −s (3 is never sent and
 decodes to 0). Unbiased only with ``clip=0``: clipping shrinks the large entries, a deliberate bias that
 the paper trades for lower variance (``unbiased`` is then False). With clip = 0, E||C(x)||² = s·||x||_1 <=
-sqrt(d)·||x||², so ``omega_bound(d)`` = sqrt(d) − 1. The paper's scaler sharing (one s = max over workers)
-needs communication that this per-worker interface does not have: each worker sends its own s.
+sqrt(d)·||x||², so ``omega_bound(d)`` = sqrt(d) − 1. Here each worker sends its own s; the paper's scaler
+sharing (one s = the max over workers, agreed in a max-allreduce round first) needs a second round and is
+the scheme ``terngrad_shared`` (``gradcomp.schemes.terngrad_shared``).
 """
 
 from __future__ import annotations
@@ -351,12 +352,15 @@ class TernGrad(Compressor):
     def specs(self, slot: Slot) -> list[FieldSpec]:
         return [FieldSpec(Codec.F32, count=1), FieldSpec(Codec.BITS, count=slot.numel, width=2)]
 
-    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+    def clipped(self, x: Tensor, slot: Slot) -> tuple[Tensor, Tensor, Tensor]:
+        """(max|x|, x / max|x| clipped at c·σ, the clipped max / max|x|): this worker's scaler is their product.
+
+        Raises NonFiniteGradientError for a NaN or Inf entry (before anything is sent).
+        """
         flat = _flat_f32(x)
-        device = flat.device
         if flat.numel() == 0:
-            empty = torch.zeros(0, dtype=torch.int64, device=device)
-            return [torch.zeros(1, dtype=torch.float32, device=device), empty]
+            nothing = torch.zeros((), dtype=torch.float32, device=flat.device)
+            return nothing, flat, nothing
         peak, scaled = _scaled(flat)
         if not bool(torch.isfinite(peak)):
             raise NonFiniteGradientError(f"terngrad: non-finite (NaN or Inf) value in {slot.name}")
@@ -364,14 +368,22 @@ class TernGrad(Compressor):
             sigma = torch.std(scaled, correction=0)  # σ / max|x|
             bound = self.clip * sigma
             scaled = torch.maximum(torch.minimum(scaled, bound), -bound)
-        top = scaled.abs().amax()  # s / max|x|
+        return peak, scaled, scaled.abs().amax()
+
+    def ternary_codes(self, scaled: Tensor, prob: Tensor, slot: Slot, step: int) -> Tensor:
+        """2-bit codes (0 = 0, 1 = +s, 2 = −s): entry i kept with probability ``prob[i]``, signed as ``scaled``."""
+        gen = shared_generator(self.seed, step, slot.index, scaled.device, salt=f"terngrad:{self.worker}")
+        keep = torch.rand(scaled.shape, generator=gen, device=scaled.device) < prob
+        return keep.to(torch.int64) * torch.where(scaled < 0, 2, 1)
+
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        if x.numel() == 0:
+            empty = torch.zeros(0, dtype=torch.int64, device=x.device)
+            return [torch.zeros(1, dtype=torch.float32, device=x.device), empty]
+        peak, scaled, top = self.clipped(x, slot)  # top = s / max|x|
         scale = (peak * top).reshape(1)
         divisor = torch.where(top > 0, top, torch.ones_like(top))
-        prob = scaled.abs() / divisor
-        gen = shared_generator(self.seed, step, slot.index, device, salt=f"terngrad:{self.worker}")
-        keep = torch.rand(flat.shape, generator=gen, device=device) < prob
-        codes = keep.to(torch.int64) * torch.where(scaled < 0, 2, 1)
-        return [scale, codes]
+        return [scale, self.ternary_codes(scaled, scaled.abs() / divisor, slot, step)]
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         scale, codes = fields
