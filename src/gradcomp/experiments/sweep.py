@@ -1,4 +1,8 @@
-"""`gradcomp sweep`: a grid of schemes × densities × granularity × error feedback × seeds, resumable.
+"""`gradcomp sweep`: a grid of schemes × densities × granularity × memory × seeds, resumable.
+
+Memory is ``off``, ``on`` (plain error feedback) or one of DGC's momentum policies (``momentum_correction``,
+``momentum_masking``; ``gradcomp.feedback``), which take the optimizer's momentum: their cells run the
+optimizer without momentum and the policy with ``--momentum``.
 
 Every cell is one `gradcomp train` run — on the simulated cluster by default (same protocol code and bit
 counts as real workers, see docs/architecture.md), on real worker processes with ``--real``. Each finished
@@ -39,9 +43,18 @@ SCHEMES = ("topk", "randomk", "randomblock", "threshold")
 BASELINE = "none"  # uncompressed fp32 allreduce: one cell per seed, the reference every table and plot shows
 
 
+MEMORY = ("off", "on", "momentum_correction", "momentum_masking")  # on = plain error feedback (residual)
+
+
+def memory_of(cell: dict[str, Any]) -> str:
+    """The cell's memory: off, on (residual), or a momentum policy (cells of older sweeps have no ``feedback``)."""
+    return cell.get("feedback") or ("on" if cell["error_feedback"] else "off")
+
+
 def cell_key(cell: dict[str, Any]) -> str:
-    return json.dumps({k: cell[k] for k in ("scheme", "density", "granularity", "error_feedback", "seed")},
-                      sort_keys=True)
+    keys = ("scheme", "density", "granularity", "error_feedback", "seed")
+    keys += ("feedback",) if "feedback" in cell else ()
+    return json.dumps({k: cell[k] for k in keys}, sort_keys=True)
 
 
 def calibrate_threshold(base: TrainConfig, density: float) -> float:
@@ -66,10 +79,14 @@ def cell_config(base: TrainConfig, cell: dict[str, Any]) -> TrainConfig:
         params = {"threshold": calibrate_threshold(base, density)}
     else:
         params = {"density": density}
-    return dataclasses.replace(
+    cfg = dataclasses.replace(
         base, compressor=scheme, params=params, granularity=cell["granularity"],
         error_feedback=cell["error_feedback"], seed=cell["seed"], progress=False,
     )
+    if "feedback" in cell:  # a momentum policy: it takes the optimizer's momentum (set to 0)
+        cfg = dataclasses.replace(cfg, error_feedback=None, feedback=cell["feedback"])
+        cfg.hand_momentum_to_method()
+    return cfg
 
 
 def run_cell(base: TrainConfig, cell: dict[str, Any], real: bool) -> dict[str, Any]:
@@ -111,9 +128,17 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     for scheme, density, granularity, memory, seed in itertools.product(
         args.schemes, args.densities, args.granularities, args.memory, args.seeds
     ):
-        cells.append({"scheme": scheme, "density": density, "granularity": granularity,
-                      "error_feedback": memory == "on", "seed": seed})
+        cell = {"scheme": scheme, "density": density, "granularity": granularity,
+                "error_feedback": memory == "on", "seed": seed}
+        if memory not in ("on", "off"):
+            cell["feedback"] = memory
+        cells.append(cell)
     return cells
+
+
+# plot markers per memory: (memory, marker, legend text)
+MARKERS = (("off", "x", "no memory"), ("on", "o", "error feedback"), ("momentum_correction", "^", "momentum corr."),
+           ("momentum_masking", "s", "momentum corr. + masking"))
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
@@ -123,17 +148,18 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     """
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
-        groups[(row["scheme"], row["density"], row["granularity"], row["error_feedback"])].append(row)
+        groups[(row["scheme"], row["density"], row["granularity"], memory_of(row))].append(row)
     modelled = any("modelled_communicate_s" in row["result"] for rs in groups.values() for row in rs)
     head = ["scheme", "density", "granularity", "memory", "seeds", "test acc. %", "bits up / worker", "× fewer",
             "compute s", "compress s", "communicate s"] + (["modelled comm. s"] if modelled else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    order = sorted(groups.items(), key=lambda kv: (kv[0][0] != BASELINE, kv[0][0], -kv[0][1], kv[0][2], kv[0][3]))
-    for (scheme, density, granularity, ef), group in order:
+    order = sorted(groups.items(), key=lambda kv: (kv[0][0] != BASELINE, kv[0][0], -kv[0][1], kv[0][2],
+                                                   MEMORY.index(kv[0][3])))
+    for (scheme, density, granularity, memory), group in order:
         rs = [row["result"] for row in group if not diverged(row)]
         lost = [row["result"] for row in group if diverged(row)]
         name = f"{scheme} (fp32)" if scheme == BASELINE else scheme
-        cells = [name, f"{density:g}", granularity, "on" if ef else "off", str(len(group)),
+        cells = [name, f"{density:g}", granularity, memory, str(len(group)),
                  _accuracy_text(rs, lost)]
         if rs:
             cells += [f"{_mean(rs, 'bits_up_per_worker') / 1e6:.2f} Mbit", f"{_mean(rs, 'compression_ratio_up'):.1f}"]
@@ -188,12 +214,11 @@ def render_plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
         ax.scatter(*zip(*baseline), marker="*", s=120, color="black", label="uncompressed (fp32)")
     for i, scheme in enumerate(compressed):
         rs = by_scheme[scheme]
-        for ef, marker in ((True, "o"), (False, "x")):
+        for memory, marker, what in MARKERS:
             pts = [(r["result"]["bits_up_per_worker"], 100 * r["result"]["test_accuracy"]) for r in rs
-                   if r["error_feedback"] == ef]
+                   if memory_of(r) == memory]
             if pts:
-                ax.scatter(*zip(*pts), marker=marker, color=f"C{i}",
-                           label=f"{scheme} ({'memory' if ef else 'no memory'})")
+                ax.scatter(*zip(*pts), marker=marker, color=f"C{i}", label=f"{scheme} ({what})")
     ax.set_xscale("log")
     ax.set_xlabel("upstream bits per worker (measured)")
     ax.set_ylabel("test accuracy (%)")
@@ -244,7 +269,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated sparsifiers")
     p.add_argument("--densities", default="0.1,0.01,0.001")
     p.add_argument("--granularities", default="layer,model")
-    p.add_argument("--memory", default="on,off", help="error feedback: on, off or on,off")
+    p.add_argument("--memory", default="on,off",
+                   help="comma-separated: off, on (error feedback), momentum_correction, momentum_masking "
+                        "(DGC's worker-side momentum; the optimizer's momentum moves into the policy)")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="skip the uncompressed (fp32) reference cell run once per seed")
@@ -271,8 +298,8 @@ def main(args: argparse.Namespace) -> int:
     args.densities = _floats(args.densities)
     args.granularities = [g.strip() for g in args.granularities.split(",") if g.strip()]
     args.memory = [m.strip() for m in args.memory.split(",") if m.strip()]
-    if set(args.memory) - {"on", "off"}:
-        raise ConfigError(f"--memory takes on, off or on,off; got {args.memory}")
+    if set(args.memory) - set(MEMORY):
+        raise ConfigError(f"--memory takes a comma-separated list of {', '.join(MEMORY)}; got {args.memory}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     base = TrainConfig(workers=args.workers, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
                        lr=args.lr, momentum=args.momentum, dataset=args.dataset, data_root=args.data,
