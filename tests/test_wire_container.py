@@ -1,4 +1,4 @@
-"""Tests for gradcomp.wire.container (message layout, validation, fuzzing) and gradcomp.wire.checksum."""
+"""Tests for gradcomp.wire.container (message layout, validation, fuzzing); the checksum: test_wire_checksum.py."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def u8(data: bytes | bytearray | list[int]) -> torch.Tensor:
 
 def frame(body: bytes, n_sections: int, **over) -> torch.Tensor:
     """A header with a correct length and checksum (unless overridden) around ``body``."""
-    fields = dict(magic=b"GC", version=1, flags=0, n=n_sections, reserved=0, length=len(body), checksum=None)
+    fields = dict(magic=b"GC", version=FORMAT_VERSION, flags=0, n=n_sections, reserved=0, length=len(body))
+    fields["checksum"] = None
     fields.update(over)
     cs = checksum64(u8(body)) if fields["checksum"] is None else fields["checksum"]
     head = struct.pack(
@@ -181,11 +182,21 @@ def test_golomb_b_choice_and_header():
     assert buf[HEADER_BYTES + 1].item() == optimal_rice_parameter(0.01) == 6
     buf = encode([pos], [FieldSpec(Codec.GOLOMB, count=100, universe=10_000, golomb_b=4)])
     assert buf[HEADER_BYTES + 1].item() == 4
-    # the receiver does not need to know b when the spec leaves it open
-    out = decode(buf, [FieldSpec(Codec.GOLOMB, max_count=200, universe=10_000)])
-    assert torch.equal(out[0], pos)
+    assert torch.equal(decode(buf, [FieldSpec(Codec.GOLOMB, max_count=200, universe=10_000, golomb_b=4)])[0], pos)
+    # the decoder expects the b that encode() would choose for the spec: another one in the param byte (here
+    # with a valid checksum) would decode the same stream to other positions
     with pytest.raises(WireError, match="Rice parameter 4 != expected 5"):
         decode(buf, [FieldSpec(Codec.GOLOMB, count=100, universe=10_000, golomb_b=5)])
+    with pytest.raises(WireError, match="Rice parameter 4 != expected 6"):
+        decode(buf, [FieldSpec(Codec.GOLOMB, max_count=200, universe=10_000)])
+    single = encode([torch.tensor([37])], [FieldSpec(Codec.GOLOMB, max_count=200, universe=10_000)])
+    for b in range(32):
+        raw = bytearray(single.tolist())
+        if raw[HEADER_BYTES + 1] == b:
+            continue
+        raw[HEADER_BYTES + 1] = b
+        with pytest.raises(WireError, match="Rice parameter"):
+            decode(frame(bytes(raw[HEADER_BYTES:]), 1), [FieldSpec(Codec.GOLOMB, max_count=200, universe=10_000)])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -335,9 +346,11 @@ def test_decode_error_messages():
     fails(frame(section(5, 4, 1, bytes([0x11])), 1), "padding", sp=pos_spec)
     uni_spec = [FieldSpec(Codec.POSITIONS, max_count=10, universe=12)]
     fails(frame(section(5, 4, 2, bytes([0xF1])), 1), "positions must lie in", sp=uni_spec)  # 1, 15
-    gspec = [FieldSpec(Codec.GOLOMB, max_count=10, universe=100)]
+    gspec = [FieldSpec(Codec.GOLOMB, max_count=10, universe=100, golomb_b=2)]
     fails(frame(section(6, 2, 3, bytes([0xFF])), 1), "section 0: golomb: truncated", sp=gspec)
-    fails(frame(section(6, 32, 1, bytes([0])), 1), "Rice parameter 32", sp=gspec)
+    fails(frame(section(6, 32, 1, bytes([0])), 1), "Rice parameter 32 != expected 2", sp=gspec)
+    open_b = [FieldSpec(Codec.GOLOMB, max_count=10, universe=100)]  # b = optimal_rice_parameter(3 / 100) = 4
+    fails(frame(section(6, 2, 3, bytes([0xFF])), 1), "Rice parameter 2 != expected 4", sp=open_b)
     fails(frame(section(6, 2, 0, bytes([0])), 1), "0 positions", sp=gspec)
     fails(frame(section(6, 2, 1, bytes([0, 0])), 1), "bits left", sp=gspec)
     # absurd counts are rejected by size checks before anything is allocated
@@ -345,9 +358,84 @@ def test_decode_error_messages():
     big = [FieldSpec(Codec.F32, max_count=2**40)]
     fails(frame(section(1, 0, 2**32 - 1, f32), 1), "data bytes, expected", sp=big)
     fails(frame(section(1, 0, 2, f32, nbytes=2**32 - 1), 1), "data bytes", sp=big)
-    gbig = [FieldSpec(Codec.GOLOMB, max_count=2**32, universe=2**40)]
+    gbig = [FieldSpec(Codec.GOLOMB, max_count=2**32, universe=2**40, golomb_b=31)]
     fails(frame(section(6, 31, 2**32 - 1, b"\0" * 16), 1), "truncated", sp=gbig)
+    gbig = [FieldSpec(Codec.GOLOMB, max_count=2**32, universe=2**40, golomb_b=0)]
     fails(frame(section(6, 0, 1, b"\0" * 10, nbytes=2**31), 1), "run past", sp=gbig)
+
+
+def test_older_format_versions_are_refused_naming_both():
+    buf = encode(mixed_message(5), MIXED_SPECS)
+    assert FORMAT_VERSION == 2 and buf[2].item() == 2
+    for old in range(FORMAT_VERSION):
+        bad = buf.clone()
+        bad[2] = old
+        with pytest.raises(WireError, match=f"version {old} .*reads version {FORMAT_VERSION} only"):
+            decode(bad, MIXED_SPECS)
+
+
+LINKED_SPECS = [
+    FieldSpec(Codec.GOLOMB, max_count=1000, universe=1000),
+    FieldSpec(Codec.F32, max_count=1000, same_count_as=-1),
+]
+
+
+def test_linked_counts_round_trip_and_encode_checks():
+    for k in (0, 1, 20, 1000):
+        round_trip([rand_positions(1000, k, k), torch.randn(k)], LINKED_SPECS)
+    with pytest.raises(ConfigError, match="same_count_as"):
+        encode([rand_positions(1000, 5, 0), torch.randn(4)], LINKED_SPECS)
+    # several slots' spec lists concatenated: the link stays relative to its own slot
+    specs = LINKED_SPECS + [FieldSpec(Codec.F32, count=3)] + LINKED_SPECS
+    fields = [rand_positions(1000, 7, 1), torch.randn(7), torch.randn(3), rand_positions(1000, 2, 2), torch.randn(2)]
+    round_trip(fields, specs)
+
+
+def test_linked_count_specs_are_checked():
+    for link in (0, 1, -2, 1.0, True):
+        specs = [FieldSpec(Codec.F32, max_count=3), FieldSpec(Codec.F32, count=0, same_count_as=link)]
+        with pytest.raises(ConfigError, match="same_count_as"):
+            decode(encode([], []), specs)
+    with pytest.raises(ConfigError, match="contradicts"):
+        encode(
+            [torch.zeros(2), torch.zeros(3)],
+            [FieldSpec(Codec.F32, count=2), FieldSpec(Codec.F32, count=3, same_count_as=-1)],
+        )
+
+
+def test_sections_that_disagree_are_refused_with_a_valid_checksum():
+    """The issue's case: threshold/golomb with the position count lowered by one and the checksum redone."""
+    count_at = HEADER_BYTES + 2  # section 0's count field
+    # Positions that end with a gap of 0 (Rice code "00" for b = 1) and a short padding: the stream without
+    # its last code is a valid stream of 299 codes, so only the link between the sections can object.
+    for seed in range(100):
+        positions = rand_positions(998, 298, seed)
+        positions = torch.cat([positions, torch.tensor([998, 999])])
+        buf = encode([positions, torch.randn(300)], LINKED_SPECS)
+        assert buf[HEADER_BYTES + 1].item() == 1  # b = 1 at density 0.3
+        raw = bytearray(buf.tolist())
+        struct.pack_into("<I", raw, count_at, 299)
+        bad = frame(bytes(raw[HEADER_BYTES:]), 2)  # checksum recomputed
+        try:
+            decode(bad, LINKED_SPECS[:1] + [FieldSpec(Codec.F32, max_count=1000)])  # without the link
+        except WireError:
+            continue  # this stream's padding would not take the two zero bits
+        with pytest.raises(WireError, match="section 1: count 300 != count 299 of section 0: the sections disagree"):
+            decode(bad, LINKED_SPECS)
+        break
+    else:
+        raise AssertionError("no message reproduced the issue's case")
+    raw = bytearray(buf.tolist())
+    struct.pack_into("<I", raw, count_at, 301)
+    with pytest.raises(WireError, match="section 0: golomb"):
+        decode(frame(bytes(raw[HEADER_BYTES:]), 2), LINKED_SPECS)
+    # the values' count alone lowered (and their bytes cut to match): refused by the link
+    body = bytearray(buf[HEADER_BYTES:].tolist())
+    second = SECTION_HEADER_BYTES + struct.unpack_from("<I", body, 6)[0]
+    struct.pack_into("<II", body, second + 2, 299, 4 * 299)
+    del body[second + SECTION_HEADER_BYTES + 4 * 299 :]
+    with pytest.raises(WireError, match="section 1: count 299 != count 300 of section 0: the sections disagree"):
+        decode(frame(bytes(body), 2), LINKED_SPECS)
 
 
 def test_decode_requires_uint8_tensor():
@@ -532,74 +620,7 @@ def test_valid_header_with_garbage_sections_is_rejected_by_section_checks():
     assert rejected == 200
 
 
-# ------------------------------------------------------------------------------------------- checksum
-
-
-def reference_checksum(data: bytes) -> int:
-    """Pure-Python version of the documented definition."""
-
-    def mix(z):
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-        return z ^ (z >> 31)
-
-    padded = data + bytes(-len(data) % 8)
-    total = 0
-    for i in range(len(padded) // 8):
-        w = int.from_bytes(padded[8 * i : 8 * i + 8], "little")
-        total = (total + w * (((2 * i + 1) * 0x9E3779B97F4A7C15) & M64)) & M64
-    total = (total + (len(data) + 1) * 0xD6E8FEB86659FD93) & M64
-    return mix(total)
-
-
-def test_checksum_matches_reference():
-    rng = random.Random(5)
-    for n in (0, 1, 7, 8, 9, 63, 64, 65, 1000):
-        data = bytes(rng.randrange(256) for _ in range(n))
-        c = checksum64(u8(data))
-        assert 0 <= c < 2**64
-        assert c == reference_checksum(data)
-
-
-def test_checksum_detects_every_single_bit_flip():
-    rng = random.Random(6)
-    data = u8(bytes(rng.randrange(256) for _ in range(40)))
-    base = checksum64(data)
-    for bit in range(8 * 40):
-        bad = data.clone()
-        bad[bit // 8] ^= 1 << (bit % 8)
-        assert checksum64(bad) != base
-    big = torch.randint(0, 256, (30_003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    base = checksum64(big)
-    for _ in range(200):
-        bit = rng.randrange(8 * big.numel())
-        bad = big.clone()
-        bad[bit // 8] ^= 1 << (bit % 8)
-        assert checksum64(bad) != base
-
-
-def test_checksum_detects_byte_swaps_and_length():
-    rng = random.Random(7)
-    big = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    base = checksum64(big)
-    swaps = 0
-    while swaps < 300:
-        i, j = rng.randrange(5000), rng.randrange(5000)
-        if big[i] == big[j]:
-            continue
-        bad = big.clone()
-        bad[i], bad[j] = big[j], big[i]
-        assert checksum64(bad) != base
-        swaps += 1
-    # adjacent swaps inside one word as well
-    for i in range(0, 64):
-        if big[i] != big[i + 1]:
-            bad = big.clone()
-            bad[i], bad[i + 1] = big[i + 1], big[i]
-            assert checksum64(bad) != base
-    # zero padding does not collide with a shorter buffer
-    assert checksum64(torch.cat([big, torch.zeros(1, dtype=torch.uint8)])) != base
-    assert checksum64(torch.zeros(0, dtype=torch.uint8)) != checksum64(torch.zeros(1, dtype=torch.uint8))
+# ------------------------------------------------------------------------------------------------ CUDA
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -613,13 +634,3 @@ def test_cuda_matches_cpu():
     out = decode(cpu.cuda(), MIXED_SPECS)
     assert all(o.is_cuda for o in out)
     assert_fields_equal([o.cpu() for o in out], fields, MIXED_SPECS)
-
-
-def test_checksum_numpy_and_torch_paths_agree():
-    from gradcomp.wire.checksum import _weighted_sum_numpy, _weighted_sum_torch
-
-    data = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    for start, stop in ((0, 0), (0, 1), (0, 8), (0, 4099), (1, 4099), (3, 1000), (5, 13)):
-        view = data[start:stop]  # odd lengths and views that start off an 8-byte boundary
-        assert _weighted_sum_numpy(view) == _weighted_sum_torch(view)
-        assert checksum64(view) == reference_checksum(bytes(view.tolist()))

@@ -7,19 +7,33 @@ Byte layout (all integers little-endian)::
 
     header (HEADER_BYTES = 20):
         0  magic        2 bytes  b"GC"
-        2  version      u8       FORMAT_VERSION = 1
+        2  version      u8       FORMAT_VERSION = 2
         3  flags        u8       0
         4  n_sections   u16      number of fields
         6  reserved     u16      0
         8  body_length  u32      bytes after the header
-        12 checksum     u64      checksum64(body)
+        12 checksum     u64      checksum64(body) = crc32(body) << 32 | crc32c(body) (see .checksum)
     body: one section per field, in spec order (SECTION_HEADER_BYTES = 10 + data):
         0  codec        u8       Codec value
-        1  param        u8       width (BITS), bits_needed(universe) (POSITIONS), b (GOLOMB), 0 (floats)
+        1  param        u8       width (BITS), bits_needed(universe) (POSITIONS), b (GOLOMB: the spec's
+                                 golomb_b, else optimal_rice_parameter(count / universe)), 0 (floats)
         2  count        u32      number of elements
         6  nbytes       u32      data bytes that follow
         10 data         nbytes   F32/F16/BF16: raw little-endian values; BITS/POSITIONS: pack_bits
                                  stream; GOLOMB: golomb_encode stream
+
+Versions: 2 replaced version 1's weighted word sum (which missed some 2-bit errors) by a CRC pair; the
+layout is otherwise unchanged. A decoder reads only its own version and refuses any other with a WireError
+that names both.
+
+What the decoder checks, in this order, before anything is returned: the header (magic, version, flags,
+reserved, the section count, the body length against the bytes present, the checksum); then, per
+section, the codec, the count (exact, or at most the maximum; equal to an earlier section's count where the
+spec links them with ``same_count_as``, e.g. threshold's positions and values), the parameter (float: 0,
+BITS: the width, POSITIONS: bits_needed(universe), GOLOMB: the Rice parameter encode() uses, the spec's
+``golomb_b`` or else optimal_rice_parameter(count / universe)), the data length the count implies
+(GOLOMB streams: bounds, then the exact code structure), padding bits, positions in [0, universe) and
+strictly increasing; finally that no bytes trail the last section.
 
 The decoder raises only :class:`WireError` for any buffer contents (sizes are checked against the bytes
 actually present before anything is allocated); misuse on either side (bad specs, fields that do not match
@@ -55,7 +69,7 @@ __all__ = [
 ]
 
 MAGIC = b"GC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: weighted-sum checksum (refused); 2: CRC-32C + CRC-32
 HEADER_BYTES = 20
 SECTION_HEADER_BYTES = 10
 _HEADER = struct.Struct("<2sBBHHIQ")
@@ -88,6 +102,10 @@ class FieldSpec:
     universe: int | None = None  # for POSITIONS / GOLOMB
     # for GOLOMB: the parameter to encode with; None = optimal_rice_parameter(count / universe)
     golomb_b: int | None = None
+    # relative index (< 0) of an earlier field of the same spec list whose element count this field's must
+    # equal (threshold's values: -1, the positions just before them); relative, so that the spec lists of
+    # several slots can be concatenated into one message
+    same_count_as: int | None = None
 
 
 def _is_int(x: object) -> bool:
@@ -121,7 +139,27 @@ def _check_spec(spec: object, i: int) -> Codec:
     if codec == Codec.GOLOMB and spec.golomb_b is not None:
         if not _is_int(spec.golomb_b) or not 0 <= spec.golomb_b <= 31:
             raise ConfigError(f"spec {i}: golomb_b must be in [0, 31], got {spec.golomb_b!r}")
+    if spec.same_count_as is not None:
+        link = spec.same_count_as
+        if not _is_int(link) or link >= 0 or i + link < 0:
+            raise ConfigError(
+                f"spec {i}: same_count_as must be a negative int pointing at an earlier field, got {link!r}"
+            )
     return codec
+
+
+def _check_specs(specs: list) -> list[Codec]:
+    """Checks every spec and the links between them; returns the codecs."""
+    codecs = [_check_spec(s, i) for i, s in enumerate(specs)]
+    for i, spec in enumerate(specs):
+        if spec.same_count_as is not None:
+            other = specs[i + spec.same_count_as]
+            if spec.count is not None and other.count is not None and spec.count != other.count:
+                raise ConfigError(
+                    f"spec {i}: exact count {spec.count} contradicts the count {other.count} of field "
+                    f"{i + spec.same_count_as} it must equal (same_count_as)"
+                )
+    return codecs
 
 
 def _max_count(spec: FieldSpec) -> int:
@@ -190,13 +228,20 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
             raise ConfigError(f"field {i}: expected a tensor, got {type(f).__name__}")
     if fields:
         device = fields[0].device
+    codecs = _check_specs(specs)
     parts: list[torch.Tensor] = []
-    for i, (f, spec) in enumerate(zip(fields, specs)):
-        codec = _check_spec(spec, i)
+    for i, (f, spec, codec) in enumerate(zip(fields, specs, codecs)):
         t = f.detach().reshape(-1).to(device)
         n = t.numel()
         if spec.count is not None and n != spec.count:
             raise ConfigError(f"field {i} ({codec.name}): {n} elements, spec expects exactly {spec.count}")
+        if spec.same_count_as is not None:
+            j = i + spec.same_count_as
+            if n != fields[j].numel():
+                raise ConfigError(
+                    f"field {i} ({codec.name}): {n} elements, but field {j} has {fields[j].numel()} and the "
+                    "spec links their counts (same_count_as)"
+                )
         if spec.count is None and n > spec.max_count:
             raise ConfigError(f"field {i} ({codec.name}): {n} elements exceed max_count {spec.max_count}")
         if n > _U32_MAX:
@@ -236,7 +281,7 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
     ConfigError for invalid specs.
     """
     specs = list(specs)
-    codecs = [_check_spec(s, i) for i, s in enumerate(specs)]
+    codecs = _check_specs(specs)
     buf = _as_uint8_buffer(buf)
     total = buf.numel()
     if total < HEADER_BYTES:
@@ -245,7 +290,11 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r} (expected {MAGIC!r})")
     if version != FORMAT_VERSION:
-        raise WireError(f"unsupported format version {version} (this decoder reads version {FORMAT_VERSION})")
+        older = " (an older format, whose checksum missed some 2-bit errors)" if version < FORMAT_VERSION else ""
+        raise WireError(
+            f"unsupported format version {version}{older}: this decoder reads version {FORMAT_VERSION} only; "
+            "encode the message with the same gradcomp version on every worker"
+        )
     if flags != 0:
         raise WireError(f"unsupported flags 0x{flags:02x} (expected 0)")
     if reserved != 0:
@@ -261,6 +310,7 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
         raise WireError("checksum mismatch: the message body is corrupted")
 
     out: list[torch.Tensor] = []
+    counts: list[int] = []
     off = HEADER_BYTES
     for i, (spec, codec) in enumerate(zip(specs, codecs)):
         where = f"section {i}"
@@ -275,6 +325,14 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
             raise WireError(f"{where}: count {count} != expected {spec.count}")
         if count > _max_count(spec):
             raise WireError(f"{where}: count {count} exceeds the maximum {_max_count(spec)}")
+        if spec.same_count_as is not None:
+            j = i + spec.same_count_as
+            if count != counts[j]:
+                raise WireError(
+                    f"{where}: count {count} != count {counts[j]} of section {j}: the sections disagree "
+                    f"({codec.name} must have one element per element of section {j}, {codecs[j].name})"
+                )
+        counts.append(count)
         if codec in FLOAT_DTYPES and param != 0:
             raise WireError(f"{where}: param {param} != 0 for a float codec")
         if codec == Codec.BITS and param != spec.width:
@@ -282,10 +340,11 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
         if codec == Codec.POSITIONS and param != bits_needed(spec.universe):
             raise WireError(f"{where}: position width {param} != expected {bits_needed(spec.universe)}")
         if codec == Codec.GOLOMB:
-            if param > 31:
-                raise WireError(f"{where}: Rice parameter {param} > 31")
-            if spec.golomb_b is not None and param != spec.golomb_b:
-                raise WireError(f"{where}: Rice parameter {param} != expected {spec.golomb_b}")
+            implied = _golomb_b(spec, count)  # what encode() uses: the spec's golomb_b, else the optimal one
+            if param != implied:
+                raise WireError(
+                    f"{where}: Rice parameter {param} != expected {implied} (the spec's for {count} positions)"
+                )
         expected = _expected_nbytes(codec, param, count)
         if expected is not None and nbytes != expected:
             raise WireError(f"{where}: {nbytes} data bytes, expected {expected} for {count} elements")
