@@ -122,3 +122,50 @@ def test_train_through_the_ddp_hook(tmp_path, method):
 def test_ddp_options_are_checked_before_any_worker(extra, match, capsys):
     assert main(["train", *SMALL, *extra]) == 2
     assert match in capsys.readouterr().err
+
+
+def _summary(bits_up: float, dense: float) -> dict:
+    return {
+        "compressor": "topk", "params": {"density": 0.9}, "error_feedback": False, "workers": 4, "backend": "gloo",
+        "steps": 10, "epochs": 0.1, "test_accuracy": 0.5, "bits_up_per_worker": bits_up,
+        "bits_down_per_worker": dense / 4, "dense_bits_per_worker": dense, "padding_bits": 0.0, "compute_s": 1.0,
+        "compress_s": 0.1, "communicate_s": 0.2, "wall_time_s": 2.0, "replicas_identical": True,
+    }
+
+
+def test_the_summary_says_more_when_a_run_sent_more_than_fp32():
+    from gradcomp.experiments.report import format_summary
+
+    text = format_summary(_summary(bits_up=2.5e6, dense=1e6))
+    assert "x2.5 more than fp32" in text and "fewer" not in text.split("bits down")[0]
+    assert "x4.0 fewer than fp32" in text  # the way down
+    assert "as much as fp32" in format_summary(_summary(bits_up=1e6, dense=1e6))
+
+
+def test_list_aligns_long_names_and_shows_effective_defaults(monkeypatch, capsys):
+    from gradcomp.catalog import CATALOG
+    from gradcomp.compressors import TopK
+
+    monkeypatch.setitem(CATALOG, "a_compressor_with_a_rather_long_name", TopK)
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("a_compressor_with_a_rather_long_name ") for line in lines)
+    flags_start = {len(line) - len(line[line.index(" "):].lstrip()) for line in lines}  # after each name's padding
+    assert len(flags_start) == 1, lines
+    topk = next(line for line in lines if line.startswith("topk "))
+    assert "density=0.01" in topk and "density=None" not in topk  # top-k keeps 1 % unless told otherwise
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for option, default in (("--workers", "4"), ("--lr", "0.05"), ("--batch-size", "32"), ("--timeout", "120.0"),
+                            ("--momentum", "0.9"), ("--compressor", "none")):
+        after = text[text.index(f" {option} "):]
+        assert f"(default: {default})" in after[: after.index(" --", 3)], option
+    assert "The longest normal wait" in text  # --timeout says why its default is what it is
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    assert "default: 0,1" in " ".join(capsys.readouterr().out.split())  # an option without help text too

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 
 import pytest
@@ -81,3 +83,29 @@ def test_bad_configuration_fails_before_any_worker_starts(overrides, match):
     with pytest.raises(gradcomp.ConfigError, match=match):
         launch(cfg)
     assert time.monotonic() - started < 5  # no processes were spawned
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the launcher reads process states in /proc")
+def test_a_stopped_worker_is_named_by_the_launcher(tmp_path):
+    # SIGSTOP: the worker is not dead, its connections stay open; the other one waits the --timeout, then
+    # fails. The error must name the stopped worker, not the one that noticed, and come right at the time-out.
+    from test_orphans import Launcher, gone_within
+
+    launcher = Launcher(tmp_path, "--timeout", "10")
+    try:
+        stuck = launcher.wait_until_training()[-1]
+        os.kill(stuck, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert launcher.finish(within=120) == 2, launcher.err[-3000:]
+        waited = time.monotonic() - stopped_at
+        err = launcher.err
+        last = err.rstrip().splitlines()[-1]
+        assert last.startswith("gradcomp: error: worker ") and f"(pid {stuck}) was stopped" in last, err[-3000:]
+        assert "gave up after the --timeout of 10 s" in last
+        assert f"(pid {stuck}) is stopped" in err  # warned while the others still waited
+        assert waited >= 10  # the others gave up at their time-out ...
+        assert "Unable to shutdown" not in err and waited < 60  # ... not after torch's 30 s grace for SIGTERM
+        assert gone_within([stuck], 5) == []
+    finally:
+        launcher.cleanup()

@@ -66,7 +66,6 @@ def test_default_parameters():
         (["  density = 0.5 "], {"density": 0.5}),
         (["error-feedback=true"], {"error_feedback": True}),  # CLI dashes become underscores
         (["a=1", "b=2.5", "c=x", "d=off"], {"a": 1, "b": 2.5, "c": "x", "d": False}),
-        (["a=1", "a=2"], {"a": 2}),
         ([], {}),
     ],
 )
@@ -91,6 +90,15 @@ def test_parse_param_strings_keeps_types_apart():
 def test_parse_param_strings_rejects_bad_items(item):
     with pytest.raises(ConfigError):
         parse_param_strings([item])
+
+
+@pytest.mark.parametrize("items", [["a=1", "a=2"], ["a=1", "a=1"], ["error-feedback=true", "error_feedback=false"]])
+def test_parse_param_strings_refuses_a_key_given_twice(items):
+    # the second value used to win silently: --param density=0.01 ... --param density=0.1 ran at 0.1
+    with pytest.raises(ConfigError, match="given twice"):
+        parse_param_strings(items)
+    with pytest.raises(ConfigError, match="--server-param .* given twice"):
+        parse_param_strings(items, "--server-param")
 
 
 @pytest.mark.parametrize(

@@ -136,10 +136,14 @@ def test_one_local_step_with_residuals_matches_per_step_compression(name, single
     # Last-bit differences can flip which of two nearly equal entries is among the k largest, after which
     # the runs drift apart: top-k on this data (many near-tied first-layer gradients) flips at the first
     # step, SBC (whose mean of the top k is insensitive to which of two tied entries wins) does not.
+    # Error feedback is asked for explicitly: random-k's default is without it.
     with gradcomp.SimulatedCluster(3) as cluster:
-        per_step = cluster.run(lambda t: trajectory(t, name, 1, exchange_updates=False, steps=3))
-        delayed = cluster.run(lambda t: trajectory(t, name, 1, exchange_updates=True, steps=3))
+        per_step = cluster.run(lambda t: trajectory(t, name, 1, exchange_updates=False, steps=3, error_feedback=True))
+        delayed = cluster.run(lambda t: trajectory(t, name, 1, exchange_updates=True, steps=3, error_feedback=True))
+        without = cluster.run(lambda t: trajectory(t, name, 1, exchange_updates=True, steps=3, error_feedback=False))
     torch.testing.assert_close(delayed[0][0], per_step[0][0], rtol=0, atol=1e-6)
+    # the residuals were really there: from the second step on they change the model
+    assert not torch.allclose(delayed[0][0][1:], without[0][0][1:], rtol=0, atol=1e-6)
 
 
 def test_local_steps_cut_the_syncs_and_keep_replicas_together(single_thread):

@@ -1,4 +1,4 @@
-"""The ``gradcomp`` command line: ``train``, ``bench``, ``sweep``, ``curves``, ``list``."""
+"""The ``gradcomp`` command line: ``train``, ``bench``, ``sweep``, ``curves``, ``race``, ``list``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,30 @@ import sys
 
 from gradcomp.errors import CommunicationError, GradcompError
 from gradcomp.registry import parse_param_strings
+
+# Seconds a worker waits at a collective for the others. It was 900 s: a stopped or hung worker was then reported
+# after a quarter of an hour. The longest normal wait in `gradcomp train` is a few seconds (rank 0 evaluating the
+# test set while the others wait for the next step, a worker importing torch on a busy machine); 120 s leaves a
+# wide margin for that and still reports a stuck worker within two minutes.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where there is none to show (flags, None, empty lists)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default, flag = action.default, action.nargs == 0  # a flag's "default" is only its resting state
+        if flag or default is None or default == [] or "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand's ``--help`` gets the formatter; an option without help text still shows its default."""
+    for action in parser._actions:
+        if action.help is None and action.option_strings and action.nargs != 0 and action.default not in (None, []):
+            action.help = "default: %(default)s"
+    parser.formatter_class = _HelpFormatter
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -23,46 +47,71 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="feedback policy instead of --error-feedback: residual = error feedback; momentum_correction and "
              "momentum_masking = DGC's worker-side momentum (the optimizer's momentum moves into it)",
     )
-    p.add_argument("--granularity", default="layer", choices=["layer", "model"])
-    p.add_argument("--topology", default="auto", choices=["auto", "allreduce", "allgather", "ps", "sharded"])
+    p.add_argument("--granularity", default="layer", choices=["layer", "model"],
+                   help="compress every parameter tensor apart, or the whole model as one vector")
+    p.add_argument("--topology", default="auto", choices=["auto", "allreduce", "allgather", "ps", "sharded"],
+                   help="how messages travel; auto: allreduce for summable messages, else allgather "
+                        "(methods with their own rounds choose theirs)")
     p.add_argument("--server-compressor", default=None, help="downstream compressor of the parameter server")
-    p.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="parameter of the server compressor")
     p.add_argument("--no-server-error-feedback", action="store_true", help="no residual on the server")
     p.add_argument("--ddp", action="store_true",
                    help="train a DistributedDataParallel model with gradcomp's communication hook "
                         "(exchanges overlap backward) instead of calling the aggregator after backward")
     p.add_argument("--bucket-cap-mb", type=float, default=None, metavar="MB",
                    help="with --ddp: DDP's bucket size (default: DDP's 25 MB)")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=4, help="number of workers (processes, or simulated)")
     p.add_argument("--local-steps", type=int, default=None, metavar="N",
                    help="exchange the weight update every N local steps (communication delay) instead of "
                         "the gradient every step; N = 1 sends each step's update, momentum included")
-    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--epochs", type=float, default=1.0, help="passes over the training set")
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, >= 0")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay, >= 0")
     p.add_argument("--dataset", default="mnist", help="mnist, digits or synthetic")
     p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
     p.add_argument("--model", default="cnn", help="cnn, mlp or convnet (1.2M parameters on MNIST)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data order")
     p.add_argument("--simulate", action="store_true", help="run the workers as a simulated cluster in-process")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--eval-every", type=int, default=0, help="also record test accuracy every N steps")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck collective fails")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: gloo; cuda: NCCL")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="also record test accuracy every N steps (0: never; the final accuracy is always reported)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="how long a worker waits at a collective (or at the start) for the others before the run "
+                        "fails, naming the worker that did not answer. The longest normal wait in these jobs is a "
+                        "few seconds (rank 0 evaluating the test set, a worker starting on a busy machine); "
+                        "raise it for slow starts of many workers or long evaluations")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--bandwidth", default=None, metavar="RATE",
                    help="also report what the measured traffic would take on this network, e.g. 1Gbit or 10Gbit")
     p.add_argument("--latency", default="0", metavar="TIME", help="per-message latency for --bandwidth, e.g. 50us")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result as one JSON object")
-    p.add_argument("--save", default=None, metavar="PATH", help="save the trained model and compressor state")
+    p.add_argument("--save", default=None, metavar="PATH",
+                   help="save the final model and rank 0's compressor state (an export; not resumable: --checkpoint)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="write resumable checkpoints (every rank's full state) into DIR, atomically: every "
+                        "--checkpoint-every steps and after the last step")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="with --checkpoint: every N steps")
+    p.add_argument("--checkpoint-keep", type=int, default=2, metavar="K",
+                   help="keep the K newest checkpoints in DIR (default 2; 0 keeps all)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint: a --checkpoint directory (its latest) or one step-NNNNNN in it; "
+                        "the configuration must match (--steps/--epochs may grow)")
+    p.add_argument("--resume-if-present", action="store_true",
+                   help="resume from the --checkpoint directory when it holds a checkpoint, else start fresh "
+                        "(for torchrun --max-restarts)")
 
 
 def _train(args: argparse.Namespace) -> int:
     from gradcomp.experiments.launch import launch
+    from gradcomp.experiments.report import check_output_file
     from gradcomp.experiments.runner import TrainConfig
 
+    if args.json:
+        check_output_file(args.json, "--json")  # now, not after the whole training
     cfg = TrainConfig(
         compressor=args.compressor,
         params=parse_param_strings(args.param),
@@ -71,7 +120,7 @@ def _train(args: argparse.Namespace) -> int:
         granularity=args.granularity,
         topology=args.topology,
         server_compressor=args.server_compressor,
-        server_params=parse_param_strings(args.server_param),
+        server_params=parse_param_strings(args.server_param, "--server-param"),
         server_error_feedback=not args.no_server_error_feedback,
         workers=args.workers,
         local_steps=args.local_steps,
@@ -95,10 +144,20 @@ def _train(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         ddp=args.ddp,
         bucket_cap_mb=args.bucket_cap_mb,
+        checkpoint_dir=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_keep=args.checkpoint_keep,
+        resume_dir=args.resume,
+        resume_if_present=args.resume_if_present,
     )
+    cfg.validate()  # with the options as given, before the optimizer's momentum may be handed to the method
     note = cfg.hand_momentum_to_method()
     if note:
         print(f"gradcomp: {note}", file=sys.stderr)
+    if args.checkpoint or args.resume or args.resume_if_present or args.checkpoint_every is not None:
+        from gradcomp.experiments.checkpoint import check_before_launch
+
+        check_before_launch(cfg)  # options, and a resumed checkpoint's configuration, before any worker starts
     result = launch(cfg)
     if result is None:  # a non-zero torchrun rank
         return 0
@@ -106,8 +165,11 @@ def _train(args: argparse.Namespace) -> int:
 
     print(format_summary(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        except OSError as exc:  # checked before the run, but the folder may have gone since
+            raise GradcompError(f"--json {args.json}: cannot write the result ({exc.strerror})") from None
     return 0
 
 
@@ -121,20 +183,29 @@ def _list(args: argparse.Namespace) -> int:
     from gradcomp.registry import available, compressor_class
     from gradcomp.schemes.base import Scheme
 
+    rows = []
     for name in available():
         cls = compressor_class(name)
-        params = [
-            f"{p.name}={p.default!r}"
-            for p in inspect.signature(cls.__init__).parameters.values()
-            if p.name != "self" and p.default is not inspect.Parameter.empty
-        ]
+        try:  # the values a default-built instance really uses (density=None means density 0.01 for top-k)
+            effective = cls().params()
+        except Exception:  # a method that cannot be built without arguments: its signature's defaults
+            effective = {}
+        params = []
+        for p in inspect.signature(cls.__init__).parameters.values():
+            if p.name == "self" or p.default is inspect.Parameter.empty:
+                continue
+            value = effective.get(p.name) if p.default is None else None
+            params.append(f"{p.name}={(p.default if value is None else value)!r}")
         if issubclass(cls, Scheme):
             flags = "own rounds"
         else:
             flags = ("summable" if cls.summable else "gathered") + (", unbiased" if cls.unbiased else "")
         if cls.owns_momentum:
             flags += ", momentum"
-        print(f"{name:18s} {flags:28s} {' '.join(params)}")
+        rows.append((name, flags, " ".join(params)))
+    name_width, flags_width = (max(len(row[i]) for row in rows) for i in (0, 1))
+    for name, flags, params in rows:
+        print(f"{name:{name_width}s}  {flags:{flags_width}s}  {params}".rstrip())
     return 0
 
 
@@ -168,6 +239,18 @@ def _curves(args: argparse.Namespace) -> int:
     return curves.main(args)
 
 
+def _add_race(sub: argparse._SubParsersAction) -> None:
+    from gradcomp.experiments import race
+
+    race.add_arguments(sub.add_parser("race", help="time to accuracy of several methods over emulated slow links"))
+
+
+def _race(args: argparse.Namespace) -> int:
+    from gradcomp.experiments import race
+
+    return race.main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from gradcomp.experiments import bench
 
@@ -181,14 +264,21 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench(sub)
     _add_sweep(sub)
     _add_curves(sub)
+    _add_race(sub)
     _add_list(sub)
+    for subparser in sub.choices.values():
+        _show_defaults(subparser)
     args = parser.parse_args(argv)
-    handlers = {"train": _train, "bench": _bench, "sweep": _sweep, "curves": _curves, "list": _list}
+    handlers = {"train": _train, "bench": _bench, "sweep": _sweep, "curves": _curves, "race": _race, "list": _list}
     try:
         return handlers[args.command](args)
     except (GradcompError, CommunicationError) as exc:
         print(f"gradcomp: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C; or Interrupted: the launcher stopped its workers on a signal
+        start = "\n" if not getattr(args, "no_progress", True) else ""  # off the progress bar's line
+        print(f"{start}gradcomp: {exc or 'interrupted (Ctrl-C)'}", file=sys.stderr)
+        return getattr(exc, "exit_code", 130)
 
 
 def run() -> None:

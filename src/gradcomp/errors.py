@@ -38,3 +38,18 @@ class CommunicationError(RuntimeError):
 
 class WorkerLostError(CommunicationError):
     """Another worker vanished, failed or timed out while this one waited at a collective."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The launcher was told to stop (Ctrl-C / SIGINT, SIGTERM) and stopped its workers.
+
+    A KeyboardInterrupt, so that code which lets Ctrl-C through lets this through too. ``exit_code`` is the
+    shell's convention for a death by that signal: 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int, message: str | None = None):
+        import signal
+
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        super().__init__(message or f"stopped by {signal.Signals(self.signum).name}")

@@ -50,6 +50,10 @@ def make(
     ``"residual"`` = error feedback, ``"momentum_correction"``, ``"momentum_masking"``: DGC's worker-side
     momentum with ``feedback_momentum``, see ``gradcomp.feedback``); give one of the two, not both.
     """
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"a compressor is named by a string (see gradcomp.available()), got {name!r} ({type(name).__name__})"
+        )
     if feedback is not None:
         from gradcomp.feedback import FEEDBACK_POLICIES, apply_feedback
 
@@ -132,17 +136,23 @@ def _make_composed(name: str, error_feedback: bool | None, params: dict[str, Any
     return composed
 
 
-def parse_param_strings(items: Iterable[str]) -> dict[str, Any]:
-    """``["density=0.01", "scale=true"]`` → ``{"density": 0.01, "scale": True}`` (ints, floats, bools, strings)."""
+def parse_param_strings(items: Iterable[str], option: str = "--param") -> dict[str, Any]:
+    """``["density=0.01", "scale=true"]`` → ``{"density": 0.01, "scale": True}`` (ints, floats, bools, strings).
+
+    A key given twice is a ConfigError; ``option`` names the command-line option in the messages.
+    """
     params: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"--param expects key=value, got {item!r}")
+            raise ConfigError(f"{option} expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
         key = key.strip().replace("-", "_")
         if not key.isidentifier():
-            raise ConfigError(f"bad parameter name {key!r}")
-        params[key] = _parse_value(raw.strip())
+            raise ConfigError(f"{option}: bad parameter name {key!r}")
+        value = _parse_value(raw.strip())
+        if key in params:
+            raise ConfigError(f"{option} {key} given twice ({key}={params[key]!r} and {item}): give it once")
+        params[key] = value
     return params
 
 

@@ -93,6 +93,14 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--targets takes comma-separated fractions, got {args.targets!r}") from None
     if any(not 0 < t <= 1 for t in targets):
         raise ConfigError(f"--targets are accuracies in (0, 1], got {targets}")
+    if args.out:  # before anything is printed: the table without the plot asked for is no success
+        from gradcomp.experiments.report import check_output_file
+
+        check_output_file(args.out, "--out")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--out needs matplotlib: pip install 'gradcomp[plots]'") from None
     runs = [load_run(spec) for spec in args.runs]
     print(render_markdown(runs, targets), end="")
     if args.out:

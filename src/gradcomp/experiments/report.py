@@ -2,7 +2,36 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from gradcomp.errors import ConfigError
+
+
+def check_output_file(path: str, option: str) -> None:
+    """ConfigError now, naming ``option``, if a file could not be written at ``path`` later (after a long run).
+
+    The folder must exist and be writable, and ``path`` must not be a folder; nothing is created.
+    """
+    folder = os.path.dirname(os.path.abspath(path)) or os.sep
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ConfigError(f"{option} {path}: is a folder; give a file name")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{option} {path}: not writable")
+
+
+def make_output_dir(path: str, option: str) -> None:
+    """Create the output folder ``path`` (and its parents) now, or a ConfigError naming ``option``."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{option} {path}: exists and is not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot create the folder ({exc.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {path}: the folder is not writable")
 
 
 def human_bits(bits: float) -> str:
@@ -10,6 +39,19 @@ def human_bits(bits: float) -> str:
         if bits >= scale:
             return f"{bits / scale:.2f} {unit}"
     return f"{bits:.0f} bit"
+
+
+def against_fp32(sent: float, dense: float) -> str:
+    """``sent`` against what fp32 would send: "x12.3 fewer than fp32", or "x2.5 more than fp32" when larger."""
+    if not sent:
+        return "nothing sent"
+    if not dense:
+        return "fp32 would send nothing"
+    if abs(sent - dense) <= 0.005 * dense:
+        return "as much as fp32"
+    if sent < dense:
+        return f"x{dense / sent:,.1f} fewer than fp32"
+    return f"x{sent / dense:,.1f} more than fp32"
 
 
 def format_summary(r: dict[str, Any]) -> str:
@@ -20,7 +62,7 @@ def format_summary(r: dict[str, Any]) -> str:
     elif r["error_feedback"]:
         name += " + error feedback"
     up, down, dense = r["bits_up_per_worker"], r["bits_down_per_worker"], r["dense_bits_per_worker"]
-    ratio = lambda x: f"x{dense / x:,.1f} fewer than fp32" if x else "nothing sent"  # noqa: E731
+    ratio = lambda x: against_fp32(x, dense)  # noqa: E731
     rows = [
         ("compressor", name),
         ("workers / steps", f"{r['workers']} ({r['backend']}) / {r['steps']} ({r['epochs']:.2f} epochs)"),

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradcomp.errors import ConfigError
+from gradcomp.experiments.checkpoint import WorkerCheckpoints
 from gradcomp.experiments.data import Dataset, evaluate, load_dataset, shard_indices
 from gradcomp.experiments.models import build_model
 from gradcomp.experiments.report import human_bits
@@ -82,6 +83,14 @@ class TrainConfig:
     timeout_s: float = 900.0
     ddp: bool = False  # train a DistributedDataParallel model with gradcomp's communication hook
     bucket_cap_mb: float | None = None  # DDP's bucket size (None: DDP's default, 25 MB)
+    # resumable checkpoints (gradcomp.experiments.checkpoint): every rank's state into checkpoint_dir every
+    # checkpoint_every steps and after the last one; resume_dir (or, with resume_if_present, checkpoint_dir
+    # when it holds one) is loaded on every rank before training
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    checkpoint_keep: int = 2  # the newest K checkpoints are kept; 0 keeps all
+    resume_dir: str | None = None
+    resume_if_present: bool = False
 
     def validate(self) -> None:
         """Everything that can be checked before a worker starts; raises ConfigError."""
@@ -97,6 +106,28 @@ class TrainConfig:
             raise ConfigError(f"epochs must be > 0, got {self.epochs}")
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        # numbers that would otherwise fail only inside the workers (torch's SGD, the process group, the loop)
+        for option, value in (("--lr", self.lr), ("--epochs", self.epochs)):
+            if not math.isfinite(value):
+                raise ConfigError(f"{option} must be a finite number, got {value}")
+        for option, value in (("--momentum", self.momentum), ("--weight-decay", self.weight_decay)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{option} must be a number >= 0, got {value}")
+        if self.feedback_momentum is not None and not (math.isfinite(self.feedback_momentum)
+                                                       and self.feedback_momentum >= 0):
+            raise ConfigError(f"the feedback policy's momentum must be >= 0, got {self.feedback_momentum}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval-every must be >= 0 (0: no accuracy curve), got {self.eval_every}")
+        if self.bandwidth is None and parse_latency(self.latency) != 0:
+            raise ConfigError(
+                f"--latency {self.latency} prices messages only together with a bandwidth: give --bandwidth too"
+            )
+        if self.save_path is not None:
+            from gradcomp.experiments.report import check_output_file
+
+            check_output_file(self.save_path, "--save")  # rank 0 writes it only after training
         if self.granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.topology not in TOPOLOGIES:
@@ -118,6 +149,12 @@ class TrainConfig:
         self.network()
         # per-tensor limits (k larger than a layer, ...) checked on the real model's slots, before any worker
         data = load_dataset(self.dataset, self.data_root)
+        share = data.train_x.shape[0] // self.workers
+        if self.batch_size > share:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} is more than each worker's share of the training set: "
+                f"{data.train_x.shape[0]} examples of {self.dataset} over {self.workers} workers are {share} each"
+            )
         model = build_model(self.model, data, self.seed)
         scheme.bind(0, self.workers)  # a sharded scheme checks shards, which depend on W
         scheme.check_slots(GradientAggregator.slots_for(list(model.named_parameters()), self.granularity))
@@ -233,7 +270,11 @@ def parameter_digest(model: nn.Module) -> str:
 
 
 def save_checkpoint(cfg: TrainConfig, model: nn.Module, aggregator: GradientAggregator) -> None:
-    """The trained model with the lead worker's compressor state (residuals) and the run's configuration."""
+    """``--save``: the trained model with the lead worker's compressor state (residuals) and the run's configuration.
+
+    An export of the final model, not a resumable checkpoint (no optimizer state, one rank): resumable
+    checkpoints are ``--checkpoint DIR`` (gradcomp.experiments.checkpoint).
+    """
     torch.save(
         {"model": model.state_dict(), "aggregator": aggregator.state_dict(), "config": dataclasses.asdict(cfg)},
         cfg.save_path,
@@ -241,12 +282,12 @@ def save_checkpoint(cfg: TrainConfig, model: nn.Module, aggregator: GradientAggr
 
 
 class Progress:
-    def __init__(self, total: int, enabled: bool, label: str):
+    def __init__(self, total: int, enabled: bool, label: str, initial: int = 0):
         self.bar = None
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=label, unit="step", dynamic_ncols=True, leave=True)
+            self.bar = tqdm(total=total, initial=initial, desc=label, unit="step", dynamic_ncols=True, leave=True)
 
     def update(self, loss: float, counter: ByteCounter) -> None:
         if self.bar is not None:
@@ -274,8 +315,14 @@ class Curves:
             self.accuracy.append((step + 1, evaluate(model, data.test_x, data.test_y)))
 
 
-def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> dict[str, Any]:
-    """Train one replica over ``transport``; returns this worker's local statistics."""
+def run_worker(
+    cfg: TrainConfig, transport: Transport, device: torch.device, *, register_hook=None, after_step=None
+) -> dict[str, Any]:
+    """Train one replica over ``transport``; returns this worker's local statistics.
+
+    ``register_hook`` (with ``cfg.ddp``) replaces ``register_ddp_hook`` (torch's own hooks, ``gradcomp race``);
+    ``after_step(step, model)`` is called at the end of every step (``gradcomp race``'s clock and evaluation).
+    """
     data = load_dataset(cfg.dataset, cfg.data_root)
     model = build_model(cfg.model, data, cfg.seed).to(device)
     optimizer = make_optimizer(model, cfg)
@@ -287,7 +334,8 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
 
         ddp_options = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
         trained = nn.parallel.DistributedDataParallel(model, **ddp_options)
-        hook = register_ddp_hook(trained, compressor, topology=cfg.topology, server_compressor=server)
+        register = register_hook or register_ddp_hook
+        hook = register(trained, compressor, topology=cfg.topology, server_compressor=server)
         exchange, transport, aggregator = hook.exchange, hook.transport, hook
     else:
         trained, hook = model, None
@@ -299,10 +347,16 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
     batches = Batches(data, cfg, transport.rank)
     total = batches.total_steps()
     lead = transport.rank == 0
-    progress = Progress(total, cfg.progress and lead, cfg.label())
     curves = Curves(total, cfg)
-    compute_s, loss = 0.0, float("nan")
-    for step in range(total):
+    checkpoints = WorkerCheckpoints(
+        cfg, transport, device, model=model, optimizer=optimizer,
+        stateful=delayed if delayed is not None else aggregator,  # what holds the exchange's state
+        exchange=exchange, curves=curves, per_epoch=batches.per_epoch, total=total,
+    )
+    start, compute_s, loss = checkpoints.resume()  # 0, 0.0, nan unless the run resumes
+    progress = Progress(total, cfg.progress and lead, cfg.label(), initial=start)
+    for step in range(start, total):
+        checkpoints.crash_if_asked(step)  # GRADCOMP_CRASH_AT_STEP (tests, scripts/torchrun_restart.sh)
         started = time.perf_counter()
         xb, yb = batches.get(step, device)
         loss = compute_gradients(trained, xb, yb)  # with --ddp, backward also runs the hook's exchanges
@@ -316,6 +370,9 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
             delayed.after_local_step()  # exchange the accumulated update every local_steps steps
         curves.record(step, loss, model, data, evaluate_now=lead and (delayed is None or delayed.pending == 0))
         progress.update(loss, transport.counter)
+        checkpoints.after_step(step + 1, compute_s, loss)  # --checkpoint: every N steps and after the last
+        if after_step is not None:
+            after_step(step, model)
     if delayed is not None:
         delayed.sync()  # a last, shorter round so the replicas end identical
     progress.close()
@@ -333,6 +390,7 @@ def run_worker(cfg: TrainConfig, transport: Transport, device: torch.device) -> 
         "communicate_s": exchange.communicate_s,
         "counter": transport.counter.as_dict(),
         "digest": parameter_digest(model),
+        "resumed_from_step": checkpoints.resumed_from,
         "final_loss": loss,
         "test_accuracy": evaluate(model, data.test_x, data.test_y) if lead else None,
         "loss_curve": curves.loss,
@@ -442,6 +500,7 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         **_modelled_network(cfg, counters, workers),
         "replicas_identical": len({s["digest"] for s in stats}) == 1,
         "parameter_digest": lead["digest"],
+        "resumed_from_step": lead.get("resumed_from_step"),
         "loss_curve": lead["loss_curve"],
         "accuracy_curve": lead["accuracy_curve"],
         "torch_version": torch.__version__,

@@ -304,7 +304,9 @@ def main(args: argparse.Namespace) -> int:
     base = TrainConfig(workers=args.workers, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
                        lr=args.lr, momentum=args.momentum, dataset=args.dataset, data_root=args.data,
                        model=args.model, bandwidth=args.bandwidth, latency=args.latency, progress=False)
-    os.makedirs(args.out, exist_ok=True)
+    from gradcomp.experiments.report import make_output_dir
+
+    make_output_dir(args.out, "--out")  # a ConfigError now, not a traceback
     path = os.path.join(args.out, "results.jsonl")
     done = {cell_key(row) for row in read_results(path)}
     cells = grid(args)

@@ -79,12 +79,52 @@ class ByteCounter:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def report(self, fp32_bytes: int | None = None) -> str:
+        """The counts with units, one line per direction; ``print(counter)`` shows this.
+
+        ``fp32_bytes``: what uncompressed fp32 would have handed to its all-reduce over the same steps (4 bytes
+        per parameter per step, up and down alike); given, each direction is compared with it.
+        """
+
+        def versus(sent: int) -> str:
+            if fp32_bytes is None:
+                return ""
+            if not sent:
+                return f"; fp32: {_human_bytes(fp32_bytes)}"
+            if sent <= fp32_bytes:
+                return f"; x{fp32_bytes / sent:,.1f} fewer than fp32 ({_human_bytes(fp32_bytes)})"
+            return f"; x{sent / fp32_bytes:,.1f} more than fp32 ({_human_bytes(fp32_bytes)})"
+
+        lines = [
+            f"sent      {_human_bytes(self.bytes_up)} (payload {_human_bytes(self.up_payload)} + control "
+            f"{_human_bytes(self.up_control)}){versus(self.bytes_up)}",
+            f"received  {_human_bytes(self.bytes_down)} (payload {_human_bytes(self.down_payload)} + control "
+            f"{_human_bytes(self.down_control)}){versus(self.bytes_down)}",
+            f"padding   {_human_bytes(self.padding_bytes)} (up {_human_bytes(self.up_padding)}, down "
+            f"{_human_bytes(self.down_padding)}; not in the counts above)",
+        ]
+        if self.server_in or self.server_out:
+            lines.append(f"server    in {_human_bytes(self.server_in)}, out {_human_bytes(self.server_out)}")
+        lines.append(f"{self.collectives} collectives, {self.seconds:.3g} s in them")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
     def reset(self) -> None:
         for f in fields(self):
             setattr(self, f.name, f.default_factory() if f.name == "ops" else f.default)
 
     def snapshot(self) -> ByteCounter:
         return ByteCounter(**{**asdict(self), "ops": {k: list(v) for k, v in self.ops.items()}})
+
+
+def _human_bytes(n: float) -> str:
+    """Bytes with a decimal unit: 512 B, 13.40 kB, 2.10 MB, 1.25 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 class Transport(ABC):
