@@ -1,0 +1,772 @@
+"""`gradcomp race`: time to accuracy of several methods, each over W emulated hosts behind shaped links.
+
+Every method runs the same training (model, data, seed, steps, batches) on the same emulated network, one
+method after the other, and is timed by a training clock that stops while the model is evaluated. See
+docs/race.md for what is measured and how to read it.
+
+Methods (``--method``, repeated): ``NAME[:KEY=VALUE,KEY=VALUE...]``.
+
+- ``NAME`` is a gradcomp compressor as ``gradcomp train --compressor`` takes it (``topk``, ``cnat``,
+  ``powersgd``, ``topk+fp16``, ...), or one of torch's own DDP baselines: ``torch-fp32`` (alias ``ddp``: plain
+  DDP, torch's built-in fp32 allreduce), ``torch-fp16`` (``fp16_compress_hook``), ``torch-powersgd``
+  (``powerSGD_hook``, one bucket; parameters ``rank`` (2), ``start_iter`` (2), ``min_compression_rate``,
+  ``error_feedback``, ``warm_start``, ``seed``, ``batch_same_shape``).
+- ``KEY=VALUE`` pairs are the compressor's parameters (as ``--param``), except these, which no compressor
+  takes: ``feedback`` (``residual``, ``momentum_correction``, ``momentum_masking``, ``none``: as ``--feedback``),
+  ``topology`` (as ``--topology``), ``server`` (``--server-compressor``) and ``server.KEY`` (``--server-param``),
+  ``granularity``, ``ddp`` (``on``, the default: DDP with gradcomp's overlapping hook; ``off``: the aggregator
+  after backward), ``bucket_cap_mb``, ``sgd.lr`` / ``sgd.momentum`` / ``sgd.weight_decay`` (this method's
+  optimizer settings, e.g. ``sgd.lr=0.001`` for sign methods) and ``label``. ``error_feedback=true`` works as in
+  ``--param``.
+
+Examples: ``topk:density=0.01,feedback=residual``, ``cnat:topology=sharded,server=cnat``,
+``signum:sgd.lr=0.001``, ``torch-powersgd:rank=4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradcomp.errors import ConfigError, GradcompError
+from gradcomp.experiments import netns
+from gradcomp.experiments import torch_baselines as tb
+from gradcomp.registry import parse_param_strings
+
+DEFAULT_METHODS = (
+    "torch-fp32",
+    "torch-fp16",
+    "torch-powersgd:rank=2",
+    "topk:density=0.01,feedback=residual",
+    "cnat:topology=sharded,server=cnat",
+    "sbc:density=0.01",
+    "qsgd",
+    "powersgd:rank=2",
+    "signum:sgd.lr=0.001",
+    "efsignsgd:sgd.lr=0.4,sgd.momentum=0",
+)
+RUN_KEYS = ("feedback", "topology", "server", "granularity", "ddp", "bucket_cap_mb", "label")
+SGD_KEYS = ("lr", "momentum", "weight_decay")
+MEMORY_FLAG = 4.0  # flag a method that needs more than this many gradient sizes beyond plain DDP
+MASTER_PORT = 29500  # inside host 0's own namespace: no other process can hold it
+COMPUTE_WARMUP = 2  # compute-only steps left out of the median
+
+
+class WorkerFailedError(GradcompError):
+    """A race worker exited with an error; the message carries its last line."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM / SIGHUP, raised in the main thread so that every ``finally`` tears down."""
+
+
+# -- methods -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Method:
+    text: str
+    name: str
+    baseline: str | None = None  # torch's own DDP communication, or None for a gradcomp method
+    params: dict[str, Any] = field(default_factory=dict)
+    feedback: str | None = None
+    topology: str = "auto"
+    server: str | None = None
+    server_params: dict[str, Any] = field(default_factory=dict)
+    granularity: str = "layer"
+    ddp: bool = True
+    bucket_cap_mb: float | None = None
+    sgd: dict[str, float] = field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def is_gradcomp(self) -> bool:
+        return self.baseline is None
+
+    def config(self, base, num_parameters: int):
+        """This method's TrainConfig: the race's settings with the method's own."""
+        bucket = self.bucket_cap_mb
+        if self.baseline == "torch-powersgd" and bucket is None:
+            # one bucket for the whole model (first bucket included: DDP uses bucket_cap_mb for it when given)
+            bucket = max(25.0, math.ceil(4 * num_parameters / 2**20) + 1.0)
+        return dataclasses.replace(
+            base,
+            compressor="none" if self.baseline else self.name,
+            params={} if self.baseline else dict(self.params),
+            feedback=self.feedback,
+            topology=self.topology,
+            server_compressor=self.server,
+            server_params=dict(self.server_params),
+            granularity=self.granularity,
+            ddp=self.ddp,
+            bucket_cap_mb=bucket,
+            lr=self.sgd.get("lr", base.lr),
+            momentum=self.sgd.get("momentum", base.momentum),
+            weight_decay=self.sgd.get("weight_decay", base.weight_decay),
+        )
+
+
+def parse_method(text: str) -> Method:
+    """``NAME[:KEY=VALUE,...]`` → Method (see the module's docstring); ConfigError when malformed."""
+    spec = text.strip()
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise ConfigError(f"--method needs a name, got {text!r}")
+    baseline = tb.canonical(name)
+    method = Method(text=spec, name=baseline or name, baseline=baseline, label=spec)
+    items = [item.strip() for item in rest.split(",") if item.strip()] if rest else []
+    plain: list[str] = []
+    server_items: list[str] = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq:
+            raise ConfigError(f"--method {text!r}: {item!r} is not KEY=VALUE")
+        value = value.strip()
+        if key.startswith("sgd."):
+            what = key[4:]
+            if what not in SGD_KEYS:
+                raise ConfigError(f"--method {text!r}: sgd.{what} unknown (sgd.lr, sgd.momentum, sgd.weight_decay)")
+            try:
+                method.sgd[what] = float(value)
+            except ValueError:
+                raise ConfigError(f"--method {text!r}: sgd.{what} must be a number, got {value!r}") from None
+        elif key.startswith("server."):
+            server_items.append(f"{key[7:]}={value}")
+        elif key == "label":
+            method.label = value
+        elif key == "ddp":
+            parsed = parse_param_strings([f"ddp={value}"])["ddp"]
+            if not isinstance(parsed, bool):
+                raise ConfigError(f"--method {text!r}: ddp=on or ddp=off, got {value!r}")
+            method.ddp = parsed
+        elif key == "bucket_cap_mb":
+            try:
+                method.bucket_cap_mb = float(value)
+            except ValueError:
+                raise ConfigError(f"--method {text!r}: bucket_cap_mb must be a number, got {value!r}") from None
+        elif key in ("feedback", "topology", "server", "granularity"):
+            setattr(method, key, value)
+        else:
+            plain.append(f"{key}={value}")
+    method.params = parse_param_strings(plain)
+    method.server_params = parse_param_strings(server_items)
+    if baseline is not None:
+        if method.feedback or method.server or method.server_params or method.topology != "auto":
+            raise ConfigError(f"--method {text!r}: torch's baselines take no feedback, topology or server")
+        if not method.ddp:
+            raise ConfigError(f"--method {text!r}: torch's baselines are DDP (ddp=off is for gradcomp methods)")
+        method.params = tb.check_params(baseline, method.params)
+    return method
+
+
+# -- running -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    methods: list[Method]
+    hosts: int = 4
+    link: str = "100mbit"
+    netns_mode: str = "auto"  # "auto", "off" (plain local processes; only with link none)
+    steps: int = 500
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    dataset: str = "mnist"
+    data_root: str | None = None
+    model: str = "convnet"
+    seed: int = 0
+    device: str = "cpu"
+    target: float = 0.98
+    eval_every: int = 50
+    compute_steps: int = 20
+    timeout_s: float = 900.0
+    out: str | None = "race"
+    verbose: bool = True
+
+
+def link_rate(link: str) -> float | None:
+    """``"100mbit"`` → 1e8 bit/s; ``"none"`` → None (unshaped)."""
+    if link.strip().lower() in ("none", "off", "unshaped"):
+        return None
+    from gradcomp.netmodel import parse_bandwidth
+
+    return parse_bandwidth(link)
+
+
+def make_network(opts: Options, log=print):
+    """The emulated hosts; EmulationError (nothing created) when a shaped link cannot be had here."""
+    rate = link_rate(opts.link)
+    if rate is not None:
+        if opts.netns_mode == "off":
+            raise ConfigError("--no-netns runs plain local processes, which cannot be shaped: use --link none")
+        netns.require_emulation(shaped=True)
+        return netns.NamespaceNetwork(opts.hosts, rate)
+    if opts.netns_mode == "off":
+        return netns.LocalHosts(opts.hosts)
+    reason = netns.missing_tools(shaped=False)
+    if reason is not None:
+        log(f"gradcomp race: --link none without namespaces ({reason}): {opts.hosts} local processes on 127.0.0.1")
+        return netns.LocalHosts(opts.hosts)
+    return netns.NamespaceNetwork(opts.hosts, None)
+
+
+def _base_config(opts: Options):
+    from gradcomp.experiments.runner import TrainConfig
+
+    return TrainConfig(
+        workers=opts.hosts, steps=opts.steps, batch_size=opts.batch_size, lr=opts.lr, momentum=opts.momentum,
+        weight_decay=opts.weight_decay, dataset=opts.dataset, data_root=opts.data_root, model=opts.model,
+        seed=opts.seed, device=opts.device, progress=False, timeout_s=opts.timeout_s, eval_every=0,
+    )
+
+
+def plan(opts: Options, log=print) -> tuple[list[Any], int]:
+    """Every method's TrainConfig, checked before anything starts; and the model's parameter count."""
+    from gradcomp.experiments.data import load_dataset
+    from gradcomp.experiments.models import build_model
+
+    if not opts.methods:
+        raise ConfigError("no method to race")
+    if opts.hosts < 1:
+        raise ConfigError(f"--hosts must be >= 1, got {opts.hosts}")
+    if not 0 < opts.target <= 1:
+        raise ConfigError(f"--target is an accuracy in (0, 1], got {opts.target}")
+    if opts.eval_every < 0 or opts.compute_steps < 0:
+        raise ConfigError("--eval-every and --compute-steps must be >= 0")
+    labels = [m.label for m in opts.methods]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"two methods have the same label: {labels}; give one label=...")
+    base = _base_config(opts)
+    data = load_dataset(opts.dataset, opts.data_root)
+    num_parameters = sum(p.numel() for p in build_model(opts.model, data, opts.seed).parameters())
+    configs = []
+    for method in opts.methods:
+        cfg = method.config(base, num_parameters)
+        note = cfg.hand_momentum_to_method() if method.is_gradcomp else None
+        if note:
+            log(f"gradcomp race: {method.label}: {note}")
+        try:
+            cfg.validate()
+        except ConfigError as exc:
+            raise ConfigError(f"--method {method.text!r}: {exc}") from None
+        if method.baseline and not cfg.ddp:
+            raise ConfigError(f"--method {method.text!r}: torch's baselines need DDP")
+        configs.append(cfg)
+    return configs, num_parameters
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """End the workers this race started (by their PIDs): SIGTERM, then SIGKILL after a grace period."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.terminate()
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.rstrip() for line in f if line.strip()]
+    except OSError:
+        return "(no output)"
+    return lines[-1] if lines else "(no output)"
+
+
+def run_method(network, method: Method, cfg, opts: Options, workdir: str, index: int, log=print) -> dict[str, Any]:
+    """Start one worker per host, relay rank 0's progress lines, collect the W result files."""
+    from gradcomp.experiments.runner import worker_threads
+
+    jobdir = os.path.join(workdir, f"{index:02d}")
+    os.makedirs(jobdir)
+    threads = worker_threads(len(network.hosts))
+    in_netns = isinstance(network, netns.NamespaceNetwork)
+    job = {
+        "train": dataclasses.asdict(cfg),
+        "baseline": method.baseline,
+        "baseline_params": method.params if method.baseline else {},
+        "eval_every": opts.eval_every,
+        "eval_batch": opts.batch_size,
+        "compute_steps": opts.compute_steps,
+        "threads": threads,
+        "dir": jobdir,
+        "netns": in_netns,
+        "label": method.label,
+        "verbose": opts.verbose,
+    }
+    job_path = os.path.join(jobdir, "job.json")
+    with open(job_path, "w") as f:
+        json.dump(job, f)
+    hosts = network.hosts
+    procs: list[subprocess.Popen] = []
+    logs = [os.path.join(jobdir, f"worker-{h.index}.log") for h in hosts]
+    started = time.perf_counter()
+    try:
+        for host, log_path in zip(hosts, logs):
+            env = dict(
+                os.environ,
+                MASTER_ADDR=hosts[0].address,
+                MASTER_PORT=str(MASTER_PORT if in_netns else 0),
+                RANK=str(host.index),
+                WORLD_SIZE=str(len(hosts)),
+                LOCAL_RANK="0",
+                GLOO_SOCKET_IFNAME=host.ifname,
+                OMP_NUM_THREADS=str(threads),
+            )
+            argv = host.command([sys.executable, "-m", "gradcomp.experiments.race_worker", job_path])
+            with open(log_path, "w") as out:
+                # own session: Ctrl-C reaches the race, which stops its workers itself
+                procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+        relayed = 0
+        while True:
+            codes = [p.poll() for p in procs]
+            relayed = _relay(logs[0], relayed, log if opts.verbose else None)
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                # the first to fail is usually the cause; the others then lose their peer
+                i = min(failed, key=lambda j: os.path.getmtime(logs[j]))
+                raise WorkerFailedError(
+                    f"{method.label}: worker {i} failed (exit {codes[i]}): {_last_line(logs[i])} (log: {logs[i]})"
+                )
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.2)
+    finally:
+        _stop(procs)
+    wall_s = time.perf_counter() - started
+    results = []
+    for host in hosts:
+        with open(os.path.join(jobdir, f"result-{host.index}.json")) as f:
+            results.append(json.load(f))
+    return {"wall_s": wall_s, "workers": results}
+
+
+def _relay(path: str, offset: int, log) -> int:
+    """Print the lines rank 0 added to its log since ``offset`` (its progress lines); returns the new offset."""
+    try:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            text = f.read()
+    except OSError:
+        return offset
+    end = text.rfind("\n") + 1
+    if log is not None:
+        for line in text[:end].splitlines():
+            if line.startswith("  "):  # the worker's progress lines; tracebacks are reported on failure
+                log(line)
+    return offset + len(text[:end].encode())
+
+
+# -- results -------------------------------------------------------------------------------------------------
+
+
+def first_reaching(curve: list[list[float]], target: float) -> tuple[int, float] | None:
+    for step, seconds, accuracy in curve:
+        if accuracy is not None and accuracy >= target:
+            return int(step), float(seconds)
+    return None
+
+
+def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int) -> dict[str, Any]:
+    workers = raw["workers"]
+    lead = workers[0]
+    compute = [t for w in workers for t in w["compute_only_s"][COMPUTE_WARMUP:]] or [
+        t for w in workers for t in w["compute_only_s"]
+    ]
+    steps = lead["steps"]
+    wire_tx = [w["wire_tx_bytes"] for w in workers if w["wire_tx_bytes"] is not None]
+    stats = lead["stats"]
+    counter = stats.get("counter") or {}
+    cuda = [w["cuda_peak_bytes"] for w in workers if w.get("cuda_peak_bytes") is not None]
+    return {
+        "label": method.label,
+        "spec": method.text,
+        "kind": "torch" if method.baseline else "gradcomp",
+        "name": method.name,
+        "compressor": cfg.compressor,
+        "params": method.params,
+        "feedback": cfg.feedback,
+        "topology": cfg.topology,
+        "server_compressor": cfg.server_compressor,
+        "ddp": cfg.ddp,
+        "bucket_cap_mb": cfg.bucket_cap_mb,
+        "lr": cfg.lr,
+        "momentum": cfg.momentum,
+        "steps": steps,
+        "curve": lead["curve"],
+        "final_accuracy": lead["curve"][-1][2] if lead["curve"] else None,
+        "best_accuracy": max((a for _, _, a in lead["curve"]), default=None),
+        "train_s": lead["train_s"],
+        "eval_s": lead["eval_s"],
+        "wall_s": raw["wall_s"],
+        "median_step_s": lead["median_step_s"],
+        "compute_only_step_s": statistics.median(compute) if compute else None,
+        "peak_rss_bytes": [w["peak_rss_bytes"] for w in workers],
+        "peak_anon_bytes": [w["peak_anon_bytes"] for w in workers],
+        "peak_rss_training_only": all(w["peak_rss_resettable"] for w in workers),
+        "cuda_peak_bytes": max(cuda) if cuda else None,
+        "wire_tx_bytes_per_step": statistics.mean(wire_tx) / steps if wire_tx else None,
+        # what gradcomp's transport was handed (payload + control, no padding), as `gradcomp train` reports it
+        "payload_up_bytes_per_step": (counter.get("up_payload", 0) + counter.get("up_control", 0)) / steps
+        if method.is_gradcomp and counter else None,
+        "replicas_identical": len({w["stats"]["digest"] for w in workers}) == 1,
+        "num_parameters": num_parameters,
+        "error": None,
+    }
+
+
+def failed_record(method: Method, error: str) -> dict[str, Any]:
+    return {"label": method.label, "spec": method.text, "kind": "torch" if method.baseline else "gradcomp",
+            "name": method.name, "error": error, "curve": []}
+
+
+def summarize(records: list[dict[str, Any]], target: float, num_parameters: int) -> dict[str, Any]:
+    """Time to target, ratios to fp32 DDP and to its communication-free ideal, memory flags, the issue's targets."""
+    ok = [r for r in records if not r.get("error")]
+    ref = next((r for r in ok if r["name"] == "torch-fp32"), None)
+    notes: list[str] = []
+    effective = target
+    if ref is not None and first_reaching(ref["curve"], target) is None and ref["best_accuracy"] is not None:
+        effective = ref["best_accuracy"]
+        notes.append(
+            f"fp32 DDP did not reach {100 * target:.2f} % in {ref['steps']} steps; the race is timed to the best "
+            f"accuracy it reached, {100 * effective:.2f} %"
+        )
+    for r in ok:
+        reached = first_reaching(r["curve"], effective)
+        r["steps_to_target"], r["time_to_target_s"] = reached if reached else (None, None)
+    grad_bytes = 4 * num_parameters
+    ideal = None
+    if ref is not None and ref["steps_to_target"] is not None and ref["compute_only_step_s"]:
+        ideal = ref["steps_to_target"] * ref["compute_only_step_s"]
+    for r in ok:
+        t = r["time_to_target_s"]
+        r["vs_fp32_ideal"] = t / ideal if t is not None and ideal else None
+        r["vs_fp32_time"] = ref["time_to_target_s"] / t if ref and t and ref["time_to_target_s"] else None
+        r["step_vs_fp32"] = r["median_step_s"] / ref["median_step_s"] if ref and ref["median_step_s"] else None
+        # the resident set less library code (race_worker.MemoryPeaks), median over the workers: a worker's
+        # peak varies by a few MB from run to run, which is about a gradient of the 1.2M-parameter model
+        peak = statistics.median(r["peak_anon_bytes"])
+        r["extra_memory_vs_ddp_grads"] = (
+            (peak - statistics.median(ref["peak_anon_bytes"])) / grad_bytes if ref else None
+        )
+        r["memory_flag"] = r["extra_memory_vs_ddp_grads"] is not None and r["extra_memory_vs_ddp_grads"] > MEMORY_FLAG
+    return {
+        "target": target,
+        "effective_target": effective,
+        "fp32_ideal_s": ideal,
+        "gradient_bytes": grad_bytes,
+        "targets": check_targets(ok, ref, ideal),
+        "notes": notes,
+    }
+
+
+def _time_or_bound(r: dict[str, Any]) -> tuple[float, bool]:
+    """Time to target, or (training time of the whole run, True) as a lower bound when it never got there."""
+    if r["time_to_target_s"] is not None:
+        return r["time_to_target_s"], False
+    return r["train_s"], True
+
+
+def check_targets(ok: list[dict[str, Any]], ref: dict[str, Any] | None, ideal: float | None) -> list[dict[str, Any]]:
+    """The issue's goals at 100 Mbit/s, evaluated on this race (each says met / not met / not measurable)."""
+    out: list[dict[str, Any]] = []
+    ours = [r for r in ok if r["kind"] == "gradcomp" and r["time_to_target_s"] is not None]
+    best = min(ours, key=lambda r: r["time_to_target_s"]) if ours else None
+
+    def add(goal: str, met: bool | None, detail: str) -> None:
+        out.append({"goal": goal, "met": met, "detail": detail})
+
+    if best is None:
+        add("best gradcomp method reaches the target", False, "no gradcomp method reached the target")
+        return out
+    bt = best["time_to_target_s"]
+    if ideal:
+        ratio = bt / ideal
+        add("best gradcomp ≤ 1.2 × fp32 with free communication", ratio <= 1.2,
+            f"{best['label']}: {_secs(bt)} s = {ratio:.2f} × ({ref['steps_to_target']} steps × "
+            f"{_secs(ref['compute_only_step_s'])} s = {_secs(ideal)} s)")
+    else:
+        add("best gradcomp ≤ 1.2 × fp32 with free communication", None,
+            "fp32 DDP did not run or did not reach the target")
+    for goal, name, factor in (("≥ 2 × faster than torch's PowerSGD hook", "torch-powersgd", 2.0),
+                               ("≥ 5 × faster than fp32 DDP", "torch-fp32", 5.0)):
+        other = next((r for r in ok if r["name"] == name), None)
+        if other is None:
+            add(goal, None, f"{name} was not in the race")
+            continue
+        t, bound = _time_or_bound(other)
+        speedup = t / bt
+        if bound:
+            met = True if speedup >= factor else None
+            detail = (f"{name} did not reach the target in {_secs(t)} s of training: speed-up ≥ {speedup:.2f}"
+                      + ("" if met else " (not enough to decide)"))
+        else:
+            met = speedup >= factor
+            detail = f"{name} {_secs(t)} s / {best['label']} {_secs(bt)} s = {speedup:.2f}"
+        add(goal, met, detail)
+    cnat = next((r for r in ok if r["compressor"] == "cnat" and r["kind"] == "gradcomp"), None)
+    if cnat is None or ref is None:
+        add("cnat step ≤ 0.4 × fp32 DDP's step", None, "cnat or fp32 DDP was not in the race")
+    else:
+        ratio = cnat["median_step_s"] / ref["median_step_s"]
+        add("cnat step ≤ 0.4 × fp32 DDP's step", ratio <= 0.4,
+            f"{cnat['label']}: {_secs(cnat['median_step_s'])} s / {_secs(ref['median_step_s'])} s = {ratio:.2f}")
+    return out
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _secs(value: float | None) -> str:
+    """Seconds with three significant digits (0.0123, 1.23, 123), or – for None."""
+    if value is None:
+        return "–"
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    target = summary["effective_target"]
+    head = (
+        f"| method | steps to {100 * target:.2f} % | time to target (s) | × fp32 ideal | fp32 DDP time ÷ this "
+        "| median step (s) | × fp32 DDP step | compute-only step (s) | final acc (%) | wire MB/step/host "
+        "| peak RSS max / median without file-backed (MiB) | extra vs DDP (× grad) |"
+    )
+    lines = [head, "|" + "---|" + "---:|" * 11]
+    for r in records:
+        accuracy = r.get("final_accuracy")
+        if r.get("error"):
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 10)
+            continue
+        extra = r["extra_memory_vs_ddp_grads"]
+        flag = " ⚠" if r["memory_flag"] else ""
+        mb = r["wire_tx_bytes_per_step"]
+        lines.append(
+            f"| {r['label']} | {_fmt(r['steps_to_target'], 'd')} | {_secs(r['time_to_target_s'])} "
+            f"| {_fmt(r['vs_fp32_ideal'], '.2f')} | {_fmt(r['vs_fp32_time'], '.2f')} "
+            f"| {_secs(r['median_step_s'])} | {_fmt(r['step_vs_fp32'], '.2f')} "
+            f"| {_secs(r['compute_only_step_s'])} | {_fmt(None if accuracy is None else 100 * accuracy, '.2f')} "
+            f"| {_fmt(mb and mb / 1e6, '.3f')} "
+            f"| {max(r['peak_rss_bytes']) / 2**20:.0f} / {statistics.median(r['peak_anon_bytes']) / 2**20:.0f} "
+            f"| {_fmt(extra, '+.1f')}{flag} |"
+        )
+    out = "\n".join(lines) + "\n"
+    if summary["fp32_ideal_s"]:
+        out += (f"\nfp32 with free communication (fp32 DDP's steps to target × its compute-only step): "
+                f"{_secs(summary['fp32_ideal_s'])} s\n")
+    for note in summary["notes"]:
+        out += f"\nNote: {note}\n"
+    if summary["targets"]:
+        out += "\n| goal | met | measured |\n|---|---|---|\n"
+        for t in summary["targets"]:
+            met = {True: "yes", False: "no", None: "–"}[t["met"]]
+            out += f"| {t['goal']} | {met} | {t['detail']} |\n"
+    return out
+
+
+def render_plot(records: list[dict[str, Any]], summary: dict[str, Any], path: str, title: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for r in records:
+        if r.get("error") or not r["curve"]:
+            continue
+        ax.plot([s for _, s, _ in r["curve"]], [100 * a for _, _, a in r["curve"]], marker=".", label=r["label"])
+    ax.axhline(100 * summary["effective_target"], color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
+    ax.set_ylabel("test accuracy (%)")
+    lo = min((100 * a for r in records if not r.get("error") for _, _, a in r["curve"]), default=90)
+    ax.set_ylim(max(lo - 1, 100 * summary["effective_target"] - 10), 100)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {
+        "cpu": model, "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+        "torch": torch.__version__, "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+
+
+def race(opts: Options, log=print) -> dict[str, Any]:
+    """Run every method; returns the result dict (also written to ``opts.out``)."""
+    configs, num_parameters = plan(opts, log)
+    network = make_network(opts, log)
+    if opts.out:
+        os.makedirs(opts.out, exist_ok=True)
+    records: list[dict[str, Any]] = []
+    started = time.time()
+    before = machine()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    def interrupted(signum, frame):
+        raise Interrupted(f"signal {signum}")
+
+    for sig in previous:
+        signal.signal(sig, interrupted)
+    try:
+        with tempfile.TemporaryDirectory(prefix="gradcomp-race-") as workdir:
+            try:
+                network.up()
+                where = (f"{len(network.hosts)} hosts in namespaces (run {network.tag}), link "
+                         f"{opts.link}" if network.tag else f"{len(network.hosts)} local processes, unshaped")
+                log(f"gradcomp race: {where}; {len(opts.methods)} methods × {opts.steps} steps")
+                if network.tag:
+                    log(f"gradcomp race: if this process is killed hard, remove what is left with "
+                        f"`gradcomp race --cleanup {network.tag}`")
+                for i, (method, cfg) in enumerate(zip(opts.methods, configs)):
+                    log(f"[{i + 1}/{len(configs)}] {method.label}")
+                    try:
+                        raw = run_method(network, method, cfg, opts, workdir, i, log)
+                    except WorkerFailedError as exc:
+                        log(f"gradcomp race: {exc}")
+                        records.append(failed_record(method, str(exc)))
+                        continue
+                    record = method_record(method, cfg, raw, num_parameters)
+                    records.append(record)
+                    reached = first_reaching(record["curve"], opts.target)
+                    log(f"    median step {record['median_step_s']:.3f} s, compute-only "
+                        f"{record['compute_only_step_s'] or float('nan'):.3f} s, final accuracy "
+                        f"{100 * (record['final_accuracy'] or 0):.2f} %, "
+                        + (f"{100 * opts.target:.2f} % at step {reached[0]} ({reached[1]:.1f} s)" if reached
+                           else f"{100 * opts.target:.2f} % not reached"))
+            finally:
+                _ignore = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the teardown
+                try:
+                    network.down()
+                finally:
+                    signal.signal(signal.SIGINT, _ignore)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    summary = summarize(records, opts.target, num_parameters)
+    result = {
+        "command": "gradcomp race",
+        "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "methods"},
+        "methods": records,
+        "summary": summary,
+        "network": {"kind": network.kind, "hosts": len(network.hosts), "link": opts.link,
+                    "rate_bps": link_rate(opts.link), "tbf_burst": netns.TBF_BURST,
+                    "tbf_latency": netns.TBF_LATENCY, "tag": network.tag},
+        "machine": {**before, "load_average_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
+        "started": started,
+        "wall_s": time.time() - started,
+    }
+    table = render_table(records, summary)
+    result["table"] = table
+    if opts.out:
+        with open(os.path.join(opts.out, "race.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(opts.out, "race.md"), "w") as f:
+            f.write(table)
+        title = (f"{opts.model} on {opts.dataset}, {opts.hosts} hosts, link {opts.link}, "
+                 f"{opts.steps} steps × {opts.batch_size}/host")
+        plot = os.path.join(opts.out, "race.png")
+        if render_plot(records, summary, plot, title):
+            result["plot"] = plot
+        else:
+            log("gradcomp race: matplotlib is not installed: no plot (pip install 'gradcomp[plots]')")
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", action="append", default=None, metavar="NAME[:KEY=VALUE,...]",
+                   help="a method to race (repeat); gradcomp compressor or torch-fp32 / torch-fp16 / "
+                        "torch-powersgd; e.g. topk:density=0.01,feedback=residual (default: the issue's ten)")
+    p.add_argument("--hosts", "--workers", dest="hosts", type=int, default=4, help="emulated hosts, one worker each")
+    p.add_argument("--link", default="100mbit",
+                   help="each host's link rate up and down, e.g. 100mbit or 1gbit (tbf); none: unshaped")
+    p.add_argument("--no-netns", action="store_true",
+                   help="with --link none: plain local processes on 127.0.0.1 instead of namespaces")
+    p.add_argument("--steps", type=int, default=500, help="training steps of every method")
+    p.add_argument("--batch-size", type=int, default=32, help="per host")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--dataset", default="mnist", help="mnist, digits or synthetic")
+    p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
+    p.add_argument("--model", default="convnet", help="cnn, mlp or convnet")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--target", type=float, default=0.98, help="test accuracy to reach (fraction)")
+    p.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps (off the training clock)")
+    p.add_argument("--compute-steps", type=int, default=20,
+                   help="compute-only steps (no communication) measured before each method's training")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck collective fails")
+    p.add_argument("--out", default="race", metavar="DIR", help="writes race.md, race.json and race.png here")
+    p.add_argument("--quiet", action="store_true", help="no per-evaluation progress lines")
+    p.add_argument("--cleanup", default=None, metavar="TAG",
+                   help="only remove the namespaces left by run TAG (printed at its start), or 'all'")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.cleanup:
+        removed = netns.cleanup(args.cleanup)
+        print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else ""))
+        return 0
+    opts = Options(
+        methods=[parse_method(s) for s in (args.method or DEFAULT_METHODS)],
+        hosts=args.hosts, link=args.link, netns_mode="off" if args.no_netns else "auto", steps=args.steps,
+        batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        dataset=args.dataset, data_root=args.data, model=args.model, seed=args.seed, device=args.device,
+        target=args.target, eval_every=args.eval_every, compute_steps=args.compute_steps, timeout_s=args.timeout,
+        out=args.out, verbose=not args.quiet,
+    )
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        result = race(opts, log)
+    except (KeyboardInterrupt, Interrupted):
+        log("gradcomp race: interrupted; workers stopped and the emulated network removed")
+        return 130
+    print(result["table"])
+    if opts.out:
+        log(f"gradcomp race: wrote {os.path.join(opts.out, 'race.md')}, race.json"
+            + (", race.png" if result.get("plot") else ""))
+    return 0

@@ -1,0 +1,299 @@
+"""One worker of ``gradcomp race``, started on its host.
+
+``[ip netns exec NS] python -m gradcomp.experiments.race_worker JOB.json``: the environment carries
+torch.distributed's usual variables (MASTER_ADDR = host 0's address, MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK) and GLOO_SOCKET_IFNAME (the host's veth). ``MASTER_PORT=0`` (plain local processes)
+makes rank 0 bind a port the OS picks and publish it in ``<job dir>/port``.
+
+What a worker does, in order:
+
+1. joins the gloo group (a TCP store at MASTER_ADDR, served by rank 0);
+2. **compute-only steps**: ``compute_steps`` steps of forward, backward and optimizer step on a private copy of
+   the model with its own batches, no communication at all, all workers at once (so they contend for the CPU
+   as in training); their median is the method's compute-only step time;
+3. trains with gradcomp's own loop, ``runner.run_worker`` (DDP with gradcomp's hook or torch's, or the
+   aggregator), with an ``after_step`` that keeps the **training clock**: the end time of every step, minus
+   the time spent evaluating. Every ``eval_every`` steps all workers evaluate the (identical) replicas on
+   1/W of the test set each and sum the counts, so the accuracy is that of the full test set; that time is
+   off the clock. The last point is run_worker's own final evaluation of the full test set on rank 0;
+4. writes ``result-<rank>.json``: step end times, accuracy curve, compute-only step times, peak resident set
+   during training steps (evaluations excluded: the high-water mark is read before and reset after each one),
+   bytes on its veth (namespaces only), and run_worker's statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import resource
+import signal
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.experiments.data import Dataset, evaluate, load_dataset
+from gradcomp.experiments.models import build_model
+from gradcomp.experiments.netns import read_wire_counters
+from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, make_optimizer, run_worker
+from gradcomp.transport.dist import DistTransport
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this worker when the race process dies (even by SIGKILL), so no worker outlives it."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_rss_bytes() -> int:
+    """The resident set's high-water mark since the last ``reset_peak_rss`` (getrusage; KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the high-water mark to the current resident set (Linux ``/proc/self/clear_refs``); False if not."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def file_backed_rss_bytes() -> int:
+    """Resident pages backed by files or shared memory (mostly torch's libraries' code), from /proc/self/status."""
+    total = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssFile:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
+class MemoryPeaks:
+    """Peak memory over training steps only: read before each evaluation, reset after it.
+
+    ``rss`` is the high-water mark of the resident set (getrusage). ``anon`` is that minus the file-backed
+    resident pages at the time of reading: library code that a method's code path happens to touch (torch's
+    fp16 kernels, say) counts in the resident set but is not memory the method allocates; file-backed pages
+    are hardly ever dropped, so the value at the end of a stretch is close to the value at its peak.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.resettable = reset_peak_rss()
+        self.rss = 0
+        self.anon = 0
+        self.cuda = 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def read(self) -> None:
+        peak = peak_rss_bytes()
+        self.rss = max(self.rss, peak)
+        self.anon = max(self.anon, peak - file_backed_rss_bytes())
+        if self.device.type == "cuda":
+            self.cuda = max(self.cuda, torch.cuda.max_memory_allocated(self.device))
+
+    def reset(self) -> None:
+        if self.resettable:
+            reset_peak_rss()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+class RaceClock:
+    """The training clock of one worker, and the periodic evaluation it pauses for."""
+
+    def __init__(self, data: Dataset, rank: int, world: int, total: int, eval_every: int, eval_batch: int,
+                 device: torch.device, memory: MemoryPeaks, verbose: bool, label: str):
+        self.data, self.rank, self.world, self.total = data, rank, world, total
+        self.eval_every, self.eval_batch, self.device = eval_every, eval_batch, device
+        self.memory, self.verbose, self.label = memory, verbose, label
+        n = data.test_x.shape[0]
+        self.test = slice(rank * n // world, (rank + 1) * n // world)  # this worker's share of the test set
+        self.step_end: list[float] = []
+        self.curve: list[list[float]] = []  # [step, training seconds, accuracy]
+        self.eval_s = 0.0
+        self._t0 = 0.0
+        self._paused = 0.0
+
+    def start(self) -> None:
+        _sync(self.device)
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0 - self._paused
+
+    def after_step(self, step: int, model: torch.nn.Module) -> None:
+        _sync(self.device)
+        now = self.now()
+        self.step_end.append(now)
+        if step + 1 >= self.total:
+            self.memory.read()  # before run_worker's final evaluation
+            if self.rank == 0:  # which rank 0 runs alone while the others wait: give it every core
+                torch.set_num_threads(os.cpu_count() or 1)
+            return
+        if not self.eval_every or (step + 1) % self.eval_every:
+            return
+        began = time.perf_counter()
+        self.memory.read()
+        accuracy = self.evaluate(model)
+        self.memory.reset()
+        spent = time.perf_counter() - began
+        self._paused += spent
+        self.eval_s += spent
+        self.curve.append([step + 1, now, accuracy])
+        if self.verbose:
+            print(f"  {self.label}: step {step + 1}/{self.total}  {now:7.1f} s  test accuracy {100 * accuracy:.2f} %"
+                  f"  (evaluation {spent:.1f} s, off the clock)", file=sys.stderr, flush=True)
+
+    def evaluate(self, model: torch.nn.Module) -> float:
+        """Accuracy of the full test set: each worker evaluates its share, the counts are summed."""
+        x, y = self.data.test_x[self.test], self.data.test_y[self.test]
+        correct = round(evaluate(model, x, y, batch_size=self.eval_batch) * x.shape[0]) if x.shape[0] else 0
+        counts = torch.tensor([correct, x.shape[0]], dtype=torch.int64)
+        dist.all_reduce(counts)
+        return int(counts[0]) / int(counts[1])
+
+
+def compute_only(cfg: TrainConfig, data: Dataset, rank: int, device: torch.device, steps: int) -> list[float]:
+    """Seconds of ``steps`` local steps (forward, backward, optimizer) on a private model, no communication."""
+    if steps <= 0:
+        return []
+    model = build_model(cfg.model, data, cfg.seed).to(device)
+    optimizer = make_optimizer(model, cfg)
+    batches = Batches(data, cfg, rank)
+    times = []
+    dist.barrier()  # every worker computes at the same time, as in training
+    for step in range(steps):
+        started = time.perf_counter()
+        xb, yb = batches.get(step, device)
+        compute_gradients(model, xb, yb)
+        optimizer.step()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    dist.barrier()
+    return times
+
+
+def _join(job: dict[str, Any], rank: int, world: int, timeout_s: float) -> None:
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    port_file = os.path.join(job["dir"], "port")
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        if port == 0:
+            with open(port_file + ".part", "w") as f:
+                f.write(str(store.port))
+            os.replace(port_file + ".part", port_file)
+    else:
+        if port == 0:
+            deadline = time.monotonic() + timeout_s
+            while not os.path.exists(port_file):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0 did not publish its store's port within {timeout_s:.0f} s")
+                time.sleep(0.05)
+            with open(port_file) as f:
+                port = int(f.read())
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo" if job["train"]["device"] == "cpu" else "nccl", store=store, rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def work(job: dict[str, Any]) -> dict[str, Any]:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.set_num_threads(job["threads"])
+    cfg = TrainConfig(**job["train"])
+    cfg.progress = False
+    if cfg.device == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    _join(job, rank, world, cfg.timeout_s)
+    data = load_dataset(cfg.dataset, cfg.data_root)
+    compute = compute_only(cfg, data, rank, device, job["compute_steps"])
+    total = Batches(data, cfg, rank).total_steps()
+    memory = MemoryPeaks(device)
+    clock = RaceClock(data, rank, world, total, job["eval_every"], job["eval_batch"], device, memory,
+                      verbose=rank == 0 and job.get("verbose", True), label=job["label"])
+    register = None
+    if job.get("baseline"):
+        from gradcomp.experiments.torch_baselines import torch_hook_registrar
+
+        register = torch_hook_registrar(job["baseline"], job["baseline_params"])
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    wire_before = read_wire_counters(ifname) if job["netns"] else None
+    dist.barrier()
+    memory.reset()
+    clock.start()
+    stats = run_worker(cfg, DistTransport(), device, register_hook=register, after_step=clock.after_step)
+    wire_after = read_wire_counters(ifname) if job["netns"] else None
+    curve = list(clock.curve)
+    if rank == 0:
+        curve.append([total, clock.step_end[-1], stats["test_accuracy"]])
+    durations = [b - a for a, b in zip([0.0] + clock.step_end[:-1], clock.step_end)]
+    return {
+        "rank": rank,
+        "host": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "steps": total,
+        "step_end_s": clock.step_end,
+        "median_step_s": statistics.median(durations) if durations else None,
+        "train_s": clock.step_end[-1] if clock.step_end else 0.0,
+        "eval_s": clock.eval_s,
+        "curve": curve,
+        "compute_only_s": compute,
+        "peak_rss_bytes": memory.rss,
+        "peak_anon_bytes": memory.anon,
+        "peak_rss_resettable": memory.resettable,
+        "cuda_peak_bytes": memory.cuda if device.type == "cuda" else None,
+        "wire_tx_bytes": wire_after[0] - wire_before[0] if wire_before and wire_after else None,
+        "wire_rx_bytes": wire_after[1] - wire_before[1] if wire_before and wire_after else None,
+        "stats": stats,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    _die_with_parent()
+    code = 0
+    try:
+        with open(argv[0]) as f:
+            job = json.load(f)
+        result = work(job)
+        path = os.path.join(job["dir"], f"result-{result['rank']}.json")
+        with open(path + ".part", "w") as f:
+            json.dump(result, f)
+        os.replace(path + ".part", path)  # complete or absent
+        dist.barrier()  # every worker is done talking
+    except BaseException:  # reported to the race through the exit status and the log
+        traceback.print_exc()
+        code = 1
+    # leave without gloo's destructors (launch.py's reason: they have aborted a finished worker)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
