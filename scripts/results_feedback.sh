@@ -20,3 +20,17 @@ for lr in 0.02 0.01 0.005; do
   run randomblock_masking_lr$lr --compressor randomblock --param density=0.01 --feedback momentum_masking --lr $lr
   run randomblock_residual_lr$lr --compressor randomblock --param density=0.01 --feedback residual --lr $lr
 done
+# curves (test accuracy every 50 steps, simulated cluster: the same bits and trajectory as gloo workers):
+# fp32, random-block with masking at the lrs that did not diverge, and random-k with masking
+C="--simulate --eval-every 50"
+run curve_fp32 --compressor none $C
+run curve_randomblock_masking_lr0.005 --compressor randomblock --param density=0.01 --feedback momentum_masking --lr 0.005 $C
+run curve_randomblock_masking_lr0.002 --compressor randomblock --param density=0.01 --feedback momentum_masking --lr 0.002 $C
+run curve_randomk_masking_lr0.005 --compressor randomk --param density=0.01 --feedback momentum_masking --lr 0.005 $C
+run curve_randomblock_none_lr0.05 --compressor randomblock --param density=0.01 $C
+gradcomp curves runs/feedback/curve_fp32.json=fp32 \
+  runs/feedback/curve_randomblock_masking_lr0.005.json="random-block 1 %, masking, lr 0.005" \
+  runs/feedback/curve_randomblock_masking_lr0.002.json="random-block 1 %, masking, lr 0.002" \
+  runs/feedback/curve_randomk_masking_lr0.005.json="random-k 1 %, masking, lr 0.005" \
+  runs/feedback/curve_randomblock_none_lr0.05.json="random-block 1 %, no memory, lr 0.05" \
+  --targets 0.5,0.9,0.97 --out docs/methods/img/random_selection_curves.png > runs/feedback/curves.md
