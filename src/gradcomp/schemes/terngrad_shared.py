@@ -22,7 +22,7 @@ Choices where the paper is silent or describes a parameter server:
   (the workers' messages are not summable on the wire: a sum of W ternaries needs log2(2W+1) bits), so
   bits down are (W − 1)·2 per coordinate, as for ``terngrad`` over allgather. ``exchange="allreduce"``
   sends the ternaries as int8 and sums them in one allreduce (8 bits per coordinate up and down at any
-  W ≤ 127; larger worlds are refused): fewer bits down from W ≥ 5 on.
+  W ≤ 127; larger worlds are refused): fewer bits down than the allgather from W = 6 on, 4× more up.
 - Clipping is per worker, before the max (the paper clips each worker's gradient).
 - Randomness: the same per-worker stream as ``terngrad`` (seeded by run seed, step, slot and worker rank).
 - A NaN or Inf entry raises NonFiniteGradientError before the first round.
