@@ -1,4 +1,4 @@
-"""Curvature of the loss along a random block versus along random-k coordinates (issue 6 investigation).
+"""Curvature of the loss along a random block versus along random-k coordinates (random-block study).
 
 A coordinate set S that is updated once and then left alone for ~1/p steps (random selection, with or without
 memory) moves by a single uncorrected step of size lr_eff * g_S. On a quadratic that step overshoots when

@@ -1,4 +1,4 @@
-"""An independent reference for random sparsification with error feedback (issue 6).
+"""An independent reference for random sparsification with error feedback.
 
 This loop does not use gradcomp's compressors, error feedback, aggregator or transport: W logical workers
 share one replica (data-parallel replicas stay identical, so one copy suffices), each computes its gradient

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The runs behind docs/results.md (issue 3).
+# The baselines' first runs, behind docs/papers/baselines.md: uncompressed fp32, fp16, top-k 1 % with error
+# feedback (gathered, on the simulated cluster, and compressed both ways through a parameter server) and
+# random-k 1 % with error feedback. MNIST, SmallCNN, 4 gloo workers, one epoch. Run from the repository root
+# in the virtual environment; each run writes runs/<name>.json and .log.
 set -e
 mkdir -p runs
 G="python -m gradcomp.cli train --no-progress"
