@@ -53,6 +53,16 @@ ROWS: list[tuple[str, str, str]] = [
     ("dgc", "DGC 0.1 %, local clipping 0.5", "--compressor dgc --param clip=0.5"),
     ("sketch_x4", "sketched SGD, x4 setting",
      "--compressor sketch --param density=0.01 --param rows=1 --param cols_per_k=18 --param candidates=4"),
+    (
+        "lgc_ring",
+        "LGC ring, 20 dense + 100 top-k steps, 0.1 %",
+        "--compressor lgc --param dense_steps=20 --param topk_steps=100",
+    ),
+    (
+        "lgc_ps",
+        "LGC parameter server, 20 dense + 100 top-k steps, 0.1 %",
+        "--compressor lgc --param variant=ps --param dense_steps=20 --param topk_steps=100",
+    ),
     ("local_topk", "local top-k 1 % (sketched SGD's baseline)", "--compressor local_topk --param density=0.01"),
     ("true_topk", "true top-k 1 % (oracle: dense allreduce)", "--compressor true_topk --param density=0.01"),
 ]
