@@ -88,8 +88,8 @@ def _record_steps():
     sink: list[list[tuple[int, int]]] = []
 
     class StepRecorder(runner.Progress):
-        def __init__(self, total: int, enabled: bool, label: str):
-            super().__init__(total, False, label)
+        def __init__(self, total: int, enabled: bool, label: str, initial: int = 0):
+            super().__init__(total, False, label, initial)
             self.cumulative: list[tuple[int, int]] = []
             sink.append(self.cumulative)
 
