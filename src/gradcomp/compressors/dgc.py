@@ -26,6 +26,9 @@ exchange index ``step`` it does, in this order:
    u and v start at 0 (the first step sends from v = u = g) and are float32, keyed by the slot's name and
    size (checkpointed by ``state_dict``; dropped by ``retain``). Masking resets the momentum of whatever is
    sent: at density 1 (everything sent every step) u is always 0 and ``dgc`` is SGD without momentum.
+   ``DGC`` computes these steps itself, in place on the wrapper's u and v (``DGC._corrected``: the same
+   arithmetic; v − sent and the masking touch only the sent positions), instead of the wrapper's dense
+   v + u, decompressed message and v − sent.
 3. **Selection by a sampled threshold** (the paper's "sampling to reduce top-k selection time": top-k on a
    0.1 %–1 % sample to estimate the threshold, then, if far more than expected pass it, a precise
    threshold from the already selected gradients). With p the step's density (step 4), d = slot size and
@@ -48,8 +51,10 @@ exchange index ``step`` it does, in this order:
      do not iterate (one pass over |v|), so the number sent varies per step and per worker, at most k
      (on average about 0.9·k on the MNIST SmallCNN's layers at the defaults; docs/methods/dgc.md).
 
-   The cost is two passes over the d entries (|v| >= tau, nonzero) plus top-k over n_s + O(k) values,
-   instead of ``torch.topk`` over all d.
+   The cost is one pass over the d entries (|v| >= tau, chunked through cache-sized scratch:
+   ``gradcomp.compressors.sparse.magnitude_candidates``) plus top-k over n_s + O(k) values, instead of
+   ``torch.topk`` over all d. The k largest candidates are found by ``sparse.keep_largest`` (a selection),
+   and by ``torch.topk`` on the candidates where the k-th largest is tied, as always (the same pick).
 4. **Exponential sparsity warm-up** (``warmup_steps``, off = 0): the density is 0.25, 0.0625, 0.015625,
    0.004 in the first four stages of ``warmup_steps`` exchanges each (sparsity 75 %, 93.75 %, 98.4375 %,
    99.6 %), then ``density`` (99.9 % for the default 0.001). A stage's density is never below ``density``
@@ -94,7 +99,13 @@ from gradcomp.compressors.base import (
     kept_count,
     shared_generator,
 )
-from gradcomp.compressors.sparse import _PositionsAndValues, check_positions_codec, position_spec
+from gradcomp.compressors.sparse import (
+    _PositionsAndValues,
+    check_positions_codec,
+    keep_largest,
+    magnitude_candidates,
+    position_spec,
+)
 from gradcomp.errors import ConfigError
 from gradcomp.feedback import MomentumCorrection
 from gradcomp.wire import Codec, FieldSpec
@@ -147,40 +158,56 @@ class SampledThresholdTopK(_PositionsAndValues):
         return warmup_density(self.density, self.warmup_steps, step)
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
-        return [position_spec(self.positions, slot.numel), FieldSpec(Codec.F32, max_count=slot.numel)]
+        # one value per position: the decoder refuses sections whose counts disagree
+        values = FieldSpec(Codec.F32, max_count=slot.numel, same_count_as=-1)
+        return [position_spec(self.positions, slot.numel), values]
 
     def generator(self, slot: Slot, step: int, device: torch.device) -> torch.Generator:
         return shared_generator(self.seed, step, slot.index, device, salt=f"dgc:{self.worker}")
 
     def threshold(self, magnitude: Tensor, slot: Slot, step: int) -> Tensor:
-        """tau: the ceil(p·n_s)-th largest of n_s sampled magnitudes (of all of them when n_s >= d)."""
+        """tau: the ceil(p·n_s)-th largest of n_s sampled magnitudes (of all of them when n_s >= d).
+
+        ``magnitude`` may also be the signed values: only the magnitudes of the sampled entries are used (the
+        abs is taken of the n_s samples, not of all d entries).
+        """
         d, p = magnitude.numel(), self.density_at(step)
         n = sample_count(p, self.sample, d)
         if n < d:
             picks = torch.randint(
                 d, (n,), generator=self.generator(slot, step, magnitude.device), device=magnitude.device
             )
-            samples = magnitude[picks]
+            samples = torch.index_select(magnitude, 0, picks).abs_()
         else:
-            samples = magnitude
+            samples = magnitude.abs()
         return torch.topk(samples, kept_count(p, samples.numel()), sorted=False).values.min()
 
-    def select(self, magnitude: Tensor, slot: Slot, step: int) -> Tensor:
-        """Sorted positions: the top-k among the candidates |v| >= tau, or all candidates if k or fewer."""
-        k = kept_count(self.density_at(step), magnitude.numel())
-        tau = self.threshold(magnitude, slot, step).clamp(min=_SMALLEST)
-        candidates = torch.nonzero(magnitude >= tau).reshape(-1)
+    def select(self, values: Tensor, slot: Slot, step: int) -> Tensor:
+        """Sorted positions: the top-k of |v| among the candidates |v| >= tau, or all candidates if k or fewer.
+
+        ``values`` is v or |v|. The candidates come from one chunked pass
+        (:func:`gradcomp.compressors.sparse.magnitude_candidates`); the k largest of them from
+        :func:`~gradcomp.compressors.sparse.keep_largest`, or, where the k-th largest is tied, from
+        ``torch.topk`` on the candidates' magnitudes, exactly as this selection has always broken ties.
+        """
+        k = kept_count(self.density_at(step), values.numel())
+        tau = float(self.threshold(values, slot, step).clamp(min=_SMALLEST))  # a float32 value: exact
+        candidates = magnitude_candidates(values, tau, "ge")
         if candidates.numel() > k:
-            candidates = candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
-        return torch.sort(candidates).values
+            scores = torch.index_select(values, 0, candidates).abs_()
+            kept = keep_largest(candidates, scores, k)
+            if kept is not None:
+                return kept[0]
+            candidates = torch.sort(candidates[torch.topk(scores, k, sorted=False).indices]).values
+        return candidates
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         flat = x.reshape(-1)
         if flat.numel() == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=flat.device)
             return [empty, torch.zeros(0, dtype=torch.float32, device=flat.device)]
-        positions = self.select(flat.abs(), slot, step)
-        return [positions, flat[positions].to(torch.float32)]
+        positions = self.select(flat, slot, step)
+        return [positions, torch.index_select(flat, 0, positions).to(torch.float32)]
 
 
 def _check_fraction(name: str, value: object) -> float:
@@ -264,7 +291,31 @@ class DGC(Compressor):
         g = x.reshape(-1).to(torch.float32)
         if self.clip is not None:
             g = clip_norm(g, self.clip)
-        return self.feedback.compress(g, slot, step)
+        return self._corrected(g, slot, step)
+
+    def _corrected(self, g: Tensor, slot: Slot, step: int) -> Fields:
+        """``self.feedback.compress(g, slot, step)`` (momentum correction with masking), computed in place.
+
+        The same arithmetic on the same state (``self.feedback``'s u and v, so ``state_dict`` is unchanged):
+        u = m·u + g and v = v + u update the stored tensors in place, and since the message is sparse,
+        v − sent and the masking touch only the sent positions: v − sent is v where nothing was sent and
+        v[i] − v[i] at a sent position i (computed as such, so Inf and NaN behave as before), and u is zeroed
+        where a nonzero value was sent. No d-sized temporary: ``MomentumCorrection`` builds v + u, the dense
+        decompressed message, its mask and v − sent, four fresh d-sized tensors per step. The message's values
+        are copies (``index_select``), never views of v.
+        """
+        feedback = self.feedback
+        key = feedback._key(slot)
+        u = feedback.velocity.get(key)
+        u = g.clone() if u is None else u.mul_(feedback.momentum).add_(g)
+        v = feedback.accumulated.get(key)
+        v = u.clone() if v is None else v.add_(u)
+        fields = self.selector.compress(v, slot, step)
+        positions, values = fields
+        u.index_fill_(0, positions[values != 0], 0.0)  # momentum factor masking: sent != 0
+        v.index_copy_(0, positions, values - values)  # v − sent at the sent positions
+        feedback.velocity[key], feedback.accumulated[key] = u, v
+        return fields
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         return self.selector.decompress(fields, slot, step)

@@ -8,6 +8,12 @@ All four are stochastic, unbiased (TernGrad only without clipping) and never sum
 integers of sign and level, not values that add. Everything is vectorized torch on the tensor's device;
 ``compress`` synchronises with the host exactly once (the NaN/Inf check), ``decompress`` never.
 
+Speed (CPU): C_nat and the ditherings make their codes in chunks of 2^17 entries with reused scratch buffers
+(everything after the norm is elementwise, and the random numbers drawn chunk by chunk from the same
+generator are the same numbers in the same order, so the codes are bit-identical), and max|x| comes from
+one min/max pass instead of a d-sized |x|. What remains is mostly the random numbers (one mt19937 draw per
+entry) and the int64 codes' memory.
+
 ``cnat`` — natural compression C_nat. An entry t with 2^a <= |t| < 2^(a+1) becomes sign(t)·2^a with
 probability (2^(a+1) − |t|)/2^a, else sign(t)·2^(a+1); 0 stays 0. On the IEEE-754 bits of the float32
 entry (exponent field e, 23-bit mantissa m) this is: drop m and add one to e with probability m/2^23,
@@ -89,6 +95,7 @@ from torch import Tensor
 
 from gradcomp.catalog import register
 from gradcomp.compressors.base import Compressor, Fields, Slot, check_int, shared_generator
+from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.wire import Codec, FieldSpec
 
@@ -108,6 +115,15 @@ def _check_seed(seed: object) -> int:
     return check_int("seed", seed, minimum=0)
 
 
+_CHUNK = 1 << 17  # entries per step of the chunked CPU loops below (their scratch stays in cache)
+
+
+def _cpu_loop(flat: Tensor) -> bool:
+    """Whether the chunked CPU loops below run (CPU tensors) or whole-tensor torch ops (any device; the same
+    codes: tests switch the loops off to check the whole-tensor path on the CPU)."""
+    return flat.device.type == "cpu"
+
+
 def cnat_encode(x: Tensor, gen: torch.Generator, where: str = "tensor", check: bool = True) -> Tensor:
     """The 9-bit C_nat codes (int64, sign·256 + exponent code) of the float32 tensor ``x``.
 
@@ -116,8 +132,47 @@ def cnat_encode(x: Tensor, gen: torch.Generator, where: str = "tensor", check: b
     The exponent is rounded up with probability mantissa / 2^23 by one integer addition: adding
     (2^23 − 1 − u), u uniform in [0, 2^23), to |x|'s bit pattern carries into the exponent field exactly when
     u < mantissa. A code of 0 (the value 0) never carries a sign.
+
+    On the CPU the codes are made in chunks of ``_CHUNK`` entries with reused int32 scratch buffers, drawing
+    u chunk by chunk from the same generator: the draws are the same numbers in the same order as one
+    ``torch.randint`` over the whole tensor, and every step is integer arithmetic, so the codes are identical
+    (int32 additions wrap alike in any order). Only the int64 output is allocated.
     """
     flat = _flat_f32(x).contiguous()
+    if not _cpu_loop(flat):
+        return _cnat_codes(flat, gen, where, check)
+    d = flat.numel()
+    out = torch.empty(d, dtype=torch.int64)
+    width = min(d, _CHUNK)
+    u_buf = workspace("cnat-u", width, torch.int32)
+    code_buf = workspace("cnat-code", width, torch.int32)
+    sign_buf = workspace("cnat-sign", width, torch.int32)
+    nonzero_buf = workspace("cnat-nonzero", width, torch.bool)
+    bits = flat.view(torch.int32)
+    if check:  # NaN/Inf: the magnitude's bit pattern is at least that of Inf
+        finite = all(
+            int(torch.bitwise_and(bits[s : s + _CHUNK], 0x7FFFFFFF, out=code_buf[: min(_CHUNK, d - s)]).max())
+            < 0x7F800000
+            for s in range(0, d, _CHUNK)
+        )
+        if not finite:
+            raise NonFiniteGradientError(f"non-finite (NaN or Inf) value in {where}; cannot compress with cnat")
+    for start in range(0, d, _CHUNK):
+        b = bits[start : start + _CHUNK]
+        n = b.numel()
+        u, code, sign, nonzero = u_buf[:n], code_buf[:n], sign_buf[:n], nonzero_buf[:n]
+        u.random_(0, 1 << _MANTISSA_BITS, generator=gen)
+        torch.bitwise_and(b, 0x7FFFFFFF, out=code)
+        code.sub_(u).add_(_MANTISSA_MASK).bitwise_right_shift_(_MANTISSA_BITS).clamp_(max=_MAX_EXPONENT)
+        torch.bitwise_right_shift(b, 31, out=sign).bitwise_and_(256)  # 256 where the sign bit is set
+        torch.ne(code, 0, out=nonzero)
+        sign.mul_(nonzero)  # a zero code carries no sign
+        out[start : start + n].copy_(code.bitwise_or_(sign))
+    return out
+
+
+def _cnat_codes(flat: Tensor, gen: torch.Generator, where: str, check: bool) -> Tensor:
+    """``cnat_encode`` in whole-tensor torch ops (other devices; the definition the CPU loop reproduces)."""
     if check and not bool(torch.isfinite(flat).all()):
         raise NonFiniteGradientError(f"non-finite (NaN or Inf) value in {where}; cannot compress with cnat")
     bits = flat.view(torch.int32)
@@ -190,11 +245,17 @@ def _check_norm_codec(norm_codec: object) -> str:
     return norm_codec
 
 
-def _scaled(flat: Tensor) -> tuple[Tensor, Tensor]:
-    """(max|x|, x / max|x|) with the division guarded for the zero vector (then x itself)."""
-    peak = flat.abs().amax()
+def _peak(flat: Tensor) -> Tensor:
+    """max|x| (NaN if there is one) without a d-sized |x|: the larger magnitude of the minimum and the maximum."""
+    low, high = torch.aminmax(flat)
+    return torch.maximum(low.abs(), high.abs())
+
+
+def _scaled(flat: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(max|x|, x / max|x|) with the division guarded for the zero vector (then x itself); into ``out``."""
+    peak = _peak(flat)
     safe = torch.where(peak > 0, peak, torch.ones_like(peak))
-    return peak, flat / safe
+    return peak, torch.div(flat, safe, out=out)
 
 
 class _Dithering(Compressor):
@@ -238,6 +299,13 @@ class _Dithering(Compressor):
     def _level_value(self, index: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def _codes(self, y: Tensor, u: Tensor, x: Tensor, out: Tensor, cpu: bool) -> None:
+        """out (int64) = the codes of one chunk: sign·2^level_bits + level index of y (u: its uniform draws,
+        x: the entries themselves, for the sign). ``y`` and ``u`` may be overwritten."""
+        index = self._level_index(y, u).clamp_(0, self.levels).to(torch.int64)
+        negative = (x < 0).logical_and_(index > 0)
+        out.copy_(index.bitwise_or_(negative.to(torch.int64).bitwise_left_shift_(self.level_bits)))
+
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         flat = _flat_f32(x)
         device = flat.device
@@ -245,7 +313,9 @@ class _Dithering(Compressor):
             norm = torch.zeros(1, dtype=torch.float32, device=device)
             codes = torch.zeros(0, dtype=torch.int64, device=device)
         else:
-            peak, scaled = _scaled(flat)
+            # on the CPU x / max|x| goes to a reused buffer (it must exist whole: the 2-norm is one reduction)
+            cpu = _cpu_loop(flat)
+            peak, scaled = _scaled(flat, workspace("dithering", flat.numel(), torch.float32) if cpu else None)
             if self.norm == "2":
                 scaled_norm = torch.linalg.vector_norm(scaled)
             else:
@@ -256,12 +326,22 @@ class _Dithering(Compressor):
                     f"{self.name}: the {self.norm}-norm of {slot.name} is not finite (NaN/Inf input or overflow)"
                 )
             divisor = torch.where(scaled_norm > 0, scaled_norm, torch.ones_like(scaled_norm))
-            y = scaled.abs() / divisor
             gen = shared_generator(self.seed, step, slot.index, device, salt=f"{self.name}:{self.worker}")
-            u = torch.rand(flat.shape, generator=gen, device=device)
-            index = self._level_index(y, u).clamp_(0, self.levels).to(torch.int64)
-            negative = (flat < 0).logical_and_(index > 0)
-            codes = index.bitwise_or_(negative.to(torch.int64).bitwise_left_shift_(self.level_bits))
+            codes = torch.empty(flat.numel(), dtype=torch.int64, device=device)
+            # Everything from here is elementwise, so chunks give the codes of the whole tensor, and drawing u
+            # chunk by chunk from the generator draws the same numbers in the same order: bit-identical codes,
+            # with chunk-sized temporaries (reused by the allocator) instead of a dozen d-sized ones.
+            step_size = _CHUNK if cpu else max(1, flat.numel())
+            width = min(step_size, flat.numel())
+            y_buf = workspace("dithering-y", width, torch.float32) if cpu else None
+            u_buf = workspace("dithering-u", width, torch.float32) if cpu else None
+            for start in range(0, flat.numel(), step_size):
+                piece = scaled[start : start + step_size]
+                n = piece.numel()
+                y = torch.abs(piece, out=None if y_buf is None else y_buf[:n]).div_(divisor)
+                # torch.rand(n, generator=gen) is uniform_ on a fresh tensor: the same draws
+                u = torch.rand(n, generator=gen, device=device) if u_buf is None else u_buf[:n].uniform_(generator=gen)
+                self._codes(y, u, flat[start : start + step_size], codes[start : start + n], cpu)
         if self.norm_codec == "cnat":
             gen = shared_generator(self.seed, step, slot.index, device, salt=f"{self.name}:norm:{self.worker}")
             norm = cnat_encode(norm, gen, slot.name, check=False)  # already checked finite
@@ -291,6 +371,23 @@ class RandomDithering(_Dithering):
         scaled = y * float(self.levels)
         lower = torch.floor(scaled)
         return (lower + (u < scaled - lower).to(torch.float32)).to(torch.int64)
+
+    def _codes(self, y: Tensor, u: Tensor, x: Tensor, out: Tensor, cpu: bool) -> None:
+        """``_level_index`` and the sign, op for op the same float32 arithmetic, into reused scratch (CPU)."""
+        if not cpu:
+            return super()._codes(y, u, x, out, cpu)
+        n = y.numel()
+        lower = workspace("dithering-lower", n, torch.float32)
+        up = workspace("dithering-up", n, torch.bool)
+        negative = workspace("dithering-negative", n, torch.bool)
+        scaled = y.mul_(float(self.levels))  # y·s
+        torch.floor(scaled, out=lower)
+        torch.lt(u, scaled.sub_(lower), out=up)  # u < y·s − floor(y·s)
+        index = lower.add_(up).clamp_(0, self.levels)  # floor + 0 or 1: an exact small integer in float32
+        torch.gt(index, 0, out=negative)
+        negative.logical_and_(torch.lt(x, 0, out=up))
+        out.copy_(index)  # the integer, exactly
+        out.add_(negative, alpha=1 << self.level_bits)  # the sign bit, where the level is not 0
 
     def _level_value(self, index: Tensor) -> Tensor:
         return index.to(torch.float32) / float(self.levels)

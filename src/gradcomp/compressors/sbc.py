@@ -25,19 +25,81 @@ Choices where the papers are silent: ties between μ+ and μ− go to the positi
 than k positive (negative) entries, the k largest (smallest) still fill up with entries of the other sign
 or zeros, exactly as ``torch.topk`` returns them, and their mean is used as is; the side is chosen with
 ``torch.where`` on the device, without a host synchronisation.
+
+Speed: on the CPU, where k <= d/64, both select by sampled thresholds with exact selection among the
+candidates above them (``_both_sides``; stc through ``sparse.topk_positions``) instead of ``torch.topk``
+over all d entries, and fall back to ``torch.topk`` wherever that route cannot vouch for the same set. The
+means are sums in a fixed order, so they are taken over the kept values in decreasing order, the order in
+which ``torch.topk`` returns them on that path: the messages are bit-identical to the earlier ones
+(tests/test_wire_stability.py).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from gradcomp.catalog import register
 from gradcomp.compressors.base import Compressor, Fields, Slot
-from gradcomp.compressors.sparse import KeptCount, check_positions_codec, position_spec
+from gradcomp.compressors.sparse import (
+    KeptCount,
+    check_positions_codec,
+    fast_topk_applies,
+    keep_largest,
+    kth_largest,
+    magnitude_candidates,
+    position_spec,
+    sample_rank,
+    strided_sample,
+    topk_positions,
+)
 from gradcomp.wire import Codec, FieldSpec
+
+
+def _decreasing(values: Tensor) -> Tensor:
+    """``values`` (float32, sign bits clear: magnitudes, or one side's values above a positive threshold) in
+    decreasing order: the order ``torch.topk`` returns its values in on the CPU when 64·k <= d (its partial-sort
+    path), hence the order in which the means below have always been summed. Sorted as int32 bit patterns,
+    whose order is the float order for non-negative floats (NaN last) and which torch sorts several times
+    faster than float32."""
+    return torch.sort(values.contiguous().view(torch.int32)).values.flip(0).view(torch.float32)
+
+
+def _both_sides(flat: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """SBC's two selections by sampled thresholds: (positions of the k largest entries, their values in
+    decreasing order, positions of the k most negative entries, their negated values in decreasing order),
+    positions increasing — exactly what ``torch.topk(flat, k)`` and ``torch.topk(-flat, k)`` select — or None
+    where the sampled route cannot vouch for that (the caller then runs torch.topk, as before).
+
+    One sample gives each side its threshold (tau+ from the sample, tau- from the negated sample); one pass
+    collects every entry with |x| >= min(tau+, tau-); each side keeps its k largest among its candidates
+    (:func:`gradcomp.compressors.sparse.keep_largest`). None when a side has fewer than k candidates or a tie
+    at its k-th value, a threshold is not positive (fewer than about k entries of that sign), or a NaN shows.
+    """
+    if not fast_topk_applies(flat, k):
+        return None
+    sample = strided_sample(flat, k)
+    r = sample_rank(sample.numel(), k, flat.numel())
+    tau_positive, tau_negative = kth_largest(sample, r), kth_largest(sample.neg_(), r)
+    if not (tau_positive > 0.0 and tau_negative > 0.0):
+        return None
+    candidates = magnitude_candidates(flat, min(tau_positive, tau_negative), "ge_or_nan").numpy()
+    values = torch.index_select(flat, 0, torch.from_numpy(candidates)).numpy()  # CPU only (fast_topk_applies)
+    if np.isnan(values).any():
+        return None
+    sides = []
+    for side, tau in ((values, tau_positive), (np.negative(values), tau_negative)):
+        mine = side >= np.float32(tau)  # every entry of this side above its own threshold is a candidate
+        if int(np.count_nonzero(mine)) < k:
+            return None
+        kept = keep_largest(torch.from_numpy(np.compress(mine, candidates)), torch.from_numpy(side[mine]), k)
+        if kept is None:
+            return None
+        sides += [kept[0], _decreasing(kept[1])]
+    return sides[0], sides[1], sides[2], sides[3]
 
 
 class _SharedValueSparsifier(Compressor):
@@ -72,13 +134,18 @@ class SparseBinary(_SharedValueSparsifier):
         k = self.count(slot)
         if k == 0:
             return [torch.zeros(0, dtype=torch.int64, device=flat.device), torch.zeros(1, device=flat.device)]
-        top_values, top_positions = torch.topk(flat, k, sorted=False)
-        bottom_values, bottom_positions = torch.topk(-flat, k, sorted=False)
+        sides = _both_sides(flat, k)
+        if sides is None:
+            top_values, top_positions = torch.topk(flat, k, sorted=False)
+            bottom_values, bottom_positions = torch.topk(-flat, k, sorted=False)
+            top_positions, bottom_positions = torch.sort(top_positions).values, torch.sort(bottom_positions).values
+        else:
+            top_positions, top_values, bottom_positions, bottom_values = sides
         mean_positive, mean_negative = top_values.mean(), bottom_values.mean()
         positive = mean_positive >= mean_negative
         chosen = torch.where(positive, top_positions, bottom_positions)
         signed_mean = torch.where(positive, mean_positive, -mean_negative)
-        return [torch.sort(chosen).values, signed_mean.reshape(1)]
+        return [chosen, signed_mean.reshape(1)]
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         positions, signed_mean = fields
@@ -105,9 +172,15 @@ class SparseTernary(_SharedValueSparsifier):
         if k == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=flat.device)
             return [empty, empty, torch.zeros(1, device=flat.device)]
-        magnitudes, positions = torch.topk(flat.abs(), k, sorted=False)
-        positions = torch.sort(positions).values
-        negative = (flat[positions] < 0).to(torch.int64)
+        if fast_topk_applies(flat, k):
+            positions = topk_positions(flat, k)
+            values = torch.index_select(flat, 0, positions)
+            magnitudes = _decreasing(values.abs())  # torch.topk's value order here: the same mean, bit for bit
+        else:
+            magnitudes, positions = torch.topk(flat.abs(), k, sorted=False)
+            positions = torch.sort(positions).values
+            values = torch.index_select(flat, 0, positions)
+        negative = (values < 0).to(torch.int64)
         return [positions, negative, magnitudes.mean().reshape(1)]
 
     def _values(self, fields: Fields) -> tuple[Tensor, Tensor]:

@@ -43,9 +43,11 @@ coordinate moves by the mean |p| of its side), so the usual SGD lr works — mea
 Wire layout. The sign bits are the LSB-first bitmap of the *negative* mask: bit k of byte k // 8 (counted
 from the least significant bit) is 1 when entry k is < 0; the unused high bits of the last byte are 0.
 These are exactly the bytes ``gradcomp.wire.pack_bool(x < 0)`` produces, ceil(d/8) of them. The compressor
-packs them itself in one vectorised pass (``pack_signs``: the comparison writes a byte per entry, every 8
-bytes are read as one little-endian 64-bit word and three shift-ors gather its 8 low bits into its low
-byte; in chunks of 2^20 entries, so that the scratch buffers stay small and are reused) and hands the
+packs them itself in one vectorised pass (``pack_signs``: on the CPU, numpy's comparison into a reused
+bool buffer and ``np.packbits``, in chunks of 2^18 entries that stay in cache; on other devices the
+comparison writes a byte per entry, every 8 bytes are read as one little-endian 64-bit word and three
+shift-ors gather its 8 low bits into its low byte, in chunks of 2^20 entries; efsignsgd and onebit pack
+each chunk while they sum it, signum right after its momentum update of the chunk) and hands the
 container ceil(d/8) bytes, declared as a BITS section of width 8 — the container's width-1 path would need
 every sign as an int64 in memory (64 times the wire size) and is several times slower. The field is int64
 in memory, one value per byte, as every integer field of a message is. So one slot's message is:
@@ -87,11 +89,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from gradcomp.catalog import register
 from gradcomp.compressors.base import Compressor, Fields, Slot
+from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, WireError
 from gradcomp.wire import Codec, FieldSpec
 
@@ -104,6 +108,8 @@ def packed_count(numel: int) -> int:
 
 
 _CHUNK = 1 << 20  # entries per pass: scratch buffers of about 1–4 MB that the allocator reuses
+# entries per chunk of the numpy sign packer (a multiple of 8): 1 MB of input and 256 kB of mask, in cache
+_PACK_CHUNK = 1 << 18
 
 
 def _pack_into(flat: Tensor, out: Tensor, mask: Tensor, shifted: Tensor) -> None:
@@ -127,20 +133,50 @@ def _pack_into(flat: Tensor, out: Tensor, mask: Tensor, shifted: Tensor) -> None
     out.bitwise_and_(0xFF)
 
 
-def _pack(flat: Tensor, count: bool = False) -> tuple[Tensor, Tensor | None]:
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
+
+def _numpy_path(flat: Tensor) -> bool:
+    """Whether signs are packed by numpy (CPU, numpy float dtypes) or by torch ops (any device; the same bytes:
+    tests switch the numpy path off to check the torch one on the CPU)."""
+    return flat.device.type == "cpu" and flat.dtype in _NUMPY_FLOATS
+
+
+def _pack(flat: Tensor, count: bool = False, before=None) -> tuple[Tensor, Tensor | None]:
     """(sign bitmap as ceil(d/8) int64 byte values, number of negative entries if ``count``).
 
-    Works through chunks of 2^20 entries with two small scratch buffers: d-sized temporaries would cost
-    page faults (on CPU a fresh 40 MB tensor takes several times as long as the arithmetic on it).
+    ``before(start, end)``, if given, is called on each chunk just before its signs are read (Signum updates
+    its momentum there, so that the chunk is packed while it is in cache).
+
+    Works through chunks with small scratch buffers: d-sized temporaries would cost page faults (on CPU a
+    fresh 40 MB tensor takes several times as long as the arithmetic on it). On the CPU numpy does each chunk
+    of 2^18 entries in two calls, the comparison into a reused bool buffer and ``np.packbits`` (LSB first: the
+    same bytes); elsewhere the torch word arithmetic of ``_pack_into``, in chunks of 2^20 entries.
     """
     d = flat.numel()
     out = torch.empty(packed_count(d), dtype=torch.int64, device=flat.device)
+    if _numpy_path(flat):
+        x, o = flat.detach().contiguous().numpy(), out.numpy()
+        scratch = workspace("signs", min(d, _PACK_CHUNK), torch.bool).numpy()
+        negative = 0
+        for start in range(0, d, _PACK_CHUNK):
+            piece = x[start : start + _PACK_CHUNK]
+            if before is not None:
+                before(start, start + piece.size)
+            mask = scratch[: piece.size]
+            np.less(piece, 0, out=mask)
+            o[start // 8 : start // 8 + packed_count(piece.size)] = np.packbits(mask, bitorder="little")
+            if count:
+                negative += int(np.count_nonzero(mask))
+        return out, torch.tensor(negative, dtype=torch.int64) if count else None
     width = min(d, _CHUNK)
     mask = torch.empty(8 * packed_count(width), dtype=torch.bool, device=flat.device)
     shifted = torch.empty(packed_count(width), dtype=torch.int64, device=flat.device)
     negatives = []
     for start in range(0, d, _CHUNK):  # _CHUNK is a multiple of 8: every chunk starts on a byte
         piece = flat[start : start + _CHUNK]
+        if before is not None:
+            before(start, start + piece.numel())
         _pack_into(piece, out[start // 8 : start // 8 + packed_count(piece.numel())], mask, shifted)
         if count:
             negatives.append(torch.count_nonzero(mask[: piece.numel()]))
@@ -303,10 +339,18 @@ class Signum(_MajorityVote):
         m = self.buffers.get(key)
         if m is None:
             m = g * (1.0 - self.momentum)  # from m = 0
-        else:
-            m = m.to(g.device).mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
+            self.buffers[key] = m
+            return [pack_signs(m)]
+        m = m.to(g.device)
         self.buffers[key] = m
-        return [pack_signs(m)]
+        if m.dim() != 1 or not m.is_contiguous() or m.shape != g.shape:
+            m.mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
+            return [pack_signs(m)]
+
+        def update(start: int, end: int) -> None:  # the same in-place update, chunk by chunk (elementwise)
+            m[start:end].mul_(self.momentum).add_(g[start:end], alpha=1.0 - self.momentum)
+
+        return [_pack(m, before=update)[0]]  # each chunk's signs packed right after its update, in cache
 
     def retain(self, slots: list[Slot]) -> None:
         keep = {self._key(s) for s in slots}
@@ -337,13 +381,46 @@ def _chunked_sums(flat: Tensor, *maps) -> Tensor:
     Chunked through one small scratch buffer, for the reason given in ``_pack``. Chunk sums are float32,
     added in float64.
     """
-    scratch = torch.empty(min(flat.numel(), _CHUNK), dtype=torch.float32, device=flat.device)
+    return _signs_and_sums(flat, maps, signs=False)[0]
+
+
+def _signs_and_sums(
+    flat: Tensor, maps, signs: bool = True, count: bool = False
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(``_chunked_sums(flat, *maps)``, the sign bitmap ``pack_signs(flat)``, its count of negative entries):
+    one pass over ``flat`` instead of two on the CPU, each 2^20-entry chunk packed while it is in cache.
+
+    The sums are those of ``_chunked_sums`` bit for bit: the same chunks, the same float32 ``sum`` of each
+    mapped chunk, the same float64 total. The scratch buffer is reused across calls (``workspace``).
+    """
+    d = flat.numel()
+    fused = signs and _numpy_path(flat)
+    packed = negatives = None
+    if signs and not fused:
+        packed, negatives = _pack(flat, count)
+    if flat.device.type == "cpu":
+        scratch = workspace("sign-sums", min(d, _CHUNK), torch.float32)
+    else:
+        scratch = torch.empty(min(d, _CHUNK), dtype=torch.float32, device=flat.device)
+    if fused:
+        packed = torch.empty(packed_count(d), dtype=torch.int64)
+        x, o = flat.detach().contiguous().numpy(), packed.numpy()
+        mask_buffer = workspace("signs", min(d, _CHUNK), torch.bool).numpy()
+        negative = 0
     parts = []
-    for start in range(0, flat.numel(), _CHUNK):
+    for start in range(0, d, _CHUNK):
         piece = flat[start : start + _CHUNK]
         out = scratch[: piece.numel()]
         parts.append(torch.stack([m(piece, out=out).sum() for m in maps]))
-    return torch.stack(parts).double().sum(0)
+        if fused:
+            mask = mask_buffer[: piece.numel()]
+            np.less(x[start : start + _CHUNK], 0, out=mask)
+            o[start // 8 : start // 8 + packed_count(piece.numel())] = np.packbits(mask, bitorder="little")
+            if count:
+                negative += int(np.count_nonzero(mask))
+    if fused and count:
+        negatives = torch.tensor(negative, dtype=torch.int64)
+    return torch.stack(parts).double().sum(0), packed, negatives
 
 
 def _nonnegative(piece: Tensor, out: Tensor) -> Tensor:
@@ -381,9 +458,10 @@ class EFSignSGD(_Sign):
         d = flat.numel()
         if d == 0:
             return [torch.zeros(0, dtype=torch.int64, device=flat.device), torch.zeros(1, device=flat.device)]
-        scale = (_chunked_sums(flat, torch.abs) / d).to(torch.float32)
+        sums, packed, _ = _signs_and_sums(flat, (torch.abs,))
+        scale = (sums / d).to(torch.float32)
         scale = _finite_or_f64(scale, lambda: (flat.double().abs().sum() / d).to(torch.float32).reshape(1))
-        return [pack_signs(flat), scale]
+        return [packed, scale]
 
     def _decode_values(self, fields: Fields, slot: Slot) -> tuple[Tensor, Tensor]:
         scale = fields[1].reshape(-1)[0].to(torch.float32)
@@ -410,10 +488,10 @@ class OneBit(_Sign):
         d = flat.numel()
         if d == 0:
             return [torch.zeros(0, dtype=torch.int64, device=flat.device), torch.zeros(2, device=flat.device)]
-        packed, n_negative = _pack(flat, count=True)
+        sums, packed, n_negative = _signs_and_sums(flat, (_nonnegative, _negative), count=True)
         n_negative = n_negative.double()
         counts = torch.stack([(d - n_negative).clamp(min=1), n_negative.clamp(min=1)])  # an empty side sums to 0
-        means = (_chunked_sums(flat, _nonnegative, _negative) / counts).to(torch.float32)
+        means = (sums / counts).to(torch.float32)
 
         def in_float64() -> Tensor:
             wide = flat.double()

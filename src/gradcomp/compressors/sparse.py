@@ -23,10 +23,22 @@
 Choices where papers are silent: k is at least 1 for a non-empty tensor; random-k draws its positions on
 the tensor's device with ``sample_without_replacement`` (O(k) for small k); positions are sorted before
 encoding so both position codecs apply.
+
+Speed (issue "make compressors fast enough"; benchmarks/README.md has the numbers). Top-k selects by a
+sampled threshold with exact selection among the few candidates above it (``topk_positions``, shared with
+sbc, stc and dgc), falling back to ``torch.topk`` wherever it could not vouch for the same set; threshold and
+the candidates' scan run in chunks through reused scratch buffers (``magnitude_candidates``, ``workspace``);
+random-k finds its first k distinct draws with one sort; gathers use ``index_select`` (several times faster
+than advanced indexing on the CPU). Every message is bit-identical to what the straightforward torch
+expressions produced before (tests/test_wire_stability.py).
 """
 
 from __future__ import annotations
 
+import math
+import threading
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -87,24 +99,72 @@ class KeptCount:
 
 
 def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: torch.device) -> Tensor:
-    """k distinct positions drawn uniformly from range(n), in O(k) work when k is small.
+    """k distinct positions drawn uniformly from range(n), in increasing order; O(k) work when k is small.
 
     For k >= n/4 a permutation's prefix. Otherwise draw with replacement, in rounds of about 1.25·k, and keep
     the first k distinct values in draw order: the first k distinct values of an i.i.d. uniform sequence are
-    a uniform k-subset. (A full ``randperm(n)`` to keep 1 % costs 100× more.)
+    a uniform k-subset. (A full ``randperm(n)`` to keep 1 % costs 100× more.) The answer is a function of
+    the generator's stream alone, so it is looked for in a prefix of the first round first, just longer than
+    k (``_draw_sizes``): the first k distinct values lie there unless more than about k²/n draws repeat.
+    Drawing a round in two calls draws the same numbers as in one.
+
+    Which values are the first k distinct ones is found with ONE stable sort of the draws (32-bit keys where n
+    allows): among equal values the earliest draw comes first, so each distinct value's first draw is known,
+    and the k values whose first draws come earliest are those whose first draw is at most the k-th smallest
+    first draw. They come out of the sort already in increasing order. The draws are the same numbers as
+    ever, so the positions are those of every earlier version (tests/test_wire_stability.py); only the
+    generator may be left further back (fewer numbers drawn), which matters to no caller: random-k seeds a
+    fresh generator per slot and step.
     """
     if 4 * k >= n:
-        return torch.randperm(n, generator=gen, device=device)[:k]
+        return torch.sort(torch.randperm(n, generator=gen, device=device)[:k]).values
     draws = torch.empty(0, dtype=torch.int64, device=device)
+    rounds = _draw_sizes(n, k)
     while True:
-        draws = torch.cat([draws, torch.randint(n, (k + k // 4 + 16,), generator=gen, device=device)])
-        values, inverse = torch.unique(draws, return_inverse=True)
-        if values.numel() >= k:
+        draws = torch.cat([draws, torch.randint(n, (next(rounds),), generator=gen, device=device)])
+        keys = draws.to(torch.int32) if n <= 2**31 else draws
+        ordered, order = torch.sort(keys, stable=True)
+        if _numpy_path(ordered):  # the same steps in numpy: its masks and compress cost a fraction of torch's
+            s, o = ordered.numpy(), order.numpy()
+            first = np.empty(s.size, dtype=np.bool_)
+            first[0] = True
+            np.not_equal(s[1:], s[:-1], out=first[1:])
+            distinct = int(np.count_nonzero(first))
+            if distinct < k:
+                continue
+            if distinct > k:
+                # The k-th distinct value is first drawn at index j = k − 1 + (repeats drawn before j), a
+                # repeat being a draw of a value drawn earlier (not first in its group: the sort is stable).
+                # Repeats are few (about k²/2n): a fixed-point iteration over their sorted indices finds j.
+                repeats = np.sort(np.compress(~first, o))
+                j = k - 1
+                while (moved := k - 1 + int(np.searchsorted(repeats, j, side="right"))) != j:
+                    j = moved
+                np.logical_and(first, o <= j, out=first)
+            return torch.from_numpy(np.compress(first, s).astype(np.int64))
+        first = torch.ones(ordered.numel(), dtype=torch.bool, device=device)
+        torch.ne(ordered[1:], ordered[:-1], out=first[1:])
+        distinct = int(first.sum())
+        if distinct >= k:
             break
-    order = torch.arange(draws.numel(), device=device)
-    first = torch.full((values.numel(),), draws.numel(), dtype=torch.int64, device=device)
-    first.scatter_reduce_(0, inverse, order, reduce="amin")
-    return values[torch.argsort(first)[:k]]
+    values, first_draw = ordered[first], order[first]
+    if distinct > k:
+        cutoff = torch.kthvalue(first_draw, k).values
+        values = values[first_draw <= cutoff]
+    return values.to(torch.int64)
+
+
+def _draw_sizes(n: int, k: int):
+    """Sizes of the successive ``randint`` calls of ``sample_without_replacement``: its rounds of
+    k + k // 4 + 16 draws, the first split into a prefix of k plus about twice the expected number of repeats
+    among k draws (k²/2n) and the rest of the round."""
+    size = k + k // 4 + 16
+    prefix = min(size, k + k * k // n + 64)
+    yield prefix
+    if size > prefix:
+        yield size - prefix
+    while True:
+        yield size
 
 
 def scatter_add(out: Tensor, positions: Tensor, values: Tensor) -> None:
@@ -115,6 +175,191 @@ def scatter_dense(numel: int, positions: Tensor, values: Tensor) -> Tensor:
     out = torch.zeros(numel, dtype=torch.float32, device=values.device)
     out[positions] = values.to(torch.float32)
     return out
+
+
+# ------------------------------------------------------------------------------------- selection helpers
+#
+# Shared by the top-k family (topk, threshold, sbc, stc, dgc). A float32 CPU tensor is scanned in chunks of
+# _CHUNK entries through small per-thread scratch buffers (numpy's comparison and flatnonzero kernels, which
+# on one thread run several times faster than torch's bool comparison and nonzero): no d-sized temporary is
+# allocated, and fresh multi-megabyte tensors are what costs most on the CPU (their pages are faulted in and
+# zeroed on first touch; 40 MB cost eight times the arithmetic on them). Other devices and dtypes use the
+# plain torch expressions, which give the same positions.
+
+_CHUNK = 1 << 18  # entries per chunk: 1 MB of float32 scratch plus 256 kB of mask, cache-resident
+FAST_MIN = 1 << 16  # smaller tensors use torch.topk / nonzero directly: fixed costs would dominate
+_SAMPLE_KEPT = 256  # the sampled threshold keeps about this many sampled values (the expected count)
+
+
+class _Workspace(threading.local):
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, Tensor] = {}
+
+
+_WORKSPACE = _Workspace()
+
+
+def workspace(tag: str, numel: int, dtype: torch.dtype) -> Tensor:
+    """A CPU scratch tensor of ``numel`` entries, reused by every later call with the same tag on this thread.
+
+    Grow-only; one per (tag, dtype) and thread, so compressors running in several threads (the simulated
+    cluster, the DDP hook's communication thread) never share one. The contents are garbage.
+    """
+    key = (tag, dtype)
+    buf = _WORKSPACE.buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        _WORKSPACE.buffers[key] = buf
+    return buf[:numel]
+
+
+def _numpy_path(t: Tensor) -> bool:
+    """Whether the helpers below do their work in numpy (CPU tensors) or in torch ops (any device).
+
+    Both give the same results; tests switch the numpy path off to check the torch one on the CPU.
+    """
+    return t.device.type == "cpu"
+
+
+def magnitude_candidates(flat: Tensor, tau: float, mode: str = "ge") -> Tensor:
+    """Increasing int64 positions i of the 1-D ``flat`` with |flat[i]| >= tau (``"ge"``), > tau (``"gt"``), or
+    >= tau or NaN (``"ge_or_nan"``: NaN counts as the largest magnitude, as in ``torch.topk``).
+
+    ``tau`` is compared in ``flat``'s dtype (a Python float is rounded to float32 for float32 input, exactly as
+    torch compares a float32 tensor with a Python scalar).
+    """
+    if not (_numpy_path(flat) and flat.dtype == torch.float32 and flat.numel() >= FAST_MIN):
+        magnitude = flat.abs()
+        if mode == "gt":
+            mask = magnitude > tau
+        elif mode == "ge":
+            mask = magnitude >= tau
+        else:
+            mask = ~(magnitude < tau)
+        return torch.nonzero(mask).reshape(-1)
+    x = flat.detach().contiguous().numpy()
+    d = x.size
+    width = min(d, _CHUNK)
+    scratch = workspace("magnitude", width, torch.float32).numpy()
+    mask = workspace("mask", width, torch.bool).numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = np.float32(tau)
+    parts = []
+    for start in range(0, d, _CHUNK):
+        piece = x[start : start + _CHUNK]
+        a, m = scratch[: piece.size], mask[: piece.size]
+        np.abs(piece, out=a)
+        with np.errstate(invalid="ignore"):
+            if mode == "gt":
+                np.greater(a, t, out=m)
+            elif mode == "ge":
+                np.greater_equal(a, t, out=m)
+            else:
+                np.less(a, t, out=m)
+                np.logical_not(m, out=m)
+        found = np.flatnonzero(m)
+        if found.size:
+            found += start
+            parts.append(found)
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=flat.device)
+    return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0]).to(torch.int64)
+
+
+def keep_largest(positions: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Tensor] | None:
+    """(positions, scores) of the k largest ``scores``, in the given (increasing) position order.
+
+    The k largest form one set unless the k-th largest score is tied with an unselected one, or a score is NaN;
+    then which of the tied entries ``torch.topk`` keeps is its own choice, and None is returned so that the
+    caller can ask torch.topk itself (the same call as before, on the same tensor: the same pick). With k or
+    fewer candidates all of them are returned. On the CPU numpy does the work (on arrays of about k entries
+    its selection and compress kernels cost a fraction of torch's kthvalue and boolean indexing).
+    """
+    c = positions.numel()
+    if c <= k:
+        return positions, scores
+    if _numpy_path(positions):
+        p, v = positions.detach().numpy(), scores.detach().numpy()
+        if np.isnan(v).any():
+            return None
+        keep = v >= np.partition(v, c - k)[c - k]
+        if int(np.count_nonzero(keep)) != k:
+            return None
+        return torch.from_numpy(np.compress(keep, p)), torch.from_numpy(np.compress(keep, v))
+    if bool(torch.isnan(scores).any()):
+        return None
+    kth = torch.kthvalue(scores, c - k + 1).values
+    keep = scores >= kth
+    if int(keep.sum()) != k:
+        return None
+    return positions[keep], scores[keep]
+
+
+def strided_sample(flat: Tensor, k: int) -> Tensor:
+    """About ``_SAMPLE_KEPT · d / k`` evenly spaced entries of ``flat``, always a new tensor (never a view: callers
+    work on it in place): a sample expected to hold about ``_SAMPLE_KEPT`` of the k largest. Evenly spaced
+    rather than random: no generator to draw from, and a layered gradient is sampled in every layer; the
+    selection stays exact whatever the sample (see :func:`topk_positions`)."""
+    d = flat.numel()
+    n = min(d, max(4096, math.ceil(_SAMPLE_KEPT * d / max(1, k))))
+    stride = d // n
+    return flat[stride // 2 :: stride][:n].clone(memory_format=torch.contiguous_format)
+
+
+def sample_rank(n: int, k: int, d: int, margin: float = 4.0) -> int:
+    """How many of n sampled values to keep so that, w.h.p., at least k of d entries pass the threshold.
+
+    The number of the k largest entries that fall into a uniform sample is about Binomial(n, k/d); keeping its
+    mean plus ``margin`` standard deviations (and 4) makes a threshold below the k-th largest entry unless
+    the sample is ``margin`` sigmas off.
+    """
+    mean = n * k / d
+    return min(n, math.ceil(mean + margin * math.sqrt(mean) + 4))
+
+
+def kth_largest(values: Tensor, r: int) -> float:
+    """The r-th largest of ``values`` (a 1-D float tensor, 1 <= r <= numel; NaN counts as largest) as a float."""
+    n = values.numel()
+    if _numpy_path(values):
+        return float(np.partition(values.detach().numpy(), n - r)[n - r])
+    return float(torch.kthvalue(values, n - r + 1).values)
+
+
+def fast_topk_applies(flat: Tensor, k: int) -> bool:
+    """Whether :func:`topk_positions` takes its sampled path: a float32 CPU tensor of at least FAST_MIN entries
+    and k <= d / 64, where ``torch.topk`` on the CPU takes its slow partial-sort path (and returns its values in
+    decreasing order, which sbc and stc rely on to reproduce their means bit for bit)."""
+    d = flat.numel()
+    return flat.device.type == "cpu" and flat.dtype == torch.float32 and d >= FAST_MIN and 0 < 64 * k <= d
+
+
+def topk_positions(flat: Tensor, k: int) -> Tensor:
+    """Increasing int64 positions of the k entries of largest |x|: the set ``torch.topk(flat.abs(), k)`` picks.
+
+    Sampled threshold, then exact selection among the few candidates above it: tau is the r-th largest
+    magnitude of :func:`strided_sample` (r from :func:`sample_rank`), the candidates are every entry with
+    |x| >= tau or NaN (one chunked pass), and the k largest candidates (:func:`keep_largest`) are the top k
+    of the whole tensor, because every other entry is below tau. Whenever that argument does not hold — fewer
+    than k candidates (twice: the second try keeps four times as many sampled values), a tie at the k-th
+    largest magnitude, a NaN, tau = 0 — the answer is ``torch.topk`` over everything, as it always was. So the
+    positions are identical to those of ``torch.topk`` in every case (tests/test_wire_stability.py).
+    """
+    if fast_topk_applies(flat, k):
+        d = flat.numel()
+        sample = strided_sample(flat, k).abs_()
+        r = sample_rank(sample.numel(), k, d)
+        for _ in range(2):
+            tau = kth_largest(sample, r)
+            if not tau > 0.0:  # zero (mostly-zero tensor: ties) or NaN
+                break
+            candidates = magnitude_candidates(flat, tau, "ge_or_nan")
+            if candidates.numel() >= k:
+                kept = keep_largest(candidates, torch.index_select(flat, 0, candidates).abs_(), k)
+                if kept is not None:
+                    return kept[0]
+                break
+            r = min(sample.numel(), 4 * r)
+    return torch.sort(torch.topk(flat.abs(), k, sorted=False).indices).values
 
 
 class _PositionsAndValues(Compressor):
@@ -151,10 +396,8 @@ class TopK(_PositionsAndValues):
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         flat = x.reshape(-1)
-        k = self.count(slot)
-        _, positions = torch.topk(flat.abs(), k, sorted=False)
-        positions, _ = torch.sort(positions)
-        return [positions, flat[positions].to(torch.float32)]
+        positions = topk_positions(flat, self.count(slot))
+        return [positions, torch.index_select(flat, 0, positions).to(torch.float32)]
 
 
 class _SharedRandomSelection(Compressor):
@@ -215,13 +458,13 @@ class RandomK(_SharedRandomSelection):
         if cached is not None:
             return cached
         gen = shared_generator(self.seed, step, slot.index, device, salt="randomk")
-        positions = torch.sort(sample_without_replacement(slot.numel, self.count(slot), gen, device)).values
+        positions = sample_without_replacement(slot.numel, self.count(slot), gen, device)  # increasing
         self._cache[key] = positions
         return positions
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         flat = x.reshape(-1)
-        return [flat[self.positions(slot, step, flat.device)].to(torch.float32)]
+        return [torch.index_select(flat, 0, self.positions(slot, step, flat.device)).to(torch.float32)]
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         values = fields[0]
@@ -248,12 +491,14 @@ class Threshold(_PositionsAndValues):
         return {"threshold": self.threshold, "positions": self.positions}
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
-        return [position_spec(self.positions, slot.numel), FieldSpec(Codec.F32, max_count=slot.numel)]
+        # one value per position: the decoder refuses sections whose counts disagree
+        values = FieldSpec(Codec.F32, max_count=slot.numel, same_count_as=-1)
+        return [position_spec(self.positions, slot.numel), values]
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         flat = x.reshape(-1)
-        positions = torch.nonzero(flat.abs() > self.threshold).reshape(-1)
-        return [positions, flat[positions].to(torch.float32)]
+        positions = magnitude_candidates(flat, self.threshold, "gt")
+        return [positions, torch.index_select(flat, 0, positions).to(torch.float32)]
 
 
 @register

@@ -12,9 +12,22 @@ multiple of 8 values, reshaped to ``(groups, 8)`` (values) or ``(groups, width)`
 byte column is assembled from the (statically known) value columns that overlap it with shifts and
 ORs. The Python loops run over the at most ``width + 8`` (byte, value) pairs of one group, never over
 elements; every operation is a vectorized torch op on the input's device.
+
+On the CPU, arrays of more than ``_SMALL`` values of width at most 16 are packed by :func:`_pack_chunked`
+instead: the same bytes, by integer arithmetic only, in chunks of ``_CHUNK`` values (cache-sized scratch; no
+array as large as the input is allocated). Each chunk is narrowed to uint8 (uint16 above 8 bits) and read as
+uint64 words; SWAR steps on whole words merge neighbouring lanes pairwise — (v0, v1) into 2w bits, pairs
+into 4w, quads into 8w — so that every 8 values (4 above 8 bits) become one integer, and each 64 values fill
+exactly ``width`` output words, which take the integers overlapping their 64 bits shifted into place; their
+little-endian bytes are the packed bytes. Width 1 is ``np.packbits`` (the same LSB-first order), widths 8
+and 16 are casts. ``pack_bits`` checks the value range on the same chunks while they are in cache (one
+OR-reduction per chunk: all values lie in [0, 2**width) exactly when the OR of all of them does), instead of
+a separate min/max pass. Big-endian hosts keep the torch path.
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import torch
@@ -78,6 +91,115 @@ def _unpack_small(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
     return torch.from_numpy(values).to(_work_dtype(width))
 
 
+_CHUNK = 1 << 17  # values per chunk of _pack_chunked (a multiple of 8: every chunk starts on a byte)
+_CHUNKED_MAX_WIDTH = 16
+# numpy integer dtypes the chunked packer reads directly (torch's uint16/32/64 are widened to int64 first)
+_NUMPY_INT = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _chunked(values: torch.Tensor, width: int) -> bool:
+    return (
+        values.device.type == "cpu"
+        and values.numel() > _SMALL
+        and width <= _CHUNKED_MAX_WIDTH
+        and values.dtype in _NUMPY_INT
+        and sys.byteorder == "little"
+    )
+
+
+_U64 = np.uint64
+
+
+def _swar_merge(words: np.ndarray, lane: int, shift: int, tmp: np.ndarray) -> None:
+    """In place, in every ``2·lane``-bit lane of the uint64 ``words``: low half | high half << ``shift``."""
+    mask = _U64(sum(((1 << lane) - 1) << (2 * lane * i) for i in range(64 // (2 * lane))))
+    np.right_shift(words, _U64(lane), out=tmp)
+    np.bitwise_and(tmp, mask, out=tmp)
+    np.left_shift(tmp, _U64(shift), out=tmp)
+    np.bitwise_and(words, mask, out=words)
+    np.bitwise_or(words, tmp, out=words)
+
+
+def _pack_chunked(values: torch.Tensor, width: int, check: bool) -> torch.Tensor:
+    """``_pack`` (and, with ``check``, pack_bits' range check) on the CPU; see the module docstring.
+
+    Each chunk is cast to uint8 (width <= 8) or uint16 values and read as uint64 words of 8 or 4 values;
+    SWAR steps (shift, mask, or on whole words) merge neighbouring lanes pairwise until each group of 8
+    values is one integer of 8·width bits (two words for width > 8). Eight consecutive groups then fill
+    exactly ``width`` output words: word t gets the groups that overlap its 64 bits, shifted into place
+    (:func:`_spread`), and those words' little-endian bytes are the packed bytes. Raises ConfigError,
+    naming the whole array's range, if ``check`` finds a value outside [0, 2**width).
+    """
+    v = values.detach().reshape(-1).contiguous().numpy()
+    n = v.size
+    out = torch.empty(packed_nbytes(n, width), dtype=torch.uint8)
+    o = out.numpy()
+    limit = 1 << width
+    full = (min(n, _CHUNK) + 63) // 64 * 64
+    narrow = np.zeros(full, dtype=np.uint8 if width <= 8 else np.uint16)  # zero-padded to whole super groups
+    tmp = np.empty(full * narrow.itemsize // 8, dtype=_U64)
+    spread = np.empty((full // 64, width), dtype=_U64)
+    for start in range(0, n, _CHUNK):
+        piece = v[start : start + _CHUNK]
+        m = piece.size
+        if check:
+            seen = int(np.bitwise_or.reduce(piece))
+            if seen < 0 or seen >= limit:
+                lo, hi = int(v.min()), int(v.max())
+                raise ConfigError(
+                    f"values must lie in [0, 2**{width}) to be packed with {width} bits, got range [{lo}, {hi}]"
+                )
+        nbytes = packed_nbytes(m, width)
+        dest = o[start * width // 8 : start * width // 8 + nbytes]
+        if width == 8:
+            dest[:] = piece
+            continue
+        supers = (m + 63) // 64
+        u = narrow[: 64 * supers]
+        np.copyto(u[:m], piece, casting="unsafe")
+        u[m:] = 0
+        if width == 16:
+            dest[:] = u.view(np.uint8)[:nbytes]
+            continue
+        if width == 1:
+            dest[:] = np.packbits(u, bitorder="little")[:nbytes]
+            continue
+        words = u.view(_U64)  # width <= 8: one word per group of 8 values; else two (values 0-3, 4-7)
+        t = tmp[: words.size]
+        if width <= 8:
+            _swar_merge(words, 8, width, t)  # pairs: 2w bits in each 16-bit lane
+            _swar_merge(words, 16, 2 * width, t)  # quads: 4w bits in each 32-bit lane
+            _swar_merge(words, 32, 4 * width, t)  # the group: 8w bits
+            groups = words.reshape(supers, 8)
+            pieces = [(groups[:, i], 8 * width * i) for i in range(8)]
+        else:
+            _swar_merge(words, 16, width, t)  # pairs: 2w bits in each 32-bit lane
+            _swar_merge(words, 32, 2 * width, t)  # quads: 4w bits per word
+            quads = words.reshape(supers, 16)
+            pieces = [(quads[:, j], 4 * width * j) for j in range(16)]
+        packed = spread[:supers]
+        _spread(pieces, 4 * width if width > 8 else 8 * width, packed, t[:supers])
+        dest[:] = packed.view(np.uint8).reshape(-1)[:nbytes]
+    return out
+
+
+def _spread(pieces: list[tuple[np.ndarray, int]], length: int, out: np.ndarray, tmp: np.ndarray) -> None:
+    """out[:, t] = OR of every piece overlapping bits [64t, 64t + 64) of a row, shifted into place.
+
+    ``pieces`` are (column, bit offset): uint64 columns of ``length``-bit integers (length <= 64), one entry
+    per row, at the given offset within the row's ``64 · out.shape[1]`` bits.
+    """
+    out[...] = 0
+    for column, offset in pieces:
+        for word in range(offset // 64, (offset + length - 1) // 64 + 1):
+            shift = offset - 64 * word
+            if shift >= 0:
+                np.left_shift(column, _U64(shift), out=tmp)
+            else:
+                np.right_shift(column, _U64(-shift), out=tmp)
+            np.bitwise_or(out[:, word], tmp, out=out[:, word])
+
+
 def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
     """Pack a 1-D tensor whose values are already known to lie in [0, 2**width)."""
     n = values.numel()
@@ -89,6 +211,8 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
         return values.to(torch.uint8)
     if n <= _SMALL and device.type == "cpu":
         return _pack_small(values, width)
+    if _chunked(values, width):
+        return _pack_chunked(values, width, check=False)
     wd = _work_dtype(width)
     v = values.to(wd)
     groups = (n + 7) // 8
@@ -173,6 +297,8 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
         v = v.to(torch.int64)  # unsigned 16/32/64-bit: values >= 2**63 wrap negative and are rejected
     if v.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=v.device)
+    if _chunked(v, width):
+        return _pack_chunked(v, width, check=True)
     lo, hi = torch.aminmax(v)
     lo, hi = torch.stack([lo.to(torch.int64), hi.to(torch.int64)]).tolist()
     if lo < 0 or hi >= (1 << width):
