@@ -7,13 +7,8 @@ import json
 import sys
 
 from gradcomp.errors import CommunicationError, GradcompError
+from gradcomp.experiments.runner import DEFAULT_TIMEOUT_S
 from gradcomp.registry import parse_param_strings
-
-# Seconds a worker waits at a collective for the others. It was 900 s: a stopped or hung worker was then reported
-# after a quarter of an hour. The longest normal wait in `gradcomp train` is a few seconds (rank 0 evaluating the
-# test set while the others wait for the next step, a worker importing torch on a busy machine); 120 s leaves a
-# wide margin for that and still reports a stuck worker within two minutes.
-DEFAULT_TIMEOUT_S = 120.0
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

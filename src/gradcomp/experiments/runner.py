@@ -44,6 +44,12 @@ from gradcomp.train.local_steps import LocalUpdateExchange
 from gradcomp.transport.base import ByteCounter, Transport
 from gradcomp.transport.sim import SimulatedCluster
 
+# Seconds a worker waits at a collective for the others. It was 900 s: a stopped or hung worker was then reported
+# after a quarter of an hour. The longest normal wait in `gradcomp train` is a few seconds (rank 0 evaluating the
+# test set while the others wait for the next step, a worker importing torch on a busy machine); 120 s leaves a
+# wide margin for that and still reports a stuck worker within two minutes.
+DEFAULT_TIMEOUT_S = 120.0
+
 
 @dataclass
 class TrainConfig:
@@ -80,7 +86,7 @@ class TrainConfig:
     bandwidth: str | float | None = None  # price the measured collectives on this network, e.g. "1Gbit"
     latency: str | float = 0.0  # per-message latency for that model, e.g. "50us"
     progress: bool = True
-    timeout_s: float = 900.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     ddp: bool = False  # train a DistributedDataParallel model with gradcomp's communication hook
     bucket_cap_mb: float | None = None  # DDP's bucket size (None: DDP's default, 25 MB)
     # resumable checkpoints (gradcomp.experiments.checkpoint): every rank's state into checkpoint_dir every
