@@ -54,7 +54,11 @@ class SimulatedCluster:
         if self._barrier.broken:
             self._barrier.reset()
         futures = [self._pool.submit(self._guarded, fn, t) for t in self.transports]
-        errors = [f.exception() for f in futures]
+        try:
+            errors = [f.exception() for f in futures]
+        except BaseException:  # Ctrl-C in the calling thread: every worker stops at its next rendezvous
+            self._barrier.abort()
+            raise
         primary = [e for e in errors if e is not None and not isinstance(e, WorkerLostError)]
         if primary:
             raise primary[0]
@@ -80,6 +84,8 @@ class SimulatedCluster:
         return self
 
     def __exit__(self, *exc) -> None:
+        if exc[0] is not None:
+            self._barrier.abort()  # leaving on an error: no worker waits for a rendezvous that cannot come
         self.close()
 
     def _wait(self, rank: int) -> None:

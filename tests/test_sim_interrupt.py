@@ -1,0 +1,36 @@
+"""Ctrl-C while the simulated cluster trains: the workers stop at their next rendezvous, not at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import gradcomp
+
+
+def test_an_interrupt_in_the_calling_thread_stops_every_worker_at_its_next_rendezvous():
+    steps_done = [0, 0]
+
+    def worker(t):
+        deadline = time.perf_counter() + 30  # far longer than the test waits
+        while time.perf_counter() < deadline:
+            t.all_reduce_sum(torch.ones(4))
+            steps_done[t.rank] += 1
+            time.sleep(0.001)
+        return "finished"
+
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C
+    started = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        with gradcomp.SimulatedCluster(2, timeout=60) as cluster:
+            cluster.run(worker)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 10, f"the cluster took {elapsed:.1f} s to stop (the workers run for 30 s)"
+    assert min(steps_done) > 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("gradcomp-sim")]
