@@ -324,3 +324,47 @@ def test_tiny_race_writes_table_and_json(tmp_path, capsys, no_leftovers):
         assert (out / "race.png").exists()
     except ImportError:
         assert "no plot" in captured.err
+
+
+@pytest.mark.slow
+def test_tiny_race_as_local_processes(tmp_path, no_leftovers):
+    """--no-netns (what --link none falls back to without root): rank 0 publishes the store's port."""
+    opts = race.Options(methods=[race.parse_method("powersgd:rank=1,label=p")], hosts=2, link="none",
+                        netns_mode="off", dataset="synthetic", model="mlp", steps=4, eval_every=2, compute_steps=2,
+                        out=str(tmp_path / "out"), verbose=False, timeout_s=60)
+    result = race.race(opts, log=lambda text: None)
+    (m,) = result["methods"]
+    assert m["error"] is None and m["wire_tx_bytes_per_step"] is None and m["replicas_identical"]
+    assert result["network"]["kind"].startswith("local") and len(m["curve"]) == 2
+
+
+@pytest.mark.slow
+def test_failed_method_is_reported_and_the_race_goes_on(tmp_path, monkeypatch, no_leftovers):
+    """A worker that fails (a k larger than a layer, which the parent's check would have refused) is reported,
+    its log is kept, and the next method runs."""
+    from gradcomp.experiments.runner import TrainConfig
+
+    monkeypatch.setattr(TrainConfig, "validate", lambda self: None)  # let the bad method reach the workers
+    out = tmp_path / "out"
+    methods = [race.parse_method("topk:k=100000"), race.parse_method("torch-fp32")]
+    opts = race.Options(methods=methods, hosts=2, link="none", dataset="synthetic", model="mlp", steps=2,
+                        eval_every=0, compute_steps=0, out=str(out), verbose=False, timeout_s=60)
+    result = race.race(opts, log=lambda text: None)
+    failed, fine = result["methods"]
+    assert "worker" in failed["error"] and "exceeds" in failed["error"] and fine["error"] is None
+    assert list(out.glob("failed-00-worker-*.log"))
+    assert "| topk:k=100000 | failed:" in result["table"]
+
+
+def test_torch_powersgd_refuses_a_second_bucket():
+    from gradcomp.experiments.torch_baselines import _powersgd_one_bucket
+
+    class Bucket:
+        def index(self):
+            return 1
+
+        def is_last(self):
+            return True
+
+    with pytest.raises(ConfigError, match="single DDP bucket"):
+        _powersgd_one_bucket(None, Bucket())

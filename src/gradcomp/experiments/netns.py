@@ -15,7 +15,7 @@ to the machine's own namespace. With a rate, both ends of every host's veth get 
 the switch end what it receives, so every host has R up and R down, as behind a switch port. A smaller burst
 stalls TCP at these rates (the bucket must hold at least a few segments at the timer granularity).
 
-``Network.down()`` kills whatever still runs inside the namespaces (only processes of this run can be in
+``NamespaceNetwork.down()`` kills whatever still runs inside the namespaces (only processes of this run can be in
 them) and deletes the namespaces; deleting a namespace deletes the veth ends and the bridge inside it.
 ``cleanup(tag)`` does the same for the leftovers of a run that could not tear down (killed with SIGKILL),
 ``cleanup("all")`` for every namespace named like one of these runs.
@@ -41,7 +41,7 @@ TBF_BURST = "256kb"
 TBF_LATENCY = "50ms"
 SUBNET = "10.231"  # /16 inside the run's namespaces only: never routed, never visible outside them
 MAX_HOSTS = 250
-_TAG_RE = re.compile(r"^gc\d{1,4}\d+$")
+_TAG_RE = re.compile(r"^gc\d+$")
 _NAME_RE = re.compile(r"^(gc\d+)(?:sw|h\d+)$")
 _counter = itertools.count()
 

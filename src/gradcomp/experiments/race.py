@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -350,8 +351,13 @@ def run_method(network, method: Method, cfg, opts: Options, workdir: str, index:
             if failed:
                 # the first to fail is usually the cause; the others then lose their peer
                 i = min(failed, key=lambda j: os.path.getmtime(logs[j]))
+                kept = logs[i]
+                if opts.out:  # the job directory is temporary: keep the failed worker's log beside the results
+                    os.makedirs(opts.out, exist_ok=True)
+                    kept = os.path.join(opts.out, f"failed-{index:02d}-worker-{i}.log")
+                    shutil.copyfile(logs[i], kept)
                 raise WorkerFailedError(
-                    f"{method.label}: worker {i} failed (exit {codes[i]}): {_last_line(logs[i])} (log: {logs[i]})"
+                    f"{method.label}: worker {i} failed (exit {codes[i]}): {_last_line(logs[i])} (log: {kept})"
                 )
             if all(c == 0 for c in codes):
                 break
@@ -617,6 +623,20 @@ def render_plot(records: list[dict[str, Any]], summary: dict[str, Any], path: st
     return True
 
 
+def code_version() -> dict[str, Any] | None:
+    """The git commit of the gradcomp source that the workers import, and its modified files, if it is a checkout."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the gradcomp package
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", "."], capture_output=True,
+                                text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode != 0:
+        return None
+    return {"commit": commit.stdout.strip(), "modified": [line[3:] for line in status.stdout.splitlines()]}
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -644,6 +664,7 @@ def race(opts: Options, log=print) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     started = time.time()
     before = machine()
+    code_before = code_version()  # each worker imports the source when it starts: note if it changed meanwhile
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
     def interrupted(signum, frame):
@@ -655,8 +676,10 @@ def race(opts: Options, log=print) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="gradcomp-race-") as workdir:
             try:
                 network.up()
-                where = (f"{len(network.hosts)} hosts in namespaces (run {network.tag}), link "
-                         f"{opts.link}" if network.tag else f"{len(network.hosts)} local processes, unshaped")
+                if network.tag:
+                    where = f"{len(network.hosts)} hosts in namespaces (run {network.tag}), link {opts.link}"
+                else:
+                    where = f"{len(network.hosts)} local processes, unshaped"
                 log(f"gradcomp race: {where}; {len(opts.methods)} methods × {opts.steps} steps")
                 if network.tag:
                     log(f"gradcomp race: if this process is killed hard, remove what is left with "
@@ -678,24 +701,26 @@ def race(opts: Options, log=print) -> dict[str, Any]:
                         + (f"{100 * opts.target:.2f} % at step {reached[0]} ({reached[1]:.1f} s)" if reached
                            else f"{100 * opts.target:.2f} % not reached"))
             finally:
-                _ignore = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the teardown
+                sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the teardown
                 try:
                     network.down()
                 finally:
-                    signal.signal(signal.SIGINT, _ignore)
+                    signal.signal(signal.SIGINT, sigint)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     summary = summarize(records, opts.target, num_parameters)
     result = {
         "command": "gradcomp race",
-        "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "methods"},
+        "options": {**{k: v for k, v in dataclasses.asdict(opts).items() if k != "methods"},
+                    "methods": [m.text for m in opts.methods]},
         "methods": records,
         "summary": summary,
         "network": {"kind": network.kind, "hosts": len(network.hosts), "link": opts.link,
                     "rate_bps": link_rate(opts.link), "tbf_burst": netns.TBF_BURST,
                     "tbf_latency": netns.TBF_LATENCY, "tag": network.tag},
         "machine": {**before, "load_average_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
+        "code": {"start": code_before, "end": code_version()},
         "started": started,
         "wall_s": time.time() - started,
     }
