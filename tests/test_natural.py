@@ -563,3 +563,16 @@ def test_workers_round_independently_once_bound_to_their_rank():
     assert not torch.equal(a, b)  # independent draws for another worker
     # about half of the entries round differently between two independent workers
     assert 0.2 < float((a != b).float().mean()) < 0.8
+
+
+def test_cnat_decode_gives_every_code_its_signed_power_of_two():
+    from gradcomp.compressors.natural import cnat_decode
+
+    codes = torch.arange(512, dtype=torch.int64)
+    values = cnat_decode(codes)
+    exponent, negative = codes % 256, codes >= 256
+    expected = torch.where(exponent == 0, 0.0, torch.pow(2.0, (exponent - 127).double())).float()
+    expected = torch.where(negative, -expected, expected)
+    assert torch.equal(values, expected)
+    assert torch.equal(cnat_decode(codes.to(torch.int32)), expected)
+    assert not torch.signbit(values[0]) and torch.isfinite(values[exponent <= 254]).all()  # the encoder's range

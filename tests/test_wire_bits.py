@@ -187,3 +187,30 @@ def test_small_cpu_path_rejects_padding_bits():
     buf[1] |= 0x80
     with pytest.raises(WireError, match="padding"):
         unpack_bits(buf, 3, 3)
+
+
+@pytest.mark.parametrize("width", [9, 10, 11, 12, 13, 14, 15, 16])
+def test_window_unpack_matches_the_reference_layout(width, monkeypatch):
+    """The CPU's window unpacking (widths 9-16, more than _SMALL values) reads every value the documented layout
+    put there: across chunk boundaries, in a last partial group, with extreme values."""
+    import gradcomp.wire.bits as bits
+
+    monkeypatch.setattr(bits, "_CHUNK", 64)  # several chunks even for these small arrays
+    monkeypatch.setattr(bits, "_SMALL", 16)
+    gen = torch.Generator().manual_seed(width)
+    for n in (17, 64, 65, 130, 1001):
+        values = torch.randint(0, 1 << width, (n,), generator=gen, dtype=torch.int64)
+        values[0], values[-1] = (1 << width) - 1, (1 << width) - 1
+        packed = torch.tensor(list(reference_pack(values.tolist(), width)), dtype=torch.uint8)
+        out = unpack_bits(packed, width, n)
+        assert out.dtype == torch.int64 and torch.equal(out, values)
+
+
+@pytest.mark.parametrize("width,count", [(9, 5001), (13, 5003), (15, 4099)])
+def test_window_unpack_rejects_padding_bits(width, count):
+    packed = pack_bits(torch.zeros(count, dtype=torch.int64), width)
+    for bit in (count * width, 8 * packed.numel() - 1):
+        bad = packed.clone()
+        bad[bit // 8] |= 1 << (bit % 8)
+        with pytest.raises(WireError, match="padding"):
+            unpack_bits(bad, width, count)

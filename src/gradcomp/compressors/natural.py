@@ -185,10 +185,16 @@ def _cnat_codes(flat: Tensor, gen: torch.Generator, where: str, check: bool) -> 
 
 
 def cnat_decode(codes: Tensor) -> Tensor:
-    """Float32 values of 9-bit C_nat codes: ±2^(exponent code − 127), 0 for exponent code 0."""
-    codes = codes.reshape(-1).to(torch.int32)
-    magnitude = ((codes & 0xFF) << _MANTISSA_BITS).view(torch.float32)
-    return torch.where((codes >> 8) & 1 == 1, -magnitude, magnitude)
+    """Float32 values of 9-bit C_nat codes: ±2^(exponent code − 127), 0 for exponent code 0.
+
+    A code is the float's top 9 bits (sign bit 8, biased exponent bits 0-7), so shifting it left by the 23
+    mantissa bits gives the float's bit pattern: one int32 shift. (Code 256, a sign on exponent 0, which the
+    encoder never makes, reads as −0.0.) Codes outside [0, 512) are the caller's error: the wire's 9-bit
+    fields cannot hold them.
+    """
+    flat = codes.reshape(-1)
+    bits = flat.to(torch.int32) if flat.dtype != torch.int32 else flat.clone()
+    return bits.bitwise_left_shift_(_MANTISSA_BITS).view(torch.float32)
 
 
 @register

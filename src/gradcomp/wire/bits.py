@@ -22,7 +22,9 @@ exactly ``width`` output words, which take the integers overlapping their 64 bit
 little-endian bytes are the packed bytes. Width 1 is ``np.packbits`` (the same LSB-first order), widths 8
 and 16 are casts. ``pack_bits`` checks the value range on the same chunks while they are in cache (one
 OR-reduction per chunk: all values lie in [0, 2**width) exactly when the OR of all of them does), instead of
-a separate min/max pass. Big-endian hosts keep the torch path.
+a separate min/max pass. Unpacking widths 9 to 16 on the CPU reads each value column of a chunk as one
+strided 32-bit window per value position (:func:`_unpack_windows`); narrower widths keep the torch path, which
+works in uint8 there and is as fast. Big-endian hosts keep the torch path.
 """
 
 from __future__ import annotations
@@ -233,8 +235,43 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
     return out[:nbytes]
 
 
+def _unpack_windows(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """``_unpack`` on the CPU for widths 9 to 16, by 32-bit windows; returns int64.
+
+    Value j of a group of 8 starts at bit j·width, i.e. at bit (j·width) % 8 of byte (j·width) // 8 of the
+    group's ``width`` bytes, and fits in the 32 bits read from that byte on (7 + 16 < 32). So, chunk by chunk
+    (the chunk's bytes copied into a scratch buffer with 4 zero bytes after them), value j of every group is
+    one strided, unaligned uint32 view of the scratch, shifted and masked: two numpy passes per value column
+    instead of the torch path's widening of every byte and its 8 shift-or columns.
+    """
+    b = buf.numpy()
+    groups = (count + 7) // 8
+    out = np.empty(groups * 8, dtype=np.int64)
+    columns = out.reshape(groups, 8)
+    per_chunk = _CHUNK // 8
+    scratch = np.zeros(per_chunk * width + 4, dtype=np.uint8)
+    rows = np.empty((8, per_chunk), dtype=np.uint32)  # value j of the chunk's groups in row j, then transposed
+    mask = np.uint32((1 << width) - 1)
+    for g0 in range(0, groups, per_chunk):
+        g = min(per_chunk, groups - g0)
+        nbytes = min(g * width, b.size - g0 * width)
+        scratch[:nbytes] = b[g0 * width : g0 * width + nbytes]
+        scratch[nbytes : g * width + 4] = 0
+        r = rows[:, :g]
+        for j in range(8):
+            byte, shift = divmod(j * width, 8)
+            window = np.ndarray(shape=(g,), dtype=np.uint32, buffer=scratch, offset=byte, strides=(width,))
+            np.right_shift(window, np.uint32(shift), out=r[j])
+        np.bitwise_and(r, mask, out=r)
+        columns[g0 : g0 + g] = r.T
+    if groups * 8 != count and out[count:].any():  # every bit after the last value is in a padding slot
+        raise WireError(f"nonzero padding bits after {count} values of {width} bits")
+    return torch.from_numpy(out[:count])
+
+
 def _unpack(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """Unpack ``count`` values (length already checked); returns the work dtype; checks padding."""
+    """Unpack ``count`` values (length already checked); checks padding. Returns the work dtype, except int64
+    from the CPU path for widths 9 to 16 (:func:`_unpack_windows`)."""
     device = buf.device
     wd = _work_dtype(width)
     if count == 0:
@@ -243,6 +280,8 @@ def _unpack(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
         return buf.to(wd)
     if count <= _SMALL and device.type == "cpu":
         return _unpack_small(buf, width, count)
+    if 8 < width <= _CHUNKED_MAX_WIDTH and device.type == "cpu" and sys.byteorder == "little":
+        return _unpack_windows(buf, width, count)
     groups = (count + 7) // 8
     b = buf
     if groups * width != b.numel():
