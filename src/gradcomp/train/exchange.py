@@ -22,11 +22,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError, NonFiniteGradientError
+from gradcomp.finite import finite_flags
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.requests import drive
 from gradcomp.schemes.single_round import TOPOLOGIES as SINGLE_ROUND_TOPOLOGIES
@@ -78,9 +78,9 @@ def check_gradients(names: Sequence[str], tensors: Sequence[Tensor], exchange: i
             raise ConfigError(f"{name}: gradcomp compresses floating-point tensors, got dtype {t.dtype}")
     if not tensors:
         return
-    finite = torch.stack([torch.isfinite(t).all() for t in tensors])
-    if not bool(finite.all()):
-        bad = [name for name, ok in zip(names, finite.tolist()) if not ok]
+    finite = finite_flags(tensors)
+    if not all(finite):
+        bad = [name for name, ok in zip(names, finite) if not ok]
         where = f" at exchange {exchange}" if exchange is not None else ""
         raise NonFiniteGradientError(
             f"non-finite (NaN or Inf) gradient{where} in {', '.join(bad)}; nothing was sent", step=exchange
