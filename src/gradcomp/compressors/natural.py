@@ -8,11 +8,11 @@ All four are stochastic, unbiased (TernGrad only without clipping) and never sum
 integers of sign and level, not values that add. Everything is vectorized torch on the tensor's device;
 ``compress`` synchronises with the host exactly once (the NaN/Inf check), ``decompress`` never.
 
-Speed (CPU): C_nat and the ditherings make their codes in chunks of 2^17 entries with reused scratch buffers
+Speed (CPU): C_nat, the ditherings and TernGrad make their codes in chunks of 2^17 entries with reused scratch buffers
 (everything after the norm is elementwise, and the random numbers drawn chunk by chunk from the same
 generator are the same numbers in the same order, so the codes are bit-identical), and max|x| comes from
 one min/max pass instead of a d-sized |x|. What remains is mostly the random numbers (one mt19937 draw per
-entry) and the int64 codes' memory.
+entry) and the int64 codes' memory. Decoding C_nat is one shift: a code is the float's top 9 bits.
 
 ``cnat`` — natural compression C_nat. An entry t with 2^a <= |t| < 2^(a+1) becomes sign(t)·2^a with
 probability (2^(a+1) − |t|)/2^a, else sign(t)·2^(a+1); 0 stays 0. On the IEEE-754 bits of the float32
@@ -431,9 +431,46 @@ class NaturalDithering(_Dithering):
 # ------------------------------------------------------------------------------------------------ terngrad
 
 
+def _ternary_chunks(
+    scaled: Tensor, gen: torch.Generator, prob: Tensor | None = None, divisor: Tensor | None = None
+) -> Tensor:
+    """TernGrad's int64 codes of the 1-D CPU tensor ``scaled``, made in chunks of ``_CHUNK`` entries with reused
+    scratch: entry i is kept where u_i < p_i (u_i uniform from ``gen``), p = ``prob`` or else |scaled| /
+    ``divisor``, and its code is keep + (keep and scaled_i < 0). The same float32 operations and the same draws
+    in the same order as the whole-tensor path of ``TernGrad.ternary_codes``, so the same codes."""
+    d = scaled.numel()
+    out = torch.empty(d, dtype=torch.int64)
+    width = min(d, _CHUNK)
+    p_buf = workspace("terngrad-p", width, torch.float32)
+    u_buf = workspace("terngrad-u", width, torch.float32)
+    keep_buf = workspace("terngrad-keep", width, torch.bool)
+    negative_buf = workspace("terngrad-negative", width, torch.bool)
+    for start in range(0, d, _CHUNK):
+        piece = scaled[start : start + _CHUNK]
+        n = piece.numel()
+        p = torch.abs(piece, out=p_buf[:n]).div_(divisor) if prob is None else prob[start : start + n]
+        # torch.rand(d, generator=gen) is uniform_ on a fresh tensor: chunk by chunk, the same draws
+        keep = torch.lt(u_buf[:n].uniform_(generator=gen), p, out=keep_buf[:n])
+        negative = torch.lt(piece, 0, out=negative_buf[:n]).logical_and_(keep)
+        torch.add(keep.view(torch.uint8), negative.view(torch.uint8), out=out[start : start + n])  # 0, 1 or 2
+    return out
+
+
 @register
 class TernGrad(Compressor):
-    """TernGrad: s·sign(x_i)·Bernoulli(|x_i|/s) with s = max|x| after optional clipping at c·σ."""
+    """TernGrad: s·sign(x_i)·Bernoulli(|x_i|/s) with s = max|x| after optional clipping at c·σ.
+
+    Steps: max|x| from one min/max pass; x / max|x| (whole: σ is one reduction over it, as always); clipping
+    at ±c·σ in place; the clipped max from a second min/max pass; then per entry p = |clipped| / max|clipped|,
+    a uniform draw u, keep where u < p, code keep + (keep and clipped < 0).
+
+    Speed (CPU): ``compress`` writes x / max|x| into a reused scratch buffer (``clipped``, which
+    ``terngrad_shared`` holds across slots, still returns a fresh tensor), and ``_ternary_chunks`` makes p, u
+    and the codes in chunks of ``_CHUNK`` entries with reused scratch, straight into the int64 output. The
+    draws come chunk by chunk from the same generator, the same numbers in the same order as one whole-tensor
+    ``torch.rand``, and every step is the same float32 operation, so the codes are bit-identical to the
+    whole-tensor path that other devices run (``_cpu_loop``).
+    """
 
     name = "terngrad"
     omega = None
@@ -464,18 +501,29 @@ class TernGrad(Compressor):
         if flat.numel() == 0:
             nothing = torch.zeros((), dtype=torch.float32, device=flat.device)
             return nothing, flat, nothing
-        peak, scaled = _scaled(flat)
+        return self._clip(flat, slot, None)
+
+    def _clip(self, flat: Tensor, slot: Slot, out: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """``clipped`` of the non-empty float32 ``flat``: x / max|x| written into ``out`` (None: a fresh tensor)
+        and clipped there in place; the clipped max from one min/max pass."""
+        peak, scaled = _scaled(flat, out)
         if not bool(torch.isfinite(peak)):
             raise NonFiniteGradientError(f"terngrad: non-finite (NaN or Inf) value in {slot.name}")
         if self.clip > 0:
-            sigma = torch.std(scaled, correction=0)  # σ / max|x|
+            sigma = torch.std(scaled, correction=0)  # σ / max|x|: one reduction over the whole tensor
             bound = self.clip * sigma
-            scaled = torch.maximum(torch.minimum(scaled, bound), -bound)
-        return peak, scaled, scaled.abs().amax()
+            torch.minimum(scaled, bound, out=scaled)
+            torch.maximum(scaled, -bound, out=scaled)
+        return peak, scaled, _peak(scaled)
+
+    def _generator(self, slot: Slot, step: int, device: torch.device) -> torch.Generator:
+        return shared_generator(self.seed, step, slot.index, device, salt=f"terngrad:{self.worker}")
 
     def ternary_codes(self, scaled: Tensor, prob: Tensor, slot: Slot, step: int) -> Tensor:
         """2-bit codes (0 = 0, 1 = +s, 2 = −s): entry i kept with probability ``prob[i]``, signed as ``scaled``."""
-        gen = shared_generator(self.seed, step, slot.index, scaled.device, salt=f"terngrad:{self.worker}")
+        gen = self._generator(slot, step, scaled.device)
+        if _cpu_loop(scaled):
+            return _ternary_chunks(scaled.reshape(-1), gen, prob=prob.reshape(-1))
         keep = torch.rand(scaled.shape, generator=gen, device=scaled.device) < prob
         return keep.to(torch.int64) * torch.where(scaled < 0, 2, 1)
 
@@ -483,10 +531,16 @@ class TernGrad(Compressor):
         if x.numel() == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=x.device)
             return [torch.zeros(1, dtype=torch.float32, device=x.device), empty]
-        peak, scaled, top = self.clipped(x, slot)  # top = s / max|x|
+        flat = _flat_f32(x)
+        cpu = _cpu_loop(flat)
+        # on the CPU the clipped x / max|x| goes to a reused buffer (nothing holds it after this call)
+        buf = workspace("terngrad", flat.numel(), torch.float32) if cpu else None
+        peak, scaled, top = self._clip(flat, slot, buf)  # top = s / max|x|
         scale = (peak * top).reshape(1)
         divisor = torch.where(top > 0, top, torch.ones_like(top))
-        return [scale, self.ternary_codes(scaled, scaled.abs() / divisor, slot, step)]
+        if not cpu:
+            return [scale, self.ternary_codes(scaled, scaled.abs() / divisor, slot, step)]
+        return [scale, _ternary_chunks(scaled, self._generator(slot, step, flat.device), divisor=divisor)]
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         scale, codes = fields
