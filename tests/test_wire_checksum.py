@@ -300,3 +300,15 @@ def test_bursts_up_to_32_bits_in_a_message_are_rejected():
             for bit in _burst(rng, length, 8 * buf.numel()):
                 bad[bit // 8] ^= 1 << (bit % 8)
             assert _rejected(bad, specs), length
+
+
+def test_crc32_is_zlibs_whichever_implementation_computes_it():
+    import zlib
+
+    from gradcomp.wire import checksum
+
+    gen = torch.Generator().manual_seed(5)
+    for n in (0, 1, 3, 15, 16, 17, 63, 64, 65, 1000, 4096, 100_003):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        assert checksum.crc32(data) == zlib.crc32(data.numpy().tobytes())
+    assert checksum.CRC32_IMPLEMENTATION in ("isal", "zlib")
