@@ -76,6 +76,9 @@ __all__ = ["QSGD", "CODINGS", "elias_max_bytes"]
 CODINGS = ("packed", "elias")
 
 
+_DECODE_CHUNK = 1 << 17  # codes decoded per step of ``QSGD._decode``: chunk-sized temporaries, in cache
+
+
 def _check_coding(coding: object) -> str:
     if not isinstance(coding, str) or coding not in CODINGS:
         raise ConfigError(f"coding must be one of {list(CODINGS)}, got {coding!r}")
@@ -119,18 +122,54 @@ class QSGD(RandomDithering):
         norm, codes = super().compress(x, slot, step)
         if self.coding == "packed":
             return [norm, codes]
-        level = codes & ((1 << self.level_bits) - 1)
-        positions = torch.nonzero(level).reshape(-1)
-        negative = (codes[positions] >> self.level_bits) & 1
+        # A code is nonzero exactly where its level is (the sign bit is only set where xi_i > 0), so the
+        # nonzero codes are picked first and split into sign and level: no d-sized level tensor besides the codes.
+        positions = torch.nonzero(codes).reshape(-1)
+        picked = codes[positions]
+        negative = (picked >> self.level_bits) & 1
         previous = torch.cat([positions.new_full((1,), -1), positions[:-1]])
         # interleaved gap_1, level_1, gap_2, level_2, …: every value >= 1
-        values = torch.stack([positions - previous, level[positions]], dim=1).reshape(-1)
+        values = torch.stack([positions - previous, picked & ((1 << self.level_bits) - 1)], dim=1).reshape(-1)
         stream, _ = elias_gamma_encode(values)
         return [norm, negative, stream.to(torch.int64)]
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
-        if self.coding == "packed":
-            return super().decompress(fields, slot, step)
+        out = torch.empty(slot.numel, dtype=torch.float32, device=fields[0].device)
+        self._decode(fields, slot, step, out, add=False)
+        return out
+
+    def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+        """``out += decompress(...)``, decoded chunk by chunk into the running sum (see ``_decode``)."""
+        if not out.is_contiguous() or out.dtype != torch.float32:  # a view would copy: add the dense tensor
+            out += self.decompress(fields, slot, step).reshape(out.shape)
+            return
+        self._decode(fields, slot, step, out.view(-1), add=True)
+
+    def _decode(self, fields: Fields, slot: Slot, step: int, out: Tensor, add: bool) -> None:
+        """The decoded message written (``add=False``) or added (``add=True``) into the flat float32 ``out``.
+
+        Random dithering's ``decompress`` maps each code to its value elementwise, through d-sized temporaries
+        (int64 level and sign tests, float level value, magnitude, its negation, the result: about 40 bytes per
+        entry, ten fp32 gradients' worth, all alive at once in ``accumulate``'s ``out += decompress(...)``,
+        where a worker adds up W messages). Here it runs on slices of
+        ``_DECODE_CHUNK`` codes at a time, each decoded by that same ``decompress`` (the parent class's own
+        arithmetic: the same values, bit for bit) and written or added into its slice of ``out`` at once, so the
+        temporaries are chunk-sized. The elias coding first rebuilds the dense codes (``_elias_codes``).
+        """
+        norm, codes = fields if self.coding == "packed" else [fields[0], self._elias_codes(fields, slot)]
+        codes = codes.reshape(-1)
+        for start in range(0, slot.numel, _DECODE_CHUNK):
+            piece = codes[start : start + _DECODE_CHUNK]
+            part = Slot(slot.name, slot.index, piece.numel(), None)
+            values = super().decompress([norm, piece], part, step)
+            if add:
+                out[start : start + piece.numel()] += values
+            else:
+                out[start : start + piece.numel()] = values
+
+    def _elias_codes(self, fields: Fields, slot: Slot) -> Tensor:
+        """The packed coding's codes (sign·2^level_bits + level) of an elias message, as int32 (s < 2^24: the
+        codes fit), checked as the wire format requires."""
         norm, negative, stream = fields
         negative = negative.reshape(-1).to(torch.int64)
         nnz = negative.numel()
@@ -146,6 +185,6 @@ class QSGD(RandomDithering):
         positions = torch.cumsum(gaps, 0) - 1  # gaps >= 1: strictly increasing from >= 0
         if nnz and int(positions[-1]) >= slot.numel:
             raise WireError(f"qsgd: {slot.name}: decoded position {int(positions[-1])} is outside [0, {slot.numel})")
-        codes = torch.zeros(slot.numel, dtype=torch.int64, device=level.device)
-        codes[positions] = level | (negative.to(level.device) << self.level_bits)
-        return super().decompress([norm, codes], slot, step)
+        codes = torch.zeros(slot.numel, dtype=torch.int32, device=level.device)
+        codes[positions] = (level | (negative.to(level.device) << self.level_bits)).to(torch.int32)
+        return codes

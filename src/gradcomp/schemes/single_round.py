@@ -35,6 +35,7 @@ from torch import Tensor
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
+from gradcomp.finite import all_finite
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.requests import Rounds
@@ -85,25 +86,41 @@ def decode_slots(compressor: Compressor, slots: Sequence[Slot], buffer: Tensor) 
 def aggregate_buffers(
     compressor: Compressor, slots: Sequence[Slot], buffers: Sequence[Tensor], step: int, device: torch.device
 ) -> list[Tensor]:
-    """Decode every buffer (in order), add the messages up and aggregate them by the compressor's rule."""
-    decoded = [decode_slots(compressor, slots, b) for b in buffers]
+    """Decode every buffer (in order), add the messages up and aggregate them by the compressor's rule.
+
+    One buffer is decoded at a time and added into every slot's running sum before the next is decoded, so
+    one worker's decoded message is in memory, not W of them (a dense message decodes to int64 codes, 8 bytes
+    per entry: W of them were 2·W fp32 gradients). Each slot's sum still adds the workers in rank order: the
+    same sums, bit for bit. The finiteness check reads the sum once (``all_finite``) instead of building
+    |sum| and three d-sized masks (``torch.isfinite``).
+    """
+    totals = [torch.zeros(slot.numel, dtype=torch.float32, device=device) for slot in slots]
+    for buffer in buffers:
+        _add_buffer(compressor, slots, buffer, step, totals)
     results = []
-    for i, slot in enumerate(slots):
-        total = torch.zeros(slot.numel, dtype=torch.float32, device=device)
-        for per_worker in decoded:
-            compressor.accumulate(per_worker[i], slot, step, total)
-        if not bool(torch.isfinite(total).all()):
-            # the sum of finite messages overflowed: add them divided by W instead. The rule then sees one
-            # "worker" holding that sum: the mean is the sum itself, and a sign is unchanged by the division.
-            total.zero_()
-            for per_worker in decoded:
-                one = torch.zeros_like(total)
-                compressor.accumulate(per_worker[i], slot, step, one)
-                total += one.div_(len(decoded))
-            results.append(compressor.aggregate(total, 1))
-        else:
-            results.append(compressor.aggregate(total, len(decoded)))
+    for i, (slot, total) in enumerate(zip(slots, totals)):
+        if all_finite(total):
+            results.append(compressor.aggregate(total, len(buffers)))
+            continue
+        # the sum of finite messages overflowed: add them divided by W instead (decoding the buffers again:
+        # a rare path). The rule then sees one "worker" holding that sum: the mean is the sum itself, and a
+        # sign is unchanged by the division.
+        total.zero_()
+        one = torch.empty_like(total)
+        for buffer in buffers:
+            one.zero_()
+            compressor.accumulate(decode_slots(compressor, slots, buffer)[i], slot, step, one)
+            total += one.div_(len(buffers))
+        results.append(compressor.aggregate(total, 1))
     return results
+
+
+def _add_buffer(compressor: Compressor, slots: Sequence[Slot], buffer: Tensor, step: int, totals: list[Tensor]) -> None:
+    """Add one worker's decoded messages into the slots' sums. A function of its own, so that nothing of the
+    decoded message outlives it (a loop variable would keep the last slot's fields alive through the next
+    buffer's decoding)."""
+    for slot, fields, total in zip(slots, decode_slots(compressor, slots, buffer), totals):
+        compressor.accumulate(fields, slot, step, total)
 
 
 class SingleRound(Scheme):
@@ -217,23 +234,26 @@ class SingleRound(Scheme):
             self.compressor.decompress([next(split) for _ in per_slot], s, step) for s, per_slot in zip(slots, sizes)
         ]
 
+    def _encoded(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Tensor:
+        """This worker's messages of all slots as one wire buffer. The messages themselves (for a dense method
+        int64 codes, two fp32 gradients' worth) are dropped as soon as they are encoded, not kept alive through
+        the collectives and the decoding that follow."""
+        messages = (self.compressor.compress(t, s, step) for s, t in zip(slots, tensors))
+        return encode_slots(self.compressor, slots, list(messages))
+
     def _allgather(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
-        messages = [self.compressor.compress(t, s, step) for s, t in zip(slots, tensors)]
-        buffers = yield from allgather_buffers(self.rank, encode_slots(self.compressor, slots, messages))
+        buffers = yield from allgather_buffers(self.rank, self._encoded(slots, tensors, step))
         return aggregate_buffers(self.compressor, slots, buffers, step, tensors[0].device)
 
     def _parameter_server(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         device = tensors[0].device
-        messages = [self.compressor.compress(t, s, step) for s, t in zip(slots, tensors)]
 
         def serve(buffers: list[Tensor]) -> Tensor:
             aggregates = aggregate_buffers(self.compressor, slots, buffers, step, device)
             down = [self.server_compressor.compress(a, s, step) for s, a in zip(slots, aggregates)]
             return encode_slots(self.server_compressor, slots, down)
 
-        downstream = yield from parameter_server(
-            self.rank, encode_slots(self.compressor, slots, messages), serve, self.root
-        )
+        downstream = yield from parameter_server(self.rank, self._encoded(slots, tensors, step), serve, self.root)
         return [
             self.server_compressor.decompress(fields, s, step)
             for s, fields in zip(slots, decode_slots(self.server_compressor, slots, downstream))
