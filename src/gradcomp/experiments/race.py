@@ -50,7 +50,7 @@ DEFAULT_METHODS = (
     "torch-fp32",
     "torch-fp16",
     "torch-powersgd:rank=2",
-    "topk:density=0.01,feedback=residual",
+    "topk:density=0.01,feedback=momentum_masking",
     "cnat:topology=sharded,server=cnat",
     "sbc:density=0.01",
     "qsgd",
