@@ -7,9 +7,9 @@ biased.
 
 Speed (issue "make compressors fast enough"): compress is one cast, then (on the CPU) a min/max pass over
 the half-width result and an in-place clamp only when something saturated. What remains of fp16's
-compress+encode on the CPU is the container's: ``wire.encode`` copies the body twice (the sections are
-concatenated, then the header is prepended) and checksums it, about three passes over 2·d bytes for one pass
-of the cast (benchmarks/README.md).
+compress+encode on the CPU is the container's: ``wire.encode`` copies the 2·d-byte body once into the
+message and checksums it (CRC-32 and CRC-32C), and the fresh 2·d-byte message's first touch costs page
+faults (benchmarks/README.md).
 """
 
 from __future__ import annotations
