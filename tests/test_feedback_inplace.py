@@ -21,10 +21,10 @@ from torch.utils._pytree import tree_leaves
 
 import gradcomp
 from gradcomp import ConfigError, ErrorFeedback, GradientExchange, SimulatedCluster, Slot
-from gradcomp.compressors.base import Compressor
+from gradcomp.compressors.base import Compressor, subtract_sent
 from gradcomp.compressors.natural import RandomDithering
 from gradcomp.errors import NonFiniteGradientError
-from gradcomp.feedback import MomentumCorrection, subtract_sent
+from gradcomp.feedback import MomentumCorrection
 from gradcomp.registry import available, compressor_class
 from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots
 

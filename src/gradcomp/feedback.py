@@ -26,20 +26,20 @@ the messages):
 - r = x + r is ``torch.add(x, r, out=r)``: the same operands in the same order (the first step copies x);
 - m = C(r): the inner compressor reads the buffer. A message field that is a view of it (uncompressed fp32
   returns its input itself) is copied before the buffer changes (``_detached``);
-- r = r - D(m) (``subtract_sent``): a sparse message (top-k, threshold, random-k, random-block, SBC, STC and
-  their compositions) is known to decompress to +0.0 everywhere but its k positions, and a - (+0.0) = a for
-  every a, signed zeros and NaN included, so only r[i] - v_i at the k positions is computed; a dense cast
-  (fp16, bf16, fp32) subtracts its field in place (the half-precision value is widened in the kernel,
-  exactly as by ``.to(torch.float32)``); the sign family subtracts its decoded values chunk by chunk from a
-  reused scratch buffer. Any other compressor (dithering, cnat, terngrad) still builds D(m) once and
-  subtracts it in place: one d-sized temporary instead of three;
+- r = r - D(m) (``subtract_sent`` of ``compressors/base.py``, which each compressor may override next to its
+  ``decompress``): a sparse message (top-k, threshold, random-k, random-block, SBC, STC and their
+  compositions) says which entries it sends (``sent_entries``) and decompresses to +0.0 everywhere else, and
+  a - (+0.0) = a for every a, signed zeros and NaN included, so only r[i] - v_i at the k positions is
+  computed; a dense cast (fp16, bf16, fp32) subtracts its field in place (the half-precision value is widened
+  in the kernel, exactly as by ``.to(torch.float32)``); the sign family subtracts its decoded values chunk by
+  chunk from a reused scratch buffer. Any other compressor (dithering, cnat, terngrad) still builds D(m) once
+  and subtracts it in place: one d-sized temporary instead of three;
 - should the inner compressor raise (non-finite input), the slot's buffer, already a = x + r, is dropped:
   the slot starts afresh rather than from half a step.
 
-Which of these forms a message has is decided by the class's ``decompress`` (the function object, not the
-class), so a subclass that decodes differently falls back to the generic route instead of a wrong shortcut.
-These shortcuts would sit better in the compressors themselves (a ``subtract`` next to ``accumulate``);
-they live here while the compressor modules are owned by other work.
+A shortcut is used only where it was written for the ``decompress`` the compressor runs (the class that
+defines it defines ``decompress`` or derives from the class that does), so a subclass that decodes
+differently falls back to the generic route instead of a wrong shortcut.
 """
 
 from __future__ import annotations
@@ -49,105 +49,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot
-from gradcomp.compressors.compose import ComposedValues
-from gradcomp.compressors.dense import _DenseCast
-from gradcomp.compressors.sbc import SparseBinary, SparseTernary
-from gradcomp.compressors.sign import _check_packed, _Sign, _value_table, packed_count
-from gradcomp.compressors.sparse import RandomBlock, RandomK, _PositionsAndValues, workspace
+from gradcomp.compressors.base import Compressor, Fields, Slot, sent_entries, subtract_at, subtract_sent
 from gradcomp.errors import ConfigError
 from gradcomp.wire import FieldSpec
 
-# ------------------------------------------------------------------------------ the update r = r - D(m), in place
-
-
-def sparse_sent(compressor: Compressor, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:
-    """(positions, float32 values) such that ``compressor.decompress(fields, slot, step)`` is +0.0 everywhere
-    except ``values[j]`` at the distinct ``positions[j]``, bit for bit; None where the message is not known to
-    decompress that way (then use the dense tensor).
-
-    Each case mirrors that compressor's ``decompress``: random-block adds its values into zeros (so a -0.0
-    value decodes to +0.0, and so it does here); a composition decodes its value fields first.
-    """
-    decompress = type(compressor).decompress
-    if decompress is _PositionsAndValues.decompress:  # topk, threshold, DGC's selector
-        positions, values = fields
-        return positions, values.to(torch.float32)
-    if decompress is SparseBinary.decompress:
-        positions, signed_mean = fields
-        return positions, signed_mean.to(torch.float32).reshape(-1).expand(positions.numel())
-    if decompress is SparseTernary.decompress:
-        positions, values = compressor._values(fields)
-        return positions, values
-    if decompress is RandomK.decompress:
-        values = fields[0]
-        positions = compressor.positions(slot, step, values.device)
-        return positions, (values * compressor._factor(slot)).to(torch.float32)
-    if decompress is RandomBlock.decompress:
-        values = fields[0]
-        if slot.numel == 0:
-            return torch.zeros(0, dtype=torch.int64, device=values.device), values.to(torch.float32)
-        pieces = [torch.arange(a, a + n, device=values.device) for a, n in compressor._pieces(slot, step)]
-        scaled = values.to(torch.float32) * compressor._factor(slot)
-        return torch.cat(pieces), torch.zeros_like(scaled).add_(scaled)  # 0 + v, as accumulated into zeros
-    if decompress is ComposedValues.decompress:
-        return sparse_sent(compressor.inner, compressor._inner_fields(fields, slot, step), slot, step)
-    return None
-
-
-def _subtract_at(out: Tensor, positions: Tensor, values: Tensor) -> None:
-    """out[positions] = out[positions] - values (distinct positions): the dense a - D(m) at the only entries
-    where D(m) is not +0.0."""
-    if positions.numel():
-        out.index_copy_(0, positions, torch.index_select(out, 0, positions).sub_(values))
-
-
-_SIGN_CHUNK = 1 << 18  # entries per step of _subtract_signs (a multiple of 8): 1 MB of scratch per thread
-
-
-def _subtract_signs(compressor: _Sign, fields: Fields, slot: Slot, out: Tensor) -> None:
-    """out -= D(m) for the sign family: each chunk's decoded values (rows of the same 256-row table that
-    ``decompress`` reads) are gathered into a reused scratch buffer and subtracted from that chunk.
-
-    Measured on one CPU thread, 10M entries: 6 ms, against 28 ms for ``out.sub_(decompress(...))``; chunks of
-    2^18 entries cost the same as 2^20 and keep the per-thread scratch at 1 MB. Decoding by integer selection
-    between the two values' bit patterns in numpy was no faster, nor was deferring the subtraction to the next
-    step to do it in the same pass as x + r: the gather, not the memory traffic, is what it costs.
-    """
-    packed = fields[0]
-    _check_packed(packed, slot.numel, f"{compressor.name}: {slot.name}")
-    positive, negative = compressor._decode_values(fields, slot)
-    table = _value_table(packed.device, positive, negative)
-    packed = packed.reshape(-1)
-    groups = packed_count(min(slot.numel, _SIGN_CHUNK))
-    if packed.device.type == "cpu":
-        scratch = workspace("feedback-signs", 8 * groups, torch.float32).view(groups, 8)
-    else:
-        scratch = torch.empty(groups, 8, dtype=torch.float32, device=packed.device)
-    for start in range(0, slot.numel, _SIGN_CHUNK):  # a multiple of 8: every chunk starts on a byte
-        n = min(_SIGN_CHUNK, slot.numel - start)
-        rows = scratch[: packed_count(n)]
-        torch.index_select(table, 0, packed[start // 8 : start // 8 + packed_count(n)], out=rows)
-        out[start : start + n].sub_(rows.reshape(-1)[:n])
-
-
-def subtract_sent(compressor: Compressor, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-    """``out -= compressor.decompress(fields, slot, step)`` in place (``out`` flat float32), with the same
-    subtraction per entry, without building the dense message where its form is known (module docstring).
-
-    ``fields`` must not share memory with ``out`` (see ``_detached``).
-    """
-    sparse = sparse_sent(compressor, fields, slot, step)
-    if sparse is not None:
-        _subtract_at(out, *sparse)
-        return
-    decompress = type(compressor).decompress
-    if decompress is _DenseCast.decompress:
-        out.sub_(fields[0].reshape(-1))  # fp16/bf16 widened to float32 in the kernel: exact, as .to(float32)
-    elif decompress is _Sign.decompress:
-        _subtract_signs(compressor, fields, slot, out)
-    else:
-        out.sub_(compressor.decompress(fields, slot, step))
+# ------------------------------------------------------------------------------ in-place buffers
 
 
 def _detached(fields: Fields, buffer: Tensor) -> Fields:
@@ -332,12 +238,12 @@ class MomentumCorrection(_FeedbackWrapper):
         self.velocity[key], self.accumulated[key] = u, v
         try:
             fields = _detached(self.inner.compress(v, slot, step), v)  # a field may be a view of what it compressed
-            sparse = sparse_sent(self.inner, fields, slot, step)
+            sparse = sent_entries(self.inner, fields, slot, step)
             if sparse is not None:
                 positions, values = sparse
                 if self.masking:
                     u.index_fill_(0, positions[values != 0], 0.0)  # sent != 0 (NaN included)
-                _subtract_at(v, positions, values)
+                subtract_at(v, positions, values)
             elif self.masking:
                 sent = self.inner.decompress(fields, slot, step)
                 u.masked_fill_(sent != 0, 0.0)

@@ -136,6 +136,27 @@ class Compressor(ABC):
         """Add the decompressed message into ``out``; sparse compressors override it to scatter-add."""
         out += self.decompress(fields, slot, step)
 
+    def sent_entries(self, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:
+        """(positions, float32 values) such that ``decompress`` gives +0.0 everywhere except ``values[j]`` at the
+        distinct ``positions[j]``, bit for bit; None (the default) where the message is not of that form.
+
+        Sparse compressors override it, next to their ``decompress``; error feedback uses it to update a
+        residual at the sent positions only (a - (+0.0) is a for every a, signed zeros and NaN included).
+        Callers go through :func:`sent_entries`, which ignores an override that a subclass's own
+        ``decompress`` has made stale.
+        """
+        return None
+
+    def subtract_sent(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+        """``out -= decompress(fields, slot, step)`` in place (``out`` flat float32), with the same subtraction
+        per entry; overrides avoid building the dense message. ``fields`` must not share memory with ``out``.
+        Callers go through :func:`subtract_sent`."""
+        entries = sent_entries(self, fields, slot, step)
+        if entries is not None:
+            subtract_at(out, *entries)
+        else:
+            out.sub_(self.decompress(fields, slot, step))
+
     def aggregate(self, total: Tensor, count: int) -> Tensor:
         """How the sum of ``count`` workers' decompressed messages becomes the update: their mean.
 
@@ -156,3 +177,39 @@ class Compressor(ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({args})"
+
+
+# -------------------------------------------------------------------- what was sent, for in-place feedback
+
+
+def _describes_decompress(compressor: Compressor, method: str) -> bool:
+    """Whether ``compressor``'s ``method`` was written for the ``decompress`` it runs: the class that defines
+    the method is the one that defines ``decompress``, or a subclass of it. A subclass that decodes differently
+    but inherits a shortcut written for its parent's decoding gets the generic route, not a wrong shortcut."""
+    mro = type(compressor).__mro__
+    owner = next(c for c in mro if method in c.__dict__)
+    decoder = next(c for c in mro if "decompress" in c.__dict__)
+    return issubclass(owner, decoder)
+
+
+def sent_entries(compressor: Compressor, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:
+    """``compressor.sent_entries(...)`` where it was written for the compressor's ``decompress``, else None."""
+    if not _describes_decompress(compressor, "sent_entries"):
+        return None
+    return compressor.sent_entries(fields, slot, step)
+
+
+def subtract_sent(compressor: Compressor, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+    """``out -= compressor.decompress(fields, slot, step)`` in place, by the compressor's own shortcut where it
+    was written for its ``decompress`` (see ``Compressor.subtract_sent``)."""
+    if _describes_decompress(compressor, "subtract_sent"):
+        compressor.subtract_sent(fields, slot, step, out)
+    else:
+        Compressor.subtract_sent(compressor, fields, slot, step, out)
+
+
+def subtract_at(out: Tensor, positions: Tensor, values: Tensor) -> None:
+    """out[positions] = out[positions] - values (distinct positions): ``out -= D(m)`` for a message whose
+    decompression is +0.0 everywhere else."""
+    if positions.numel():
+        out.index_copy_(0, positions, torch.index_select(out, 0, positions).sub_(values))

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot
+from gradcomp.compressors.base import Compressor, Fields, Slot, sent_entries
 from gradcomp.errors import ConfigError
 from gradcomp.wire import Codec, FieldSpec
 
@@ -93,6 +93,9 @@ class ComposedValues(Compressor):
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         return self.inner.decompress(self._inner_fields(fields, slot, step), slot, step)
+
+    def sent_entries(self, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:
+        return sent_entries(self.inner, self._inner_fields(fields, slot, step), slot, step)
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         self.inner.accumulate(self._inner_fields(fields, slot, step), slot, step, out)

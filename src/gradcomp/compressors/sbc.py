@@ -153,6 +153,10 @@ class SparseBinary(_SharedValueSparsifier):
         out[positions] = signed_mean.to(torch.float32)
         return out
 
+    def sent_entries(self, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor]:
+        positions, signed_mean = fields
+        return positions, signed_mean.to(torch.float32).reshape(-1).expand(positions.numel())
+
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         positions, signed_mean = fields
         out.index_add_(0, positions, signed_mean.to(out.dtype).expand(positions.numel()))
@@ -193,6 +197,9 @@ class SparseTernary(_SharedValueSparsifier):
         out = torch.zeros(slot.numel, dtype=torch.float32, device=values.device)
         out[positions] = values
         return out
+
+    def sent_entries(self, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor]:
+        return self._values(fields)
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         positions, values = self._values(fields)

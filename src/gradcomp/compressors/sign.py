@@ -110,6 +110,7 @@ def packed_count(numel: int) -> int:
 _CHUNK = 1 << 20  # entries per pass: scratch buffers of about 1–4 MB that the allocator reuses
 # entries per chunk of the numpy sign packer (a multiple of 8): 1 MB of input and 256 kB of mask, in cache
 _PACK_CHUNK = 1 << 18
+_SUBTRACT_CHUNK = 1 << 18  # entries per step of _Sign.subtract_sent (a multiple of 8): 1 MB of scratch
 
 
 def _pack_into(flat: Tensor, out: Tensor, mask: Tensor, shifted: Tensor) -> None:
@@ -265,6 +266,30 @@ class _Sign(Compressor):
         _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
         positive, negative = self._decode_values(fields, slot)
         return _expand(packed, slot.numel, positive, negative)
+
+    def subtract_sent(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+        """``out -= decompress(...)``: each chunk's decoded values (rows of the same 256-row table that
+        ``decompress`` reads) gathered into a reused scratch buffer and subtracted from that chunk.
+
+        Measured on one CPU thread, 10M entries: 6 ms, against 28 ms for ``out.sub_(decompress(...))``; chunks
+        of 2^18 entries cost the same as 2^20 and keep the per-thread scratch at 1 MB. Decoding by integer
+        selection between the two values' bit patterns in numpy was no faster, nor was deferring the
+        subtraction to error feedback's next x + r pass: the gather, not the memory traffic, is the cost.
+        """
+        packed = fields[0]
+        _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
+        table = _value_table(packed.device, *self._decode_values(fields, slot))
+        packed = packed.reshape(-1)
+        groups = packed_count(min(slot.numel, _SUBTRACT_CHUNK))
+        if packed.device.type == "cpu":
+            scratch = workspace("subtract-signs", 8 * groups, torch.float32).view(groups, 8)
+        else:
+            scratch = torch.empty(groups, 8, dtype=torch.float32, device=packed.device)
+        for start in range(0, slot.numel, _SUBTRACT_CHUNK):  # a multiple of 8: every chunk starts on a byte
+            n = min(_SUBTRACT_CHUNK, slot.numel - start)
+            rows = scratch[: packed_count(n)]
+            torch.index_select(table, 0, packed[start // 8 : start // 8 + packed_count(n)], out=rows)
+            out[start : start + n].sub_(rows.reshape(-1)[:n])
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         packed = fields[0]

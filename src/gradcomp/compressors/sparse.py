@@ -369,6 +369,10 @@ class _PositionsAndValues(Compressor):
         positions, values = fields
         return scatter_dense(slot.numel, positions, values)
 
+    def sent_entries(self, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor]:
+        positions, values = fields
+        return positions, values.to(torch.float32)
+
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         positions, values = fields
         scatter_add(out, positions, values)
@@ -471,6 +475,10 @@ class RandomK(_SharedRandomSelection):
         positions = self.positions(slot, step, values.device)
         return scatter_dense(slot.numel, positions, values * self._factor(slot))
 
+    def sent_entries(self, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor]:
+        values = fields[0]
+        return self.positions(slot, step, values.device), (values * self._factor(slot)).to(torch.float32)
+
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         values = fields[0]
         scatter_add(out, self.positions(slot, step, values.device), values * self._factor(slot))
@@ -527,6 +535,14 @@ class RandomBlock(_SharedRandomSelection):
         out = torch.zeros(slot.numel, dtype=torch.float32, device=fields[0].device)
         self.accumulate(fields, slot, step, out)
         return out
+
+    def sent_entries(self, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor]:
+        values = fields[0]
+        if slot.numel == 0:
+            return torch.zeros(0, dtype=torch.int64, device=values.device), values.to(torch.float32)
+        positions = [torch.arange(a, a + n, device=values.device) for a, n in self._pieces(slot, step)]
+        scaled = values.to(torch.float32) * self._factor(slot)
+        return torch.cat(positions), torch.zeros_like(scaled).add_(scaled)  # 0 + v, as decompress adds into zeros
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         if slot.numel == 0:
