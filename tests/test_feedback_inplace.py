@@ -280,12 +280,11 @@ def test_a_message_that_is_a_view_of_its_input_is_copied_before_the_residual_cha
     assert not ef.residuals["w#64"].any()  # everything was sent
 
 
-class _Allocations(TorchDispatchMode):
-    """Records the byte size of every tensor a torch op returns in storage none of its inputs had."""
+class _NewStorages(TorchDispatchMode):
+    """Calls ``self._new(func, storage)`` once for every storage a torch op returns that none of its inputs had."""
 
-    def __init__(self):
-        super().__init__()
-        self.allocated: list[tuple[str, int, int]] = []
+    def _new(self, func, storage) -> None:
+        raise NotImplementedError
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -293,8 +292,21 @@ class _Allocations(TorchDispatchMode):
         given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
-                self.allocated.append((str(func), t.untyped_storage().nbytes(), t.untyped_storage().data_ptr()))
+                storage = t.untyped_storage()
+                given.add(storage.data_ptr())
+                self._new(func, storage)
         return out
+
+
+class _Allocations(_NewStorages):
+    """Records the byte size of every tensor a torch op returns in storage none of its inputs had."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocated: list[tuple[str, int, int]] = []
+
+    def _new(self, func, storage) -> None:
+        self.allocated.append((str(func), storage.nbytes(), storage.data_ptr()))
 
 
 @pytest.mark.parametrize(
@@ -360,7 +372,7 @@ def test_subtract_sent_equals_subtracting_the_decompressed_message():
 # Memory of the gathered exchange: QSGD's decoding and SingleRound's aggregation (the race's "extra vs DDP").
 
 
-class _LiveBytes(TorchDispatchMode):
+class _LiveBytes(_NewStorages):
     """The high-water mark of the bytes held by tensors that torch ops allocate while the mode is on."""
 
     def __init__(self):
@@ -370,18 +382,10 @@ class _LiveBytes(TorchDispatchMode):
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
-                storage = t.untyped_storage()
-                given.add(storage.data_ptr())
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._free, storage.nbytes())
-        return out
+    def _new(self, func, storage) -> None:
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, storage.nbytes())
 
 
 def _old_aggregate(compressor, slots, buffers, step):
