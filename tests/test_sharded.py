@@ -17,7 +17,8 @@ from gradients import rank_order_mean, worker_gradients
 import gradcomp
 from gradcomp import ConfigError, GradientExchange, SimulatedCluster, Slot
 from gradcomp.compressors.dense import NoCompression
-from gradcomp.schemes.sharded import Sharded, shard_bounds
+from gradcomp.schemes.requests import drive
+from gradcomp.schemes.sharded import Sharded, alltoall_buffers, shard_bounds
 from gradcomp.train.exchange import build_scheme
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES, bits_needed
@@ -204,12 +205,46 @@ def test_counters_match_the_exact_expectation(world, method):
         assert c.down_payload == (world - 1) * up[r] + sum(down[j] for j in others)
         assert c.up_padding == sum(max(up) - up[j] for j in others) + max(down) - down[r]
         assert c.down_padding == (world - 1) * (max(up) - up[r]) + sum(max(down) - down[j] for j in others)
-        # sizes: all-to-all of 2 int64 per destination; all-gather of 1 int64
+        # fixed-width messages: every worker computes every length from the specs, no size rounds
+        assert c.up_control == 0 and c.down_control == 0
+        assert c.server_in == 0 and c.server_out == 0
+        assert c.ops["all_to_all"][0] == 1 and c.ops["all_gather"][0] == 1
+        assert set(c.ops) == {"all_to_all", "all_gather"}
+
+
+@pytest.mark.parametrize("world", [4, 5])
+def test_messages_whose_size_depends_on_the_data_exchange_their_sizes(world):
+    """threshold keeps as many entries as pass it, up and down: a control all-to-all of (length for you, my
+    longest) per destination before the all-to-all, and 1 int64 per worker before the downstream all-gather."""
+    sizes = [5, 37, 300, 2]
+    slots = [Slot(f"s{i}", i, n) for i, n in enumerate(sizes)]
+    make = lambda: gradcomp.make("threshold", threshold=0.5)  # noqa: E731
+
+    def fn(t):
+        ex = GradientExchange(make(), t, topology="sharded", server_compressor=make())
+        out = ex.exchange(slots, grads(t.rank, 0, sizes), 0)
+        return out, t.counter.snapshot()
+
+    with SimulatedCluster(world, timeout=60.0) as cluster:
+        results = cluster.run(fn)
+    for out, c in results:
+        assert all(torch.equal(a, b) for a, b in zip(out, results[0][0]))
         assert c.up_control == 16 * (world - 1) + 8
         assert c.down_control == 16 * (world - 1) + 8 * (world - 1)
-        assert c.server_in == 0 and c.server_out == 0
         assert c.ops["all_to_all"][0] == 2 and c.ops["all_gather"][0] == 2
-        assert set(c.ops) == {"all_to_all", "all_gather"}
+
+
+def test_a_buffer_that_contradicts_the_known_lengths_is_refused_before_sending():
+    def fn(t):
+        buffers = [torch.zeros(6 if (t.rank, j) == (1, 2) else 5, dtype=torch.uint8) for j in range(3)]
+        if t.rank != 1:
+            return t.counter.snapshot()
+        with pytest.raises(gradcomp.WireError, match="worker 1's buffer for worker 2 is 6 bytes but its specs fix 5"):
+            drive(t, alltoall_buffers(t.rank, buffers, [5, 5, 5]))
+        return t.counter.snapshot()
+
+    with SimulatedCluster(3, timeout=60.0) as cluster:
+        assert cluster.run(fn)[1].collectives == 0
 
 
 def bytes_per_worker(world: int, topology: str, n: int = 20000) -> tuple[float, float]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gradcomp
-from gradcomp import ByteCounter, ConfigError, SimulatedCluster, WorkerLostError
+from gradcomp import ByteCounter, ConfigError, SimulatedCluster, WireError, WorkerLostError
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.schemes.requests import drive
 
@@ -138,6 +138,47 @@ def test_allgather_counters_accumulate_over_calls():
         assert cluster.transports[0].counter == ByteCounter()
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("sizes_of", ["different", "equal", "with-empty"])
+def test_allgather_buffers_with_known_sizes_skips_the_size_round(world, sizes_of):
+    """Lengths every worker knows in advance: the same buffers arrive, one collective, no control bytes."""
+    sizes = {
+        "different": [7 * r + 3 for r in range(world)],
+        "equal": [11] * world,
+        "with-empty": [0 if r % 2 == 0 else 5 + r for r in range(world)],
+    }[sizes_of]
+    buffers = [rank_bytes(r, s) for r, s in enumerate(sizes)]
+
+    def fn(t):
+        return drive(t, allgather_buffers(t.rank, buffers[t.rank].clone(), sizes)), t.counter.snapshot()
+
+    with SimulatedCluster(world) as cluster:
+        results = cluster.run(fn)
+    largest = max(sizes)
+    for rank, (got, c) in enumerate(results):
+        assert [torch.equal(b, e) for b, e in zip(got, buffers)] == [True] * world
+        others = [s for r, s in enumerate(sizes) if r != rank]
+        assert c.up_payload == sizes[rank] and c.down_payload == sum(others)
+        assert c.up_padding == largest - sizes[rank]
+        assert c.up_control == 0 and c.down_control == 0
+        assert c.collectives == 1
+
+
+def test_a_buffer_that_contradicts_its_known_size_is_refused_before_sending():
+    world = 3
+
+    def fn(t):
+        wrong = rank_bytes(t.rank, 12 if t.rank == 1 else 10)
+        with pytest.raises(WireError, match="worker 1's buffer is 12 bytes but its specs fix 10"):
+            drive(t, allgather_buffers(t.rank, wrong, [10] * world))
+            raise AssertionError("not refused")
+        return t.counter.snapshot()
+
+    with SimulatedCluster(world) as cluster:
+        counters = cluster.run(lambda t: fn(t) if t.rank == 1 else t.counter.snapshot())
+    assert counters[1].collectives == 0 and counters[1].bytes_up == 0
+
+
 # ----------------------------------------------------------------------------------------------- parameter server
 
 
@@ -197,6 +238,36 @@ def test_parameter_server_contents_and_counters(world, root_at):
             assert c.server_out >= world * n_down
         else:
             assert c.server_in == 0 and c.server_out == 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_parameter_server_with_known_sizes_skips_both_size_rounds(world):
+    sizes = [5 * r + 2 for r in range(world)]
+    buffers = [rank_bytes(r, s) for r, s in enumerate(sizes)]
+    downstream = rank_bytes(99, 9)
+
+    def aggregate(received):
+        assert [torch.equal(b, e) for b, e in zip(received, buffers)] == [True] * world
+        return downstream.clone()
+
+    def fn(t):
+        out = drive(t, parameter_server(t.rank, buffers[t.rank].clone(), aggregate, 0, sizes, downstream.numel()))
+        return out, t.counter.snapshot()
+
+    with SimulatedCluster(world) as cluster:
+        results = cluster.run(fn)
+    for down, c in results:
+        assert torch.equal(down, downstream)
+        assert c.up_control == 0 and c.down_control == 0
+        assert c.collectives == 2  # gather, broadcast
+
+
+def test_parameter_server_refuses_a_downstream_buffer_of_another_size():
+    def fn(t):
+        return drive(t, parameter_server(t.rank, rank_bytes(t.rank, 4), lambda b: rank_bytes(0, 7), 0, [4], 8))
+
+    with SimulatedCluster(1) as cluster, pytest.raises(WireError, match="the root's downstream buffer is 7 bytes"):
+        cluster.run(fn)
 
 
 @pytest.mark.parametrize("world", [1, 3])

@@ -2,20 +2,29 @@
 
 gloo's all_gather needs equal sizes, so the workers first exchange their lengths (control traffic), pad to the
 largest, gather, and cut each buffer back to its true length. The padding each worker sent and received is
-booked apart from the payload.
+booked apart from the payload. When the caller knows every worker's length in advance (``sizes``: fixed-width
+messages) the length round is skipped: one collective instead of two.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor
 
-from gradcomp.protocols.sizes import exchange_sizes, pad_to
+from gradcomp.protocols.sizes import exchange_sizes, known_sizes, pad_to
 from gradcomp.schemes.requests import AllGather, Rounds
 
 
-def allgather_buffers(rank: int, buffer: Tensor) -> Rounds:
-    """Every worker's uint8 buffer, in rank order, without padding (``rank``: this worker's)."""
-    sizes = yield from exchange_sizes(buffer)
+def allgather_buffers(rank: int, buffer: Tensor, sizes: Sequence[int] | None = None) -> Rounds:
+    """Every worker's uint8 buffer, in rank order, without padding (``rank``: this worker's).
+
+    ``sizes``: every worker's buffer length when all of them know it in advance (checked for this worker's).
+    """
+    if sizes is None:
+        sizes = yield from exchange_sizes(buffer)
+    else:
+        sizes = known_sizes(buffer, sizes, rank)
     largest = max(sizes)
     pad_up = largest - sizes[rank]
     pad_down = sum(largest - s for r, s in enumerate(sizes) if r != rank)

@@ -1,27 +1,37 @@
 """Parameter server: gather at a root, aggregate there, broadcast the aggregate.
 
-    1. every worker sends its encoded buffer to the root (sizes first, padded to the largest);
+    1. every worker sends its encoded buffer to the root (sizes first, padded to the largest; no size round
+       when the caller gives every worker's ``sizes``, known in advance for fixed-width messages);
     2. the root's server role calls ``aggregate(buffers)`` → one downstream buffer (the caller decodes,
        averages, and may compress the average again with the server's own compressor and residual);
-    3. the root broadcasts the downstream buffer's length, then the buffer; every worker returns it.
+    3. the root broadcasts the downstream buffer's length (unless ``downstream_size`` is known in advance), then
+       the buffer; every worker returns it.
 
 The root is also a worker; its uplink is counted like every other worker's (see transport.base).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from gradcomp.protocols.sizes import broadcast_buffer, exchange_sizes, pad_to
+from gradcomp.protocols.sizes import broadcast_buffer, exchange_sizes, known_sizes, pad_to
 from gradcomp.schemes.requests import Gather, Rounds
 
 
 def parameter_server(
-    rank: int, buffer: Tensor, aggregate: Callable[[list[Tensor]], Tensor], root: int = 0
+    rank: int,
+    buffer: Tensor,
+    aggregate: Callable[[list[Tensor]], Tensor],
+    root: int = 0,
+    sizes: Sequence[int] | None = None,
+    downstream_size: int | None = None,
 ) -> Rounds:
-    sizes = yield from exchange_sizes(buffer)
+    if sizes is None:
+        sizes = yield from exchange_sizes(buffer)
+    else:
+        sizes = known_sizes(buffer, sizes, rank)
     largest = max(sizes)
     pad_in = sum(largest - s for s in sizes)
     gathered = yield Gather(pad_to(buffer, largest), root, pad_up=largest - sizes[rank], pad_in=pad_in)
@@ -29,4 +39,4 @@ def parameter_server(
     if rank == root:
         assert gathered is not None
         downstream = aggregate([b[:s] for b, s in zip(gathered, sizes)])
-    return (yield from broadcast_buffer(downstream, root, buffer.device))
+    return (yield from broadcast_buffer(downstream, root, buffer.device, downstream_size))

@@ -1,10 +1,19 @@
-"""Variable-size buffers over equal-size collectives: size exchange, padding, unpadding."""
+"""Variable-size buffers over equal-size collectives: size exchange, padding, unpadding.
+
+A size round costs one collective, i.e. one more wait for every worker, for a few bytes. When every worker
+knows every buffer's length in advance (a message of fixed-width fields: its wire layout follows from the
+compressor's specs, ``wire.encoded_size``), the protocols take those lengths instead and skip the round;
+``known_sizes`` checks this worker's buffer against them before anything is sent.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from gradcomp.errors import WireError
 from gradcomp.schemes.requests import AllGather, Broadcast, Rounds
 from gradcomp.transport.base import CONTROL
 
@@ -16,6 +25,25 @@ def exchange_sizes(buffer: Tensor) -> Rounds:
     return [int(s) for s in torch.cat(gathered).tolist()]
 
 
+def known_sizes(buffer: Tensor, sizes: Sequence[int], rank: int) -> list[int]:
+    """``sizes`` (every worker's length, known in advance) after checking that this worker's buffer has its own.
+
+    A mismatch means the encoder and the specs disagree: sending would desynchronise the collective, so it
+    raises WireError before anything is sent.
+    """
+    sizes = [int(s) for s in sizes]
+    check_size(buffer, sizes[rank], f"worker {rank}'s buffer")
+    return sizes
+
+
+def check_size(buffer: Tensor, size: int, what: str) -> None:
+    if buffer.numel() != size:
+        raise WireError(
+            f"{what} is {buffer.numel()} bytes but its specs fix {size}: the encoder and the specs disagree; "
+            "nothing was sent"
+        )
+
+
 def pad_to(buffer: Tensor, size: int) -> Tensor:
     if buffer.numel() == size:
         return buffer
@@ -24,16 +52,23 @@ def pad_to(buffer: Tensor, size: int) -> Tensor:
     return padded
 
 
-def broadcast_buffer(buffer: Tensor | None, root: int, device: torch.device) -> Rounds:
+def broadcast_buffer(buffer: Tensor | None, root: int, device: torch.device, size: int | None = None) -> Rounds:
     """The root's uint8 buffer on every worker: its length first (one int64, control traffic), then the bytes.
 
-    The root passes its buffer, every other worker None.
+    The root passes its buffer, every other worker None. ``size``: the buffer's length when every worker knows
+    it in advance; the length round is then skipped (the root's buffer is checked against it first).
     """
-    if buffer is not None:
-        length = torch.tensor([buffer.numel()], dtype=torch.int64, device=device)
+    if size is not None:
+        if buffer is not None:
+            check_size(buffer, size, "the root's downstream buffer")
+        length = int(size)
     else:
-        length = torch.zeros(1, dtype=torch.int64, device=device)
-    length = yield Broadcast(length, root, kind=CONTROL)
+        if buffer is not None:
+            count = torch.tensor([buffer.numel()], dtype=torch.int64, device=device)
+        else:
+            count = torch.zeros(1, dtype=torch.int64, device=device)
+        count = yield Broadcast(count, root, kind=CONTROL)
+        length = int(count.item())
     if buffer is None:
-        buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        buffer = torch.empty(length, dtype=torch.uint8, device=device)
     return (yield Broadcast(buffer, root))

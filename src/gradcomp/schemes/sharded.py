@@ -23,14 +23,16 @@ The rounds of one step, on worker r:
    each owner how long the buffers it will receive are and everyone the longest buffer of all; every buffer is
    padded to that length. This costs 16·(W−1) bytes each way instead of the 8·W·(W−1) an all-gather of the
    whole W×W size matrix would bring down, and it is all an owner needs: the lengths of what it receives
-   (to cut the padding off) and the common chunk length.
+   (to cut the padding off) and the common chunk length. When every message has fixed-width fields (C_nat,
+   signs, dithering, ...) every worker computes all these lengths from the specs (``fixed_sizes``) and the
+   control round is skipped: one wait less per step.
 4. **Serve.** Owner r decodes the W buffers it received in rank order, sums and aggregates them by the
    compressor's rule (``aggregate_buffers``: mean, or majority vote; overflow-safe), compresses each
    aggregated shard with the server compressor (its own instance and residual; uncompressed fp32
    ``NoCompression`` when none is given, as for ``ps``) and encodes ONE downstream buffer.
-5. **All-gather.** The W downstream buffers come down by ``allgather_buffers`` (sizes, padding). Every worker
-   decodes every owner's buffer in rank order and writes the shards back into place, so every replica
-   holds the same float32 tensors bit for bit.
+5. **All-gather.** The W downstream buffers come down by ``allgather_buffers`` (sizes unless the specs fix
+   them, padding). Every worker decodes every owner's buffer in rank order and writes the shards back into
+   place, so every replica holds the same float32 tensors bit for bit.
 
 Choices where the paper is silent or differs:
 
@@ -79,9 +81,10 @@ from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
 from gradcomp.protocols import allgather_buffers, pad_to
+from gradcomp.protocols.sizes import check_size
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.requests import AllToAll, Rounds
-from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots
+from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots, fixed_buffer_size
 from gradcomp.transport.base import CONTROL
 
 
@@ -104,25 +107,43 @@ class _Layout:
     shards: list[Slot | None]
 
 
-def alltoall_buffers(rank: int, buffers: Sequence[Tensor]) -> Rounds:
+def alltoall_buffers(rank: int, buffers: Sequence[Tensor], known: Sequence[int] | None = None) -> Rounds:
     """Send ``buffers[j]`` (uint8, any lengths) to worker j; returns the W buffers received, in rank order.
 
     A control all-to-all of (length for you, my longest) per destination comes first; every buffer is then
-    padded to the longest buffer of all, and the padding is booked apart and cut off again.
+    padded to the longest buffer of all, and the padding is booked apart and cut off again. ``known[j]``: the
+    length of every worker's buffer for worker j, when all of them know it in advance (fixed-width messages);
+    the control round is then skipped (this worker's buffers are checked against it first).
     """
     world = len(buffers)
     device = buffers[0].device
     lengths = [int(b.numel()) for b in buffers]
-    longest_mine = max(lengths)
-    sizes = torch.tensor([[n, longest_mine] for n in lengths], dtype=torch.int64, device=device)
-    received = yield AllToAll(sizes, kind=CONTROL)
-    incoming = [int(n) for n in received[:, 0].tolist()]  # length of worker i's buffer for me
-    chunk = max(int(n) for n in received[:, 1].tolist())  # the longest buffer anyone sends
+    if known is None:
+        longest_mine = max(lengths)
+        sizes = torch.tensor([[n, longest_mine] for n in lengths], dtype=torch.int64, device=device)
+        received = yield AllToAll(sizes, kind=CONTROL)
+        incoming = [int(n) for n in received[:, 0].tolist()]  # length of worker i's buffer for me
+        chunk = max(int(n) for n in received[:, 1].tolist())  # the longest buffer anyone sends
+    else:
+        for j, buffer in enumerate(buffers):
+            check_size(buffer, known[j], f"worker {rank}'s buffer for worker {j}")
+        incoming = [int(known[rank])] * world
+        chunk = max(int(n) for n in known)
     pad_up = sum(chunk - n for j, n in enumerate(lengths) if j != rank)
     pad_down = sum(chunk - n for i, n in enumerate(incoming) if i != rank)
     payload = torch.cat([pad_to(b, chunk) for b in buffers])
     got = yield AllToAll(payload, pad_up=pad_up, pad_down=pad_down)
     return [piece[:n] for piece, n in zip(got.reshape(world, chunk).unbind(0), incoming)]
+
+
+def _fixed_sizes(compressor: Compressor, per_owner: Sequence[Sequence[Slot]]) -> list[int] | None:
+    sizes = []
+    for shard_slots in per_owner:
+        size = fixed_buffer_size(compressor, shard_slots) if shard_slots else 0
+        if size is None:
+            return None
+        sizes.append(size)
+    return sizes
 
 
 class Sharded(Scheme):
@@ -142,10 +163,12 @@ class Sharded(Scheme):
         self.compressor = compressor
         self.server_compressor = server_compressor if server_compressor is not None else NoCompression()
         self._layouts: dict[Slot, _Layout] = {}
+        self._sizes: dict[tuple[Slot, ...], tuple[list[int] | None, list[int] | None]] = {}
 
     def bind(self, rank: int, world_size: int) -> None:
         super().bind(rank, world_size)
         self._layouts = {}
+        self._sizes = {}
         self.compressor.bind_worker(rank)
         self.server_compressor.bind_worker(world_size + rank)  # independent of every worker and other owner
 
@@ -185,6 +208,16 @@ class Sharded(Scheme):
         for slot in slots:
             self.layout(slot)
 
+    def fixed_sizes(self, slots: Sequence[Slot]) -> tuple[list[int] | None, list[int] | None]:
+        """Bytes of the buffer every worker sends to owner j, and of owner j's downstream buffer, for every j,
+        when the specs fix them (fixed-width messages; None when a message's size depends on the data): every
+        worker computes the same lengths, so neither collective needs a size round."""
+        key = tuple(slots)
+        if key not in self._sizes:
+            per_owner = [[s for _, s in self.owned(slots, j)] for j in range(self.world_size)]
+            self._sizes[key] = tuple(_fixed_sizes(c, per_owner) for c in (self.compressor, self.server_compressor))
+        return self._sizes[key]
+
     # -- the rounds ------------------------------------------------------------------------------------------
 
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
@@ -212,7 +245,8 @@ class Sharded(Scheme):
             up.append(encode_slots(self.compressor, shard_slots, messages))
 
         # 3. all-to-all: owner r receives every worker's buffer for shard r
-        received = yield from alltoall_buffers(rank, up)
+        up_sizes, down_sizes = self.fixed_sizes(slots)
+        received = yield from alltoall_buffers(rank, up, up_sizes)
 
         # 4. serve: aggregate my shards, compress them again, one downstream buffer
         mine = [s for _, s in per_owner[rank]]
@@ -224,7 +258,7 @@ class Sharded(Scheme):
             downstream = torch.empty(0, dtype=torch.uint8, device=device)
 
         # 5. all-gather of the owners' buffers; everyone puts every shard in place
-        gathered = yield from allgather_buffers(rank, downstream)
+        gathered = yield from allgather_buffers(rank, downstream, down_sizes)
         results = [torch.empty(s.numel, dtype=torch.float32, device=device) for s in slots]
         for j, (owned, buffer) in enumerate(zip(per_owner, gathered)):
             if not owned:
@@ -248,6 +282,7 @@ class Sharded(Scheme):
         self.compressor.retain(self._shard_slots(slots))
         self.server_compressor.retain(self._shard_slots(slots, owner=self.rank))
         self._layouts = {s: self._layouts[s] for s in slots if s in self._layouts}
+        self._sizes = {}
 
     def state_dict(self) -> dict:
         return {"compressor": self.compressor.state_dict(), "server": self.server_compressor.state_dict()}

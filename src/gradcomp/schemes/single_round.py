@@ -39,7 +39,7 @@ from gradcomp.finite import all_finite
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.requests import Rounds
-from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode
+from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
 from gradcomp.wire.bits import bits_needed, packed_nbytes
 
 TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")  # what SingleRound carries
@@ -70,6 +70,18 @@ def message_nbytes(specs: Sequence[FieldSpec]) -> int | None:
         else:  # POSITIONS, GOLOMB (estimated at the fixed width, an upper bound)
             total += packed_nbytes(spec.count, bits_needed(spec.universe))
     return total
+
+
+def fixed_buffer_size(compressor: Compressor, slots: Sequence[Slot]) -> int | None:
+    """Bytes of ``encode_slots(compressor, slots, ...)`` when its layout follows from the specs alone (every field
+    of a fixed count and width), or None when it depends on the data (a threshold's count, Golomb codes).
+
+    Every worker computes the same number from the same slots and specs, so a collective of such buffers needs
+    no size round."""
+    specs = [spec for s in slots for spec in compressor.specs(s)]
+    if any(spec.count is None for spec in specs):
+        return None
+    return encoded_size(specs)
 
 
 def encode_slots(compressor: Compressor, slots: Sequence[Slot], messages: Sequence[Fields]) -> Tensor:
@@ -154,6 +166,7 @@ class SingleRound(Scheme):
         self.root = root
         self.min_compression_rate = min_compression_rate
         self._worth: dict[Slot, bool] = {}
+        self._sizes: dict[tuple[bool, tuple[Slot, ...]], int | None] = {}  # (server?, slots) -> fixed_buffer_size
 
     def bind(self, rank: int, world_size: int) -> None:
         super().bind(rank, world_size)
@@ -161,6 +174,7 @@ class SingleRound(Scheme):
             raise ConfigError(f"root {self.root} is not a rank of a world of size {world_size}")
         self.compressor.bind_worker(rank)
         self.server_compressor.bind_worker(world_size)  # the server rounds independently of every worker
+        self._sizes = {}
 
     def params(self) -> dict:
         return {"compressor": self.compressor, "topology": self.topology}
@@ -241,8 +255,16 @@ class SingleRound(Scheme):
         messages = (self.compressor.compress(t, s, step) for s, t in zip(slots, tensors))
         return encode_slots(self.compressor, slots, list(messages))
 
+    def _fixed_size(self, compressor: Compressor, slots: Sequence[Slot]) -> int | None:
+        key = (compressor is self.server_compressor, tuple(slots))
+        if key not in self._sizes:
+            self._sizes[key] = fixed_buffer_size(compressor, slots)
+        return self._sizes[key]
+
     def _allgather(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
-        buffers = yield from allgather_buffers(self.rank, self._encoded(slots, tensors, step))
+        size = self._fixed_size(self.compressor, slots)
+        sizes = None if size is None else [size] * self.world_size
+        buffers = yield from allgather_buffers(self.rank, self._encoded(slots, tensors, step), sizes)
         return aggregate_buffers(self.compressor, slots, buffers, step, tensors[0].device)
 
     def _parameter_server(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
@@ -253,7 +275,12 @@ class SingleRound(Scheme):
             down = [self.server_compressor.compress(a, s, step) for s, a in zip(slots, aggregates)]
             return encode_slots(self.server_compressor, slots, down)
 
-        downstream = yield from parameter_server(self.rank, self._encoded(slots, tensors, step), serve, self.root)
+        size = self._fixed_size(self.compressor, slots)
+        sizes = None if size is None else [size] * self.world_size
+        downstream_size = self._fixed_size(self.server_compressor, slots)
+        downstream = yield from parameter_server(
+            self.rank, self._encoded(slots, tensors, step), serve, self.root, sizes, downstream_size
+        )
         return [
             self.server_compressor.decompress(fields, s, step)
             for s, fields in zip(slots, decode_slots(self.server_compressor, slots, downstream))
