@@ -34,6 +34,18 @@ from gradcomp.wire import FieldSpec
 Fields = list[Tensor]
 
 
+class Tally(ABC):
+    """A running aggregate of one slot's messages from several workers, in a compressor's own compact form."""
+
+    @abstractmethod
+    def add(self, fields: Fields) -> None:
+        """Add one worker's decoded message (workers in rank order)."""
+
+    @abstractmethod
+    def result(self, count: int) -> Tensor:
+        """The update from the ``count`` messages added: what ``aggregate`` gives for their float sum."""
+
+
 @dataclass(frozen=True)
 class Slot:
     """One tensor that is compressed, identified the same way on every worker.
@@ -163,6 +175,15 @@ class Compressor(ABC):
         Majority vote (signSGD) overrides it with the sign of the sum. May work in place on ``total``.
         """
         return total.div_(count)
+
+    def new_tally(self, slot: Slot, device: torch.device) -> Tally | None:
+        """A compact running aggregate of this slot's messages, or None (the default): receivers then add the
+        decompressed messages up in float32 (``accumulate``) and finish with ``aggregate``.
+
+        Majority vote returns a count of sign bits (``sign.VoteTally``): the same update bit for bit, without
+        decoding every worker's message into floats.
+        """
+        return None
 
     def retain(self, slots: list[Slot]) -> None:  # noqa: B027 - optional hook, nothing kept by default
         """Drop per-slot state (residuals, momentum) of every slot not in ``slots``."""

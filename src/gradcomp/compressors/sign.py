@@ -94,7 +94,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.catalog import register
-from gradcomp.compressors.base import Compressor, Fields, Slot
+from gradcomp.compressors.base import Compressor, Fields, Slot, Tally
 from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, WireError
 from gradcomp.wire import Codec, FieldSpec
@@ -301,6 +301,80 @@ class _Sign(Compressor):
             out += _expand(packed, slot.numel, positive, negative).reshape(out.shape)
 
 
+class VoteTally(Tally):
+    """Majority vote by counting sign bits: the workers' bitmaps are added as bit-sliced integers.
+
+    Plane l holds bit l of each coordinate's number of negative votes n, 64 coordinates per int64 word (the
+    bitmap's bytes read 8 at a time), and adding a worker's bitmap is a ripple of word-wise AND / XOR through
+    the planes. The vote of W workers is + where n < W/2, − where n > W/2 and 0 on a tie (n = W/2, even W):
+    exactly ``sign`` of the float sum of ±1 that ``accumulate`` + ``aggregate`` compute (a tie is +0.0 there
+    too), but without decoding every worker's message into 32-bit floats; only the result is expanded.
+    Measured on one CPU thread, 4 workers, 1.2M coordinates: see ``benchmarks/README.md``.
+    """
+
+    def __init__(self, slot: Slot, device: torch.device, name: str):
+        self.slot, self.device, self.where = slot, device, f"{name}: {slot.name}"
+        self.words = -(-packed_count(slot.numel) // 8)
+        self.planes: list[Tensor] = []
+        self.added = 0
+
+    def add(self, fields: Fields) -> None:
+        packed = fields[0]
+        _check_packed(packed, self.slot.numel, self.where)
+        raw = torch.zeros(8 * self.words, dtype=torch.uint8, device=self.device)
+        raw[: packed.numel()] = packed.reshape(-1)
+        carry = raw.view(torch.int64)
+        for plane in self.planes:
+            overflow = plane & carry
+            plane ^= carry
+            carry = overflow
+        self.added += 1
+        if len(self.planes) < self.added.bit_length():
+            self.planes.append(carry)
+
+    def result(self, count: int) -> Tensor:
+        if count != self.added:
+            raise ConfigError(f"{self.where}: a vote of {count} workers, but {self.added} messages were added")
+        half = count // 2
+        more, equal = _compare_planes(self.planes, half, self.words, self.device)
+        negative = more  # n > W/2 (n > (W-1)/2 for odd W)
+        positive = ~(more | equal) if count % 2 == 0 else ~more  # n < W/2; for odd W, n = (W-1)/2 too
+        return _plus_minus(positive, negative, self.slot.numel)
+
+
+def _compare_planes(planes: list[Tensor], k: int, words: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(n > k, n == k) as word masks, for the bit-sliced numbers n in ``planes`` and the constant k >= 0."""
+    more = torch.zeros(words, dtype=torch.int64, device=device)
+    equal = torch.full((words,), -1, dtype=torch.int64, device=device)
+    for bit in reversed(range(max(len(planes), k.bit_length()))):
+        plane = planes[bit] if bit < len(planes) else torch.zeros_like(more)
+        if (k >> bit) & 1:
+            equal &= plane
+        else:
+            more |= equal & plane
+            equal &= ~plane
+    return more, equal
+
+
+def _numpy_bits(t: Tensor) -> bool:
+    """Whether bit masks are expanded by numpy (CPU) or by torch ops (any device; tests check both)."""
+    return t.device.type == "cpu"
+
+
+def _plus_minus(positive: Tensor, negative: Tensor, numel: int) -> Tensor:
+    """float32 of ``numel`` entries: +1 where ``positive``'s bit is set, −1 where ``negative``'s is, else +0.0."""
+    pos, neg = positive.view(torch.uint8), negative.view(torch.uint8)
+    if _numpy_bits(pos):
+        out = np.empty(numel, dtype=np.float32)
+        up = np.unpackbits(pos.numpy(), count=numel, bitorder="little")
+        down = np.unpackbits(neg.numpy(), count=numel, bitorder="little")
+        np.subtract(up, down, out=out, dtype=np.float32)
+        return torch.from_numpy(out)
+    table = _bit_table(pos.device).to(torch.float32)
+    up = torch.index_select(table, 0, pos.to(torch.int64)).reshape(-1)[:numel]
+    return up.sub_(torch.index_select(table, 0, neg.to(torch.int64)).reshape(-1)[:numel])
+
+
 class _MajorityVote(_Sign):
     """A message of sign bits only (±1 decoded); the update is the sign of the sum of the workers' signs."""
 
@@ -314,6 +388,9 @@ class _MajorityVote(_Sign):
     def aggregate(self, total: Tensor, count: int) -> Tensor:
         """Majority vote: sign(sum of ±1) per coordinate; a tie (even ``count``) gives 0."""
         return total.sign_()
+
+    def new_tally(self, slot: Slot, device: torch.device) -> VoteTally:
+        return VoteTally(slot, device, self.name)
 
 
 @register

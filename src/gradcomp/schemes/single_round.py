@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot
+from gradcomp.compressors.base import Compressor, Fields, Slot, Tally
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
 from gradcomp.finite import all_finite
@@ -104,13 +104,21 @@ def aggregate_buffers(
     one worker's decoded message is in memory, not W of them (a dense message decodes to int64 codes, 8 bytes
     per entry: W of them were 2·W fp32 gradients). Each slot's sum still adds the workers in rank order: the
     same sums, bit for bit. The finiteness check reads the sum once (``all_finite``) instead of building
-    |sum| and three d-sized masks (``torch.isfinite``).
+    |sum| and three d-sized masks (``torch.isfinite``). A compressor with its own compact tally
+    (``Compressor.new_tally``: majority vote counts sign bits) adds the messages there instead.
     """
-    totals = [torch.zeros(slot.numel, dtype=torch.float32, device=device) for slot in slots]
+    tallies = [compressor.new_tally(slot, device) for slot in slots]  # None: add up float32 messages
+    totals = [
+        torch.zeros(slot.numel, dtype=torch.float32, device=device) if tally is None else tally
+        for slot, tally in zip(slots, tallies)
+    ]
     for buffer in buffers:
         _add_buffer(compressor, slots, buffer, step, totals)
     results = []
     for i, (slot, total) in enumerate(zip(slots, totals)):
+        if isinstance(total, Tally):  # a compact count (majority vote): finite by construction
+            results.append(total.result(len(buffers)))
+            continue
         if all_finite(total):
             results.append(compressor.aggregate(total, len(buffers)))
             continue
@@ -127,12 +135,17 @@ def aggregate_buffers(
     return results
 
 
-def _add_buffer(compressor: Compressor, slots: Sequence[Slot], buffer: Tensor, step: int, totals: list[Tensor]) -> None:
-    """Add one worker's decoded messages into the slots' sums. A function of its own, so that nothing of the
-    decoded message outlives it (a loop variable would keep the last slot's fields alive through the next
-    buffer's decoding)."""
+def _add_buffer(
+    compressor: Compressor, slots: Sequence[Slot], buffer: Tensor, step: int, totals: list[Tensor | Tally]
+) -> None:
+    """Add one worker's decoded messages into the slots' sums (or tallies). A function of its own, so that
+    nothing of the decoded message outlives it (a loop variable would keep the last slot's fields alive through
+    the next buffer's decoding)."""
     for slot, fields, total in zip(slots, decode_slots(compressor, slots, buffer), totals):
-        compressor.accumulate(fields, slot, step, total)
+        if isinstance(total, Tally):
+            total.add(fields)
+        else:
+            compressor.accumulate(fields, slot, step, total)
 
 
 class SingleRound(Scheme):
