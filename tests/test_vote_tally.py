@@ -12,6 +12,7 @@ import torch
 import gradcomp
 from gradcomp import ConfigError, Slot, WireError
 from gradcomp.compressors import sign
+from gradcomp.compressors.base import new_tally
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots
 
 
@@ -33,7 +34,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("numpy_bits", [True, False], ids=["numpy", "torch"])
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 9, 16])
+@pytest.mark.parametrize("world", range(1, 17))
 @pytest.mark.parametrize("numel", [1, 7, 8, 63, 64, 65, 1000, 4099])
 def test_tally_equals_the_float_vote_bit_for_bit(monkeypatch, numpy_bits, world, numel):
     monkeypatch.setattr(sign, "_numpy_bits", lambda t: numpy_bits)
@@ -89,3 +90,34 @@ def test_compressors_that_average_have_no_tally():
     slot = Slot("w", 0, 10)
     for name in ("efsignsgd", "onebit", "topk", "cnat", "none"):
         assert gradcomp.make(name).new_tally(slot, torch.device("cpu")) is None
+
+
+def test_a_subclass_that_aggregates_or_decodes_otherwise_does_not_inherit_the_tally():
+    """The tally is used only where it was written for the class's decoding and aggregation (base.new_tally)."""
+
+    class Averaged(sign.SignSGD):
+        def aggregate(self, total, count):
+            return total.div_(count)
+
+    class Scaled(sign.SignSGD):
+        def _decode_values(self, fields, slot):
+            one = torch.full((), 0.5)
+            return one, -one
+
+    slot, cpu = Slot("w", 0, 100), torch.device("cpu")
+    assert new_tally(gradcomp.make("signsgd"), slot, cpu) is not None
+    assert new_tally(Averaged(), slot, cpu) is None
+    assert new_tally(Scaled(), slot, cpu) is None
+    messages = [Averaged().compress(x, slot, 0) for x in bitmaps(4, 100, seed=3)]
+    buffers = [encode_slots(Averaged(), [slot], [m]) for m in messages]
+    (mean,) = aggregate_buffers(Averaged(), [slot], buffers, 0, cpu)
+    total = torch.zeros(100)
+    for m in messages:
+        total += sign.unpack_signs(m[0], 100)
+    assert same_bits(mean, total / 4)  # the subclass's mean, not a vote
+
+
+def test_error_feedback_forwards_the_inner_tally():
+    compressor = gradcomp.make("signum", error_feedback=True)
+    slot, cpu = Slot("w", 0, 100), torch.device("cpu")
+    assert isinstance(new_tally(compressor, slot, cpu), sign.VoteTally)

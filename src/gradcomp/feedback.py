@@ -49,7 +49,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot, sent_entries, subtract_at, subtract_sent
+from gradcomp.compressors.base import (
+    Compressor,
+    Fields,
+    Slot,
+    Tally,
+    new_tally,
+    sent_entries,
+    subtract_at,
+    subtract_sent,
+)
 from gradcomp.errors import ConfigError
 from gradcomp.wire import FieldSpec
 
@@ -130,6 +139,9 @@ class _FeedbackWrapper(Compressor):
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         self.inner.accumulate(fields, slot, step, out)
+
+    def new_tally(self, slot: Slot, device: torch.device) -> Tally | None:
+        return new_tally(self.inner, slot, device)  # messages, decoding and aggregation are the inner's
 
 
 class ErrorFeedback(_FeedbackWrapper):

@@ -181,7 +181,8 @@ class Compressor(ABC):
         decompressed messages up in float32 (``accumulate``) and finish with ``aggregate``.
 
         Majority vote returns a count of sign bits (``sign.VoteTally``): the same update bit for bit, without
-        decoding every worker's message into floats.
+        decoding every worker's message into floats. Callers go through :func:`new_tally`, which ignores a tally
+        that a subclass's own decoding or aggregation has made stale.
         """
         return None
 
@@ -211,6 +212,23 @@ def _describes_decompress(compressor: Compressor, method: str) -> bool:
     owner = next(c for c in mro if method in c.__dict__)
     decoder = next(c for c in mro if "decompress" in c.__dict__)
     return issubclass(owner, decoder)
+
+
+_DECODING = ("decompress", "accumulate", "aggregate", "_decode_values")  # what a tally must agree with
+
+
+def new_tally(compressor: Compressor, slot: Slot, device: torch.device) -> Tally | None:
+    """``compressor.new_tally(...)`` where it was written for how the compressor decodes and aggregates: the class
+    that defines ``new_tally`` is, or derives from, every class in its MRO that defines one of ``decompress``,
+    ``accumulate``, ``aggregate`` and ``_decode_values``. A subclass that averages, or decodes differently, but
+    inherits a tally written for its parent gets the float route instead of a wrong vote."""
+    mro = type(compressor).__mro__
+    owner = next(c for c in mro if "new_tally" in c.__dict__)
+    for name in _DECODING:
+        definer = next((c for c in mro if name in c.__dict__), None)
+        if definer is not None and not issubclass(owner, definer):
+            return None
+    return compressor.new_tally(slot, device)
 
 
 def sent_entries(compressor: Compressor, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:

@@ -29,7 +29,9 @@ def known_sizes(buffer: Tensor, sizes: Sequence[int], rank: int) -> list[int]:
     """``sizes`` (every worker's length, known in advance) after checking that this worker's buffer has its own.
 
     A mismatch means the encoder and the specs disagree: sending would desynchronise the collective, so it
-    raises WireError before anything is sent.
+    raises WireError before anything is sent. It is an internal assertion (``wire.encode`` already refuses a
+    field whose count differs from its spec's): should it ever fire, it fires on this worker only, and the
+    others wait at the collective until the process group's time-out.
     """
     sizes = [int(s) for s in sizes]
     check_size(buffer, sizes[rank], f"worker {rank}'s buffer")

@@ -282,7 +282,8 @@ class Sharded(Scheme):
         self.compressor.retain(self._shard_slots(slots))
         self.server_compressor.retain(self._shard_slots(slots, owner=self.rank))
         self._layouts = {s: self._layouts[s] for s in slots if s in self._layouts}
-        self._sizes = {}
+        kept = set(slots)
+        self._sizes = {key: sizes for key, sizes in self._sizes.items() if kept.issuperset(key)}
 
     def state_dict(self) -> dict:
         return {"compressor": self.compressor.state_dict(), "server": self.server_compressor.state_dict()}

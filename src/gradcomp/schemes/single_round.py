@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot, Tally
+from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, new_tally
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
 from gradcomp.finite import all_finite
@@ -105,9 +105,9 @@ def aggregate_buffers(
     per entry: W of them were 2·W fp32 gradients). Each slot's sum still adds the workers in rank order: the
     same sums, bit for bit. The finiteness check reads the sum once (``all_finite``) instead of building
     |sum| and three d-sized masks (``torch.isfinite``). A compressor with its own compact tally
-    (``Compressor.new_tally``: majority vote counts sign bits) adds the messages there instead.
+    (``base.new_tally``: majority vote counts sign bits) adds the messages there instead.
     """
-    tallies = [compressor.new_tally(slot, device) for slot in slots]  # None: add up float32 messages
+    tallies = [new_tally(compressor, slot, device) for slot in slots]  # None: add up float32 messages
     totals = [
         torch.zeros(slot.numel, dtype=torch.float32, device=device) if tally is None else tally
         for slot, tally in zip(slots, tallies)
@@ -302,6 +302,9 @@ class SingleRound(Scheme):
     # -- state -----------------------------------------------------------------------------------------------
 
     def retain(self, slots: Sequence[Slot]) -> None:
+        kept = set(slots)
+        self._sizes = {key: size for key, size in self._sizes.items() if kept.issuperset(key[1])}
+        self._worth = {slot: worth for slot, worth in self._worth.items() if slot in kept}
         self.compressor.retain(list(slots))
         self.server_compressor.retain(list(slots))
 
