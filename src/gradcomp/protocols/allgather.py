@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from gradcomp.protocols.sizes import exchange_sizes, known_sizes, pad_to
+from gradcomp.protocols.sizes import buffer_sizes, pad_to
 from gradcomp.schemes.requests import AllGather, Rounds
 
 
@@ -21,10 +21,7 @@ def allgather_buffers(rank: int, buffer: Tensor, sizes: Sequence[int] | None = N
 
     ``sizes``: every worker's buffer length when all of them know it in advance (checked for this worker's).
     """
-    if sizes is None:
-        sizes = yield from exchange_sizes(buffer)
-    else:
-        sizes = known_sizes(buffer, sizes, rank)
+    sizes = yield from buffer_sizes(buffer, rank, sizes)
     largest = max(sizes)
     pad_up = largest - sizes[rank]
     pad_down = sum(largest - s for r, s in enumerate(sizes) if r != rank)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from gradcomp.protocols.sizes import broadcast_buffer, exchange_sizes, known_sizes, pad_to
+from gradcomp.protocols.sizes import broadcast_buffer, buffer_sizes, pad_to
 from gradcomp.schemes.requests import Gather, Rounds
 
 
@@ -28,10 +28,7 @@ def parameter_server(
     sizes: Sequence[int] | None = None,
     downstream_size: int | None = None,
 ) -> Rounds:
-    if sizes is None:
-        sizes = yield from exchange_sizes(buffer)
-    else:
-        sizes = known_sizes(buffer, sizes, rank)
+    sizes = yield from buffer_sizes(buffer, rank, sizes)
     largest = max(sizes)
     pad_in = sum(largest - s for s in sizes)
     gathered = yield Gather(pad_to(buffer, largest), root, pad_up=largest - sizes[rank], pad_in=pad_in)

@@ -25,6 +25,13 @@ def exchange_sizes(buffer: Tensor) -> Rounds:
     return [int(s) for s in torch.cat(gathered).tolist()]
 
 
+def buffer_sizes(buffer: Tensor, rank: int, known: Sequence[int] | None = None) -> Rounds:
+    """Every worker's buffer length: ``known`` (checked for this worker's, no collective) or a size round."""
+    if known is None:
+        return (yield from exchange_sizes(buffer))
+    return known_sizes(buffer, known, rank)
+
+
 def known_sizes(buffer: Tensor, sizes: Sequence[int], rank: int) -> list[int]:
     """``sizes`` (every worker's length, known in advance) after checking that this worker's buffer has its own.
 
