@@ -8,11 +8,14 @@ All four are stochastic, unbiased (TernGrad only without clipping) and never sum
 integers of sign and level, not values that add. Everything is vectorized torch on the tensor's device;
 ``compress`` synchronises with the host exactly once (the NaN/Inf check), ``decompress`` never.
 
-Speed (CPU): C_nat, the ditherings and TernGrad make their codes in chunks of 2^17 entries with reused scratch buffers
-(everything after the norm is elementwise, and the random numbers drawn chunk by chunk from the same
-generator are the same numbers in the same order, so the codes are bit-identical), and max|x| comes from
-one min/max pass instead of a d-sized |x|. What remains is mostly the random numbers (one mt19937 draw per
-entry) and the int64 codes' memory. Decoding C_nat is one shift: a code is the float's top 9 bits.
+Speed (CPU): C_nat's codes come from one compiled pass (``gradcomp.kernels.cnat_kernel``: random number, code,
+sign and the NaN/Inf check together), its 9-bit packing from the compiled packer (``gradcomp.kernels``, packed
+by ``wire.encode`` straight into the message), and its decoding and adding-up from one compiled pass each;
+without numba the same formulas run as torch operations and give the same codes. The ditherings and TernGrad
+make their codes in chunks of 2^17 entries with reused scratch buffers (everything after the norm is
+elementwise, and the random numbers drawn chunk by chunk from the same generator are the same numbers in the
+same order, so the codes are bit-identical), and max|x| comes from one min/max pass instead of a d-sized |x|;
+what remains there is mostly their random numbers (one mt19937 draw per entry) and the int64 codes' memory.
 
 ``cnat`` — natural compression C_nat. An entry t with 2^a <= |t| < 2^(a+1) becomes sign(t)·2^a with
 probability (2^(a+1) − |t|)/2^a, else sign(t)·2^(a+1); 0 stays 0. On the IEEE-754 bits of the float32
@@ -31,10 +34,16 @@ Choices where the paper is silent:
   entries always round down to sign(t)·2^127 — the one biased case, E[C(t)] = 2^127 instead of |t| < 2^128,
   for gradient entries above 1.7e38. Exponent code 255 is never sent (a decoder given one yields ±Inf);
 - NaN/Inf input raises NonFiniteGradientError; inputs are cast to float32 first (exact for fp16/bf16);
-- randomness: u is drawn from a generator seeded by (``seed``, step, slot index, "cnat", worker) — fresh
-  every step and tensor, reproducible, and independent per worker: the exchange tells each compressor its
-  rank (``bind_worker``; the parameter server's compressor gets W), so workers' rounding errors are
-  independent, as the variance-of-the-average analysis assumes.
+- randomness: entry i's u is the top 23 bits of SplitMix64(key + (i + 1)·γ) (``uniform23``; γ = 0x9E3779B97F4A7C15,
+  arithmetic modulo 2^64), a counter-based generator keyed by ``shared_seed(seed, step, slot index,
+  "cnat:<worker>")``: fresh every step and tensor, reproducible, computable for any piece of a tensor on any
+  device (the compiled kernel and the torch path give the same numbers), and independent per worker: the
+  exchange tells each compressor its rank (``bind_worker``; the parameter server's compressor gets W), so
+  workers' rounding errors are independent, as the variance-of-the-average analysis assumes. (Until the
+  kernel, u came from torch's mt19937, whose one draw per entry was most of the time; SplitMix64's outputs
+  pass BigCrush, and tests/test_kernels.py checks uniformity, the moments and independence across keys.)
+- codes are int16 (they fit 9 bits): a quarter of the memory of the int64 codes other compressors emit;
+  the wire decodes them to int64 like every BITS field.
 
 ``random_dithering`` — standard random dithering D_sta^{p,s} (QSGD for p = 2): y_i = |x_i|/||x||_p in
 [0, 1] is rounded to one of the uniform levels l/s (l = 0..s), up with probability y_i·s − floor(y_i·s), and
@@ -93,8 +102,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradcomp import kernels
 from gradcomp.catalog import register
-from gradcomp.compressors.base import Compressor, Fields, Slot, check_int, shared_generator
+from gradcomp.compressors.base import Compressor, Fields, Slot, check_int, shared_generator, shared_seed
 from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.wire import Codec, FieldSpec
@@ -124,8 +134,49 @@ def _cpu_loop(flat: Tensor) -> bool:
     return flat.device.type == "cpu"
 
 
-def cnat_encode(x: Tensor, gen: torch.Generator, where: str = "tensor", check: bool = True) -> Tensor:
-    """The 9-bit C_nat codes (int64, sign·256 + exponent code) of the float32 tensor ``x``.
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment and mixing constants (cnat's counter-based draws)
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _as_int64(value: int) -> int:
+    """The int64 with the same 64 bits as the unsigned ``value`` (torch has no full uint64 arithmetic)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(z: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 words (torch's is arithmetic): the sign-extended bits masked off."""
+    return torch.bitwise_right_shift(z, bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def uniform23(key: int, start: int, count: int, device: torch.device | str = "cpu") -> Tensor:
+    """C_nat's random numbers for entries ``start .. start + count − 1`` (int64 in [0, 2^23)).
+
+    Entry i draws the top 23 bits of SplitMix64(key + (i + 1)·γ) mod 2^64: a counter-based generator, so any
+    piece of a tensor can be coded on its own, on any device, with the same numbers, and the compiled kernel
+    (gradcomp.kernels.cnat_kernel) computes exactly these. int64 arithmetic wraps modulo 2^64 in torch on every
+    backend, as the generator needs.
+    """
+    z = torch.arange(start + 1, start + count + 1, dtype=torch.int64, device=device)
+    z.mul_(_as_int64(_GAMMA)).add_(_as_int64(key & ((1 << 64) - 1)))
+    z.bitwise_xor_(_shift_right(z, 30)).mul_(_as_int64(_MIX1))
+    z.bitwise_xor_(_shift_right(z, 27)).mul_(_as_int64(_MIX2))
+    z.bitwise_xor_(_shift_right(z, 31))
+    return _shift_right(z, 41)
+
+
+def _codes_from_draws(bits: Tensor, u: Tensor) -> Tensor:
+    """int16 codes of int32 bit patterns ``bits`` given their draws ``u`` (the kernel's formula, in torch)."""
+    carry = torch.neg(u.to(torch.int32)).add_(_MANTISSA_MASK)  # 2^23 − 1 − u: carries into the exponent iff u < m
+    code = torch.bitwise_and(bits, 0x7FFFFFFF).add_(carry).bitwise_right_shift_(_MANTISSA_BITS)
+    code = code.clamp_(max=_MAX_EXPONENT)  # exponent 254 never rounds up to Inf
+    negative = (bits < 0).logical_and_(code != 0)  # a zero code carries no sign
+    return code.bitwise_or_(negative.to(torch.int32).bitwise_left_shift_(8)).to(torch.int16)
+
+
+def cnat_encode(x: Tensor, key: int, where: str = "tensor", check: bool = True) -> Tensor:
+    """The 9-bit C_nat codes (int16, sign·256 + exponent code) of the float32 tensor ``x``, with random numbers
+    ``uniform23(key, 0, d)``.
 
     With ``check`` (the default) raises NonFiniteGradientError for NaN/Inf: one host synchronisation.
 
@@ -133,66 +184,48 @@ def cnat_encode(x: Tensor, gen: torch.Generator, where: str = "tensor", check: b
     (2^23 − 1 − u), u uniform in [0, 2^23), to |x|'s bit pattern carries into the exponent field exactly when
     u < mantissa. A code of 0 (the value 0) never carries a sign.
 
-    On the CPU the codes are made in chunks of ``_CHUNK`` entries with reused int32 scratch buffers, drawing
-    u chunk by chunk from the same generator: the draws are the same numbers in the same order as one
-    ``torch.randint`` over the whole tensor, and every step is integer arithmetic, so the codes are identical
-    (int32 additions wrap alike in any order). Only the int64 output is allocated.
+    On the CPU the compiled kernel (``gradcomp.kernels.cnat_kernel``) does everything in one pass, the range
+    check included; without it (and on other devices) the same formula runs as torch operations, in chunks of
+    ``_CHUNK`` entries on the CPU so the int64 temporaries stay small: the same codes either way.
     """
     flat = _flat_f32(x).contiguous()
-    if not _cpu_loop(flat):
-        return _cnat_codes(flat, gen, where, check)
+    bits = flat.view(torch.int32)
     d = flat.numel()
-    out = torch.empty(d, dtype=torch.int64)
-    width = min(d, _CHUNK)
-    u_buf = workspace("cnat-u", width, torch.int32)
-    code_buf = workspace("cnat-code", width, torch.int32)
-    sign_buf = workspace("cnat-sign", width, torch.int32)
-    nonzero_buf = workspace("cnat-nonzero", width, torch.bool)
-    bits = flat.view(torch.int32)
-    if check:  # NaN/Inf: the magnitude's bit pattern is at least that of Inf
-        finite = all(
-            int(torch.bitwise_and(bits[s : s + _CHUNK], 0x7FFFFFFF, out=code_buf[: min(_CHUNK, d - s)]).max())
-            < 0x7F800000
-            for s in range(0, d, _CHUNK)
-        )
-        if not finite:
-            raise NonFiniteGradientError(f"non-finite (NaN or Inf) value in {where}; cannot compress with cnat")
-    for start in range(0, d, _CHUNK):
-        b = bits[start : start + _CHUNK]
-        n = b.numel()
-        u, code, sign, nonzero = u_buf[:n], code_buf[:n], sign_buf[:n], nonzero_buf[:n]
-        u.random_(0, 1 << _MANTISSA_BITS, generator=gen)
-        torch.bitwise_and(b, 0x7FFFFFFF, out=code)
-        code.sub_(u).add_(_MANTISSA_MASK).bitwise_right_shift_(_MANTISSA_BITS).clamp_(max=_MAX_EXPONENT)
-        torch.bitwise_right_shift(b, 31, out=sign).bitwise_and_(256)  # 256 where the sign bit is set
-        torch.ne(code, 0, out=nonzero)
-        sign.mul_(nonzero)  # a zero code carries no sign
-        out[start : start + n].copy_(code.bitwise_or_(sign))
-    return out
-
-
-def _cnat_codes(flat: Tensor, gen: torch.Generator, where: str, check: bool) -> Tensor:
-    """``cnat_encode`` in whole-tensor torch ops (other devices; the definition the CPU loop reproduces)."""
-    if check and not bool(torch.isfinite(flat).all()):
+    cpu = _cpu_loop(flat)
+    kernel = kernels.cnat() if cpu else None
+    if kernel is not None:
+        out = torch.empty(d, dtype=torch.int16)
+        worst = int(kernel.cnat_codes(bits.numpy(), key & ((1 << 64) - 1), 0, out.numpy())) if d else 0
+        finite = worst < 0x7F800000  # NaN/Inf: the magnitude's bit pattern is at least that of Inf
+    else:
+        finite = not check or bool(torch.isfinite(flat).all())
+        step = _CHUNK if cpu else max(1, d)
+        pieces = [
+            _codes_from_draws(bits[s : s + step], uniform23(key, s, min(step, d - s), flat.device))
+            for s in range(0, d, step)
+        ]
+        out = torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+        if d == 0:
+            out = torch.empty(0, dtype=torch.int16, device=flat.device)
+    if check and not finite:
         raise NonFiniteGradientError(f"non-finite (NaN or Inf) value in {where}; cannot compress with cnat")
-    bits = flat.view(torch.int32)
-    u = torch.randint(0, 1 << _MANTISSA_BITS, flat.shape, generator=gen, device=flat.device, dtype=torch.int32)
-    carry = torch.neg(u).add_(_MANTISSA_MASK)
-    code = torch.bitwise_and(bits, 0x7FFFFFFF).add_(carry).bitwise_right_shift_(_MANTISSA_BITS)
-    code = code.clamp_(max=_MAX_EXPONENT)  # exponent 254 never rounds up to Inf
-    negative = (bits < 0).logical_and_(code != 0)
-    return code.bitwise_or_(negative.to(torch.int32).bitwise_left_shift_(8)).to(torch.int64)
+    return out
 
 
 def cnat_decode(codes: Tensor) -> Tensor:
     """Float32 values of 9-bit C_nat codes: ±2^(exponent code − 127), 0 for exponent code 0.
 
     A code is the float's top 9 bits (sign bit 8, biased exponent bits 0-7), so shifting it left by the 23
-    mantissa bits gives the float's bit pattern: one int32 shift. (Code 256, a sign on exponent 0, which the
-    encoder never makes, reads as −0.0.) Codes outside [0, 512) are the caller's error: the wire's 9-bit
-    fields cannot hold them.
+    mantissa bits gives the float's bit pattern: one int32 shift (on the CPU one compiled pass from any integer
+    dtype, ``gradcomp.kernels.cnat_kernel``). (Code 256, a sign on exponent 0, which the encoder never makes,
+    reads as −0.0.) Codes outside [0, 512) are the caller's error: the wire's 9-bit fields cannot hold them.
     """
     flat = codes.reshape(-1)
+    kernel = kernels.cnat() if _cpu_loop(flat) else None
+    if kernel is not None:
+        bits = torch.empty(flat.numel(), dtype=torch.int32)
+        kernel.cnat_bit_patterns(flat.contiguous().numpy(), bits.numpy())
+        return bits.view(torch.float32)
     bits = flat.to(torch.int32) if flat.dtype != torch.int32 else flat.clone()
     return bits.bitwise_left_shift_(_MANTISSA_BITS).view(torch.float32)
 
@@ -215,11 +248,18 @@ class NaturalCompression(Compressor):
         return [FieldSpec(Codec.BITS, count=slot.numel, width=CNAT_WIDTH)]
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        gen = shared_generator(self.seed, step, slot.index, x.device, salt=f"cnat:{self.worker}")
-        return [cnat_encode(x, gen, slot.name)]
+        return [cnat_encode(x, shared_seed(self.seed, step, slot.index, salt=f"cnat:{self.worker}"), slot.name)]
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         return cnat_decode(fields[0])
+
+    def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+        """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized float32 message (the
+        same float32 addition per entry, so the same sums)."""
+        kernel = kernels.cnat() if _cpu_loop(out) and out.is_contiguous() else None
+        if kernel is None:
+            return super().accumulate(fields, slot, step, out)
+        kernel.cnat_accumulate(fields[0].reshape(-1).contiguous().numpy(), out.view(-1).numpy())
 
 
 # ----------------------------------------------------------------------------------------------- dithering
@@ -349,8 +389,8 @@ class _Dithering(Compressor):
                 u = torch.rand(n, generator=gen, device=device) if u_buf is None else u_buf[:n].uniform_(generator=gen)
                 self._codes(y, u, flat[start : start + step_size], codes[start : start + n], cpu)
         if self.norm_codec == "cnat":
-            gen = shared_generator(self.seed, step, slot.index, device, salt=f"{self.name}:norm:{self.worker}")
-            norm = cnat_encode(norm, gen, slot.name, check=False)  # already checked finite
+            key = shared_seed(self.seed, step, slot.index, salt=f"{self.name}:norm:{self.worker}")
+            norm = cnat_encode(norm, key, slot.name, check=False)  # already checked finite
         return [norm, codes]
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:

@@ -13,14 +13,20 @@ byte column is assembled from the (statically known) value columns that overlap 
 ORs. The Python loops run over the at most ``width + 8`` (byte, value) pairs of one group, never over
 elements; every operation is a vectorized torch op on the input's device.
 
-On the CPU, arrays of more than ``_SMALL`` values of width at most 16 are packed by :func:`_pack_chunked`
-instead: the same bytes, by integer arithmetic only, in chunks of ``_CHUNK`` values (cache-sized scratch; no
-array as large as the input is allocated). Each chunk is narrowed to uint8 (uint16 above 8 bits) and read as
-uint64 words; SWAR steps on whole words merge neighbouring lanes pairwise — (v0, v1) into 2w bits, pairs
-into 4w, quads into 8w — so that every 8 values (4 above 8 bits) become one integer, and each 64 values fill
-exactly ``width`` output words, which take the integers overlapping their 64 bits shifted into place; their
-little-endian bytes are the packed bytes. Width 1 is ``np.packbits`` (the same LSB-first order), widths 8
-and 16 are casts. ``pack_bits`` checks the value range on the same chunks while they are in cache (one
+On the CPU, widths 2-7 and 9-15 are packed and unpacked by compiled kernels (``gradcomp.kernels``, numba:
+straight-line code per width, 64 values to ``width`` 64-bit words, whose little-endian bytes are this layout),
+whole blocks of 64 read and written in place at any byte offset and the last partial block through a zero-padded
+block; the pack kernel returns the OR of all values, so the range check is one comparison, and
+:func:`pack_bits_into` packs straight into a caller's buffer (``wire.encode`` uses it to write BITS fields
+into the message without a copy). Without numba (or with ``GRADCOMP_KERNELS=0``), the numpy paths below
+produce the same bytes: arrays of more than ``_SMALL`` values of width at most 16 are packed by
+:func:`_pack_chunked`: the same bytes, by integer arithmetic only, in chunks of ``_CHUNK`` values (cache-sized
+scratch; no array as large as the input is allocated). Each chunk is narrowed to uint8 (uint16 above 8 bits)
+and read as uint64 words; SWAR steps on whole words merge neighbouring lanes pairwise — (v0, v1) into 2w bits,
+pairs into 4w, quads into 8w — so that every 8 values (4 above 8 bits) become one integer, and each 64 values
+fill exactly ``width`` output words, which take the integers overlapping their 64 bits shifted into place;
+their little-endian bytes are the packed bytes. Width 1 is ``np.packbits`` (the same LSB-first order), widths
+8 and 16 are casts. ``pack_bits`` checks the value range on the same chunks while they are in cache (one
 OR-reduction per chunk: all values lie in [0, 2**width) exactly when the OR of all of them does), instead of
 a separate min/max pass. Unpacking widths 9 to 16 on the CPU reads each value column of a chunk as one
 strided 32-bit window per value position (:func:`_unpack_windows`); narrower widths keep the torch path, which
@@ -34,9 +40,19 @@ import sys
 import numpy as np
 import torch
 
+from gradcomp import kernels
 from gradcomp.errors import ConfigError, WireError
 
-__all__ = ["pack_bits", "unpack_bits", "bits_needed", "pack_bool", "unpack_bool", "packed_nbytes"]
+__all__ = [
+    "pack_bits",
+    "pack_bits_into",
+    "packs_into",
+    "unpack_bits",
+    "bits_needed",
+    "pack_bool",
+    "unpack_bool",
+    "packed_nbytes",
+]
 
 _MAX_WIDTH = 32
 # Dtypes on which min/max are available; other integer dtypes (uint16/32/64) are widened to int64 first.
@@ -87,7 +103,7 @@ def _pack_small(values: torch.Tensor, width: int) -> torch.Tensor:
 
 def _unpack_small(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
     bits = np.unpackbits(buf.numpy(), bitorder="little")
-    if bits[count * width:].any():
+    if bits[count * width :].any():
         raise WireError(f"nonzero padding bits after {count} values of {width} bits")
     values = bits[: count * width].reshape(count, width).astype(np.int64) @ _BIT_WEIGHTS[width]
     return torch.from_numpy(values).to(_work_dtype(width))
@@ -122,6 +138,64 @@ def _swar_merge(words: np.ndarray, lane: int, shift: int, tmp: np.ndarray) -> No
     np.bitwise_or(words, tmp, out=words)
 
 
+def _kernel_pack(values: torch.Tensor, width: int):
+    """The compiled packer for ``values`` (gradcomp.kernels), or None: CPU, little-endian, a numpy integer dtype
+    and a width with a kernel. Any size: the kernel's call costs about a microsecond."""
+    if values.device.type != "cpu" or sys.byteorder != "little" or values.dtype not in _NUMPY_INT:
+        return None
+    kernel = kernels.bitpack(width)
+    return None if kernel is None else kernel[0]
+
+
+def _range_error(v: np.ndarray, width: int) -> ConfigError:
+    lo, hi = int(v.min()), int(v.max())
+    return ConfigError(f"values must lie in [0, 2**{width}) to be packed with {width} bits, got range [{lo}, {hi}]")
+
+
+def _pack_kernel(values: torch.Tensor, width: int, check: bool, pack) -> torch.Tensor:
+    """The compiled packer into a fresh output (see :func:`_pack_kernel_into`)."""
+    n = values.numel()
+    out = torch.empty(packed_nbytes(n, width), dtype=torch.uint8)
+    _pack_kernel_into(values.detach().reshape(-1).contiguous().numpy(), width, check, pack, out.numpy())
+    return out
+
+
+def _pack_kernel_into(v: np.ndarray, width: int, check: bool, pack, dest: np.ndarray) -> None:
+    """The compiled packer (gradcomp.kernels) into the uint8 array ``dest`` of exactly packed_nbytes bytes, at any
+    alignment: whole blocks of 64 values straight into ``dest``'s 64-bit words, the last partial block through a
+    zero-padded block of 64 (so the padding bits are zero). The kernel returns the OR of every value as uint64,
+    so the range check is one comparison (made before the caller uses ``dest``)."""
+    n = v.size
+    whole = n // 64 * 64
+    head = whole // 64 * width * 8
+    seen = int(pack(v[:whole], dest[:head].view(np.uint64)))
+    if whole < n:
+        block = np.zeros(64, dtype=v.dtype)
+        block[: n - whole] = v[whole:]
+        words = np.empty(width, dtype=np.uint64)
+        seen |= int(pack(block, words))
+        dest[head:] = words.view(np.uint8)[: dest.size - head]
+    if check and seen >= 1 << width:  # a negative value reads as a huge uint64
+        raise _range_error(v, width)
+
+
+def packs_into(values: torch.Tensor, width: int) -> bool:
+    """Whether :func:`pack_bits_into` can take ``values`` (a CPU integer array, a width with a compiled kernel):
+    then a caller can pack straight into its own buffer instead of copying ``pack_bits``' output."""
+    return _kernel_pack(values, width) is not None
+
+
+def pack_bits_into(values: torch.Tensor, width: int, dest: np.ndarray) -> None:
+    """``pack_bits(values, width)`` written into ``dest`` (uint8, exactly ``packed_nbytes`` long, any alignment),
+    for values that :func:`packs_into` accepts. Raises ConfigError for a value outside [0, 2**width)."""
+    pack = _kernel_pack(values, width)
+    if pack is None or dest.size != packed_nbytes(values.numel(), width):
+        raise ConfigError(
+            f"pack_bits_into: no compiled kernel for these values or width {width}, or wrong destination size"
+        )
+    _pack_kernel_into(values.detach().reshape(-1).contiguous().numpy(), width, True, pack, dest)
+
+
 def _pack_chunked(values: torch.Tensor, width: int, check: bool) -> torch.Tensor:
     """``_pack`` (and, with ``check``, pack_bits' range check) on the CPU; see the module docstring.
 
@@ -147,10 +221,7 @@ def _pack_chunked(values: torch.Tensor, width: int, check: bool) -> torch.Tensor
         if check:
             seen = int(np.bitwise_or.reduce(piece))
             if seen < 0 or seen >= limit:
-                lo, hi = int(v.min()), int(v.max())
-                raise ConfigError(
-                    f"values must lie in [0, 2**{width}) to be packed with {width} bits, got range [{lo}, {hi}]"
-                )
+                raise _range_error(v, width)
         nbytes = packed_nbytes(m, width)
         dest = o[start * width // 8 : start * width // 8 + nbytes]
         if width == 8:
@@ -211,6 +282,9 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=device)
     if width == 8:
         return values.to(torch.uint8)
+    kernel = _kernel_pack(values, width)
+    if kernel is not None:
+        return _pack_kernel(values, width, False, kernel)
     if n <= _SMALL and device.type == "cpu":
         return _pack_small(values, width)
     if _chunked(values, width):
@@ -269,6 +343,26 @@ def _unpack_windows(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
     return torch.from_numpy(out[:count])
 
 
+def _unpack_kernel(buf: torch.Tensor, width: int, count: int, unpack) -> torch.Tensor:
+    """The compiled unpacker (gradcomp.kernels) into int64: whole blocks of 64 values read as ``width`` 64-bit
+    words straight from the buffer (at any byte offset), the last partial block from a zero-padded copy, whose
+    values past ``count`` must be 0 (they hold the padding bits)."""
+    b = buf.numpy()
+    whole = count // 64 * 64
+    out = np.empty(count, dtype=np.int64)
+    unpack(b[: whole // 64 * width * 8].view(np.uint64), out[:whole])
+    if whole < count:
+        tail = np.zeros(8 * width, dtype=np.uint8)
+        rest = b[whole // 64 * width * 8 :]
+        tail[: rest.size] = rest
+        values = np.empty(64, dtype=np.int64)
+        unpack(tail.view(np.uint64), values)
+        if values[count - whole :].any():
+            raise WireError(f"nonzero padding bits after {count} values of {width} bits")
+        out[whole:] = values[: count - whole]
+    return torch.from_numpy(out)
+
+
 def _unpack(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """Unpack ``count`` values (length already checked); checks padding. Returns the work dtype, except int64
     from the CPU path for widths 9 to 16 (:func:`_unpack_windows`)."""
@@ -278,6 +372,9 @@ def _unpack(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
         return torch.empty(0, dtype=wd, device=device)
     if width == 8:
         return buf.to(wd)
+    kernel = kernels.bitpack(width) if device.type == "cpu" and sys.byteorder == "little" else None
+    if kernel is not None:
+        return _unpack_kernel(buf, width, count, kernel[1])
     if count <= _SMALL and device.type == "cpu":
         return _unpack_small(buf, width, count)
     if 8 < width <= _CHUNKED_MAX_WIDTH and device.type == "cpu" and sys.byteorder == "little":
@@ -336,6 +433,9 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
         v = v.to(torch.int64)  # unsigned 16/32/64-bit: values >= 2**63 wrap negative and are rejected
     if v.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=v.device)
+    kernel = _kernel_pack(v, width)
+    if kernel is not None:
+        return _pack_kernel(v, width, True, kernel)
     if _chunked(v, width):
         return _pack_chunked(v, width, check=True)
     lo, hi = torch.aminmax(v)

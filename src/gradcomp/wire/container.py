@@ -24,8 +24,9 @@ Byte layout (all integers little-endian)::
 
 How encode writes it: one copy of the data. Every field is checked and its section's size computed first
 (fixed for F32/F16/BF16/BITS/POSITIONS, known once the stream is built for GOLOMB; BITS, POSITIONS and GOLOMB
-streams are built in this pass, each a small tensor next to its field), so the exact message length is known
-before anything is written. Then ONE uint8 tensor of that length is allocated on the first field's device and
+streams are built in this pass, each a small tensor next to its field, except BITS fields that a compiled
+kernel packs: those are packed in the second pass straight into the output, range-checked there, with no
+stream of their own), so the exact message length is known before anything is written. Then ONE uint8 tensor of that length is allocated on the first field's device and
 filled at increasing offsets: each section header, and each section's data. Float values go from the caller's
 tensor straight into the output: through a ``view(dtype)`` of the output slice when its offset is a multiple
 of the item size (``copy_`` casts on the way, so an fp32 field sent as F16 is read once and written once), as
@@ -71,7 +72,16 @@ import numpy as np
 import torch
 
 from gradcomp.errors import ConfigError, WireError
-from gradcomp.wire.bits import _as_uint8_buffer, _pack, _unpack, bits_needed, pack_bits, packed_nbytes
+from gradcomp.wire.bits import (
+    _as_uint8_buffer,
+    _pack,
+    _unpack,
+    bits_needed,
+    pack_bits,
+    pack_bits_into,
+    packed_nbytes,
+    packs_into,
+)
 from gradcomp.wire.checksum import checksum64
 from gradcomp.wire.golomb import MAX_UNIVERSE, golomb_decode, golomb_encode, optimal_rice_parameter
 
@@ -300,13 +310,15 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
     if fields:
         device = fields[0].device
     codecs = _check_specs(specs)
-    # Pass 1: checks, sizes, and the streams of the non-float codecs. plan: (codec, param, count, nbytes, tensor)
-    # where tensor is the detached field itself for float codecs (read once, in pass 2), else its data bytes.
-    plan: list[tuple[Codec, int, int, int, torch.Tensor]] = []
+    # Pass 1: checks, sizes, and the streams of the non-float codecs. plan: (codec, param, count, nbytes, tensor,
+    # packed_later) where tensor is the detached field itself for float codecs (read once, in pass 2) and for BITS
+    # fields that the compiled packer writes straight into the output in pass 2 (packed_later), else its data bytes.
+    plan: list[tuple[Codec, int, int, int, torch.Tensor, bool]] = []
     body_length = 0
     for i, (f, spec, codec) in enumerate(zip(fields, specs, codecs)):
         t = f.detach()
         n = t.numel()
+        later = False
         if spec.count is not None and n != spec.count:
             raise ConfigError(f"field {i} ({codec.name}): {n} elements, spec expects exactly {spec.count}")
         if spec.same_count_as is not None:
@@ -324,6 +336,9 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
             if not t.dtype.is_floating_point:
                 raise ConfigError(f"field {i} ({codec.name}): expected a floating-point tensor, got dtype {t.dtype}")
             param, data, nbytes = 0, t, _expected_nbytes(codec, 0, n)
+        elif codec == Codec.BITS and device.type == "cpu" and packs_into(t, spec.width):
+            later = True  # packed in pass 2 straight into the output by the compiled kernel (range-checked there)
+            param, data, nbytes = spec.width, t, packed_nbytes(n, spec.width)
         else:
             param, data = _encode_field(t.reshape(-1).to(device), spec, codec, i)
             data = data.reshape(-1)
@@ -331,7 +346,7 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
         if nbytes > _U32_MAX:
             raise ConfigError(f"field {i} ({codec.name}): {nbytes} data bytes do not fit the u32 size")
         body_length += SECTION_HEADER_BYTES + nbytes
-        plan.append((codec, param, n, nbytes, data))
+        plan.append((codec, param, n, nbytes, data, later))
     if body_length > _U32_MAX:
         raise ConfigError(f"message body of {body_length} bytes does not fit the u32 length")
     # Pass 2: one allocation, every section written at its offset, then the checksum of the body in place.
@@ -339,7 +354,7 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
     mem = out.numpy() if device.type == "cpu" else None  # the output's own memory, for struct and small copies
     heads: list[tuple[int, bytes]] = []  # section headers to write on other devices
     off = HEADER_BYTES
-    for codec, param, n, nbytes, data in plan:
+    for codec, param, n, nbytes, data, later in plan:
         if mem is not None:
             _SECTION.pack_into(mem, off, int(codec), param, n, nbytes)
         else:
@@ -347,6 +362,8 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
         off += SECTION_HEADER_BYTES
         if codec in FLOAT_DTYPES:
             _put_float(out, mem, off, nbytes, data, FLOAT_DTYPES[codec])
+        elif later:  # a BITS field left for this pass (see pass 1); CPU only, so mem is the output's memory
+            pack_bits_into(data, param, mem[off : off + nbytes])
         elif mem is not None and nbytes <= _SMALL_COPY:
             mem[off : off + nbytes] = data.numpy()
         elif nbytes:

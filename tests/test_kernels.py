@@ -1,0 +1,200 @@
+"""The compiled kernels (gradcomp.kernels) against the numpy/torch paths they replace: the same bytes, the same
+codes, the same errors; and the generated bit-packing module against its generator."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gradcomp
+from gradcomp import kernels, wire
+from gradcomp.compressors.base import Slot
+from gradcomp.compressors.natural import cnat_decode, cnat_encode, uniform23
+from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
+from gradcomp.wire import Codec, FieldSpec
+from gradcomp.wire.bits import pack_bits, pack_bits_into, packed_nbytes, packs_into, unpack_bits
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="numba is not importable")
+
+ROOT = Path(__file__).resolve().parent.parent
+WIDTHS = sorted(kernels.BITPACK_WIDTHS)
+SIZES = (4097, 64 * 100, 64 * 100 + 63, 100_003)  # above the small-array path; whole blocks and tails
+
+
+@pytest.fixture
+def without_kernels(monkeypatch):
+    """A context in which every caller takes its numpy/torch path."""
+
+    class Switch:
+        def __enter__(self):
+            monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+
+        def __exit__(self, *exc):
+            monkeypatch.delenv("GRADCOMP_KERNELS")
+
+    return Switch()
+
+
+def test_generated_module_is_what_the_generator_writes():
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "scripts" / "generate_bitpack_kernels.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert generator.TARGET.read_text() == generator.source()
+    assert set(generator.KERNEL_WIDTHS) == kernels.BITPACK_WIDTHS
+
+
+def test_environment_switch_disables_kernels(without_kernels):
+    assert kernels.bitpack(9) is not None and kernels.cnat() is not None
+    with without_kernels:
+        assert not kernels.enabled() and kernels.bitpack(9) is None and kernels.cnat() is None
+    assert kernels.bitpack(8) is None and kernels.bitpack(1) is None and kernels.bitpack(17) is None
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_and_unpack_match_the_numpy_path(width, n, without_kernels):
+    g = torch.Generator().manual_seed(width * 1000 + n)
+    values = torch.randint(0, 1 << width, (n,), generator=g)
+    values[:64] = (1 << width) - 1  # every bit of a whole block set
+    for dtype in (torch.int64, torch.int32, torch.int16) + ((torch.uint8, torch.int8) if width < 8 else ()):
+        v = values.to(dtype)
+        assert packs_into(v, width)
+        packed = pack_bits(v, width)
+        with without_kernels:
+            assert not packs_into(v, width)
+            expected = pack_bits(v, width)
+            assert torch.equal(unpack_bits(expected, width, n), values)
+        assert torch.equal(packed, expected), dtype
+        assert torch.equal(unpack_bits(packed, width, n), values)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("offset", (0, 3, 30))
+def test_pack_into_an_unaligned_destination(width, offset):
+    n = 64 * 70 + 5
+    values = torch.randint(0, 1 << width, (n,), generator=torch.Generator().manual_seed(width))
+    nbytes = packed_nbytes(n, width)
+    memory = np.full(offset + nbytes + 7, 0xAB, dtype=np.uint8)
+    pack_bits_into(values, width, memory[offset : offset + nbytes])
+    assert bytes(memory[offset : offset + nbytes]) == bytes(pack_bits(values, width).numpy())
+    assert (memory[:offset] == 0xAB).all() and (memory[offset + nbytes :] == 0xAB).all()  # nothing else written
+    with pytest.raises(ConfigError, match="destination size"):
+        pack_bits_into(values, width, memory[: nbytes - 1])
+
+
+@pytest.mark.parametrize("width", (2, 9, 15))
+@pytest.mark.parametrize("where", (0, 6399, 6400 + 62))  # in a whole block, its last value, in the tail
+def test_out_of_range_values_are_refused(width, where):
+    values = torch.zeros(6400 + 63, dtype=torch.int32)
+    for bad in (1 << width, -1):
+        values[where] = bad
+        with pytest.raises(ConfigError, match=rf"2\*\*{width}.*\[{min(bad, 0)}, {max(bad, 0)}\]"):
+            pack_bits(values, width)
+        with pytest.raises(ConfigError, match="2\\*\\*"):
+            wire.encode([values], [FieldSpec(Codec.BITS, count=values.numel(), width=width)])
+
+
+@pytest.mark.parametrize("width", (3, 9, 15))
+def test_nonzero_padding_bits_are_refused(width):
+    n = 64 * 80 + 7  # the last byte has unused high bits for these widths
+    assert (n * width) % 8
+    buf = pack_bits(torch.ones(n, dtype=torch.int64), width).clone()
+    buf[-1] |= 0x80
+    with pytest.raises(WireError, match="padding"):
+        unpack_bits(buf, width, n)
+
+
+@pytest.mark.parametrize("name", ["cnat", "terngrad", "natural_dithering", "random_dithering", "qsgd"])
+def test_messages_are_identical_with_and_without_kernels(name, without_kernels):
+    compressor = gradcomp.make(name)
+    x = torch.randn(50_001, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 50_001)
+    slot = Slot("w", 0, x.numel())
+    fields = compressor.compress(x, slot, 4)
+    message = wire.encode(fields, compressor.specs(slot))
+    with without_kernels:
+        fields_torch = compressor.compress(x, slot, 4)
+        message_torch = wire.encode(fields_torch, compressor.specs(slot))
+        decoded_torch = compressor.decompress(wire.decode(message_torch, compressor.specs(slot)), slot, 4)
+    assert torch.equal(message, message_torch)
+    decoded = compressor.decompress(wire.decode(message, compressor.specs(slot)), slot, 4)
+    assert torch.equal(decoded, decoded_torch)
+
+
+# ------------------------------------------------------------------------------------------------------ cnat
+
+
+def _awkward_floats(n: int, seed: int) -> torch.Tensor:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-40, 37, n)
+    specials = [0.0, -0.0, 1e-45, -1e-45, 1e-40, -3e-39, 1.17549435e-38, 2.0**127, -(2.0**127), 3.4e38, -3.4e38, 1.0]
+    x[: len(specials)] = torch.tensor(specials)
+    return x
+
+
+@pytest.mark.parametrize("key", [0, 1, 12345, (1 << 63) - 1])
+def test_cnat_kernel_codes_equal_the_torch_definition(key, without_kernels):
+    x = _awkward_floats(300_017, key % 97)
+    codes = cnat_encode(x, key)
+    with without_kernels:
+        expected = cnat_encode(x, key)
+    assert codes.dtype == expected.dtype == torch.int16
+    assert torch.equal(codes, expected)
+    assert int(codes[1]) == 0 and codes[7:11].tolist() == [254, 510, 254, 510]  # -0.0; |x| >= 2^127 never rounds up
+    # entries of x coded one piece at a time with the kernel's offset give the codes of the whole
+    kernel = kernels.cnat()
+    bits = x.view(torch.int32).numpy()
+    pieces = np.empty(x.numel(), dtype=np.int16)
+    for start in range(0, x.numel(), 70_000):
+        kernel.cnat_codes(bits[start : start + 70_000], key, start, pieces[start : start + 70_000])
+    assert np.array_equal(pieces, codes.numpy())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 99_999])
+def test_cnat_kernel_refuses_non_finite_values(bad, where, without_kernels):
+    x = torch.randn(100_000)
+    x[where] = bad
+    with pytest.raises(NonFiniteGradientError, match="w.*cnat"):
+        cnat_encode(x, 3, "w")
+    with without_kernels, pytest.raises(NonFiniteGradientError):
+        cnat_encode(x, 3, "w")
+
+
+def test_cnat_decode_and_accumulate_kernels_equal_the_torch_path(without_kernels):
+    codes = torch.arange(512, dtype=torch.int64).repeat(300)
+    codes[codes == 256] = 0  # the encoder never makes a sign on exponent 0
+    values = cnat_decode(codes)
+    with without_kernels:
+        expected = cnat_decode(codes)
+    assert torch.equal(values.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(cnat_decode(codes.to(torch.int16)).view(torch.int32), expected.view(torch.int32))
+    compressor = gradcomp.make("cnat")
+    slot = Slot("w", 0, codes.numel())
+    total = torch.randn(codes.numel(), generator=torch.Generator().manual_seed(2)) * 1e30
+    reference = total.clone() + expected
+    compressor.accumulate([codes], slot, 0, total)
+    assert torch.equal(total.view(torch.int32), reference.view(torch.int32))
+
+
+def test_uniform23_is_uniform_and_fresh_per_key():
+    n = 1 << 20
+    u = uniform23(7, 0, n)
+    assert int(u.min()) >= 0 and int(u.max()) < 1 << 23
+    # mean and variance of a uniform on [0, 2^23): 2^22 and 2^46/12, each within 5 standard errors
+    mean, var = u.double().mean().item(), u.double().var().item()
+    assert abs(mean - 2**22) < 5 * math.sqrt(2**46 / 12 / n)
+    assert abs(var / (2**46 / 12) - 1) < 5 * math.sqrt(0.8 / n)
+    # the 256 buckets of the top 8 bits: chi-square with 255 degrees of freedom stays below its 0.9999 quantile
+    counts = torch.bincount(u >> 15, minlength=256).double()
+    chi2 = float(((counts - n / 256) ** 2 / (n / 256)).sum())
+    assert chi2 < 255 + 4.0 * math.sqrt(2 * 255) + 30
+    # another key, and the next entries of the same key, are uncorrelated with these draws
+    for other in (uniform23(8, 0, n), uniform23(7, n, n)):
+        r = torch.corrcoef(torch.stack([u.double(), other.double()]))[0, 1].item()
+        assert abs(r) < 5 / math.sqrt(n)
+    # a piece starting at an offset is the same numbers as the whole
+    assert torch.equal(uniform23(7, 1000, 5000), u[1000:6000])
