@@ -109,13 +109,17 @@ def test_nonzero_padding_bits_are_refused(width):
         unpack_bits(buf, width, n)
 
 
-@pytest.mark.parametrize("name", ["cnat", "terngrad", "natural_dithering", "random_dithering", "qsgd"])
+@pytest.mark.parametrize(
+    "name",
+    ["cnat", "terngrad", "natural_dithering", "random_dithering", "qsgd", "signsgd", "signum", "efsignsgd", "onebit"],
+)
 def test_messages_are_identical_with_and_without_kernels(name, without_kernels):
-    compressor = gradcomp.make(name)
+    compressor = gradcomp.make(name, error_feedback=False)
     x = torch.randn(50_001, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 50_001)
     slot = Slot("w", 0, x.numel())
     fields = compressor.compress(x, slot, 4)
     message = wire.encode(fields, compressor.specs(slot))
+    compressor = gradcomp.make(name, error_feedback=False)  # a fresh one: signum's momentum starts again
     with without_kernels:
         fields_torch = compressor.compress(x, slot, 4)
         message_torch = wire.encode(fields_torch, compressor.specs(slot))
@@ -198,3 +202,48 @@ def test_uniform23_is_uniform_and_fresh_per_key():
         assert abs(r) < 5 / math.sqrt(n)
     # a piece starting at an offset is the same numbers as the whole
     assert torch.equal(uniform23(7, 1000, 5000), u[1000:6000])
+
+
+# ------------------------------------------------------------------------------------------------------ signs
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 4099, 262_144 + 13])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sign_bits_are_packbits_of_the_negative_mask(n, dtype):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=dtype)
+    x[::5] = -0.0  # not negative
+    x[1::11] = float("nan")
+    x[2::13] = -float("nan")  # nor is a NaN with the sign bit set
+    x[3::17] = -float("inf")
+    out = np.full((n + 7) // 8, 0xFF, dtype=np.uint8)
+    negatives = kernels.sign().sign_bits(x.numpy(), out)
+    assert np.array_equal(out, np.packbits(x.numpy() < 0, bitorder="little"))  # padding bits 0 as well
+    assert negatives == int((x < 0).sum())
+
+
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "onebit"])
+def test_sign_decoding_kernels_give_the_same_sums(name, without_kernels):
+    compressor = gradcomp.make(name, error_feedback=False)
+    n = 100_003
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    slot = Slot("w", 0, n)
+    local = compressor.compress(x, slot, 0)
+    wired = wire.decode(wire.encode(local, compressor.specs(slot)), compressor.specs(slot))
+    start = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    results = []
+    for fields in (local, wired):  # uint8 bytes from the compressor, int64 from the wire
+        for kernels_on in (True, False):
+            added, subtracted = start.clone(), start.clone()
+            if kernels_on:
+                compressor.accumulate(fields, slot, 0, added)
+                compressor.subtract_sent(fields, slot, 0, subtracted)
+            else:
+                with without_kernels:
+                    compressor.accumulate(fields, slot, 0, added)
+                    compressor.subtract_sent(fields, slot, 0, subtracted)
+            results.append((added.view(torch.int32), subtracted.view(torch.int32)))
+    decoded = compressor.decompress(local, slot, 0)
+    assert torch.equal(results[0][0], (start + decoded).view(torch.int32))
+    assert torch.equal(results[0][1], (start - decoded).view(torch.int32))
+    for added, subtracted in results[1:]:
+        assert torch.equal(added, results[0][0]) and torch.equal(subtracted, results[0][1])

@@ -58,8 +58,8 @@ def test_pack_signs_is_pack_bool_of_the_negative_mask(d):
     x[::7] = 0.0
     x[1::11] = -0.0
     packed = pack_signs(x)
-    assert packed.dtype == torch.int64 and packed.numel() == packed_count(d) == math.ceil(d / 8)
-    assert torch.equal(packed, pack_bool(negative(x)).to(torch.int64))
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_count(d) == math.ceil(d / 8)
+    assert torch.equal(packed, pack_bool(negative(x)))
     assert torch.equal(unpack_signs(packed, d), torch.where(negative(x), -1.0, 1.0))
 
 
@@ -72,7 +72,7 @@ def test_several_chunks(name):
     c = bare(name)
     slot = Slot("big", 0, d)
     out = round_trip(c, x, slot)
-    assert torch.equal(c.compress(x, slot, 1)[0], pack_bool(negative(x)).to(torch.int64))
+    assert torch.equal(c.compress(x, slot, 1)[0], pack_bool(negative(x)))
     xd = x.double()
     if name == "efsignsgd":
         assert out[0].abs().item() == pytest.approx(float(xd.abs().mean()), rel=1e-6)

@@ -49,8 +49,11 @@ comparison writes a byte per entry, every 8 bytes are read as one little-endian 
 shift-ors gather its 8 low bits into its low byte, in chunks of 2^20 entries; efsignsgd and onebit pack
 each chunk while they sum it, signum right after its momentum update of the chunk) and hands the
 container ceil(d/8) bytes, declared as a BITS section of width 8 — the container's width-1 path would need
-every sign as an int64 in memory (64 times the wire size) and is several times slower. The field is int64
-in memory, one value per byte, as every integer field of a message is. So one slot's message is:
+every sign as an integer code in memory and is several times slower. The field is uint8 in memory, which the
+container sends as it is; the wire decodes it to int64, one value per byte, as every BITS field. On the CPU
+the packing, and the decoding that error feedback's subtraction and the receivers' sums need, are compiled
+kernels (``gradcomp.kernels.sign_kernel``); the numpy and torch paths give the same bytes and sums. So one
+slot's message is:
 
     signsgd, signum:  [BITS width 8, count ceil(d/8)]                         10 + ceil(d/8) bytes
     efsignsgd:        [BITS width 8, count ceil(d/8)], [F32, count 1: scale]  10 + ceil(d/8) + 10 + 4
@@ -93,6 +96,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradcomp import kernels
 from gradcomp.catalog import register
 from gradcomp.compressors.base import Compressor, Fields, Slot, Tally
 from gradcomp.compressors.sparse import workspace
@@ -135,6 +139,7 @@ def _pack_into(flat: Tensor, out: Tensor, mask: Tensor, shifted: Tensor) -> None
 
 
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+_KERNEL_FLOATS = (torch.float32, torch.float64)  # what the compiled kernel reads (numba has no CPU float16)
 
 
 def _numpy_path(flat: Tensor) -> bool:
@@ -144,41 +149,54 @@ def _numpy_path(flat: Tensor) -> bool:
 
 
 def _pack(flat: Tensor, count: bool = False, before=None) -> tuple[Tensor, Tensor | None]:
-    """(sign bitmap as ceil(d/8) int64 byte values, number of negative entries if ``count``).
+    """(sign bitmap as ceil(d/8) uint8 bytes, number of negative entries if ``count``).
 
     ``before(start, end)``, if given, is called on each chunk just before its signs are read (Signum updates
     its momentum there, so that the chunk is packed while it is in cache).
 
     Works through chunks with small scratch buffers: d-sized temporaries would cost page faults (on CPU a
-    fresh 40 MB tensor takes several times as long as the arithmetic on it). On the CPU numpy does each chunk
-    of 2^18 entries in two calls, the comparison into a reused bool buffer and ``np.packbits`` (LSB first: the
-    same bytes); elsewhere the torch word arithmetic of ``_pack_into``, in chunks of 2^20 entries.
+    fresh 40 MB tensor takes several times as long as the arithmetic on it). On the CPU the compiled kernel
+    (``gradcomp.kernels.sign_kernel``) packs each chunk of 2^18 entries in one pass, counting as it goes;
+    without it numpy does each chunk in two calls, the comparison into a reused bool buffer and ``np.packbits``
+    (LSB first: the same bytes); elsewhere the torch word arithmetic of ``_pack_into``, in chunks of 2^20
+    entries.
     """
     d = flat.numel()
-    out = torch.empty(packed_count(d), dtype=torch.int64, device=flat.device)
+    out = torch.empty(packed_count(d), dtype=torch.uint8, device=flat.device)
     if _numpy_path(flat):
         x, o = flat.detach().contiguous().numpy(), out.numpy()
-        scratch = workspace("signs", min(d, _PACK_CHUNK), torch.bool).numpy()
+        kernel = kernels.sign() if flat.dtype in _KERNEL_FLOATS else None
+        if kernel is not None and before is None:
+            negative = int(kernel.sign_bits(x, o))
+            return out, torch.tensor(negative, dtype=torch.int64) if count else None
+        scratch = workspace("signs", min(d, _PACK_CHUNK), torch.bool).numpy() if kernel is None else None
         negative = 0
         for start in range(0, d, _PACK_CHUNK):
             piece = x[start : start + _PACK_CHUNK]
             if before is not None:
                 before(start, start + piece.size)
+            dest = o[start // 8 : start // 8 + packed_count(piece.size)]
+            if kernel is not None:
+                negative += int(kernel.sign_bits(piece, dest))
+                continue
             mask = scratch[: piece.size]
             np.less(piece, 0, out=mask)
-            o[start // 8 : start // 8 + packed_count(piece.size)] = np.packbits(mask, bitorder="little")
+            dest[:] = np.packbits(mask, bitorder="little")
             if count:
                 negative += int(np.count_nonzero(mask))
         return out, torch.tensor(negative, dtype=torch.int64) if count else None
     width = min(d, _CHUNK)
     mask = torch.empty(8 * packed_count(width), dtype=torch.bool, device=flat.device)
     shifted = torch.empty(packed_count(width), dtype=torch.int64, device=flat.device)
+    words = torch.empty(packed_count(width), dtype=torch.int64, device=flat.device)
     negatives = []
     for start in range(0, d, _CHUNK):  # _CHUNK is a multiple of 8: every chunk starts on a byte
         piece = flat[start : start + _CHUNK]
         if before is not None:
             before(start, start + piece.numel())
-        _pack_into(piece, out[start // 8 : start // 8 + packed_count(piece.numel())], mask, shifted)
+        groups = packed_count(piece.numel())
+        _pack_into(piece, words[:groups], mask, shifted)
+        out[start // 8 : start // 8 + groups].copy_(words[:groups])
         if count:
             negatives.append(torch.count_nonzero(mask[: piece.numel()]))
     total = None
@@ -188,7 +206,7 @@ def _pack(flat: Tensor, count: bool = False, before=None) -> tuple[Tensor, Tenso
 
 
 def pack_signs(x: Tensor) -> Tensor:
-    """The sign bitmap of ``x`` (bit = 1 where x < 0), ceil(d/8) int64 byte values; equals pack_bool(x < 0)."""
+    """The sign bitmap of ``x`` (bit = 1 where x < 0), ceil(d/8) uint8 bytes; equals pack_bool(x < 0)."""
     return _pack(x.reshape(-1))[0]
 
 
@@ -218,21 +236,38 @@ def _value_table(device: torch.device, positive: Tensor, negative: Tensor) -> Te
     return torch.where(_bit_table(device), negative, positive)
 
 
+def _rows(packed: Tensor) -> Tensor:
+    """Byte values as an index tensor (``index_select`` takes int32 or int64; the compressor's bytes are uint8)."""
+    return packed if packed.dtype in (torch.int32, torch.int64) else packed.to(torch.int32)
+
+
+def _kernel_for(packed: Tensor, out: Tensor):
+    """The compiled sign kernels for ``out += / -= decoded`` on the CPU (contiguous float32 ``out``), or None."""
+    if packed.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
+        return None
+    return kernels.sign()
+
+
 def _expand(packed: Tensor, numel: int, positive: Tensor, negative: Tensor) -> Tensor:
     """float32 vector of ``numel`` entries: ``negative`` where the bit is 1, ``positive`` where it is 0."""
     table = _value_table(packed.device, positive, negative)
-    return torch.index_select(table, 0, packed.reshape(-1)).reshape(-1)[:numel]
+    return torch.index_select(table, 0, _rows(packed.reshape(-1))).reshape(-1)[:numel]
 
 
 def _expand_add(packed: Tensor, numel: int, positive: Tensor, negative: Tensor, out: Tensor) -> None:
-    """``out += _expand(...)`` through chunks of 2^20 entries and one small scratch buffer (see ``_pack``)."""
-    table = _value_table(packed.device, positive, negative)
+    """``out += _expand(...)``: one compiled pass on the CPU; elsewhere through chunks of 2^20 entries and one
+    small scratch buffer (see ``_pack``). The same float32 addition per entry either way."""
     packed = packed.reshape(-1)
+    kernel = _kernel_for(packed, out)
+    if kernel is not None:
+        kernel.sign_add(packed.contiguous().numpy(), np.float32(positive), np.float32(negative), out.numpy())
+        return
+    table = _value_table(packed.device, positive, negative)
     scratch = torch.empty(packed_count(min(numel, _CHUNK)), 8, dtype=torch.float32, device=packed.device)
     for start in range(0, numel, _CHUNK):
         n = min(_CHUNK, numel - start)
         rows = scratch[: packed_count(n)]
-        torch.index_select(table, 0, packed[start // 8 : start // 8 + packed_count(n)], out=rows)
+        torch.index_select(table, 0, _rows(packed[start // 8 : start // 8 + packed_count(n)]), out=rows)
         out[start : start + n] += rows.reshape(-1)[:n]
 
 
@@ -278,8 +313,13 @@ class _Sign(Compressor):
         """
         packed = fields[0]
         _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
-        table = _value_table(packed.device, *self._decode_values(fields, slot))
+        positive, negative = self._decode_values(fields, slot)
         packed = packed.reshape(-1)
+        kernel = _kernel_for(packed, out)
+        if kernel is not None:  # one compiled pass: the same float32 subtraction per entry
+            kernel.sign_subtract(packed.contiguous().numpy(), np.float32(positive), np.float32(negative), out.numpy())
+            return
+        table = _value_table(packed.device, positive, negative)
         groups = packed_count(min(slot.numel, _SUBTRACT_CHUNK))
         if packed.device.type == "cpu":
             scratch = workspace("subtract-signs", 8 * groups, torch.float32).view(groups, 8)
@@ -288,7 +328,7 @@ class _Sign(Compressor):
         for start in range(0, slot.numel, _SUBTRACT_CHUNK):  # a multiple of 8: every chunk starts on a byte
             n = min(_SUBTRACT_CHUNK, slot.numel - start)
             rows = scratch[: packed_count(n)]
-            torch.index_select(table, 0, packed[start // 8 : start // 8 + packed_count(n)], out=rows)
+            torch.index_select(table, 0, _rows(packed[start // 8 : start // 8 + packed_count(n)]), out=rows)
             out[start : start + n].sub_(rows.reshape(-1)[:n])
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
@@ -506,9 +546,10 @@ def _signs_and_sums(
     else:
         scratch = torch.empty(min(d, _CHUNK), dtype=torch.float32, device=flat.device)
     if fused:
-        packed = torch.empty(packed_count(d), dtype=torch.int64)
+        packed = torch.empty(packed_count(d), dtype=torch.uint8)
         x, o = flat.detach().contiguous().numpy(), packed.numpy()
-        mask_buffer = workspace("signs", min(d, _CHUNK), torch.bool).numpy()
+        kernel = kernels.sign() if flat.dtype in _KERNEL_FLOATS else None
+        mask_buffer = workspace("signs", min(d, _CHUNK), torch.bool).numpy() if kernel is None else None
         negative = 0
     parts = []
     for start in range(0, d, _CHUNK):
@@ -516,9 +557,13 @@ def _signs_and_sums(
         out = scratch[: piece.numel()]
         parts.append(torch.stack([m(piece, out=out).sum() for m in maps]))
         if fused:
+            dest = o[start // 8 : start // 8 + packed_count(piece.numel())]
+            if kernel is not None:
+                negative += int(kernel.sign_bits(x[start : start + _CHUNK], dest))
+                continue
             mask = mask_buffer[: piece.numel()]
             np.less(x[start : start + _CHUNK], 0, out=mask)
-            o[start // 8 : start // 8 + packed_count(piece.numel())] = np.packbits(mask, bitorder="little")
+            dest[:] = np.packbits(mask, bitorder="little")
             if count:
                 negative += int(np.count_nonzero(mask))
     if fused and count:
@@ -560,7 +605,7 @@ class EFSignSGD(_Sign):
         flat = _f32(x)
         d = flat.numel()
         if d == 0:
-            return [torch.zeros(0, dtype=torch.int64, device=flat.device), torch.zeros(1, device=flat.device)]
+            return [torch.zeros(0, dtype=torch.uint8, device=flat.device), torch.zeros(1, device=flat.device)]
         sums, packed, _ = _signs_and_sums(flat, (torch.abs,))
         scale = (sums / d).to(torch.float32)
         scale = _finite_or_f64(scale, lambda: (flat.double().abs().sum() / d).to(torch.float32).reshape(1))
@@ -590,7 +635,7 @@ class OneBit(_Sign):
         flat = _f32(x)
         d = flat.numel()
         if d == 0:
-            return [torch.zeros(0, dtype=torch.int64, device=flat.device), torch.zeros(2, device=flat.device)]
+            return [torch.zeros(0, dtype=torch.uint8, device=flat.device), torch.zeros(2, device=flat.device)]
         sums, packed, n_negative = _signs_and_sums(flat, (_nonnegative, _negative), count=True)
         n_negative = n_negative.double()
         counts = torch.stack([(d - n_negative).clamp(min=1), n_negative.clamp(min=1)])  # an empty side sums to 0

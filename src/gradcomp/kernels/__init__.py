@@ -9,7 +9,9 @@ but five to twenty passes as numpy or torch operations:
   ditherings' level codes, QSGD's packed codes);
 - C_nat's codes (``cnat``): the float's exponent rounded up with probability mantissa / 2^23 by a counter-based
   random number (SplitMix64 of the entry's index and a key), sign attached, range checked, in one pass
-  (``gradcomp.compressors.natural``).
+  (``gradcomp.compressors.natural``);
+- the sign family's bitmap (``sign``): packing x < 0 eight entries to a byte, and adding or subtracting the
+  decoded ±values without materialising them (``gradcomp.compressors.sign``).
 
 Why numba: the issue that asked for these speeds allows a compiled kernel where it is the only route, from a
 dependency that installs as a wheel from the package index on this machine kind and works on CPU and CUDA
@@ -24,7 +26,8 @@ every caller then takes its numpy/torch path, which produces the same bytes, onl
 Cost: the kernels are compiled the first time a process uses them and cached on disk next to this package
 (numba's ``cache=True``; about a second per kernel the first time, milliseconds after). Importing numba and
 loading the first kernel adds about 110 MB of resident memory to the process (LLVM), once, whatever the model
-size; a process that never packs a large BITS field or compresses with C_nat never imports numba.
+size; a process that never packs a BITS field of width 2-7 or 9-15 and never compresses with C_nat or a sign
+method on the CPU never imports numba.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import os
 import warnings
 from types import ModuleType
 
-__all__ = ["enabled", "bitpack", "cnat", "BITPACK_WIDTHS"]
+__all__ = ["enabled", "bitpack", "cnat", "sign", "BITPACK_WIDTHS"]
 
 BITPACK_WIDTHS = frozenset((2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15))
 
@@ -73,3 +76,12 @@ def cnat() -> ModuleType | None:
     from gradcomp.kernels import cnat_kernel
 
     return cnat_kernel
+
+
+def sign() -> ModuleType | None:
+    """The sign-bitmap kernel module, or None when kernels are disabled."""
+    if not enabled():
+        return None
+    from gradcomp.kernels import sign_kernel
+
+    return sign_kernel

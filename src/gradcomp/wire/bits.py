@@ -427,6 +427,8 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     if values.dtype.is_floating_point or values.dtype.is_complex:
         raise ConfigError(f"pack_bits expects an integer tensor, got dtype {values.dtype}")
     v = values.detach().reshape(-1)
+    if width == 8 and v.dtype == torch.uint8:  # bytes already (the sign bitmaps): every value fits
+        return v.contiguous()
     if v.dtype == torch.bool:
         v = v.to(torch.uint8)
     elif v.dtype not in _NATIVE_INT:
