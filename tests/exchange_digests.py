@@ -1,14 +1,14 @@
 """50-step parameter digests of every compressor and topology, on the simulated cluster and on 4 gloo workers.
 
-Recorded before the exchange was rebuilt on schemes (tests/data/exchange_digests.json, written by
-``python tests/exchange_digests.py``); ``test_exchange_digests.py`` recomputes them and demands the same
-bytes. Re-recorded once since, when fixed-size messages stopped exchanging their sizes: every parameter digest
-stayed the same and each byte count fell by exactly the size rounds' control bytes (8 up and 8·(W−1) down per
-step for an all-gather, 8 up and 8·W down for a parameter server, over 50 steps). Re-recorded again when C_nat's
-random numbers moved from torch's mt19937 to a counter-based SplitMix64 (for the compiled kernel): only the
-parameter digests of the cases that use cnat changed (cnat, cnat-ps-both, topk+cnat), no byte count. A digest is the SHA-256
-of the flat parameters after the last step, plus the bytes each worker sent up and received down, so a changed
-trajectory or a changed wire format both show.
+Recorded before the exchange was rebuilt on schemes (tests/data/exchange_digests.json, written by ``python
+tests/exchange_digests.py``); ``test_exchange_digests.py`` recomputes them and demands the same bytes. Re-recorded
+once since, when fixed-size messages stopped exchanging their sizes: every parameter digest stayed the same and each
+byte count fell by exactly the size rounds' control bytes (8 up and 8·(W−1) down per step for an all-gather, 8 up and
+8·W down for a parameter server, over 50 steps). Re-recorded again when C_nat's random numbers moved from torch's
+mt19937 to a counter-based SplitMix64 (for the compiled kernel): only the parameter digests of the cases that use cnat
+changed (cnat, cnat-ps-both, topk+cnat), no byte count. A digest is the SHA-256 of the flat parameters after the last
+step, plus the bytes each worker sent up and received down, so a changed trajectory or a changed wire format both
+show.
 """
 
 from __future__ import annotations

@@ -22,20 +22,20 @@ Byte layout (all integers little-endian)::
         10 data         nbytes   F32/F16/BF16: raw little-endian values; BITS/POSITIONS: pack_bits
                                  stream; GOLOMB: golomb_encode stream
 
-How encode writes it: one copy of the data. Every field is checked and its section's size computed first
-(fixed for F32/F16/BF16/BITS/POSITIONS, known once the stream is built for GOLOMB; BITS, POSITIONS and GOLOMB
-streams are built in this pass, each a small tensor next to its field, except BITS fields that a compiled
-kernel packs: those are packed in the second pass straight into the output, range-checked there, with no
-stream of their own), so the exact message length is known before anything is written. Then ONE uint8 tensor of that length is allocated on the first field's device and
-filled at increasing offsets: each section header, and each section's data. Float values go from the caller's
-tensor straight into the output: through a ``view(dtype)`` of the output slice when its offset is a multiple
-of the item size (``copy_`` casts on the way, so an fp32 field sent as F16 is read once and written once), as
-bytes otherwise (F32 data starts at byte 30 in a one-field message). The checksum is then computed over the
-body slice of the output in place, and the 20-byte header is written last. Earlier code (same bytes) encoded
-every field into its own tensor, concatenated them into the body and concatenated header and body: two full
-copies of the body and two fresh allocations, which dominated the dense fp16/bf16 compressors. The output
-is always freshly allocated, never a reused buffer: callers keep it (gathered messages, residuals, several
-messages of one step alive at once), so reusing memory would silently overwrite a message still in use. On
+How encode writes it: one copy of the data. Every field is checked and its section's size computed first (fixed for
+F32/F16/BF16/BITS/POSITIONS, known once the stream is built for GOLOMB; BITS, POSITIONS and GOLOMB streams are built
+in this pass, each a small tensor next to its field, except BITS fields that a compiled kernel packs: those are packed
+in the second pass straight into the output, range-checked there, with no stream of their own), so the exact message
+length is known before anything is written. Then ONE uint8 tensor of that length is allocated on the first field's
+device and filled at increasing offsets: each section header, and each section's data. Float values go from the
+caller's tensor straight into the output: through a ``view(dtype)`` of the output slice when its offset is a multiple
+of the item size (``copy_`` casts on the way, so an fp32 field sent as F16 is read once and written once), as bytes
+otherwise (F32 data starts at byte 30 in a one-field message). The checksum is then computed over the body slice of
+the output in place, and the 20-byte header is written last. Earlier code (same bytes) encoded every field into its
+own tensor, concatenated them into the body and concatenated header and body: two full copies of the body and two
+fresh allocations, which dominated the dense fp16/bf16 compressors. The output is always freshly allocated, never a
+reused buffer: callers keep it (gathered messages, residuals, several messages of one step alive at once), so reusing
+memory would silently overwrite a message still in use. On
 the CPU the headers are written with ``struct.pack_into`` into the tensor's memory (no torch op per
 section) and small sections are copied by numpy; on other devices all section headers travel in one
 transfer. The decoder likewise parses headers from host memory (the buffer itself on the CPU; on other
