@@ -49,10 +49,42 @@ def test_generated_module_is_what_the_generator_writes():
 
 
 def test_environment_switch_disables_kernels(without_kernels):
-    assert kernels.bitpack(9) is not None and kernels.cnat() is not None
+    big = 1 << 22
+    assert kernels.bitpack(9, big) is not None and kernels.cnat() is not None and kernels.sign(big) is not None
     with without_kernels:
-        assert not kernels.enabled() and kernels.bitpack(9) is None and kernels.cnat() is None
-    assert kernels.bitpack(8) is None and kernels.bitpack(1) is None and kernels.bitpack(17) is None
+        assert not kernels.enabled()
+        assert kernels.bitpack(9, big) is None and kernels.cnat() is None and kernels.sign(big) is None
+    assert kernels.bitpack(8, big) is None and kernels.bitpack(1, big) is None and kernels.bitpack(17, big) is None
+
+
+_POLICY = """
+import sys, torch
+from gradcomp.wire import pack_bits
+from gradcomp.compressors.sign import pack_signs
+pack_bits(torch.ones(4096, dtype=torch.int64), 9)
+pack_signs(torch.randn(1 << 21))
+print("numba" in sys.modules)
+{big}
+print("numba" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    "big",
+    [
+        "pack_bits(torch.ones(4097, dtype=torch.int64), 9)",
+        "pack_signs(torch.randn(1 << 22))",
+        "import gradcomp; gradcomp.make('cnat').compress(torch.ones(10), gradcomp.Slot('w', 0, 10), 0)",
+    ],
+)
+def test_small_tensors_do_not_load_numba(big):
+    """numba costs ~110 MB per process: small fields and sign bitmaps take the numpy paths until it is loaded."""
+    import subprocess
+    import sys
+
+    code = _POLICY.format(big=big)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "True"]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -114,6 +146,7 @@ def test_nonzero_padding_bits_are_refused(width):
     ["cnat", "terngrad", "natural_dithering", "random_dithering", "qsgd", "signsgd", "signum", "efsignsgd", "onebit"],
 )
 def test_messages_are_identical_with_and_without_kernels(name, without_kernels):
+    assert kernels.sign(1 << 22) is not None  # loads numba: from here on every kernel takes any size
     compressor = gradcomp.make(name, error_feedback=False)
     x = torch.randn(50_001, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 50_001)
     slot = Slot("w", 0, x.numel())
@@ -150,7 +183,7 @@ def test_cnat_kernel_codes_equal_the_torch_definition(key, without_kernels):
     assert int(codes[1]) == 0 and codes[7:11].tolist() == [254, 510, 254, 510]  # -0.0; |x| >= 2^127 never rounds up
     # entries of x coded one piece at a time with the kernel's offset give the codes of the whole
     kernel = kernels.cnat()
-    bits = x.view(torch.int32).numpy()
+    bits = x.view(torch.int32).numpy()  # (the kernel module; numba is loaded by now)
     pieces = np.empty(x.numel(), dtype=np.int16)
     for start in range(0, x.numel(), 70_000):
         kernel.cnat_codes(bits[start : start + 70_000], key, start, pieces[start : start + 70_000])
@@ -216,13 +249,14 @@ def test_sign_bits_are_packbits_of_the_negative_mask(n, dtype):
     x[2::13] = -float("nan")  # nor is a NaN with the sign bit set
     x[3::17] = -float("inf")
     out = np.full((n + 7) // 8, 0xFF, dtype=np.uint8)
-    negatives = kernels.sign().sign_bits(x.numpy(), out)
+    negatives = kernels.sign(1 << 22).sign_bits(x.numpy(), out)
     assert np.array_equal(out, np.packbits(x.numpy() < 0, bitorder="little"))  # padding bits 0 as well
     assert negatives == int((x < 0).sum())
 
 
 @pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "onebit"])
 def test_sign_decoding_kernels_give_the_same_sums(name, without_kernels):
+    assert kernels.sign(1 << 22) is not None  # loads numba: from here on every kernel takes any size
     compressor = gradcomp.make(name, error_feedback=False)
     n = 100_003
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))

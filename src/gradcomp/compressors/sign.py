@@ -165,7 +165,7 @@ def _pack(flat: Tensor, count: bool = False, before=None) -> tuple[Tensor, Tenso
     out = torch.empty(packed_count(d), dtype=torch.uint8, device=flat.device)
     if _numpy_path(flat):
         x, o = flat.detach().contiguous().numpy(), out.numpy()
-        kernel = kernels.sign() if flat.dtype in _KERNEL_FLOATS else None
+        kernel = kernels.sign(d) if flat.dtype in _KERNEL_FLOATS else None
         if kernel is not None and before is None:
             negative = int(kernel.sign_bits(x, o))
             return out, torch.tensor(negative, dtype=torch.int64) if count else None
@@ -245,7 +245,7 @@ def _kernel_for(packed: Tensor, out: Tensor):
     """The compiled sign kernels for ``out += / -= decoded`` on the CPU (contiguous float32 ``out``), or None."""
     if packed.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
         return None
-    return kernels.sign()
+    return kernels.sign(out.numel())
 
 
 def _expand(packed: Tensor, numel: int, positive: Tensor, negative: Tensor) -> Tensor:
@@ -548,7 +548,7 @@ def _signs_and_sums(
     if fused:
         packed = torch.empty(packed_count(d), dtype=torch.uint8)
         x, o = flat.detach().contiguous().numpy(), packed.numpy()
-        kernel = kernels.sign() if flat.dtype in _KERNEL_FLOATS else None
+        kernel = kernels.sign(d) if flat.dtype in _KERNEL_FLOATS else None
         mask_buffer = workspace("signs", min(d, _CHUNK), torch.bool).numpy() if kernel is None else None
         negative = 0
     parts = []

@@ -26,13 +26,15 @@ every caller then takes its numpy/torch path, which produces the same bytes, onl
 Cost: the kernels are compiled the first time a process uses them and cached on disk next to this package
 (numba's ``cache=True``; about a second per kernel the first time, milliseconds after). Importing numba and
 loading the first kernel adds about 110 MB of resident memory to the process (LLVM), once, whatever the model
-size; a process that never packs a BITS field of width 2-7 or 9-15 and never compresses with C_nat or a sign
-method on the CPU never imports numba.
+size. So the bit-packing and sign kernels load numba only for large tensors (``BITPACK_MIN_COUNT``,
+``SIGN_MIN_COUNT``), and are used for any size once it is loaded; C_nat always loads it. Training a model of a
+few million parameters with top-k, Signum or EF-signSGD thus never imports numba; with C_nat it does.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from types import ModuleType
 
@@ -60,10 +62,23 @@ def enabled() -> bool:
     return os.environ.get("GRADCOMP_KERNELS", "1") != "0" and _numba_importable()
 
 
-def bitpack(width: int):
-    """(pack, unpack) kernels for ``width`` bits, or None (width not covered, or kernels disabled)."""
-    if width not in BITPACK_WIDTHS or not enabled():
-        return None
+def loaded() -> bool:
+    """Whether this process has already paid for numba (imported it), so any kernel is now nearly free."""
+    return "numba" in sys.modules and _numba_state.get("ok", False)
+
+
+# Below these sizes a kernel is used only once numba is loaded anyway: loading it costs about 0.3 s and 110 MB
+# once per process, more than the kernel saves on small tensors (a per-layer bias's positions, the sign bits of
+# a 1M-parameter model: fractions of a millisecond). C_nat always loads it: its kernel is the method's speed.
+BITPACK_MIN_COUNT = 4097  # above the wire's small-array path (gradcomp.wire.bits._SMALL)
+SIGN_MIN_COUNT = 1 << 22
+
+
+def bitpack(width: int, count: int):
+    """(pack, unpack) kernels for ``count`` values of ``width`` bits, or None (width not covered, kernels
+    disabled, or a small array in a process that has not loaded numba)."""
+    if width not in BITPACK_WIDTHS or (count < BITPACK_MIN_COUNT and not loaded()) or not enabled():
+        return None  # (enabled() imports numba: asked last)
     from gradcomp.kernels.bitpack_generated import KERNELS
 
     return KERNELS[width]
@@ -78,9 +93,10 @@ def cnat() -> ModuleType | None:
     return cnat_kernel
 
 
-def sign() -> ModuleType | None:
-    """The sign-bitmap kernel module, or None when kernels are disabled."""
-    if not enabled():
+def sign(count: int) -> ModuleType | None:
+    """The sign-bitmap kernel module for a tensor of ``count`` entries, or None (kernels disabled, or a tensor
+    below ``SIGN_MIN_COUNT`` in a process that has not loaded numba)."""
+    if (count < SIGN_MIN_COUNT and not loaded()) or not enabled():
         return None
     from gradcomp.kernels import sign_kernel
 

@@ -139,11 +139,11 @@ def _swar_merge(words: np.ndarray, lane: int, shift: int, tmp: np.ndarray) -> No
 
 
 def _kernel_pack(values: torch.Tensor, width: int):
-    """The compiled packer for ``values`` (gradcomp.kernels), or None: CPU, little-endian, a numpy integer dtype
-    and a width with a kernel. Any size: the kernel's call costs about a microsecond."""
+    """The compiled packer for ``values`` (gradcomp.kernels), or None: CPU, little-endian, a numpy integer dtype,
+    a width with a kernel, and a large array or numba already loaded (``kernels.bitpack``)."""
     if values.device.type != "cpu" or sys.byteorder != "little" or values.dtype not in _NUMPY_INT:
         return None
-    kernel = kernels.bitpack(width)
+    kernel = kernels.bitpack(width, values.numel())
     return None if kernel is None else kernel[0]
 
 
@@ -189,7 +189,7 @@ def pack_bits_into(values: torch.Tensor, width: int, dest: np.ndarray) -> None:
     """``pack_bits(values, width)`` written into ``dest`` (uint8, exactly ``packed_nbytes`` long, any alignment),
     for values that :func:`packs_into` accepts. Raises ConfigError for a value outside [0, 2**width)."""
     pack = _kernel_pack(values, width)
-    if pack is None or dest.size != packed_nbytes(values.numel(), width):
+    if pack is None or dest.size != packed_nbytes(values.numel(), width):  # callers ask packs_into first
         raise ConfigError(
             f"pack_bits_into: no compiled kernel for these values or width {width}, or wrong destination size"
         )
@@ -372,7 +372,7 @@ def _unpack(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
         return torch.empty(0, dtype=wd, device=device)
     if width == 8:
         return buf.to(wd)
-    kernel = kernels.bitpack(width) if device.type == "cpu" and sys.byteorder == "little" else None
+    kernel = kernels.bitpack(width, count) if device.type == "cpu" and sys.byteorder == "little" else None
     if kernel is not None:
         return _unpack_kernel(buf, width, count, kernel[1])
     if count <= _SMALL and device.type == "cpu":
