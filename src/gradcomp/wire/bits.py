@@ -365,7 +365,8 @@ def _unpack_kernel(buf: torch.Tensor, width: int, count: int, unpack) -> torch.T
 
 def _unpack(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """Unpack ``count`` values (length already checked); checks padding. Returns the work dtype, except int64
-    from the CPU path for widths 9 to 16 (:func:`_unpack_windows`)."""
+    from the compiled kernels (:func:`_unpack_kernel`) and the CPU path for widths 9 to 16
+    (:func:`_unpack_windows`)."""
     device = buf.device
     wd = _work_dtype(width)
     if count == 0:
