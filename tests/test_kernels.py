@@ -172,6 +172,16 @@ def _awkward_floats(n: int, seed: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("n", [0, 1, 8, 131_073])
+def test_cnat_codes_of_small_and_empty_tensors_agree(n, without_kernels):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    codes = cnat_encode(x, 9)
+    with without_kernels:
+        expected = cnat_encode(x, 9)
+    assert codes.dtype == expected.dtype == torch.int16 and codes.shape == expected.shape == (n,)
+    assert torch.equal(codes, expected)
+
+
 @pytest.mark.parametrize("key", [0, 1, 12345, (1 << 63) - 1])
 def test_cnat_kernel_codes_equal_the_torch_definition(key, without_kernels):
     x = _awkward_floats(300_017, key % 97)

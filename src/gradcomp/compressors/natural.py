@@ -204,9 +204,10 @@ def cnat_encode(x: Tensor, key: int, where: str = "tensor", check: bool = True) 
             _codes_from_draws(bits[s : s + step], uniform23(key, s, min(step, d - s), flat.device))
             for s in range(0, d, step)
         ]
-        out = torch.cat(pieces) if len(pieces) != 1 else pieces[0]
-        if d == 0:
-            out = torch.empty(0, dtype=torch.int16, device=flat.device)
+        if len(pieces) == 1:
+            out = pieces[0]
+        else:  # (no pieces for an empty tensor)
+            out = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int16, device=flat.device)
     if check and not finite:
         raise NonFiniteGradientError(f"non-finite (NaN or Inf) value in {where}; cannot compress with cnat")
     return out
