@@ -148,6 +148,18 @@ def _numpy_path(flat: Tensor) -> bool:
     return flat.device.type == "cpu" and flat.dtype in _NUMPY_FLOATS
 
 
+def _pack_piece(piece: np.ndarray, dest: np.ndarray, kernel, scratch: np.ndarray | None, count: bool) -> int:
+    """The signs of the numpy chunk ``piece`` into ``dest`` (its ceil(n/8) packed bytes): the compiled kernel when
+    given, else numpy's comparison into the bool ``scratch`` and ``np.packbits``. Returns the number of negative
+    entries (0 on the numpy path unless ``count``)."""
+    if kernel is not None:
+        return int(kernel.sign_bits(piece, dest))
+    mask = scratch[: piece.size]
+    np.less(piece, 0, out=mask)
+    dest[:] = np.packbits(mask, bitorder="little")
+    return int(np.count_nonzero(mask)) if count else 0
+
+
 def _pack(flat: Tensor, count: bool = False, before=None) -> tuple[Tensor, Tensor | None]:
     """(sign bitmap as ceil(d/8) uint8 bytes, number of negative entries if ``count``).
 
@@ -156,10 +168,10 @@ def _pack(flat: Tensor, count: bool = False, before=None) -> tuple[Tensor, Tenso
 
     Works through chunks with small scratch buffers: d-sized temporaries would cost page faults (on CPU a
     fresh 40 MB tensor takes several times as long as the arithmetic on it). On the CPU the compiled kernel
-    (``gradcomp.kernels.sign_kernel``) packs each chunk of 2^18 entries in one pass, counting as it goes;
-    without it numpy does each chunk in two calls, the comparison into a reused bool buffer and ``np.packbits``
-    (LSB first: the same bytes); elsewhere the torch word arithmetic of ``_pack_into``, in chunks of 2^20
-    entries.
+    (``gradcomp.kernels.sign_kernel``) packs the whole tensor in one pass, counting as it goes (chunk by chunk
+    of 2^18 entries when ``before`` is given); without it numpy does each chunk in two calls, the comparison
+    into a reused bool buffer and ``np.packbits`` (LSB first: the same bytes); elsewhere the torch word
+    arithmetic of ``_pack_into``, in chunks of 2^20 entries.
     """
     d = flat.numel()
     out = torch.empty(packed_count(d), dtype=torch.uint8, device=flat.device)
@@ -176,14 +188,7 @@ def _pack(flat: Tensor, count: bool = False, before=None) -> tuple[Tensor, Tenso
             if before is not None:
                 before(start, start + piece.size)
             dest = o[start // 8 : start // 8 + packed_count(piece.size)]
-            if kernel is not None:
-                negative += int(kernel.sign_bits(piece, dest))
-                continue
-            mask = scratch[: piece.size]
-            np.less(piece, 0, out=mask)
-            dest[:] = np.packbits(mask, bitorder="little")
-            if count:
-                negative += int(np.count_nonzero(mask))
+            negative += _pack_piece(piece, dest, kernel, scratch, count)
         return out, torch.tensor(negative, dtype=torch.int64) if count else None
     width = min(d, _CHUNK)
     mask = torch.empty(8 * packed_count(width), dtype=torch.bool, device=flat.device)
@@ -558,14 +563,7 @@ def _signs_and_sums(
         parts.append(torch.stack([m(piece, out=out).sum() for m in maps]))
         if fused:
             dest = o[start // 8 : start // 8 + packed_count(piece.numel())]
-            if kernel is not None:
-                negative += int(kernel.sign_bits(x[start : start + _CHUNK], dest))
-                continue
-            mask = mask_buffer[: piece.numel()]
-            np.less(x[start : start + _CHUNK], 0, out=mask)
-            dest[:] = np.packbits(mask, bitorder="little")
-            if count:
-                negative += int(np.count_nonzero(mask))
+            negative += _pack_piece(x[start : start + _CHUNK], dest, kernel, mask_buffer, count)
     if fused and count:
         negatives = torch.tensor(negative, dtype=torch.int64)
     return torch.stack(parts).double().sum(0), packed, negatives
