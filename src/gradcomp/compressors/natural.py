@@ -134,11 +134,6 @@ def _cpu_loop(flat: Tensor) -> bool:
     return flat.device.type == "cpu"
 
 
-_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment and mixing constants (cnat's counter-based draws)
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-
-
 def _as_int64(value: int) -> int:
     """The int64 with the same 64 bits as the unsigned ``value`` (torch has no full uint64 arithmetic)."""
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -158,9 +153,9 @@ def uniform23(key: int, start: int, count: int, device: torch.device | str = "cp
     backend, as the generator needs.
     """
     z = torch.arange(start + 1, start + count + 1, dtype=torch.int64, device=device)
-    z.mul_(_as_int64(_GAMMA)).add_(_as_int64(key & ((1 << 64) - 1)))
-    z.bitwise_xor_(_shift_right(z, 30)).mul_(_as_int64(_MIX1))
-    z.bitwise_xor_(_shift_right(z, 27)).mul_(_as_int64(_MIX2))
+    z.mul_(_as_int64(kernels.SPLITMIX_GAMMA)).add_(_as_int64(key & ((1 << 64) - 1)))
+    z.bitwise_xor_(_shift_right(z, 30)).mul_(_as_int64(kernels.SPLITMIX_MIX1))
+    z.bitwise_xor_(_shift_right(z, 27)).mul_(_as_int64(kernels.SPLITMIX_MIX2))
     z.bitwise_xor_(_shift_right(z, 31))
     return _shift_right(z, 41)
 

@@ -40,6 +40,13 @@ from types import ModuleType
 
 __all__ = ["enabled", "bitpack", "cnat", "sign", "BITPACK_WIDTHS"]
 
+# SplitMix64's increment and mixing constants: C_nat's counter-based random numbers, in the kernel
+# (cnat_kernel) and in torch operations (compressors.natural.uniform23); defined once here, where numba is not
+# imported.
+SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+SPLITMIX_MIX1 = 0xBF58476D1CE4E5B9
+SPLITMIX_MIX2 = 0x94D049BB133111EB
+
 BITPACK_WIDTHS = frozenset((2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15))
 
 _numba_state: dict[str, bool] = {}

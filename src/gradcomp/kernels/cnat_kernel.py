@@ -14,9 +14,11 @@ largest magnitude bit pattern it read, so the caller's NaN/Inf check (>= 0x7F800
 import numpy as np
 from numba import njit
 
-GAMMA = np.uint64(0x9E3779B97F4A7C15)
-MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-MIX2 = np.uint64(0x94D049BB133111EB)
+from gradcomp.kernels import SPLITMIX_GAMMA, SPLITMIX_MIX1, SPLITMIX_MIX2
+
+GAMMA = np.uint64(SPLITMIX_GAMMA)
+MIX1 = np.uint64(SPLITMIX_MIX1)
+MIX2 = np.uint64(SPLITMIX_MIX2)
 
 
 @njit(cache=True, nogil=True, inline="always")
