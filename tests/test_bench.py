@@ -309,3 +309,30 @@ def test_broken_unsketch_aborts(monkeypatch):
     monkeypatch.setattr(CountSketch, "estimate", lambda self, table: torch.zeros(self.numel))
     with pytest.raises(bench.BenchError, match="median"):
         bench.run_bench(size=N, repeats=1, compressors=["sketch"], inputs=["synthetic"])
+
+
+def _targeted(device: str) -> dict:
+    """A bench result at the targets' size, by hand: fp16 far below its target, randomk above its target."""
+    rows = [
+        {"input": "synthetic", "numel": bench.TARGET_SIZE, "compressor": name, "params": params, "setting": "s",
+         "compress_encode_vs_memcpy": fraction}
+        for name, params, fraction in (("fp16", {}, 0.2), ("randomk", {"density": 0.01}, 1.5), ("none", {}, 0.9))
+    ]
+    meta = {"device": device, "inputs": {"synthetic": {"numel": bench.TARGET_SIZE}}, "skipped": []}
+    return bench.apply_targets({"meta": meta, "rows": rows})
+
+
+def test_targets_are_marked_met_or_missed_per_row_on_the_cpu():
+    result = _targeted("cpu")
+    fp16, randomk, none = result["rows"]
+    assert (fp16["target"], fp16["target_met"]) == (pytest.approx(2.62), False)
+    assert (randomk["target"], randomk["target_met"]) == (pytest.approx(1.3), True)
+    assert none["target"] is None and none["target_met"] is None
+    assert len(result["meta"]["targets"]["met"]) == 1 and result["meta"]["targets"]["missed"][0].startswith("fp16")
+
+
+def test_cpu_targets_are_not_applied_to_a_gpu_run():
+    # a GPU's memcpy runs at TB/s: the CPU's fractions mean nothing there
+    result = _targeted("cuda:0 (NVIDIA H100 80GB HBM3)")
+    assert all(r["target"] is None and r["target_met"] is None for r in result["rows"])
+    assert result["meta"]["targets"] == {"met": [], "missed": []}

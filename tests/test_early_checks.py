@@ -7,6 +7,7 @@ these tests, so a check that happens only inside the workers (or after the train
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.multiprocessing
 
 import gradcomp
@@ -90,3 +91,60 @@ def test_make_with_a_name_that_is_not_a_string_is_a_config_error():
         gradcomp.make(123)
     with pytest.raises(gradcomp.ConfigError, match="string"):
         gradcomp.make(None, error_feedback=True)
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has N CUDA devices (the checks only ask torch how many)."""
+
+    def set_count(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    return set_count
+
+
+def test_cuda_without_a_gpu_is_refused(gpus, no_workers, capsys):
+    gpus(0)
+    err = refused(capsys, ["train", *SMALL, "--device", "cuda"])
+    assert "no CUDA device" in err
+
+
+def test_more_nccl_workers_than_gpus_are_refused_before_they_start(gpus, no_workers, monkeypatch, capsys):
+    # NCCL itself says "Duplicate GPU detected", but only once the workers have joined the group
+    gpus(1)
+    err = refused(capsys, ["train", *SMALL, "--device", "cuda"])
+    assert "--workers 2" in err and "1 GPU(s) visible" in err and "--simulate" in err, err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    err = refused(capsys, ["train", *SMALL, "--device", "cuda"])
+    assert "CUDA_VISIBLE_DEVICES=3" in err, err
+
+
+def test_torchrun_counts_the_processes_of_this_machine_not_the_world(gpus, monkeypatch):
+    from gradcomp.experiments.runner import TrainConfig
+
+    gpus(2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")  # 4 machines of 2 GPUs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = TrainConfig(dataset="synthetic", model="mlp", steps=2, workers=8, device="cuda", progress=False)
+    cfg.validate()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(gradcomp.ConfigError, match="torchrun starts 3 processes on this machine"):
+        cfg.validate()
+
+
+def test_a_simulated_cluster_shares_one_gpu(gpus):
+    from gradcomp.experiments.runner import TrainConfig
+
+    gpus(1)
+    TrainConfig(dataset="synthetic", model="mlp", steps=2, workers=4, device="cuda", simulate=True).validate()
+
+
+def test_nccl_groups_are_bound_to_the_rank_s_gpu():
+    from gradcomp.transport.dist import bind_device
+
+    assert bind_device("gloo", torch.device("cpu")) == {}
+    assert bind_device("nccl", torch.device("cuda", 1)) == {"device_id": torch.device("cuda", 1)}

@@ -41,7 +41,8 @@ Compressors without an entry in :data:`SETTINGS` run once, with their default pa
 Targets: every row of the synthetic input whose compressor has one gets a target for its compress+encode
 fraction of memcpy — twice GRACE's fraction where GRACE has the compressor (at GRACE's setting), 0.25 for
 single-pass compressors, 0.10 for the top-k family, the largest that applies (:func:`row_target`). The table
-says met or MISSED per row and the report ends with the rows that missed; ``--json`` has them too.
+says met or MISSED per row and the report ends with the rows that missed; ``--json`` has them too. They are
+CPU targets: with ``--device cuda`` no row has one (a GPU's copy runs at TB/s, another reference).
 
 Methods that own their communication rounds (Schemes: ``powersgd``, ``local_topk``, ``true_topk``) have no
 single message to time and are not benchmarked, with one exception, ``sketch`` (sketched SGD), of which the
@@ -232,12 +233,18 @@ def row_target(row: dict[str, Any]) -> tuple[float, str] | None:
     return max(v for v, _ in found), "; ".join(f"{why}: {v:.3g}" for v, why in found)
 
 
+def _targets_apply_to(meta: dict[str, Any]) -> bool:
+    """The targets were set on the CPU (GRACE's figures: one thread); a GPU's memcpy is another reference."""
+    return str(meta.get("device", "cpu")).startswith("cpu")
+
+
 def apply_targets(result: dict[str, Any]) -> dict[str, Any]:
     """Adds ``target``, ``target_basis`` and ``target_met`` to every row (None where no target applies) and
     ``meta["targets"]`` = {"met": [...], "missed": [...]} (short row descriptions); returns ``result``."""
     met, missed = [], []
+    on_cpu = _targets_apply_to(result["meta"])
     for r in result["rows"]:
-        found = row_target(r)
+        found = row_target(r) if on_cpu else None
         r["target"], r["target_basis"], r["target_met"] = (None, None, None) if found is None else (*found, None)
         if found is None or r.get("compress_encode_vs_memcpy") is None:
             continue
@@ -955,7 +962,9 @@ def format_report(result: dict[str, Any]) -> str:
     for note in meta["skipped"]:
         lines.append(f"skipped: {note}")
     targets = meta.get("targets")
-    if "synthetic" in meta["inputs"] and meta["inputs"]["synthetic"]["numel"] != TARGET_SIZE:
+    if not _targets_apply_to(meta):
+        lines += ["", f"targets: none checked (they are set for the CPU; this ran on {meta['device']})"]
+    elif "synthetic" in meta["inputs"] and meta["inputs"]["synthetic"]["numel"] != TARGET_SIZE:
         lines += ["", f"targets: none checked (they are set for the synthetic input at --size {TARGET_SIZE})"]
     elif targets and (targets["met"] or targets["missed"]):
         total = len(targets["met"]) + len(targets["missed"])

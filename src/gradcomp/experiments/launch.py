@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 
 from gradcomp.errors import GradcompError, Interrupted, WorkerLostError
 from gradcomp.experiments.runner import TrainConfig, run_simulated, run_worker, summarize, worker_threads
-from gradcomp.transport.dist import DistTransport
+from gradcomp.transport.dist import DistTransport, bind_device
 
 
 class WorkerFailedError(GradcompError):
@@ -64,11 +64,14 @@ def rendezvous_store(world_size: int, timeout_s: float) -> dist.TCPStore:
     )
 
 
-def join_group(backend: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+def join_group(
+    backend: str, port: int, rank: int, world_size: int, timeout_s: float, device: torch.device | None = None
+) -> dist.TCPStore:
     """Join the process group through the launcher's store; returns this worker's client of that store."""
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
+        **bind_device(backend, device),
     )
     return store
 
@@ -128,7 +131,7 @@ def _spawned_worker(rank: int, cfg: TrainConfig, port: int, launcher_pid: int, s
     torch.set_num_threads(worker_threads(cfg.workers))
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     device = _device_for(cfg, rank)
-    store = join_group(backend, port, rank, cfg.workers, cfg.timeout_s)
+    store = join_group(backend, port, rank, cfg.workers, cfg.timeout_s, device)
     result = _train_in_group(cfg, device, started)
     if result is not None:
         store.set(RESULT_KEY, json.dumps(result))  # one value: complete or absent
@@ -298,7 +301,7 @@ def _signals_raise_interrupted():
             signal.signal(sig, before)
 
 
-def _join_launched_group(backend: str, timeout: timedelta) -> None:
+def _join_launched_group(backend: str, timeout: timedelta, device: torch.device) -> None:
     """torchrun's env:// initialisation, with each restart attempt's keys apart in the rendezvous store.
 
     torchrun's workers share the agent's TCPStore (TORCHELASTIC_USE_AGENT_STORE=True) and torch (2.13) adds no
@@ -307,7 +310,7 @@ def _join_launched_group(backend: str, timeout: timedelta) -> None:
     gives every attempt fresh keys.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bind_device(backend, device))
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     shared = dist.TCPStore(
@@ -315,7 +318,9 @@ def _join_launched_group(backend: str, timeout: timedelta) -> None:
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"gradcomp/attempt-{attempt}", shared)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, **bind_device(backend, device)
+    )
 
 
 def _launched_worker(cfg: TrainConfig, started: float) -> dict[str, Any] | None:
@@ -325,7 +330,7 @@ def _launched_worker(cfg: TrainConfig, started: float) -> dict[str, Any] | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device_for(cfg, local_rank)
     if not dist.is_initialized():
-        _join_launched_group("nccl" if cfg.device == "cuda" else "gloo", timedelta(seconds=cfg.timeout_s))
+        _join_launched_group("nccl" if cfg.device == "cuda" else "gloo", timedelta(seconds=cfg.timeout_s), device)
     if int(os.environ["RANK"]) != 0:
         cfg.progress = False
     result = _train_in_group(cfg, device, started)

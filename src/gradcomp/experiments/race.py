@@ -272,6 +272,22 @@ def plan(opts: Options, log=print) -> tuple[list[Any], int]:
     return configs, num_parameters
 
 
+def _nccl_over_the_link(ifname: str) -> dict[str, str]:
+    """NCCL's settings that make its traffic cross the host's shaped veth like gloo's.
+
+    The emulated hosts share one machine, so NCCL would otherwise move data between their GPUs over
+    NVLink/PCIe (P2P) or shared memory and never touch the link being measured. Sockets on the host's
+    interface only, as between machines without InfiniBand.
+    """
+    return {
+        "NCCL_SOCKET_IFNAME": ifname,
+        "NCCL_P2P_DISABLE": "1",
+        "NCCL_SHM_DISABLE": "1",
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_NVLS_ENABLE": "0",
+    }
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     """End the workers this race started (by their PIDs): SIGTERM, then SIGKILL after a grace period."""
     for p in procs:
@@ -334,9 +350,10 @@ def run_method(network, method: Method, cfg, opts: Options, workdir: str, index:
                 MASTER_PORT=str(MASTER_PORT if in_netns else 0),
                 RANK=str(host.index),
                 WORLD_SIZE=str(len(hosts)),
-                LOCAL_RANK="0",
+                LOCAL_RANK=str(host.index),  # every emulated host runs on this machine: with CUDA, its own GPU
                 GLOO_SOCKET_IFNAME=host.ifname,
                 OMP_NUM_THREADS=str(threads),
+                **_nccl_over_the_link(host.ifname),
             )
             argv = host.command([sys.executable, "-m", "gradcomp.experiments.race_worker", job_path])
             with open(log_path, "w") as out:

@@ -43,7 +43,7 @@ from gradcomp.experiments.data import Dataset, evaluate, load_dataset
 from gradcomp.experiments.models import build_model
 from gradcomp.experiments.netns import read_wire_counters
 from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, make_optimizer, run_worker
-from gradcomp.transport.dist import DistTransport
+from gradcomp.transport.dist import DistTransport, bind_device
 
 _PR_SET_PDEATHSIG = 1
 
@@ -195,7 +195,7 @@ def compute_only(cfg: TrainConfig, data: Dataset, rank: int, device: torch.devic
     return times
 
 
-def _join(job: dict[str, Any], rank: int, world: int, timeout_s: float) -> None:
+def _join(job: dict[str, Any], rank: int, world: int, timeout_s: float, device: torch.device) -> None:
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     port_file = os.path.join(job["dir"], "port")
     timeout = timedelta(seconds=timeout_s)
@@ -215,8 +215,9 @@ def _join(job: dict[str, Any], rank: int, world: int, timeout_s: float) -> None:
             with open(port_file) as f:
                 port = int(f.read())
         store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo" if job["train"]["device"] == "cpu" else "nccl", store=store, rank=rank,
-                            world_size=world, timeout=timeout)
+    backend = "gloo" if device.type == "cpu" else "nccl"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            **bind_device(backend, device))
 
 
 def work(job: dict[str, Any]) -> dict[str, Any]:
@@ -230,7 +231,7 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    _join(job, rank, world, cfg.timeout_s)
+    _join(job, rank, world, cfg.timeout_s, device)
     data = load_dataset(cfg.dataset, cfg.data_root)
     compute = compute_only(cfg, data, rank, device, job["compute_steps"])
     total = Batches(data, cfg, rank).total_steps()

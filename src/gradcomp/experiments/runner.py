@@ -148,8 +148,8 @@ class TrainConfig:
             raise ConfigError("--ddp compresses every parameter of a bucket as its own slot: use --granularity layer")
         if self.bucket_cap_mb is not None and not (self.ddp and self.bucket_cap_mb > 0):
             raise ConfigError(f"--bucket-cap-mb needs --ddp and a positive size, got {self.bucket_cap_mb}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device cuda asked for, but torch sees no CUDA device")
+        if self.device == "cuda":
+            self._check_gpus()
         compressor, server = self.build_compressors()
         scheme = build_scheme(compressor, topology=self.topology, server_compressor=server)
         self.network()
@@ -164,6 +164,30 @@ class TrainConfig:
         model = build_model(self.model, data, self.seed)
         scheme.bind(0, self.workers)  # a sharded scheme checks shards, which depend on W
         scheme.check_slots(GradientAggregator.slots_for(list(model.named_parameters()), self.granularity))
+
+    def _check_gpus(self) -> None:
+        """NCCL gives every worker process a GPU of its own: refuse a run that would put two on one GPU.
+
+        NCCL itself refuses (``Duplicate GPU detected``), but only after the workers have started and joined
+        the group. The simulated cluster runs every worker in this process, on one GPU. Under torchrun the
+        ranks of this machine are ``LOCAL_WORLD_SIZE``; otherwise the launcher starts ``workers`` here.
+        """
+        if not torch.cuda.is_available():
+            raise ConfigError("device cuda asked for, but torch sees no CUDA device")
+        if self.simulate:
+            return
+        gpus = torch.cuda.device_count()
+        torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if torchrun else self.workers
+        if local > gpus:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            where = f"{gpus} GPU(s) visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+            asked = f"torchrun starts {local} processes on this machine" if torchrun else f"--workers {local}"
+            raise ConfigError(
+                f"{asked} with --device cuda needs one GPU per worker (NCCL refuses two ranks on one GPU), "
+                f"but there are {where}; to fix: at most {gpus} worker(s) per machine, or --simulate (every "
+                "worker in one process on one GPU), or --device cpu (gloo)"
+            )
 
     def hand_momentum_to_method(self) -> str | None:
         """A method that applies momentum itself (signum, ...) gets the optimizer's momentum set to 0.

@@ -9,12 +9,28 @@ time-out raises WorkerLostError naming the collective, instead of the backend's 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from gradcomp.errors import ConfigError, WorkerLostError
 from gradcomp.transport.base import Transport
+
+
+def bind_device(backend: str, device: torch.device | None) -> dict:
+    """Keyword arguments of ``init_process_group`` that bind an NCCL group to this rank's GPU.
+
+    With ``device_id`` NCCL sets up its communicator for that GPU at once and collectives such as
+    ``barrier`` need not guess the device (torch warns when they do). torch before 2.3 has no such argument;
+    gloo needs none.
+    """
+    if backend != "nccl" or device is None or device.type != "cuda":
+        return {}
+    if "device_id" not in inspect.signature(dist.init_process_group).parameters:  # pragma: no cover - torch < 2.3
+        return {}
+    return {"device_id": device}
 
 
 class DistTransport(Transport):
