@@ -19,7 +19,7 @@ import torch
 from gradcomp import Slot, make
 from gradcomp.errors import WireError
 from gradcomp.wire import HEADER_BYTES, decode, encode
-from gradcomp.wire.checksum import checksum64, crc32, crc32c
+from gradcomp.wire.checksum import checksum64, crc32, crc32c, to_host
 
 # ----------------------------------------------------------------------------------------- definitions
 
@@ -312,3 +312,21 @@ def test_crc32_is_zlibs_whichever_implementation_computes_it():
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
         assert checksum.crc32(data) == zlib.crc32(data.numpy().tobytes())
     assert checksum.CRC32_IMPLEMENTATION in ("isal", "zlib")
+
+
+def test_a_cpu_buffer_is_checksummed_where_it_is():
+    buf = torch.arange(100, dtype=torch.uint8)
+    assert to_host(buf).data_ptr() == buf.data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_buffers_reach_the_host_through_one_reused_pinned_buffer():
+    big = torch.randint(0, 256, (3_000_001,), dtype=torch.uint8)
+    first = to_host(big.cuda())
+    assert first.is_pinned() and torch.equal(first, big)
+    where = first.data_ptr()
+    small = to_host(big[:1000].cuda())
+    assert small.data_ptr() == where and torch.equal(small, big[:1000])  # reused, not reallocated
+    assert checksum64(big.cuda()) == checksum64(big)
+    larger = torch.randint(0, 256, (5_000_000,), dtype=torch.uint8)
+    assert torch.equal(to_host(larger.cuda()), larger)  # grown

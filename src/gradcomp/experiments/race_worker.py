@@ -170,7 +170,7 @@ class RaceClock:
         """Accuracy of the full test set: each worker evaluates its share, the counts are summed."""
         x, y = self.data.test_x[self.test], self.data.test_y[self.test]
         correct = round(evaluate(model, x, y, batch_size=self.eval_batch) * x.shape[0]) if x.shape[0] else 0
-        counts = torch.tensor([correct, x.shape[0]], dtype=torch.int64)
+        counts = torch.tensor([correct, x.shape[0]], dtype=torch.int64, device=self.device)  # NCCL: on the GPU
         dist.all_reduce(counts)
         return int(counts[0]) / int(counts[1])
 

@@ -82,7 +82,7 @@ from gradcomp.wire.bits import (
     packed_nbytes,
     packs_into,
 )
-from gradcomp.wire.checksum import checksum64
+from gradcomp.wire.checksum import checksum64, to_host
 from gradcomp.wire.golomb import MAX_UNIVERSE, golomb_decode, golomb_encode, optimal_rice_parameter
 
 __all__ = [
@@ -428,7 +428,7 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
     if got > body_length:
         raise WireError(f"oversized buffer: header says {body_length} body bytes, got {got} (trailing bytes)")
     if host is None:
-        host = buf.cpu()
+        host = to_host(buf)  # this thread's pinned staging buffer: used only within this call
         mem = host.numpy()
     if checksum64(host[HEADER_BYTES:]) != checksum:
         raise WireError("checksum mismatch: the message body is corrupted")
