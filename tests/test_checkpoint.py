@@ -15,7 +15,7 @@ from gradcomp.cli import main
 from gradcomp.errors import ConfigError
 from gradcomp.experiments import checkpoint
 from gradcomp.experiments.checkpoint import CRASH_ENV, CheckpointError, find_checkpoint
-from gradcomp.experiments.runner import TrainConfig, run_simulated
+from gradcomp.experiments.runner import TrainConfig, run_simulated, worker_threads
 
 SMALL = ["--dataset", "synthetic", "--model", "mlp", "--no-progress", "--eval-every", "2"]
 TOPK = ["--compressor", "topk", "--param", "density=0.05", "--error-feedback"]
@@ -230,7 +230,10 @@ def test_torchrun_restarts_a_killed_worker_and_training_continues_from_the_check
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this python")
     root, out = tmp_path / "ckpt", tmp_path / "run.json"
-    env = {**os.environ, CRASH_ENV: "11", "OMP_NUM_THREADS": "1"}
+    # the simulated reference below runs each worker at worker_threads(2) intra-op threads, as the spawning
+    # launcher does; torchrun's workers get theirs from OMP_NUM_THREADS (other counts round conv backward
+    # otherwise: seen on a 16-core machine)
+    env = {**os.environ, CRASH_ENV: "11", "OMP_NUM_THREADS": str(worker_threads(2))}
     command = [str(torchrun), "--standalone", "--max-restarts", "1", "--nproc-per-node", "2", "-m", "gradcomp.cli",
                "train", *SMALL, *TOPK, "--steps", "16", "--checkpoint", str(root), "--checkpoint-every", "4",
                "--resume-if-present", "--json", str(out)]  # fmt: skip
