@@ -113,6 +113,22 @@ def test_summary_targets_and_memory_flag():
     assert summary["effective_target"] == 0.981 and summary["notes"]
 
 
+def test_on_cuda_the_gpu_memory_is_reported_and_flagged_too():
+    def rec(name, cuda_mb):
+        return {"label": name, "name": name, "kind": "torch", "compressor": "none", "curve": [[10, 1.0, 0.99]],
+                "steps": 10, "train_s": 1.0, "median_step_s": 0.1, "compute_only_step_s": 0.05, "best_accuracy": 0.99,
+                "peak_rss_bytes": [300 * 2**20], "peak_anon_bytes": [300 * 2**20], "error": None,
+                "final_accuracy": 0.99, "wire_tx_bytes_per_step": None, "cuda_peak_bytes": cuda_mb * 2**20}
+
+    records = [rec("torch-fp32", 100), rec("small", 103), rec("large", 120)]
+    summary = race.summarize(records, 0.98, 1_000_000)  # 4 MB of gradient: the limit is 16 MB more
+    assert [r["memory_flag"] for r in records] == [False, False, True]  # the resident sets are all the same
+    assert records[2]["extra_cuda_vs_ddp_grads"] == pytest.approx(20 * 2**20 / 4e6)
+    table = race.render_table(records, summary)
+    assert "CUDA peak allocated (MiB)" in table and "| 120 | +5.2 ⚠ |" in table and "| 103 | +0.8 |" in table
+    assert "CUDA" not in race.render_table([dict(r, cuda_peak_bytes=None) for r in records], summary)
+
+
 # -- refusal without root -------------------------------------------------------------------------------------
 
 

@@ -61,6 +61,7 @@ DEFAULT_METHODS = (
 RUN_KEYS = ("feedback", "topology", "server", "granularity", "ddp", "bucket_cap_mb", "label")
 SGD_KEYS = ("lr", "momentum", "weight_decay")
 MEMORY_FLAG = 4.0  # flag a method that needs more than this many gradient sizes beyond plain DDP
+EXTRA_MEMORY = ("extra_memory_vs_ddp_grads", "extra_cuda_vs_ddp_grads")  # host resident set; CUDA allocated
 MASTER_PORT = 29500  # inside host 0's own namespace: no other process can hold it
 COMPUTE_WARMUP = 2  # compute-only steps left out of the median
 
@@ -498,7 +499,11 @@ def summarize(records: list[dict[str, Any]], target: float, num_parameters: int)
         r["extra_memory_vs_ddp_grads"] = (
             (peak - statistics.median(ref["peak_anon_bytes"])) / grad_bytes if ref else None
         )
-        r["memory_flag"] = r["extra_memory_vs_ddp_grads"] is not None and r["extra_memory_vs_ddp_grads"] > MEMORY_FLAG
+        # on CUDA the GPU's memory counts too: torch's allocator peak (the host's resident set then also holds
+        # the CUDA context and pinned staging buffers)
+        cuda, cuda_ref = r.get("cuda_peak_bytes"), ref.get("cuda_peak_bytes") if ref else None
+        r["extra_cuda_vs_ddp_grads"] = (cuda - cuda_ref) / grad_bytes if cuda is not None and cuda_ref else None
+        r["memory_flag"] = any((r[key] or 0) > MEMORY_FLAG for key in EXTRA_MEMORY)
     return {
         "target": target,
         "effective_target": effective,
@@ -581,24 +586,34 @@ def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
         "| median step (s) | × fp32 DDP step | compute-only step (s) | final acc (%) | wire MB/step/host "
         "| peak RSS max / median without file-backed (MiB) | extra vs DDP (× grad) |"
     )
-    lines = [head, "|" + "---|" + "---:|" * 11]
+    on_cuda = any(r.get("cuda_peak_bytes") is not None for r in records)
+    if on_cuda:
+        head += " CUDA peak allocated (MiB) | CUDA extra vs DDP (× grad) |"
+    columns = 13 if on_cuda else 11
+    lines = [head, "|" + "---|" + "---:|" * columns]
     for r in records:
         accuracy = r.get("final_accuracy")
         if r.get("error"):
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 10)
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * (columns - 1))
             continue
-        extra = r["extra_memory_vs_ddp_grads"]
-        flag = " ⚠" if r["memory_flag"] else ""
+        flag = {key: " ⚠" if (r.get(key) or 0) > MEMORY_FLAG else "" for key in EXTRA_MEMORY}
         mb = r["wire_tx_bytes_per_step"]
-        lines.append(
+        line = (
             f"| {r['label']} | {_fmt(r['steps_to_target'], 'd')} | {_secs(r['time_to_target_s'])} "
             f"| {_fmt(r['vs_fp32_ideal'], '.2f')} | {_fmt(r['vs_fp32_time'], '.2f')} "
             f"| {_secs(r['median_step_s'])} | {_fmt(r['step_vs_fp32'], '.2f')} "
             f"| {_secs(r['compute_only_step_s'])} | {_fmt(None if accuracy is None else 100 * accuracy, '.2f')} "
             f"| {_fmt(mb and mb / 1e6, '.3f')} "
             f"| {max(r['peak_rss_bytes']) / 2**20:.0f} / {statistics.median(r['peak_anon_bytes']) / 2**20:.0f} "
-            f"| {_fmt(extra, '+.1f')}{flag} |"
+            f"| {_fmt(r['extra_memory_vs_ddp_grads'], '+.1f')}{flag['extra_memory_vs_ddp_grads']} |"
         )
+        if on_cuda:
+            cuda = r.get("cuda_peak_bytes")
+            line += (
+                f" {_fmt(cuda and cuda / 2**20, '.0f')} "
+                f"| {_fmt(r.get('extra_cuda_vs_ddp_grads'), '+.1f')}{flag['extra_cuda_vs_ddp_grads']} |"
+            )
+        lines.append(line)
     out = "\n".join(lines) + "\n"
     if summary["fp32_ideal_s"]:
         out += (f"\nfp32 with free communication (fp32 DDP's steps to target × its compute-only step): "
