@@ -314,8 +314,14 @@ def test_broken_unsketch_aborts(monkeypatch):
 def _targeted(device: str) -> dict:
     """A bench result at the targets' size, by hand: fp16 far below its target, randomk above its target."""
     rows = [
-        {"input": "synthetic", "numel": bench.TARGET_SIZE, "compressor": name, "params": params, "setting": "s",
-         "compress_encode_vs_memcpy": fraction}
+        {
+            "input": "synthetic",
+            "numel": bench.TARGET_SIZE,
+            "compressor": name,
+            "params": params,
+            "setting": "s",
+            "compress_encode_vs_memcpy": fraction,
+        }
         for name, params, fraction in (("fp16", {}, 0.2), ("randomk", {"density": 0.01}, 1.5), ("none", {}, 0.9))
     ]
     meta = {"device": device, "inputs": {"synthetic": {"numel": bench.TARGET_SIZE}}, "skipped": []}
@@ -336,3 +342,9 @@ def test_cpu_targets_are_not_applied_to_a_gpu_run():
     result = _targeted("cuda:0 (NVIDIA H100 80GB HBM3)")
     assert all(r["target"] is None and r["target_met"] is None for r in result["rows"])
     assert result["meta"]["targets"] == {"met": [], "missed": []}
+
+
+def test_the_report_says_why_a_gpu_run_has_no_targets(result):
+    gpu = {"meta": dict(result["meta"], device="cuda:0 (NVIDIA H100 80GB HBM3)"), "rows": result["rows"]}
+    report = bench.format_report(bench.apply_targets(gpu))
+    assert "targets: none checked (they are set for the CPU; this ran on cuda:0 (NVIDIA H100 80GB HBM3))" in report

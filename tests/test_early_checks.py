@@ -132,8 +132,13 @@ def test_torchrun_counts_the_processes_of_this_machine_not_the_world(gpus, monke
     cfg = TrainConfig(dataset="synthetic", model="mlp", steps=2, workers=8, device="cuda", progress=False)
     cfg.validate()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    with pytest.raises(gradcomp.ConfigError, match="torchrun starts 3 processes on this machine"):
+    with pytest.raises(gradcomp.ConfigError, match=r"LOCAL_WORLD_SIZE=3 .*2 GPU\(s\) visible"):
         cfg.validate()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(gradcomp.ConfigError, match="LOCAL_WORLD_SIZE must be a whole number"):
+        cfg.validate()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # another launcher (srun, mpirun): WORLD_SIZE spans machines
+    cfg.validate()
 
 
 def test_a_simulated_cluster_shares_one_gpu(gpus):
@@ -143,8 +148,14 @@ def test_a_simulated_cluster_shares_one_gpu(gpus):
     TrainConfig(dataset="synthetic", model="mlp", steps=2, workers=4, device="cuda", simulate=True).validate()
 
 
+@pytest.mark.skipif(
+    "device_id" not in __import__("inspect").signature(torch.distributed.init_process_group).parameters,
+    reason="torch < 2.3 has no device_id",
+)
 def test_nccl_groups_are_bound_to_the_rank_s_gpu():
     from gradcomp.transport.dist import bind_device
 
-    assert bind_device("gloo", torch.device("cpu")) == {}
     assert bind_device("nccl", torch.device("cuda", 1)) == {"device_id": torch.device("cuda", 1)}
+    assert bind_device("gloo", torch.device("cpu")) == {}
+    assert bind_device("gloo", torch.device("cuda", 0)) == {}  # gloo on CUDA tensors: no binding
+    assert bind_device("nccl", None) == {}

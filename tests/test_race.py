@@ -384,3 +384,17 @@ def test_torch_powersgd_refuses_a_second_bucket():
 
     with pytest.raises(ConfigError, match="single DDP bucket"):
         _powersgd_one_bucket(None, Bucket())
+
+
+def test_nccl_is_kept_on_the_host_s_shaped_link():
+    env = race._nccl_over_the_link("gc1h0")
+    assert env["NCCL_NET"] == "Socket" and env["NCCL_SOCKET_IFNAME"] == "=gc1h0"
+    assert all(env[k] == "1" for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE"))
+
+
+def test_a_cuda_race_needs_a_gpu_per_host(monkeypatch):
+    monkeypatch.setattr(race, "torch_cuda_count", lambda: 1)
+    opts = race.Options(methods=[race.parse_method("torch-fp32")], hosts=2, dataset="synthetic", model="mlp",
+                        steps=5, out=None, device="cuda")
+    with pytest.raises(ConfigError, match=r"--hosts 2 with --device cuda needs one GPU per emulated host.*--hosts 1"):
+        race.plan(opts)

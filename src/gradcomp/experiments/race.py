@@ -251,6 +251,12 @@ def plan(opts: Options, log=print) -> tuple[list[Any], int]:
         raise ConfigError(f"--target is an accuracy in (0, 1], got {opts.target}")
     if opts.eval_every < 0 or opts.compute_steps < 0:
         raise ConfigError("--eval-every and --compute-steps must be >= 0")
+    if opts.device == "cuda" and torch_cuda_count() < opts.hosts:
+        raise ConfigError(
+            f"--hosts {opts.hosts} with --device cuda needs one GPU per emulated host (NCCL refuses two ranks on "
+            f"one GPU), but torch sees {torch_cuda_count()}; to fix: --hosts {torch_cuda_count()} or fewer, or "
+            "--device cpu"
+        )
     labels = [m.label for m in opts.methods]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"two methods have the same label: {labels}; give one label=...")
@@ -273,6 +279,13 @@ def plan(opts: Options, log=print) -> tuple[list[Any], int]:
     return configs, num_parameters
 
 
+def torch_cuda_count() -> int:
+    """GPUs torch can use here (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _nccl_over_the_link(ifname: str) -> dict[str, str]:
     """NCCL's settings that make its traffic cross the host's shaped veth like gloo's.
 
@@ -281,7 +294,9 @@ def _nccl_over_the_link(ifname: str) -> dict[str, str]:
     interface only, as between machines without InfiniBand.
     """
     return {
-        "NCCL_SOCKET_IFNAME": ifname,
+        "NCCL_NET": "Socket",  # not a network plugin's transport, if one is installed
+        "NCCL_SOCKET_IFNAME": "=" + ifname,  # exactly this interface, not a prefix
+        "NCCL_COLLNET_ENABLE": "0",
         "NCCL_P2P_DISABLE": "1",
         "NCCL_SHM_DISABLE": "1",
         "NCCL_IB_DISABLE": "1",

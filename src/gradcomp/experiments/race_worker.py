@@ -2,12 +2,13 @@
 
 ``[ip netns exec NS] python -m gradcomp.experiments.race_worker JOB.json``: the environment carries
 torch.distributed's usual variables (MASTER_ADDR = host 0's address, MASTER_PORT, RANK, WORLD_SIZE,
-LOCAL_RANK) and GLOO_SOCKET_IFNAME (the host's veth). ``MASTER_PORT=0`` (plain local processes)
+LOCAL_RANK: the host's index, its GPU with CUDA), GLOO_SOCKET_IFNAME (the host's veth) and NCCL's settings that
+keep NCCL on that veth (``race._nccl_over_the_link``). ``MASTER_PORT=0`` (plain local processes)
 makes rank 0 bind a port the OS picks and publish it in ``<job dir>/port``.
 
 What a worker does, in order:
 
-1. joins the gloo group (a TCP store at MASTER_ADDR, served by rank 0);
+1. joins the process group, gloo or (CUDA) NCCL (a TCP store at MASTER_ADDR, served by rank 0);
 2. **compute-only steps**: ``compute_steps`` steps of forward, backward and optimizer step on a private copy of
    the model with its own batches, no communication at all, all workers at once (so they contend for the CPU
    as in training); their median is the method's compute-only step time;

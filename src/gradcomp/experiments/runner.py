@@ -168,25 +168,38 @@ class TrainConfig:
     def _check_gpus(self) -> None:
         """NCCL gives every worker process a GPU of its own: refuse a run that would put two on one GPU.
 
-        NCCL itself refuses (``Duplicate GPU detected``), but only after the workers have started and joined
-        the group. The simulated cluster runs every worker in this process, on one GPU. Under torchrun the
-        ranks of this machine are ``LOCAL_WORLD_SIZE``; otherwise the launcher starts ``workers`` here.
+        NCCL itself refuses (``Duplicate GPU detected``), but only once the workers have joined the group. The
+        simulated cluster runs every worker in this process, on one GPU. Under torchrun the processes of this
+        machine are ``LOCAL_WORLD_SIZE`` (checked before this one joins the group); a launcher that sets
+        ``RANK`` and ``WORLD_SIZE`` but not ``LOCAL_WORLD_SIZE`` is not second-guessed (NCCL still checks);
+        otherwise gradcomp's launcher starts ``workers`` processes here.
         """
         if not torch.cuda.is_available():
             raise ConfigError("device cuda asked for, but torch sees no CUDA device")
         if self.simulate:
             return
+        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        if launched:
+            text = os.environ.get("LOCAL_WORLD_SIZE")
+            if text is None:
+                return
+            try:
+                local = int(text)
+            except ValueError:
+                raise ConfigError(f"LOCAL_WORLD_SIZE must be a whole number, got {text!r}") from None
+            asked = f"LOCAL_WORLD_SIZE={local} (processes started on this machine)"
+        else:
+            local, asked = self.workers, f"--workers {self.workers}"
         gpus = torch.cuda.device_count()
-        torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if torchrun else self.workers
         if local > gpus:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             where = f"{gpus} GPU(s) visible" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
-            asked = f"torchrun starts {local} processes on this machine" if torchrun else f"--workers {local}"
+            fix = f"at most {gpus} process(es) per machine" if launched else (
+                f"--workers {gpus} or fewer, or --simulate (every worker in one process on one GPU)"
+            )
             raise ConfigError(
                 f"{asked} with --device cuda needs one GPU per worker (NCCL refuses two ranks on one GPU), "
-                f"but there are {where}; to fix: at most {gpus} worker(s) per machine, or --simulate (every "
-                "worker in one process on one GPU), or --device cpu (gloo)"
+                f"but there are {where}; to fix: {fix}, or --device cpu (gloo)"
             )
 
     def hand_momentum_to_method(self) -> str | None:

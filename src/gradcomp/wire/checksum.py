@@ -49,8 +49,8 @@ against zlib's 7.0 ms. If the package's C extension cannot load,
 Device buffers (CUDA) are copied to the host first (one device-to-host copy of the body, :func:`to_host`,
 into pinned memory that each thread reuses: on an H100 a 40 MB body took 33 ms to reach pageable memory and
 0.8 ms to reach pinned memory); the old checksum computed its sum on the device and then synchronised anyway.
-The CRCs themselves then run on the host (8.7 ms for 40 MB on the H100 machine's CPU): on a GPU they are most
-of what encoding and decoding cost. This is an integrity check against
+The CRCs themselves then run on the host (7.6 to 9.7 ms for 40 MB on the H100 machine's CPU in three runs): on
+a GPU they are most of what encoding and decoding cost (docs/gpu.md). This is an integrity check against
 corruption, not a cryptographic MAC.
 """
 
@@ -83,8 +83,11 @@ _staging = threading.local()  # .buffer: this thread's pinned host buffer for de
 def to_host(buf: torch.Tensor) -> torch.Tensor:
     """The uint8 buffer in host memory: itself on the CPU; from a CUDA device, a copy in pinned memory.
 
-    The pinned buffer belongs to the calling thread and is reused by its next call (it grows to the largest
-    buffer seen, in powers of two): use the result before calling again, and do not keep it.
+    The pinned buffer belongs to the calling thread and is reused by its next call: use the result before
+    calling again, and do not keep it. It is replaced by a larger one when a larger buffer comes; torch's
+    pinned-memory cache rounds sizes up to powers of two and keeps the outgrown blocks, so a thread holds up to
+    about twice its largest message in pinned memory. Where pinned memory cannot be had (a container's
+    locked-memory limit), the copy goes to ordinary memory, as ``tensor.cpu()`` does.
     """
     buf = _as_uint8_buffer(buf)
     if buf.device.type == "cpu":
@@ -94,7 +97,10 @@ def to_host(buf: torch.Tensor) -> torch.Tensor:
     n = buf.numel()
     staged = getattr(_staging, "buffer", None)
     if staged is None or staged.numel() < n:
-        staged = torch.empty(1 << max(n - 1, 0).bit_length(), dtype=torch.uint8, pin_memory=True)
+        try:
+            staged = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # no pinned memory to be had: pageable, as before
+            return buf.cpu()
         _staging.buffer = staged
     out = staged[:n]
     out.copy_(buf)  # a pinned destination: synchronous for the host, and the fastest transfer
