@@ -291,3 +291,53 @@ def test_sign_decoding_kernels_give_the_same_sums(name, without_kernels):
     assert torch.equal(results[0][1], (start - decoded).view(torch.int32))
     for added, subtracted in results[1:]:
         assert torch.equal(added, results[0][0]) and torch.equal(subtracted, results[0][1])
+
+
+# ---------------------------------------------------------------------------------- the lookup decoder
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("natural_dithering", {"levels": 8}),
+        ("natural_dithering", {"levels": 3, "norm": "inf", "norm_codec": "cnat"}),
+        ("random_dithering", {"levels": 7}),
+        ("random_dithering", {"levels": 127}),
+        ("qsgd", {}),
+        ("terngrad", {}),
+    ],
+)
+@pytest.mark.parametrize("scale", [0.75, 0.0, 3.0e38])
+def test_lookup_decode_and_accumulate_equal_the_torch_path(name, params, scale, without_kernels):
+    """Every code the wire can carry (levels above s too, and TernGrad's unused 3), repeated past the kernel's
+    size limit, decoded and added with and without the compiled decoder: the same float32 bits."""
+    compressor = gradcomp.make(name, **params)
+    width = 2 if name == "terngrad" else compressor.width
+    codes = torch.arange(1 << width, dtype=torch.int64).repeat(9000 >> width << 1)
+    assert codes.numel() >= kernels.BITPACK_MIN_COUNT
+    if name != "terngrad" and params.get("norm_codec") == "cnat":
+        head = cnat_encode(torch.tensor([scale]), 5)
+    else:
+        head = torch.tensor([scale], dtype=torch.float32)
+    fields, slot = [head, codes], Slot("w", 0, codes.numel())
+    total = torch.randn(codes.numel(), generator=torch.Generator().manual_seed(3))
+    added = total.clone()
+    values = compressor.decompress(fields, slot, 0)
+    compressor.accumulate(fields, slot, 0, added)
+    with without_kernels:
+        expected = compressor.decompress(fields, slot, 0)
+        expected_added = total.clone()
+        compressor.accumulate(fields, slot, 0, expected_added)
+    assert kernels.lookup(codes.numel()) is not None  # the first pair did take the kernel
+    assert torch.equal(values.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(added.view(torch.int32), expected_added.view(torch.int32))
+
+
+def test_the_lookup_table_is_built_once_per_instance():
+    compressor = gradcomp.make("natural_dithering", levels=5)
+    slot = Slot("w", 0, 10_000)
+    fields = [torch.tensor([2.0]), torch.zeros(10_000, dtype=torch.int64)]
+    compressor.decompress(fields, slot, 0)
+    table = compressor._table
+    compressor.decompress(fields, slot, 1)
+    assert compressor._table is table and table.numel() == 1 << compressor.level_bits

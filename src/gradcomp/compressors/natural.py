@@ -260,6 +260,8 @@ class NaturalCompression(Compressor):
 
 # ----------------------------------------------------------------------------------------------- dithering
 
+_LOOKUP_MAX_BITS = 16  # the ditherings' compiled decoder holds a float32 per possible level index
+
 
 def _check_norm(norm: object) -> str:
     if isinstance(norm, bool):
@@ -316,6 +318,7 @@ class _Dithering(Compressor):
         self.norm_codec = _check_norm_codec(norm_codec)
         self.level_bits = self.levels.bit_length()  # = ceil(log2(s + 1))
         self.width = 1 + self.level_bits
+        self._table: Tensor | None = None  # every level index's value, for the compiled decoder (``_lookup``)
 
     def params(self) -> dict[str, Any]:
         return {"levels": self.levels, "norm": self.norm, "seed": self.seed, "norm_codec": self.norm_codec}
@@ -389,13 +392,56 @@ class _Dithering(Compressor):
             norm = cnat_encode(norm, key, slot.name, check=False)  # already checked finite
         return [norm, codes]
 
+    def _norm_value(self, norm: Tensor) -> Tensor:
+        return norm.to(torch.float32) if self.norm_codec == "f32" else cnat_decode(norm)
+
+    def _lookup(self, codes: Tensor) -> tuple[Any, Tensor] | None:
+        """(the compiled table-lookup decoder, every level index's float32 value) for CPU codes, or None.
+
+        The table covers every index the mask lets through, 2^level_bits entries, so at most ``_LOOKUP_MAX_BITS``
+        level bits (random dithering allows 24); it is computed by ``_level_value`` itself, once per instance.
+        """
+        if not _cpu_loop(codes) or self.level_bits > _LOOKUP_MAX_BITS:
+            return None
+        kernel = kernels.lookup(codes.numel())
+        if kernel is None:
+            return None
+        if self._table is None:
+            self._table = self._level_value(torch.arange(1 << self.level_bits)).to(torch.float32).contiguous()
+        return kernel, self._table
+
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         norm, codes = fields
-        norm = norm.to(torch.float32) if self.norm_codec == "f32" else cnat_decode(norm)
+        norm = self._norm_value(norm)
         codes = codes.reshape(-1)
+        found = self._lookup(codes)
+        if found is not None:  # one compiled pass, the same values (kernels.lookup_kernel)
+            kernel, table = found
+            out = torch.empty(codes.numel(), dtype=torch.float32)
+            mask = (1 << self.level_bits) - 1
+            kernel.lookup(
+                codes.contiguous().numpy(), mask, self.level_bits, table.numpy(), norm.reshape(1).numpy(), out.numpy(),
+                False,
+            )
+            return out
         index = codes & ((1 << self.level_bits) - 1)
         magnitude = norm.reshape(()) * self._level_value(index)
         return torch.where((codes >> self.level_bits) & 1 == 1, -magnitude, magnitude)
+
+    def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+        """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message (the same
+        float32 addition per entry)."""
+        norm, codes = fields
+        codes = codes.reshape(-1)
+        found = self._lookup(codes) if out.is_contiguous() and out.dtype == torch.float32 else None
+        if found is None:
+            return super().accumulate(fields, slot, step, out)
+        kernel, table = found
+        mask = (1 << self.level_bits) - 1
+        kernel.lookup(
+            codes.contiguous().numpy(), mask, self.level_bits, table.numpy(),
+            self._norm_value(norm).reshape(1).numpy(), out.view(-1).numpy(), True,
+        )
 
 
 @register
@@ -465,6 +511,11 @@ class NaturalDithering(_Dithering):
 
 
 # ------------------------------------------------------------------------------------------------ terngrad
+
+# TernGrad's codes as the compiled lookup decoder reads them: code & 3 indexes ±1 (code 3 is never sent and
+# reads as 0, as in the torch path), and no code has a sign bit (bit 62: codes are 0, 1 or 2)
+_TERNARY = torch.tensor([0.0, 1.0, -1.0, 0.0], dtype=torch.float32)
+_NO_SIGN_BIT = 62
 
 
 def _ternary_chunks(
@@ -581,5 +632,22 @@ class TernGrad(Compressor):
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         scale, codes = fields
         codes = codes.reshape(-1)
+        kernel = kernels.lookup(codes.numel()) if _cpu_loop(codes) else None
+        if kernel is not None:  # one compiled pass, the same values (kernels.lookup_kernel)
+            out = torch.empty(codes.numel(), dtype=torch.float32)
+            kernel.lookup(codes.contiguous().numpy(), 3, _NO_SIGN_BIT, _TERNARY.numpy(),
+                          scale.to(torch.float32).reshape(1).numpy(), out.numpy(), False)  # fmt: skip
+            return out
         unit = (codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)
         return scale.to(torch.float32).reshape(()) * unit
+
+    def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+        """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message."""
+        scale, codes = fields
+        codes = codes.reshape(-1)
+        usable = _cpu_loop(codes) and out.is_contiguous() and out.dtype == torch.float32
+        kernel = kernels.lookup(codes.numel()) if usable else None
+        if kernel is None:
+            return super().accumulate(fields, slot, step, out)
+        kernel.lookup(codes.contiguous().numpy(), 3, _NO_SIGN_BIT, _TERNARY.numpy(),
+                      scale.to(torch.float32).reshape(1).numpy(), out.view(-1).numpy(), True)  # fmt: skip
