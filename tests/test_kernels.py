@@ -341,3 +341,17 @@ def test_the_lookup_table_is_built_once_per_instance():
     table = compressor._table
     compressor.decompress(fields, slot, 1)
     assert compressor._table is table and table.numel() == 1 << compressor.level_bits
+
+
+def test_the_lookup_decoder_refuses_a_sum_of_another_size():
+    assert kernels.lookup(1 << 22) is not None
+    compressor = gradcomp.make("terngrad")
+    fields = [torch.tensor([1.0]), torch.ones(10_000, dtype=torch.int64)]
+    with pytest.raises(ConfigError, match="10000 codes cannot be added into a tensor of 9999"):
+        compressor.accumulate(fields, Slot("w", 0, 10_000), 0, torch.zeros(9_999))
+
+
+def test_cnat_accumulate_refuses_a_sum_of_another_size():
+    compressor = gradcomp.make("cnat")
+    with pytest.raises(RuntimeError, match="size"):  # torch's own message: the kernel would write past the end
+        compressor.accumulate([torch.zeros(10_000, dtype=torch.int16)], Slot("w", 0, 10_000), 0, torch.zeros(9_999))

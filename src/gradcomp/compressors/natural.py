@@ -252,15 +252,35 @@ class NaturalCompression(Compressor):
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized float32 message (the
         same float32 addition per entry, so the same sums)."""
-        kernel = kernels.cnat() if _cpu_loop(out) and out.is_contiguous() else None
+        codes = fields[0].reshape(-1)
+        same_size = codes.numel() == out.numel()  # the kernel does not check bounds; out += t raises otherwise
+        kernel = kernels.cnat() if _cpu_loop(out) and out.is_contiguous() and same_size else None
         if kernel is None:
             return super().accumulate(fields, slot, step, out)
-        kernel.cnat_accumulate(fields[0].reshape(-1).contiguous().numpy(), out.view(-1).numpy())
+        kernel.cnat_accumulate(codes.contiguous().numpy(), out.view(-1).numpy())
 
 
 # ----------------------------------------------------------------------------------------------- dithering
 
 _LOOKUP_MAX_BITS = 16  # the ditherings' compiled decoder holds a float32 per possible level index
+
+
+def _lookup_target(out: Tensor | None) -> bool:
+    """Whether the compiled lookup decoder can write into ``out`` (None: it makes its own)."""
+    return out is None or (out.is_contiguous() and out.dtype == torch.float32 and out.device.type == "cpu")
+
+
+def _run_lookup(
+    kernel, codes: Tensor, mask: int, sign_shift: int, table: Tensor, scale: Tensor, out: Tensor | None, add: bool
+) -> Tensor:
+    """±scale · table[code & mask] for every code (``kernels.lookup_kernel``), into ``out`` or a new tensor."""
+    if out is None:
+        out = torch.empty(codes.numel(), dtype=torch.float32)
+    elif out.numel() != codes.numel():  # the kernel does not check bounds: refuse here, as out += t would
+        raise ConfigError(f"{codes.numel()} codes cannot be added into a tensor of {out.numel()} entries")
+    scale = scale.to(torch.float32).reshape(1)
+    kernel.lookup(codes.contiguous().numpy(), mask, sign_shift, table.numpy(), scale.numpy(), out.view(-1).numpy(), add)
+    return out
 
 
 def _check_norm(norm: object) -> str:
@@ -395,35 +415,32 @@ class _Dithering(Compressor):
     def _norm_value(self, norm: Tensor) -> Tensor:
         return norm.to(torch.float32) if self.norm_codec == "f32" else cnat_decode(norm)
 
-    def _lookup(self, codes: Tensor) -> tuple[Any, Tensor] | None:
-        """(the compiled table-lookup decoder, every level index's float32 value) for CPU codes, or None.
+    def _decode_compiled(self, fields: Fields, out: Tensor | None = None, add: bool = False) -> Tensor | None:
+        """The message decoded into a new float32 tensor (``out`` None), into ``out``, or added to it (``add``) by
+        the compiled table-lookup decoder, on the CPU; None (nothing done) where it does not apply.
 
         The table covers every index the mask lets through, 2^level_bits entries, so at most ``_LOOKUP_MAX_BITS``
         level bits (random dithering allows 24); it is computed by ``_level_value`` itself, once per instance.
         """
-        if not _cpu_loop(codes) or self.level_bits > _LOOKUP_MAX_BITS:
+        norm, codes = fields
+        codes = codes.reshape(-1)
+        if not _cpu_loop(codes) or self.level_bits > _LOOKUP_MAX_BITS or not _lookup_target(out):
             return None
         kernel = kernels.lookup(codes.numel())
         if kernel is None:
             return None
         if self._table is None:
             self._table = self._level_value(torch.arange(1 << self.level_bits)).to(torch.float32).contiguous()
-        return kernel, self._table
+        mask = (1 << self.level_bits) - 1
+        return _run_lookup(kernel, codes, mask, self.level_bits, self._table, self._norm_value(norm), out, add)
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        decoded = self._decode_compiled(fields)  # one compiled pass, the same values (kernels.lookup_kernel)
+        if decoded is not None:
+            return decoded
         norm, codes = fields
         norm = self._norm_value(norm)
         codes = codes.reshape(-1)
-        found = self._lookup(codes)
-        if found is not None:  # one compiled pass, the same values (kernels.lookup_kernel)
-            kernel, table = found
-            out = torch.empty(codes.numel(), dtype=torch.float32)
-            mask = (1 << self.level_bits) - 1
-            kernel.lookup(
-                codes.contiguous().numpy(), mask, self.level_bits, table.numpy(), norm.reshape(1).numpy(), out.numpy(),
-                False,
-            )
-            return out
         index = codes & ((1 << self.level_bits) - 1)
         magnitude = norm.reshape(()) * self._level_value(index)
         return torch.where((codes >> self.level_bits) & 1 == 1, -magnitude, magnitude)
@@ -431,17 +448,8 @@ class _Dithering(Compressor):
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message (the same
         float32 addition per entry)."""
-        norm, codes = fields
-        codes = codes.reshape(-1)
-        found = self._lookup(codes) if out.is_contiguous() and out.dtype == torch.float32 else None
-        if found is None:
-            return super().accumulate(fields, slot, step, out)
-        kernel, table = found
-        mask = (1 << self.level_bits) - 1
-        kernel.lookup(
-            codes.contiguous().numpy(), mask, self.level_bits, table.numpy(),
-            self._norm_value(norm).reshape(1).numpy(), out.view(-1).numpy(), True,
-        )
+        if self._decode_compiled(fields, out, add=True) is None:
+            super().accumulate(fields, slot, step, out)
 
 
 @register
@@ -629,25 +637,25 @@ class TernGrad(Compressor):
             return [scale, self.ternary_codes(scaled, scaled.abs() / divisor, slot, step)]
         return [scale, _ternary_chunks(scaled, self._generator(slot, step, flat.device), divisor=divisor)]
 
-    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+    def _decode_compiled(self, fields: Fields, out: Tensor | None = None, add: bool = False) -> Tensor | None:
+        """As ``_Dithering._decode_compiled``: code & 3 indexes [0, +1, −1, 0], no sign bit."""
         scale, codes = fields
         codes = codes.reshape(-1)
-        kernel = kernels.lookup(codes.numel()) if _cpu_loop(codes) else None
-        if kernel is not None:  # one compiled pass, the same values (kernels.lookup_kernel)
-            out = torch.empty(codes.numel(), dtype=torch.float32)
-            kernel.lookup(codes.contiguous().numpy(), 3, _NO_SIGN_BIT, _TERNARY.numpy(),
-                          scale.to(torch.float32).reshape(1).numpy(), out.numpy(), False)  # fmt: skip
-            return out
+        kernel = kernels.lookup(codes.numel()) if _cpu_loop(codes) and _lookup_target(out) else None
+        if kernel is None:
+            return None
+        return _run_lookup(kernel, codes, 3, _NO_SIGN_BIT, _TERNARY, scale, out, add)
+
+    def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        decoded = self._decode_compiled(fields)  # one compiled pass, the same values (kernels.lookup_kernel)
+        if decoded is not None:
+            return decoded
+        scale, codes = fields
+        codes = codes.reshape(-1)
         unit = (codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)
         return scale.to(torch.float32).reshape(()) * unit
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message."""
-        scale, codes = fields
-        codes = codes.reshape(-1)
-        usable = _cpu_loop(codes) and out.is_contiguous() and out.dtype == torch.float32
-        kernel = kernels.lookup(codes.numel()) if usable else None
-        if kernel is None:
-            return super().accumulate(fields, slot, step, out)
-        kernel.lookup(codes.contiguous().numpy(), 3, _NO_SIGN_BIT, _TERNARY.numpy(),
-                      scale.to(torch.float32).reshape(1).numpy(), out.view(-1).numpy(), True)  # fmt: skip
+        if self._decode_compiled(fields, out, add=True) is None:
+            super().accumulate(fields, slot, step, out)

@@ -154,18 +154,13 @@ class QSGD(RandomDithering):
         where a worker adds up W messages). Here it runs on slices of
         ``_DECODE_CHUNK`` codes at a time, each decoded by that same ``decompress`` (the parent class's own
         arithmetic: the same values, bit for bit) and written or added into its slice of ``out`` at once, so the
-        temporaries are chunk-sized. On the CPU the compiled table-lookup decoder (``_lookup``) does it in one
+        temporaries are chunk-sized. On the CPU the compiled table-lookup decoder (``_decode_compiled``) does it in one
         pass without temporaries, with the same values. The elias coding first rebuilds the dense codes
         (``_elias_codes``).
         """
         norm, codes = fields if self.coding == "packed" else [fields[0], self._elias_codes(fields, slot)]
         codes = codes.reshape(-1)
-        found = self._lookup(codes)
-        if found is not None:  # on the CPU: one compiled pass straight into out, the same values
-            kernel, table = found
-            mask = (1 << self.level_bits) - 1
-            kernel.lookup(codes.contiguous().numpy(), mask, self.level_bits, table.numpy(),
-                          self._norm_value(norm).reshape(1).numpy(), out.numpy(), add)  # fmt: skip
+        if self._decode_compiled([norm, codes], out, add) is not None:  # the CPU: one compiled pass into out
             return
         for start in range(0, slot.numel, _DECODE_CHUNK):
             piece = codes[start : start + _DECODE_CHUNK]
