@@ -355,3 +355,21 @@ def test_cnat_accumulate_refuses_a_sum_of_another_size():
     compressor = gradcomp.make("cnat")
     with pytest.raises(RuntimeError, match="size"):  # torch's own message: the kernel would write past the end
         compressor.accumulate([torch.zeros(10_000, dtype=torch.int16)], Slot("w", 0, 10_000), 0, torch.zeros(9_999))
+
+
+@pytest.mark.parametrize("width", [1, 2, 8, 9, 15, 16, 31, 32])
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_bits_fields_decode_to_the_narrowest_dtype_on_every_path(width, kernels_on, without_kernels):
+    """The compiled unpacker, the windowed numpy path (widths 9-16), the small-array and the torch paths: the
+    same values, in int16 up to 15 bits, int32 up to 31, int64 for 32."""
+    gen = torch.Generator().manual_seed(width)
+    for n in (100, 100_003):  # the small-array path, then the large ones
+        values = torch.randint(0, 1 << min(width, 62), (n,), generator=gen, dtype=torch.int64) & ((1 << width) - 1)
+        spec = [FieldSpec(Codec.BITS, count=n, width=width)]
+        if kernels_on:
+            (out,) = wire.decode(wire.encode([values], spec), spec)
+        else:
+            with without_kernels:
+                (out,) = wire.decode(wire.encode([values], spec), spec)
+        assert out.dtype == wire.bits.decoded_dtype(width)
+        assert torch.equal(out.to(torch.int64), values)

@@ -21,6 +21,7 @@ from gradcomp.wire import (
     encode,
     optimal_rice_parameter,
 )
+from gradcomp.wire.bits import decoded_dtype
 from gradcomp.wire.container import encoded_size
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -75,8 +76,9 @@ def assert_fields_equal(out, fields, specs):
                 ref.view(torch.int16 if dt != torch.float32 else torch.int32),
             )
         else:
-            assert o.dtype == torch.int64
-            assert torch.equal(o, f.to(torch.int64))
+            # BITS: the narrowest signed dtype that holds the width; POSITIONS and GOLOMB: int64 (indices)
+            assert o.dtype == (decoded_dtype(s.width) if s.codec == Codec.BITS else torch.int64)
+            assert torch.equal(o.to(torch.int64), f.to(torch.int64))
 
 
 def round_trip(fields, specs):

@@ -43,7 +43,7 @@ Choices where the paper is silent:
   kernel, u came from torch's mt19937, whose one draw per entry was most of the time; SplitMix64's outputs
   pass BigCrush, and tests/test_kernels.py checks uniformity, the moments and independence across keys.)
 - codes are int16 (they fit 9 bits): a quarter of the memory of the int64 codes other compressors emit;
-  the wire decodes them to int64 like every BITS field.
+  the wire decodes them to int16 too, like every BITS field of up to 15 bits (``wire.bits.decoded_dtype``).
 
 ``random_dithering`` — standard random dithering D_sta^{p,s} (QSGD for p = 2): y_i = |x_i|/||x||_p in
 [0, 1] is rounded to one of the uniform levels l/s (l = 0..s), up with probability y_i·s − floor(y_i·s), and

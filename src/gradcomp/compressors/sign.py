@@ -50,7 +50,7 @@ shift-ors gather its 8 low bits into its low byte, in chunks of 2^20 entries; ef
 each chunk while they sum it, signum right after its momentum update of the chunk) and hands the
 container ceil(d/8) bytes, declared as a BITS section of width 8 — the container's width-1 path would need
 every sign as an integer code in memory and is several times slower. The field is uint8 in memory, which the
-container sends as it is; the wire decodes it to int64, one value per byte, as every BITS field. On the CPU
+container sends as it is; the wire decodes it to int16, one value per byte, as every BITS field of 8 bits. On the CPU
 the packing, and the decoding that error feedback's subtraction and the receivers' sums need, are compiled
 kernels (``gradcomp.kernels.sign_kernel``); the numpy and torch paths give the same bytes and sums. So one
 slot's message is:

@@ -7,7 +7,7 @@ bytes of ``np.packbits(x < 0, bitorder="little")``.
 ``sign_add(packed, positive, negative, out)`` / ``sign_subtract(...)``: out[i] += (or −=) ``negative`` where
 bit i of the bitmap is set, ``positive`` where it is not: one float32 addition or subtraction per entry, the
 same as adding the decoded vector, so the same results bit for bit. ``packed`` may be any integer dtype
-holding byte values (uint8 from the compressor, int64 from the wire).
+holding byte values (uint8 from the compressor, int16 from the wire).
 """
 
 import numpy as np

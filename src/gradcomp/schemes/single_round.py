@@ -101,11 +101,12 @@ def aggregate_buffers(
     """Decode every buffer (in order), add the messages up and aggregate them by the compressor's rule.
 
     One buffer is decoded at a time and added into every slot's running sum before the next is decoded, so
-    one worker's decoded message is in memory, not W of them (a dense message decodes to int64 codes, 8 bytes
-    per entry: W of them were 2·W fp32 gradients). Each slot's sum still adds the workers in rank order: the
-    same sums, bit for bit. The finiteness check reads the sum once (``all_finite``) instead of building
-    |sum| and three d-sized masks (``torch.isfinite``). A compressor with its own compact tally
-    (``base.new_tally``: majority vote counts sign bits) adds the messages there instead.
+    one worker's decoded message is in memory, not W of them (a dense message's codes decoded to int64 were 8
+    bytes per entry, W of them 2·W fp32 gradients; BITS fields now decode to int16 up to 15 bits). Each slot's
+    sum still adds the workers in rank order: the same sums, bit for bit. The finiteness check reads the sum
+    once (``all_finite``) instead of building |sum| and three d-sized masks (``torch.isfinite``). A compressor
+    with its own compact tally (``base.new_tally``: majority vote counts sign bits) adds the messages there
+    instead.
     """
     tallies = [new_tally(compressor, slot, device) for slot in slots]  # None: add up float32 messages
     totals = [

@@ -48,6 +48,7 @@ __all__ = [
     "pack_bits_into",
     "packs_into",
     "unpack_bits",
+    "decoded_dtype",
     "bits_needed",
     "pack_bool",
     "unpack_bool",
@@ -309,8 +310,8 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
     return out[:nbytes]
 
 
-def _unpack_windows(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """``_unpack`` on the CPU for widths 9 to 16, by 32-bit windows; returns int64.
+def _unpack_windows(buf: torch.Tensor, width: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``_unpack`` on the CPU for widths 9 to 16, by 32-bit windows, into ``dtype`` (int16 for widths to 15).
 
     Value j of a group of 8 starts at bit j·width, i.e. at bit (j·width) % 8 of byte (j·width) // 8 of the
     group's ``width`` bytes, and fits in the 32 bits read from that byte on (7 + 16 < 32). So, chunk by chunk
@@ -320,7 +321,7 @@ def _unpack_windows(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """
     b = buf.numpy()
     groups = (count + 7) // 8
-    out = np.empty(groups * 8, dtype=np.int64)
+    out = np.empty(groups * 8, dtype=_NUMPY_OUT[dtype])
     columns = out.reshape(groups, 8)
     per_chunk = _CHUNK // 8
     scratch = np.zeros(per_chunk * width + 4, dtype=np.uint8)
@@ -343,13 +344,17 @@ def _unpack_windows(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
     return torch.from_numpy(out[:count])
 
 
-def _unpack_kernel(buf: torch.Tensor, width: int, count: int, unpack) -> torch.Tensor:
-    """The compiled unpacker (gradcomp.kernels) into int64: whole blocks of 64 values read as ``width`` 64-bit
-    words straight from the buffer (at any byte offset), the last partial block from a zero-padded copy, whose
-    values past ``count`` must be 0 (they hold the padding bits)."""
+_NUMPY_OUT = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+
+
+def _unpack_kernel(buf: torch.Tensor, width: int, count: int, unpack, dtype: torch.dtype) -> torch.Tensor:
+    """The compiled unpacker (gradcomp.kernels) into ``dtype`` (int16, int32 or int64, wide enough for
+    ``width``): whole blocks of 64 values read as ``width`` 64-bit words straight from the buffer (at any byte
+    offset), the last partial block from a zero-padded copy, whose values past ``count`` must be 0 (they hold
+    the padding bits)."""
     b = buf.numpy()
     whole = count // 64 * 64
-    out = np.empty(count, dtype=np.int64)
+    out = np.empty(count, dtype=_NUMPY_OUT[dtype])
     unpack(b[: whole // 64 * width * 8].view(np.uint64), out[:whole])
     if whole < count:
         tail = np.zeros(8 * width, dtype=np.uint8)
@@ -363,23 +368,35 @@ def _unpack_kernel(buf: torch.Tensor, width: int, count: int, unpack) -> torch.T
     return torch.from_numpy(out)
 
 
-def _unpack(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """Unpack ``count`` values (length already checked); checks padding. Returns the work dtype, except int64
-    from the compiled kernels (:func:`_unpack_kernel`) and the CPU path for widths 9 to 16
-    (:func:`_unpack_windows`)."""
+def decoded_dtype(width: int) -> torch.dtype:
+    """The integer dtype that decoded BITS values of ``width`` bits come in: the narrowest signed one that holds
+    [0, 2^width) with room for small arithmetic: int16 up to 15 bits, int32 up to 31, int64 for 32."""
+    if width <= 15:
+        return torch.int16
+    if width <= 31:
+        return torch.int32
+    return torch.int64
+
+
+def _unpack(buf: torch.Tensor, width: int, count: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Unpack ``count`` values (length already checked); checks padding. Returns ``dtype`` when given (int16,
+    int32 or int64: the compiled kernels and the windowed path write it directly), else the work dtype, or
+    int64 from those two paths."""
     device = buf.device
     wd = _work_dtype(width)
     if count == 0:
-        return torch.empty(0, dtype=wd, device=device)
+        return torch.empty(0, dtype=dtype or wd, device=device)
     if width == 8:
-        return buf.to(wd)
+        return buf.to(dtype or wd)
+    direct = dtype or torch.int64
     kernel = kernels.bitpack(width, count) if device.type == "cpu" and sys.byteorder == "little" else None
     if kernel is not None:
-        return _unpack_kernel(buf, width, count, kernel[1])
+        return _unpack_kernel(buf, width, count, kernel[1], direct)
     if count <= _SMALL and device.type == "cpu":
-        return _unpack_small(buf, width, count)
+        out = _unpack_small(buf, width, count)
+        return out if dtype is None else out.to(dtype)
     if 8 < width <= _CHUNKED_MAX_WIDTH and device.type == "cpu" and sys.byteorder == "little":
-        return _unpack_windows(buf, width, count)
+        return _unpack_windows(buf, width, count, direct)
     groups = (count + 7) // 8
     b = buf
     if groups * width != b.numel():
@@ -404,7 +421,7 @@ def _unpack(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
         if bool(out[count:].any()):
             raise WireError(f"nonzero padding bits after {count} values of {width} bits")
         out = out[:count]
-    return out
+    return out if dtype is None else out.to(dtype)
 
 
 def _as_uint8_buffer(buf: object) -> torch.Tensor:

@@ -77,6 +77,7 @@ from gradcomp.wire.bits import (
     _pack,
     _unpack,
     bits_needed,
+    decoded_dtype,
     pack_bits,
     pack_bits_into,
     packed_nbytes,
@@ -392,9 +393,10 @@ def _expected_nbytes(codec: Codec, param: int, count: int) -> int | None:
 def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
     """Parse a buffer produced by :func:`encode` with the same ``specs``; returns one tensor per field.
 
-    Output dtypes: float32 / float16 / bfloat16 for the float codecs, int64 otherwise; outputs live on the
-    buffer's device. Raises WireError (only) for any malformed, truncated, oversized or corrupted buffer;
-    ConfigError for invalid specs.
+    Output dtypes: float32 / float16 / bfloat16 for the float codecs; for BITS the narrowest signed integer
+    that holds the width (``bits.decoded_dtype``: int16 up to 15 bits, int32 up to 31, int64 for 32); int64 for
+    POSITIONS and GOLOMB (they index); outputs live on the buffer's device. Raises WireError (only) for any
+    malformed, truncated, oversized or corrupted buffer; ConfigError for invalid specs.
     """
     specs = list(specs)
     codecs = _check_specs(specs)
@@ -482,9 +484,9 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
             # reused or corrupt it when a decompressor works in place)
             out.append(data.clone().view(FLOAT_DTYPES[codec]))
         elif codec == Codec.BITS:
-            out.append(_unpack_checked(data, param, count, where))
+            out.append(_unpack_checked(data, param, count, where, decoded_dtype(param)))
         elif codec == Codec.POSITIONS:
-            pos = _unpack_checked(data, param, count, where)
+            pos = _unpack_checked(data, param, count, where, torch.int64)  # indices
             _check_positions(pos, spec.universe, WireError, where)
             out.append(pos)
         else:
@@ -497,9 +499,9 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
     return out
 
 
-def _unpack_checked(data: torch.Tensor, width: int, count: int, where: str) -> torch.Tensor:
+def _unpack_checked(data: torch.Tensor, width: int, count: int, where: str, dtype: torch.dtype) -> torch.Tensor:
     try:
-        return _unpack(data, width, count).to(torch.int64)
+        return _unpack(data, width, count, dtype)
     except WireError as e:
         raise WireError(f"{where}: {e}") from None
 
