@@ -373,3 +373,49 @@ def test_bits_fields_decode_to_the_narrowest_dtype_on_every_path(width, kernels_
                 (out,) = wire.decode(wire.encode([values], spec), spec)
         assert out.dtype == wire.bits.decoded_dtype(width)
         assert torch.equal(out.to(torch.int64), values)
+
+
+# ---------------------------------------------------------------------------------- dithering codes
+
+
+def _dithering_inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y in [0, 1] with the awkward values (0, subnormals, powers of two, 1 and just above), u with 0 and the
+    values the comparisons meet, x with signed zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.rand(n, generator=gen) ** 6  # many small values
+    special = [0.0, 1e-45, 1e-40, 2.0**-126, 2.0**-127, 2.0**-8, 2.0**-7, 0.5, 0.75, 1.0, 1.0000001, 0.1]
+    y[: len(special)] = torch.tensor(special)
+    y[len(special) : len(special) + 200] = 2.0 ** -torch.arange(200).clamp(max=149).float()
+    u = torch.rand(n, generator=gen)
+    u[:5] = torch.tensor([0.0, 0.5, 0.25, 0.9999999, 0.0])
+    x = torch.randn(n, generator=gen)
+    x[:4] = torch.tensor([-0.0, 0.0, -1.0, 1.0])
+    return y, u, x
+
+
+@pytest.mark.parametrize(("name", "levels"), [("random_dithering", 1), ("random_dithering", 7),
+                                              ("random_dithering", 127), ("random_dithering", 70_000),
+                                              ("natural_dithering", 1), ("natural_dithering", 8),
+                                              ("natural_dithering", 126), ("qsgd", 127)])  # fmt: skip
+def test_dithering_code_kernels_equal_the_torch_operations(name, levels):
+    compressor = gradcomp.make(name, levels=levels)
+    kernel = compressor._codes_kernel(1 << 22)
+    assert kernel is not None
+    y, u, x = _dithering_inputs(200_003, levels)
+    codes = np.empty(y.numel(), dtype=np.int64)
+    kernel(y.numpy(), u.numpy(), x.numpy(), compressor.levels, compressor.level_bits, codes)
+    expected = torch.empty(y.numel(), dtype=torch.int64)
+    compressor._codes(y.clone(), u.clone(), x, expected, cpu=True)
+    assert np.array_equal(codes, expected.numpy())
+    assert codes.min() >= 0 and (codes & ((1 << compressor.level_bits) - 1)).max() <= levels
+
+
+def test_a_subclass_with_its_own_levels_gets_the_torch_path():
+    from gradcomp.compressors.natural import RandomDithering
+
+    class Coarser(RandomDithering):
+        def _level_index(self, y, u):
+            return super()._level_index(y, u) // 2
+
+    assert Coarser(levels=7)._codes_kernel(1 << 22) is None
+    assert RandomDithering(levels=7)._codes_kernel(1 << 22) is not None

@@ -14,8 +14,10 @@ by ``wire.encode`` straight into the message), and its decoding and adding-up fr
 without numba the same formulas run as torch operations and give the same codes. The ditherings and TernGrad
 make their codes in chunks of 2^17 entries with reused scratch buffers (everything after the norm is
 elementwise, and the random numbers drawn chunk by chunk from the same generator are the same numbers in the
-same order, so the codes are bit-identical), and max|x| comes from one min/max pass instead of a d-sized |x|;
-what remains there is mostly their random numbers (one mt19937 draw per entry) and the int64 codes' memory.
+same order, so the codes are bit-identical), and max|x| comes from one min/max pass instead of a d-sized |x|.
+On the CPU the ditherings' level index and sign are one compiled pass per chunk (``kernels.dither_kernel``, the
+same float32 operations), and their codes are int16 up to 15 bits (``wire.bits.decoded_dtype``); what remains
+is mostly their random numbers (one mt19937 draw per entry). TernGrad's codes are still int64, made by torch.
 
 ``cnat`` — natural compression C_nat. An entry t with 2^a <= |t| < 2^(a+1) becomes sign(t)·2^a with
 probability (2^(a+1) − |t|)/2^a, else sign(t)·2^(a+1); 0 stays 0. On the IEEE-754 bits of the float32
@@ -108,6 +110,7 @@ from gradcomp.compressors.base import Compressor, Fields, Slot, check_int, share
 from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.wire import Codec, FieldSpec
+from gradcomp.wire.bits import decoded_dtype
 
 __all__ = ["NaturalCompression", "RandomDithering", "NaturalDithering", "TernGrad", "cnat_encode", "cnat_decode"]
 
@@ -364,8 +367,18 @@ class _Dithering(Compressor):
     def _level_value(self, index: Tensor) -> Tensor:
         raise NotImplementedError
 
+    _CODES_KERNEL: str | None = None  # the dither_kernel function that reproduces this class's _level_index
+
+    def _codes_kernel(self, numel: int):
+        """The compiled codes of this method for ``numel`` entries on the CPU, or None. Only for the class whose
+        ``_level_index`` the kernel reproduces: a subclass that redefines the levels gets the torch path."""
+        owner = next(c for c in type(self).__mro__ if "_level_index" in c.__dict__)
+        name = owner.__dict__.get("_CODES_KERNEL")
+        module = kernels.dither(numel) if name else None
+        return getattr(module, name) if module is not None else None
+
     def _codes(self, y: Tensor, u: Tensor, x: Tensor, out: Tensor, cpu: bool) -> None:
-        """out (int64) = the codes of one chunk: sign·2^level_bits + level index of y (u: its uniform draws,
+        """out (integer) = the codes of one chunk: sign·2^level_bits + level index of y (u: its uniform draws,
         x: the entries themselves, for the sign). ``y`` and ``u`` may be overwritten."""
         index = self._level_index(y, u).clamp_(0, self.levels).to(torch.int64)
         negative = (x < 0).logical_and_(index > 0)
@@ -376,7 +389,7 @@ class _Dithering(Compressor):
         device = flat.device
         if flat.numel() == 0:
             norm = torch.zeros(1, dtype=torch.float32, device=device)
-            codes = torch.zeros(0, dtype=torch.int64, device=device)
+            codes = torch.zeros(0, dtype=decoded_dtype(self.width), device=device)
         else:
             # on the CPU x / max|x| goes to a reused buffer (it must exist whole: the 2-norm is one reduction)
             cpu = _cpu_loop(flat)
@@ -392,7 +405,9 @@ class _Dithering(Compressor):
                 )
             divisor = torch.where(scaled_norm > 0, scaled_norm, torch.ones_like(scaled_norm))
             gen = shared_generator(self.seed, step, slot.index, device, salt=f"{self.name}:{self.worker}")
-            codes = torch.empty(flat.numel(), dtype=torch.int64, device=device)
+            # the narrowest dtype of the codes' width, as the wire decodes them (int16 up to 15 bits): a quarter
+            # of int64's memory, and of the page faults of a fresh d-sized buffer
+            codes = torch.empty(flat.numel(), dtype=decoded_dtype(self.width), device=device)
             # Everything from here is elementwise, so chunks give the codes of the whole tensor, and drawing u
             # chunk by chunk from the generator draws the same numbers in the same order: bit-identical codes,
             # with chunk-sized temporaries (reused by the allocator) instead of a dozen d-sized ones.
@@ -400,13 +415,18 @@ class _Dithering(Compressor):
             width = min(step_size, flat.numel())
             y_buf = workspace("dithering-y", width, torch.float32) if cpu else None
             u_buf = workspace("dithering-u", width, torch.float32) if cpu else None
+            compiled = self._codes_kernel(flat.numel()) if cpu else None
             for start in range(0, flat.numel(), step_size):
                 piece = scaled[start : start + step_size]
                 n = piece.numel()
                 y = torch.abs(piece, out=None if y_buf is None else y_buf[:n]).div_(divisor)
                 # torch.rand(n, generator=gen) is uniform_ on a fresh tensor: the same draws
                 u = torch.rand(n, generator=gen, device=device) if u_buf is None else u_buf[:n].uniform_(generator=gen)
-                self._codes(y, u, flat[start : start + step_size], codes[start : start + n], cpu)
+                x = flat[start : start + step_size]
+                if compiled is not None:  # one pass, the same float32 operations: the same codes
+                    compiled(y.numpy(), u.numpy(), x.numpy(), self.levels, self.level_bits, codes[start : start + n].numpy())  # noqa: E501
+                else:
+                    self._codes(y, u, x, codes[start : start + n], cpu)
         if self.norm_codec == "cnat":
             key = shared_seed(self.seed, step, slot.index, salt=f"{self.name}:norm:{self.worker}")
             norm = cnat_encode(norm, key, slot.name, check=False)  # already checked finite
@@ -458,6 +478,7 @@ class RandomDithering(_Dithering):
 
     name = "random_dithering"
     max_levels = (1 << 24) - 1
+    _CODES_KERNEL = "random_codes"
 
     def _omega(self, numel: int) -> float:
         s = self.levels
@@ -495,6 +516,7 @@ class NaturalDithering(_Dithering):
 
     name = "natural_dithering"
     max_levels = 126
+    _CODES_KERNEL = "natural_codes"
 
     def _omega(self, numel: int) -> float:
         b = 2.0 ** (1 - self.levels)

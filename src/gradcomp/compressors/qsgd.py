@@ -129,7 +129,8 @@ class QSGD(RandomDithering):
         negative = (picked >> self.level_bits) & 1
         previous = torch.cat([positions.new_full((1,), -1), positions[:-1]])
         # interleaved gap_1, level_1, gap_2, level_2, …: every value >= 1
-        values = torch.stack([positions - previous, picked & ((1 << self.level_bits) - 1)], dim=1).reshape(-1)
+        levels = (picked & ((1 << self.level_bits) - 1)).to(torch.int64)
+        values = torch.stack([positions - previous, levels], dim=1).reshape(-1)
         stream, _ = elias_gamma_encode(values)
         return [norm, negative, stream.to(torch.int64)]
 

@@ -12,6 +12,8 @@ but five to twenty passes as numpy or torch operations:
   (``gradcomp.compressors.natural``);
 - the sign family's bitmap (``sign``): packing x < 0 eight entries to a byte, and adding or subtracting the
   decoded ±values without materialising them (``gradcomp.compressors.sign``);
+- the ditherings' codes (``dither``): level index and sign from |x|/||x|| and the draws, in one pass per
+  chunk instead of eight torch operations (``gradcomp.compressors.natural``; the draws stay torch's);
 - the ditherings' and TernGrad's receiving side (``lookup``): each code's value from a table of its level's
   float32 value, times the message's scale, signed, into a new tensor or added to a running sum
   (``gradcomp.compressors.natural``).
@@ -29,7 +31,7 @@ every caller then takes its numpy/torch path, which produces the same bytes, onl
 Cost: the kernels are compiled the first time a process uses them and cached on disk next to this package
 (numba's ``cache=True``; about a second per kernel the first time, milliseconds after). Importing numba and
 loading the first kernel adds about 110 MB of resident memory to the process (LLVM), once, whatever the model
-size. So the bit-packing, lookup and sign kernels load numba only for large tensors (``BITPACK_MIN_COUNT``,
+size. So the bit-packing, dithering, lookup and sign kernels load numba only for large tensors (``BITPACK_MIN_COUNT``,
 ``SIGN_MIN_COUNT``), and are used for any size once it is loaded; C_nat always loads it. Training a model of a
 few million parameters with top-k, Signum or EF-signSGD thus never imports numba; with C_nat it does.
 """
@@ -41,7 +43,7 @@ import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["enabled", "bitpack", "cnat", "lookup", "sign", "BITPACK_WIDTHS"]
+__all__ = ["enabled", "bitpack", "cnat", "dither", "lookup", "sign", "BITPACK_WIDTHS"]
 
 # SplitMix64's increment and mixing constants: C_nat's counter-based random numbers, in the kernel
 # (cnat_kernel) and in torch operations (compressors.natural.uniform23); defined once here, where numba is not
@@ -101,6 +103,16 @@ def cnat() -> ModuleType | None:
     from gradcomp.kernels import cnat_kernel
 
     return cnat_kernel
+
+
+def dither(count: int) -> ModuleType | None:
+    """The dithering-codes kernels for a tensor of ``count`` entries, or None (kernels disabled, or fewer than
+    ``BITPACK_MIN_COUNT`` entries in a process that has not loaded numba)."""
+    if (count < BITPACK_MIN_COUNT and not loaded()) or not enabled():
+        return None
+    from gradcomp.kernels import dither_kernel
+
+    return dither_kernel
 
 
 def lookup(count: int) -> ModuleType | None:
