@@ -17,7 +17,8 @@ elementwise, and the random numbers drawn chunk by chunk from the same generator
 same order, so the codes are bit-identical), and max|x| comes from one min/max pass instead of a d-sized |x|.
 On the CPU the ditherings' level index and sign are one compiled pass per chunk (``kernels.dither_kernel``, the
 same float32 operations), and their codes are int16 up to 15 bits (``wire.bits.decoded_dtype``); what remains
-is mostly their random numbers (one mt19937 draw per entry). TernGrad's codes are still int64, made by torch.
+is mostly their random numbers (one mt19937 draw per entry). TernGrad's keep, sign and code steps are one
+compiled pass too (``ternary_codes``), into int16 codes.
 
 ``cnat`` — natural compression C_nat. An entry t with 2^a <= |t| < 2^(a+1) becomes sign(t)·2^a with
 probability (2^(a+1) − |t|)/2^a, else sign(t)·2^(a+1); 0 stays 0. On the IEEE-754 bits of the float32
@@ -545,29 +546,36 @@ class NaturalDithering(_Dithering):
 # TernGrad's codes as the compiled lookup decoder reads them: code & 3 indexes ±1 (code 3 is never sent and
 # reads as 0, as in the torch path), and no code has a sign bit (bit 62: codes are 0, 1 or 2)
 _TERNARY = torch.tensor([0.0, 1.0, -1.0, 0.0], dtype=torch.float32)
+_TERNARY_CODES = decoded_dtype(2)  # TernGrad's codes in memory, as the wire decodes them: int16
 _NO_SIGN_BIT = 62
 
 
 def _ternary_chunks(
     scaled: Tensor, gen: torch.Generator, prob: Tensor | None = None, divisor: Tensor | None = None
 ) -> Tensor:
-    """TernGrad's int64 codes of the 1-D CPU tensor ``scaled``, made in chunks of ``_CHUNK`` entries with reused
+    """TernGrad's int16 codes of the 1-D CPU tensor ``scaled``, made in chunks of ``_CHUNK`` entries with reused
     scratch: entry i is kept where u_i < p_i (u_i uniform from ``gen``), p = ``prob`` or else |scaled| /
     ``divisor``, and its code is keep + (keep and scaled_i < 0). The same float32 operations and the same draws
-    in the same order as the whole-tensor path of ``TernGrad.ternary_codes``, so the same codes."""
+    in the same order as the whole-tensor path of ``TernGrad.ternary_codes``, so the same codes; the last three
+    steps are one compiled pass (``kernels.dither_kernel.ternary_codes``) where numba is in use."""
     d = scaled.numel()
-    out = torch.empty(d, dtype=torch.int64)
+    out = torch.empty(d, dtype=_TERNARY_CODES)
     width = min(d, _CHUNK)
     p_buf = workspace("terngrad-p", width, torch.float32)
     u_buf = workspace("terngrad-u", width, torch.float32)
     keep_buf = workspace("terngrad-keep", width, torch.bool)
     negative_buf = workspace("terngrad-negative", width, torch.bool)
+    module = kernels.dither(d)
     for start in range(0, d, _CHUNK):
         piece = scaled[start : start + _CHUNK]
         n = piece.numel()
         p = torch.abs(piece, out=p_buf[:n]).div_(divisor) if prob is None else prob[start : start + n]
         # torch.rand(d, generator=gen) is uniform_ on a fresh tensor: chunk by chunk, the same draws
-        keep = torch.lt(u_buf[:n].uniform_(generator=gen), p, out=keep_buf[:n])
+        u = u_buf[:n].uniform_(generator=gen)
+        if module is not None:
+            module.ternary_codes(p.contiguous().numpy(), u.numpy(), piece.numpy(), out[start : start + n].numpy())
+            continue
+        keep = torch.lt(u, p, out=keep_buf[:n])
         negative = torch.lt(piece, 0, out=negative_buf[:n]).logical_and_(keep)
         torch.add(keep.view(torch.uint8), negative.view(torch.uint8), out=out[start : start + n])  # 0, 1 or 2
     return out
@@ -642,11 +650,11 @@ class TernGrad(Compressor):
         if _cpu_loop(scaled):
             return _ternary_chunks(scaled.reshape(-1), gen, prob=prob.reshape(-1))
         keep = torch.rand(scaled.shape, generator=gen, device=scaled.device) < prob
-        return keep.to(torch.int64) * torch.where(scaled < 0, 2, 1)
+        return (keep.to(torch.int64) * torch.where(scaled < 0, 2, 1)).to(_TERNARY_CODES)
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         if x.numel() == 0:
-            empty = torch.zeros(0, dtype=torch.int64, device=x.device)
+            empty = torch.zeros(0, dtype=_TERNARY_CODES, device=x.device)
             return [torch.zeros(1, dtype=torch.float32, device=x.device), empty]
         flat = _flat_f32(x)
         cpu = _cpu_loop(flat)

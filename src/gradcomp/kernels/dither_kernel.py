@@ -13,6 +13,8 @@ clamped to [0, s].
 y = m·2^e (m in [1/2, 1), torch.frexp), the upper level is j = e + s and p_up = 2m − 1; below level 1 (j <= 1,
 or y = 0) j = 1 and p_up = y·2^(s−1); index = j − (u >= p_up), clamped to [0, s]. e and 2m are read from
 y's float32 bits (a subnormal y, below 2^−126, is always below level 1 since s <= 126).
+
+``ternary_codes(p, u, x, out)``: TernGrad, code = 0 where u >= p, else 1, or 2 where x < 0.
 """
 
 import math
@@ -57,3 +59,12 @@ def natural_codes(y, u, x, levels, level_bits, out):
         if code > 0 and x[i] < 0:
             code += np.int64(1) << level_bits
         out[i] = code
+
+
+@njit(cache=True, nogil=True)
+def ternary_codes(p, u, x, out):
+    for i in range(p.size):
+        if u[i] < p[i]:
+            out[i] = 2 if x[i] < 0 else 1
+        else:
+            out[i] = 0
