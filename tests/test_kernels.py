@@ -402,11 +402,12 @@ def test_dithering_code_kernels_equal_the_torch_operations(name, levels):
     kernel = compressor._codes_kernel(1 << 22)
     assert kernel is not None
     y, u, x = _dithering_inputs(200_003, levels)
-    codes = np.empty(y.numel(), dtype=np.int64)
-    kernel(y.numpy(), u.numpy(), x.numpy(), compressor.levels, compressor.level_bits, codes)
+    dtype = wire.bits.decoded_dtype(compressor.width)  # what compress allocates
+    codes = torch.empty(y.numel(), dtype=dtype)
+    kernel(y.numpy(), u.numpy(), x.numpy(), compressor.levels, compressor.level_bits, codes.numpy())
     expected = torch.empty(y.numel(), dtype=torch.int64)
     compressor._codes(y.clone(), u.clone(), x, expected, cpu=True)
-    assert np.array_equal(codes, expected.numpy())
+    assert np.array_equal(codes.numpy().astype(np.int64), expected.numpy())
     assert codes.min() >= 0 and (codes & ((1 << compressor.level_bits) - 1)).max() <= levels
 
 
@@ -419,3 +420,25 @@ def test_a_subclass_with_its_own_levels_gets_the_torch_path():
 
     assert Coarser(levels=7)._codes_kernel(1 << 22) is None
     assert RandomDithering(levels=7)._codes_kernel(1 << 22) is not None
+
+
+def test_compiled_shortcuts_stand_aside_for_a_subclass_s_own_decoding():
+    from gradcomp.compressors.natural import RandomDithering, TernGrad
+
+    class Doubled(RandomDithering):
+        def decompress(self, fields, slot, step):
+            return 2 * super().decompress(fields, slot, step)
+
+    class OwnCodes(RandomDithering):
+        def _codes(self, y, u, x, out, cpu):
+            super()._codes(y, u, x, out, cpu)
+
+    assert OwnCodes(levels=7)._codes_kernel(1 << 22) is None
+    assert kernels.lookup(1 << 22) is not None
+    compressor, slot = Doubled(levels=7), Slot("w", 0, 10_000)
+    fields = compressor.compress(torch.randn(10_000), slot, 0)
+    total = torch.zeros(10_000)
+    compressor.accumulate(fields, slot, 0, total)
+    assert torch.equal(total, compressor.decompress(fields, slot, 0))
+    with pytest.raises(ConfigError, match="5000 probabilities for 10000 entries"):
+        TernGrad().ternary_codes(torch.randn(10_000), torch.rand(5_000), slot, 0)

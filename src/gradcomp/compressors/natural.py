@@ -107,7 +107,15 @@ from torch import Tensor
 
 from gradcomp import kernels
 from gradcomp.catalog import register
-from gradcomp.compressors.base import Compressor, Fields, Slot, check_int, shared_generator, shared_seed
+from gradcomp.compressors.base import (
+    Compressor,
+    Fields,
+    Slot,
+    _describes_decompress,
+    check_int,
+    shared_generator,
+    shared_seed,
+)
 from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.wire import Codec, FieldSpec
@@ -372,9 +380,12 @@ class _Dithering(Compressor):
 
     def _codes_kernel(self, numel: int):
         """The compiled codes of this method for ``numel`` entries on the CPU, or None. Only for the class whose
-        ``_level_index`` the kernel reproduces: a subclass that redefines the levels gets the torch path."""
-        owner = next(c for c in type(self).__mro__ if "_level_index" in c.__dict__)
-        name = owner.__dict__.get("_CODES_KERNEL")
+        ``_level_index`` and ``_codes`` the kernel reproduces: a subclass that redefines either gets the torch
+        path."""
+        mro = type(self).__mro__
+        owner = next(c for c in mro if "_level_index" in c.__dict__)
+        codes_owner = next(c for c in mro if "_codes" in c.__dict__)
+        name = owner.__dict__.get("_CODES_KERNEL") if issubclass(owner, codes_owner) else None
         module = kernels.dither(numel) if name else None
         return getattr(module, name) if module is not None else None
 
@@ -468,8 +479,8 @@ class _Dithering(Compressor):
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message (the same
-        float32 addition per entry)."""
-        if self._decode_compiled(fields, out, add=True) is None:
+        float32 addition per entry). A subclass with its own ``decompress`` gets ``out += decompress(...)``."""
+        if not _describes_decompress(self, "accumulate") or self._decode_compiled(fields, out, add=True) is None:
             super().accumulate(fields, slot, step, out)
 
 
@@ -591,7 +602,7 @@ class TernGrad(Compressor):
 
     Speed (CPU): ``compress`` writes x / max|x| into a reused scratch buffer (``clipped``, which
     ``terngrad_shared`` holds across slots, still returns a fresh tensor), and ``_ternary_chunks`` makes p, u
-    and the codes in chunks of ``_CHUNK`` entries with reused scratch, straight into the int64 output. The
+    and the codes in chunks of ``_CHUNK`` entries with reused scratch, straight into the int16 output. The
     draws come chunk by chunk from the same generator, the same numbers in the same order as one whole-tensor
     ``torch.rand``, and every step is the same float32 operation, so the codes are bit-identical to the
     whole-tensor path that other devices run (``_cpu_loop``).
@@ -646,6 +657,8 @@ class TernGrad(Compressor):
 
     def ternary_codes(self, scaled: Tensor, prob: Tensor, slot: Slot, step: int) -> Tensor:
         """2-bit codes (0 = 0, 1 = +s, 2 = −s): entry i kept with probability ``prob[i]``, signed as ``scaled``."""
+        if prob.numel() != scaled.numel():
+            raise ConfigError(f"terngrad: {prob.numel()} probabilities for {scaled.numel()} entries of {slot.name}")
         gen = self._generator(slot, step, scaled.device)
         if _cpu_loop(scaled):
             return _ternary_chunks(scaled.reshape(-1), gen, prob=prob.reshape(-1))
@@ -686,6 +699,7 @@ class TernGrad(Compressor):
         return scale.to(torch.float32).reshape(()) * unit
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-        """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message."""
-        if self._decode_compiled(fields, out, add=True) is None:
+        """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message. A subclass
+        with its own ``decompress`` gets ``out += decompress(...)``."""
+        if not _describes_decompress(self, "accumulate") or self._decode_compiled(fields, out, add=True) is None:
             super().accumulate(fields, slot, step, out)

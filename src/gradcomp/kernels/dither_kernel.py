@@ -3,8 +3,9 @@
 Inputs are what the torch path has at that point: ``y`` = |x_i| / ||x||_p (float32, computed by torch), ``u``
 the chunk's uniform draws (float32, from the method's seeded generator, drawn by torch so that the numbers
 stay the same), ``x`` the entries themselves (for the sign). Each code is sign·2^level_bits + level index, the
-sign only where the index is not 0, written to ``out`` (int64). Every float32 operation is the torch path's,
-in the same order, so the codes are the same bit for bit (tests/test_kernels.py compares them):
+sign only where the index is not 0, written to ``out`` (int16 or int32, as the caller allocates it). Every
+float32 operation is the torch path's, in the same order, so the codes are the same bit for bit
+(tests/test_kernels.py compares them):
 
 ``random_codes(y, u, x, levels, level_bits, out)``: standard dithering, index = floor(y·s) + (u < y·s − floor(y·s)),
 clamped to [0, s].

@@ -10,7 +10,7 @@ multiplication per entry and an exact negation, as the torch paths compute it, s
 out[i] += it (one float32 addition, as ``out += decompress(...)``).
 
 ``scale`` is a one-element float32 array, so the product stays in float32 (a Python float would be float64).
-``codes`` may be any integer dtype (int16 from the wire for widths up to 15, int64 from the compressors).
+``codes`` may be any integer dtype (int16 up to 15 bits, from the wire and from the compressors).
 """
 
 import numpy as np

@@ -264,8 +264,8 @@ class SingleRound(Scheme):
 
     def _encoded(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Tensor:
         """This worker's messages of all slots as one wire buffer. The messages themselves (for a dense method
-        int64 codes, two fp32 gradients' worth) are dropped as soon as they are encoded, not kept alive through
-        the collectives and the decoding that follow."""
+        its codes, int16 for most, half an fp32 gradient's worth) are dropped as soon as they are encoded, not
+        kept alive through the collectives and the decoding that follow."""
         messages = (self.compressor.compress(t, s, step) for s, t in zip(slots, tensors))
         return encode_slots(self.compressor, slots, list(messages))
 
