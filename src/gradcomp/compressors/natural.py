@@ -436,7 +436,8 @@ class _Dithering(Compressor):
                 u = torch.rand(n, generator=gen, device=device) if u_buf is None else u_buf[:n].uniform_(generator=gen)
                 x = flat[start : start + step_size]
                 if compiled is not None:  # one pass, the same float32 operations: the same codes
-                    compiled(y.numpy(), u.numpy(), x.numpy(), self.levels, self.level_bits, codes[start : start + n].numpy())  # noqa: E501
+                    out = codes[start : start + n].numpy()
+                    compiled(y.numpy(), u.numpy(), x.numpy(), self.levels, self.level_bits, out)
                 else:
                     self._codes(y, u, x, codes[start : start + n], cpu)
         if self.norm_codec == "cnat":
@@ -574,9 +575,10 @@ def _ternary_chunks(
     width = min(d, _CHUNK)
     p_buf = workspace("terngrad-p", width, torch.float32)
     u_buf = workspace("terngrad-u", width, torch.float32)
-    keep_buf = workspace("terngrad-keep", width, torch.bool)
-    negative_buf = workspace("terngrad-negative", width, torch.bool)
     module = kernels.dither(d)
+    if module is None:  # the torch operations' scratch
+        keep_buf = workspace("terngrad-keep", width, torch.bool)
+        negative_buf = workspace("terngrad-negative", width, torch.bool)
     for start in range(0, d, _CHUNK):
         piece = scaled[start : start + _CHUNK]
         n = piece.numel()

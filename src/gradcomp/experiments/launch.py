@@ -40,7 +40,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradcomp.errors import GradcompError, Interrupted, WorkerLostError
-from gradcomp.experiments.runner import TrainConfig, run_simulated, run_worker, summarize, worker_threads
+from gradcomp.experiments.runner import (
+    TrainConfig,
+    launched_by_torchrun,
+    run_simulated,
+    run_worker,
+    summarize,
+    worker_threads,
+)
 from gradcomp.transport.dist import DistTransport, bind_device
 
 
@@ -94,10 +101,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _device_for(cfg: TrainConfig, local_rank: int) -> torch.device:

@@ -51,6 +51,11 @@ from gradcomp.transport.sim import SimulatedCluster
 DEFAULT_TIMEOUT_S = 120.0
 
 
+def launched_by_torchrun() -> bool:
+    """Whether this process is one worker of a launch that set RANK and WORLD_SIZE (torchrun, or the like)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 @dataclass
 class TrainConfig:
     compressor: str = "none"
@@ -178,7 +183,7 @@ class TrainConfig:
             raise ConfigError("device cuda asked for, but torch sees no CUDA device")
         if self.simulate:
             return
-        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        launched = launched_by_torchrun()
         if launched:
             text = os.environ.get("LOCAL_WORLD_SIZE")
             if text is None:

@@ -86,11 +86,17 @@ BITPACK_MIN_COUNT = 4097  # above the wire's small-array path (gradcomp.wire.bit
 SIGN_MIN_COUNT = 1 << 22
 
 
+def _worth_it(count: int, minimum: int) -> bool:
+    """Whether a kernel is used for ``count`` entries: kernels enabled, and the array large enough to pay for
+    loading numba or numba already loaded. (``enabled()`` imports numba: asked last.)"""
+    return (count >= minimum or loaded()) and enabled()
+
+
 def bitpack(width: int, count: int):
     """(pack, unpack) kernels for ``count`` values of ``width`` bits, or None (width not covered, kernels
     disabled, or a small array in a process that has not loaded numba)."""
-    if width not in BITPACK_WIDTHS or (count < BITPACK_MIN_COUNT and not loaded()) or not enabled():
-        return None  # (enabled() imports numba: asked last)
+    if width not in BITPACK_WIDTHS or not _worth_it(count, BITPACK_MIN_COUNT):
+        return None
     from gradcomp.kernels.bitpack_generated import KERNELS
 
     return KERNELS[width]
@@ -108,7 +114,7 @@ def cnat() -> ModuleType | None:
 def dither(count: int) -> ModuleType | None:
     """The dithering-codes kernels for a tensor of ``count`` entries, or None (kernels disabled, or fewer than
     ``BITPACK_MIN_COUNT`` entries in a process that has not loaded numba)."""
-    if (count < BITPACK_MIN_COUNT and not loaded()) or not enabled():
+    if not _worth_it(count, BITPACK_MIN_COUNT):
         return None
     from gradcomp.kernels import dither_kernel
 
@@ -118,7 +124,7 @@ def dither(count: int) -> ModuleType | None:
 def lookup(count: int) -> ModuleType | None:
     """The table-lookup decoder for ``count`` codes, or None (kernels disabled, or fewer than
     ``BITPACK_MIN_COUNT`` codes in a process that has not loaded numba)."""
-    if (count < BITPACK_MIN_COUNT and not loaded()) or not enabled():
+    if not _worth_it(count, BITPACK_MIN_COUNT):
         return None
     from gradcomp.kernels import lookup_kernel
 
@@ -128,7 +134,7 @@ def lookup(count: int) -> ModuleType | None:
 def sign(count: int) -> ModuleType | None:
     """The sign-bitmap kernel module for a tensor of ``count`` entries, or None (kernels disabled, or a tensor
     below ``SIGN_MIN_COUNT`` in a process that has not loaded numba)."""
-    if (count < SIGN_MIN_COUNT and not loaded()) or not enabled():
+    if not _worth_it(count, SIGN_MIN_COUNT):
         return None
     from gradcomp.kernels import sign_kernel
 

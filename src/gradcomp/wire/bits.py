@@ -479,7 +479,7 @@ def unpack_bits(buf: torch.Tensor, width: int, count: int) -> torch.Tensor:
         raise WireError(
             f"bit-packed buffer has {buf.numel()} bytes, expected {expected} for {count} values of {width} bits"
         )
-    return _unpack(buf, width, count).to(torch.int64)
+    return _unpack(buf, width, count, torch.int64)
 
 
 def pack_bool(mask: torch.Tensor) -> torch.Tensor:
