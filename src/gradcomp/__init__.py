@@ -6,6 +6,7 @@
     ...; loss.backward(); aggregator.step(); optimizer.step()
 """
 
+from gradcomp.allocator import keep_freed_memory
 from gradcomp.compressors import Compressor, Slot
 from gradcomp.errors import (
     CommunicationError,
@@ -34,5 +35,5 @@ __all__ = [
     "ErrorFeedback",
     "GradcompError", "GradientAggregator", "GradientExchange", "LocalUpdateExchange", "NonFiniteGradientError",
     "SimulatedCluster", "Slot", "Transport", "WireError", "WorkerLostError", "available", "compression_hook",
-    "make", "register", "register_ddp_hook",
+    "keep_freed_memory", "make", "register", "register_ddp_hook",
 ]

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from gradcomp.allocator import keep_freed_memory
 from gradcomp.errors import CommunicationError, GradcompError
 from gradcomp.experiments.runner import DEFAULT_TIMEOUT_S
 from gradcomp.registry import parse_param_strings
@@ -264,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     for subparser in sub.choices.values():
         _show_defaults(subparser)
     args = parser.parse_args(argv)
+    if args.command != "list":
+        keep_freed_memory()  # this process and (through the environment) the workers it starts: allocator.py
     handlers = {"train": _train, "bench": _bench, "sweep": _sweep, "curves": _curves, "race": _race, "list": _list}
     try:
         return handlers[args.command](args)

@@ -79,7 +79,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp import wire
+from gradcomp import allocator, wire
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.countsketch import CountSketch
 from gradcomp.errors import ConfigError
@@ -713,6 +713,7 @@ def run_bench(
         "device": str(dev) + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""),
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
+        "allocator": allocator.state(),
         "loadavg_before": _loadavg(),
         "size": size,
         "repeats": repeats,
@@ -940,6 +941,8 @@ def format_report(result: dict[str, Any]) -> str:
                 "  warning: the machine was busy (load average above the CPU count): timings are noisy, "
                 "prefer the xmemcpy fractions and rerun on a quiet machine"
             )
+    if meta.get("allocator"):
+        lines.append(f"  host allocator: {meta['allocator']}")
     for name, info in meta["inputs"].items():
         lines.append(
             f"  input {name}: {info['numel']:,} elements, {info['description']}; "

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradcomp import allocator
 from gradcomp.experiments.data import Dataset, evaluate, load_dataset
 from gradcomp.experiments.models import build_model
 from gradcomp.experiments.netns import read_wire_counters
@@ -268,6 +269,7 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_bytes": memory.rss,
         "peak_anon_bytes": memory.anon,
         "peak_rss_resettable": memory.resettable,
+        "allocator": allocator.state(),
         "cuda_peak_bytes": memory.cuda if device.type == "cuda" else None,
         "wire_tx_bytes": wire_after[0] - wire_before[0] if wire_before and wire_after else None,
         "wire_rx_bytes": wire_after[1] - wire_before[1] if wire_before and wire_after else None,
@@ -278,6 +280,7 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
+    allocator.keep_freed_memory()  # as the race's process did, unless GRADCOMP_KEEP_FREED_MEMORY=0 (allocator.py)
     code = 0
     try:
         with open(argv[0]) as f:
