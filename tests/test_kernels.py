@@ -442,3 +442,53 @@ def test_compiled_shortcuts_stand_aside_for_a_subclass_s_own_decoding():
     assert torch.equal(total, compressor.decompress(fields, slot, 0))
     with pytest.raises(ConfigError, match="5000 probabilities for 10000 entries"):
         TernGrad().ternary_codes(torch.randn(10_000), torch.rand(5_000), slot, 0)
+
+
+# ---------------------------------------------------------------------------------- random-k's positions
+
+
+@pytest.mark.parametrize(
+    "n, k", [(10_000_000, 100_000), (1 << 20, 4097), (100_000, 24_999), (64 * 1000 + 5, 5000), (4097 * 1024, 4097)]
+)
+def test_random_k_positions_are_those_of_the_sort(n, k, without_kernels):
+    from gradcomp.compressors.sparse import sample_without_replacement
+
+    cpu = torch.device("cpu")
+    assert kernels.sample(n, k) is not None
+    for seed in range(3):
+        compiled = sample_without_replacement(n, k, torch.Generator().manual_seed(seed), cpu)
+        with without_kernels:
+            assert kernels.sample(n, k) is None
+            sorted_path = sample_without_replacement(n, k, torch.Generator().manual_seed(seed), cpu)
+        assert compiled.dtype == torch.int64 and torch.equal(compiled, sorted_path)
+        assert bool((compiled[1:] > compiled[:-1]).all()) and 0 <= int(compiled[0]) and int(compiled[-1]) < n
+
+
+def test_random_k_positions_over_several_rounds_of_draws(monkeypatch, without_kernels):
+    """Rounds far shorter than k, so both paths must draw again and again: the same draws, the same answer."""
+    from gradcomp.compressors import sparse
+
+    def short_rounds(n, k):
+        while True:
+            yield 97
+
+    monkeypatch.setattr(sparse, "_draw_sizes", short_rounds)
+    n, k, cpu = 50_000, 10_000, torch.device("cpu")
+    compiled = sparse.sample_without_replacement(n, k, torch.Generator().manual_seed(5), cpu)
+    with without_kernels:
+        sorted_path = sparse.sample_without_replacement(n, k, torch.Generator().manual_seed(5), cpu)
+    assert torch.equal(compiled, sorted_path) and compiled.numel() == k
+
+
+def test_radix_sort_sorts_keys_of_any_width():
+    sample_kernel = kernels.sample(1 << 20, 1 << 14)
+    rng = np.random.default_rng(0)
+    for bits in (1, 11, 12, 13, 24, 31, 40):
+        keys = rng.integers(0, 1 << bits, size=5000, dtype=np.int64)
+        result = sample_kernel.radix_sort(keys.copy(), np.empty_like(keys), bits)
+        assert np.array_equal(result, np.sort(keys)), bits
+
+
+def test_random_k_kernel_is_kept_for_dense_enough_samples():
+    assert kernels.sample(1024 * 5000, 5000) is not None
+    assert kernels.sample(1024 * 5000 + 1, 5000) is None  # a bitmap of over 1024 bits per position kept

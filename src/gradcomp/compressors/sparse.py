@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradcomp import kernels
 from gradcomp.catalog import register
 from gradcomp.compressors.base import (
     Compressor,
@@ -56,6 +57,7 @@ from gradcomp.compressors.base import (
 )
 from gradcomp.errors import ConfigError
 from gradcomp.wire import Codec, FieldSpec
+from gradcomp.wire.bits import bits_needed
 
 POSITION_CODECS = {"fixed": Codec.POSITIONS, "golomb": Codec.GOLOMB}
 
@@ -118,6 +120,9 @@ def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: tor
     """
     if 4 * k >= n:
         return torch.sort(torch.randperm(n, generator=gen, device=device)[:k]).values
+    marker = kernels.sample(n, k) if device.type == "cpu" else None
+    if marker is not None:
+        return _first_distinct_compiled(marker, n, k, gen)
     draws = torch.empty(0, dtype=torch.int64, device=device)
     rounds = _draw_sizes(n, k)
     while True:
@@ -152,6 +157,20 @@ def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: tor
         cutoff = torch.kthvalue(first_draw, k).values
         values = values[first_draw <= cutoff]
     return values.to(torch.int64)
+
+
+def _first_distinct_compiled(marker, n: int, k: int, gen: torch.Generator) -> Tensor:
+    """``sample_without_replacement``'s positions from the same rounds of draws, found with a bitmap of n bits
+    and a radix sort (kernels/sample_kernel.py) instead of a stable sort of the draws: the same positions."""
+    bitmap = np.zeros((n + 63) // 64, dtype=np.uint64)
+    distinct, scratch = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int64)
+    found = 0
+    for size in _draw_sizes(n, k):
+        draws = torch.randint(n, (size,), generator=gen).numpy()
+        found = marker.mark_first_distinct(draws, bitmap, found, k, distinct)
+        if found == k:
+            break
+    return torch.from_numpy(marker.radix_sort(distinct, scratch, bits_needed(n)))
 
 
 def _draw_sizes(n: int, k: int):

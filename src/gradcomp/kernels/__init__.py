@@ -14,6 +14,9 @@ but five to twenty passes as numpy or torch operations:
   decoded ±values without materialising them (``gradcomp.compressors.sign``);
 - the ditherings' codes (``dither``): level index and sign from |x|/||x|| and the draws, in one pass per
   chunk instead of eight torch operations (``gradcomp.compressors.natural``; the draws stay torch's);
+- random-k's positions (``sample``): the first k distinct values of the draws, found with a bitmap and sorted
+  with a radix sort instead of a stable sort of every draw (``gradcomp.compressors.sparse``; the same draws,
+  the same positions);
 - the ditherings' and TernGrad's receiving side (``lookup``): each code's value from a table of its level's
   float32 value, times the message's scale, signed, into a new tensor or added to a running sum
   (``gradcomp.compressors.natural``).
@@ -43,7 +46,7 @@ import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["enabled", "bitpack", "cnat", "dither", "lookup", "sign", "BITPACK_WIDTHS"]
+__all__ = ["enabled", "bitpack", "cnat", "dither", "lookup", "sample", "sign", "BITPACK_WIDTHS"]
 
 # SplitMix64's increment and mixing constants: C_nat's counter-based random numbers, in the kernel
 # (cnat_kernel) and in torch operations (compressors.natural.uniform23); defined once here, where numba is not
@@ -84,6 +87,7 @@ def loaded() -> bool:
 # a 1M-parameter model: fractions of a millisecond). C_nat always loads it: its kernel is the method's speed.
 BITPACK_MIN_COUNT = 4097  # above the wire's small-array path (gradcomp.wire.bits._SMALL)
 SIGN_MIN_COUNT = 1 << 22
+SAMPLE_MAX_SPREAD = 1024  # random-k's bitmap kernel for densities k / n down to 1 / 1024
 
 
 def _worth_it(count: int, minimum: int) -> bool:
@@ -129,6 +133,17 @@ def lookup(count: int) -> ModuleType | None:
     from gradcomp.kernels import lookup_kernel
 
     return lookup_kernel
+
+
+def sample(n: int, k: int) -> ModuleType | None:
+    """The random-k sampling kernels for k of n positions, or None (kernels disabled, fewer than
+    ``BITPACK_MIN_COUNT`` positions in a process that has not loaded numba, or k below n / ``SAMPLE_MAX_SPREAD``,
+    where the n-bit bitmap would cost more than sorting the few draws)."""
+    if n > SAMPLE_MAX_SPREAD * k or not _worth_it(k, BITPACK_MIN_COUNT):
+        return None
+    from gradcomp.kernels import sample_kernel
+
+    return sample_kernel
 
 
 def sign(count: int) -> ModuleType | None:
