@@ -28,7 +28,8 @@ Speed (issue "make compressors fast enough"; benchmarks/README.md has the number
 sampled threshold with exact selection among the few candidates above it (``topk_positions``, shared with
 sbc, stc and dgc), falling back to ``torch.topk`` wherever it could not vouch for the same set; threshold and
 the candidates' scan run in chunks through reused scratch buffers (``magnitude_candidates``, ``workspace``);
-random-k finds its first k distinct draws with one sort; gathers use ``index_select`` (several times faster
+random-k finds its first k distinct draws with one sort (on the CPU, with a bitmap and a radix sort instead:
+``kernels.sample_kernel``, the same positions); gathers use ``index_select`` (several times faster
 than advanced indexing on the CPU). Every message is bit-identical to what the straightforward torch
 expressions produced before (tests/test_wire_stability.py).
 """
