@@ -52,8 +52,10 @@ def test_freed_blocks_are_reused_without_page_faults():
     default = _run(_FAULTS, "no", env={"GRADCOMP_KEEP_FREED_MEMORY": "0"})
     assert kept["applied"] is True and "kept for reuse" in kept["state"]
     assert default["applied"] is False and "GRADCOMP_KEEP_FREED_MEMORY=0" in default["state"]
+    # 40 MB of fresh pages per round without it (9,766 faults of 4 KiB here; fewer where transparent huge
+    # pages are always on), none with it
     assert kept["faults"] < 100, kept
-    assert default["faults"] > 1000, default  # 40 MB of fresh pages per round: what the setting removes
+    assert default["faults"] > 10 * kept["faults"] + 10, (default, kept)
 
 
 @glibc_only
@@ -68,13 +70,20 @@ def test_the_environment_variable_turns_it_off_and_force_overrides_it():
 
 @glibc_only
 def test_the_gradcomp_command_applies_it_and_bench_reports_it(tmp_path):
-    code = (
-        "import json, sys; from gradcomp import allocator; from gradcomp.cli import main; "
-        "main(['bench', '--size', '4096', '--repeats', '1', '--compressors', 'fp16', '--no-model', '--quiet', "
-        f"'--json', {str(tmp_path / 'b.json')!r}]); print(json.dumps({{'state': allocator.state()}}))"
+    """``gradcomp`` (cli.run) applies it and bench records it; main() called in a process of one's own does not
+    touch that process's allocator."""
+    argv = ["bench", "--size", "4096", "--repeats", "1", "--compressors", "fp16", "--no-model", "--quiet", "--json"]
+    off = {"GRADCOMP_KEEP_FREED_MEMORY": "0"}
+    for env, expected in (({}, "kept for reuse"), (off, "GRADCOMP_KEEP_FREED_MEMORY=0")):
+        path = tmp_path / "b.json"
+        subprocess.run([sys.executable, "-m", "gradcomp.cli", *argv, str(path)], check=True, timeout=120,
+                       env={**os.environ, **env}, capture_output=True)
+        with open(path) as f:
+            assert expected in json.load(f)["meta"]["allocator"]
+    in_process = (
+        "import json; from gradcomp import allocator; from gradcomp.cli import main; "
+        f"main({[*argv, str(tmp_path / 'c.json')]!r}); print(json.dumps({{'state': allocator.state()}}))"
     )
-    for env, expected in (({}, "kept for reuse"), ({"GRADCOMP_KEEP_FREED_MEMORY": "0"}, "allocator defaults")):
-        state = _run(code, env=env)["state"]
-        assert expected in state
-        with open(tmp_path / "b.json") as f:
-            assert json.load(f)["meta"]["allocator"] == state
+    assert "never asked" in _run(in_process)["state"]
+    with open(tmp_path / "c.json") as f:
+        assert "never asked" in json.load(f)["meta"]["allocator"]

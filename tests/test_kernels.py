@@ -262,6 +262,8 @@ def test_sign_bits_are_packbits_of_the_negative_mask(n, dtype):
     negatives = kernels.sign(1 << 22).sign_bits(x.numpy(), out)
     assert np.array_equal(out, np.packbits(x.numpy() < 0, bitorder="little"))  # padding bits 0 as well
     assert negatives == int((x < 0).sum())
+    longer = np.full((n + 7) // 8 + 3, 0xFF, dtype=np.uint8)  # bytes past the bitmap are not counted
+    assert kernels.sign(1 << 22).sign_bits(x.numpy(), longer) == negatives
 
 
 @pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "onebit"])

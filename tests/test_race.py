@@ -326,6 +326,8 @@ def test_tiny_race_writes_table_and_json(tmp_path, capsys, no_leftovers):
         times = [t for _, t, _ in m["curve"]]
         assert 0 < times[0] <= times[1] and m["median_step_s"] > 0 and m["compute_only_step_s"] > 0
         assert len(m["peak_rss_bytes"]) == 2 and min(m["peak_rss_bytes"]) > 0
+        assert len(m["allocator"]) == 1  # both workers, the same setting (gradcomp.allocator)
+    assert f"Host allocator in the workers: {result['methods'][0]['allocator'][0]}" in result["table"]
     rec = {m["label"]: m for m in result["methods"]}
     assert rec["topk:density=0.1,feedback=residual"]["payload_up_bytes_per_step"] > 0
     assert rec["torch-fp32"]["payload_up_bytes_per_step"] is None  # torch's hooks bypass gradcomp's counters

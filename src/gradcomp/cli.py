@@ -265,8 +265,6 @@ def main(argv: list[str] | None = None) -> int:
     for subparser in sub.choices.values():
         _show_defaults(subparser)
     args = parser.parse_args(argv)
-    if args.command != "list":
-        keep_freed_memory()  # this process and (through the environment) the workers it starts: allocator.py
     handlers = {"train": _train, "bench": _bench, "sweep": _sweep, "curves": _curves, "race": _race, "list": _list}
     try:
         return handlers[args.command](args)
@@ -291,6 +289,10 @@ def run() -> None:
 
     from gradcomp.experiments.launch import launched_by_torchrun
 
+    # The command's own process keeps freed memory for reuse (allocator.py); the workers it starts apply the
+    # same setting themselves, unless GRADCOMP_KEEP_FREED_MEMORY=0. Not in main(): a caller of main() in its
+    # own process (a notebook, the tests) keeps its allocator as it was.
+    keep_freed_memory()
     code = main()
     if launched_by_torchrun():
         sys.stdout.flush()

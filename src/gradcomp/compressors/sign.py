@@ -169,9 +169,9 @@ def _pack(flat: Tensor, count: bool = False, before=None) -> tuple[Tensor, Tenso
     Works through chunks with small scratch buffers: d-sized temporaries would cost page faults (on CPU a
     fresh 40 MB tensor takes several times as long as the arithmetic on it). On the CPU the compiled kernel
     (``gradcomp.kernels.sign_kernel``) packs the whole tensor in one pass and counts the bitmap's set bits
-    afterwards (chunk by chunk of 2^18 entries when ``before`` is given); without it numpy does each chunk in two calls, the comparison
-    into a reused bool buffer and ``np.packbits`` (LSB first: the same bytes); elsewhere the torch word
-    arithmetic of ``_pack_into``, in chunks of 2^20 entries.
+    afterwards (chunk by chunk of 2^18 entries when ``before`` is given); without it numpy does each chunk
+    in two calls, the comparison into a reused bool buffer and ``np.packbits`` (LSB first: the same bytes);
+    elsewhere the torch word arithmetic of ``_pack_into``, in chunks of 2^20 entries.
     """
     d = flat.numel()
     out = torch.empty(packed_count(d), dtype=torch.uint8, device=flat.device)

@@ -468,6 +468,7 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
         "peak_rss_bytes": [w["peak_rss_bytes"] for w in workers],
         "peak_anon_bytes": [w["peak_anon_bytes"] for w in workers],
         "peak_rss_training_only": all(w["peak_rss_resettable"] for w in workers),
+        "allocator": sorted({w.get("allocator") or "not recorded" for w in workers}),
         "cuda_peak_bytes": max(cuda) if cuda else None,
         "wire_tx_bytes_per_step": statistics.mean(wire_tx) / steps if wire_tx else None,
         # what gradcomp's transport was handed (payload + control, no padding), as `gradcomp train` reports it
@@ -630,6 +631,9 @@ def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             )
         lines.append(line)
     out = "\n".join(lines) + "\n"
+    allocators = sorted({a for r in records for a in r.get("allocator") or []})
+    if allocators:
+        out += f"\nHost allocator in the workers: {'; '.join(allocators)}\n"
     if summary["fp32_ideal_s"]:
         out += (f"\nfp32 with free communication (fp32 DDP's steps to target × its compute-only step): "
                 f"{_secs(summary['fp32_ideal_s'])} s\n")

@@ -29,7 +29,7 @@ def sign_bits(x, out):
         for j in range(x.size - whole * 8):
             byte |= np.int32(x[whole * 8 + j] < 0) << j
         out[whole] = np.uint8(byte)
-    return _count_set_bits(out)
+    return _count_set_bits(out[: (x.size + 7) // 8])  # the bytes written, not what else ``out`` may hold
 
 
 @njit(cache=True, nogil=True)
