@@ -15,7 +15,12 @@ What: :func:`keep_freed_memory` asks glibc (``mallopt``) to serve every block fr
 block is reused by the next allocation of its size, as torch's CUDA caching allocator does on the GPU and as
 jemalloc/tcmalloc (PyTorch's CPU performance guide recommends them) do on the host. The price: the resident
 set stays at the process's peak instead of shrinking between steps (the race's peak-memory columns measure
-it), and the heap can fragment. It is a process-wide setting, so the library never applies it on import:
+it), and the heap fragments until it has holes of every size a step asks for. ``python
+benchmarks/allocator_reuse.py`` encodes and decodes one 40 MB fp32 message in a loop (two buffers of slightly
+different sizes per round): the first rounds still fault while the heap grows, then none do; 15 ms per round
+against 48 ms with glibc's defaults, for a resident set of 418 MiB against 304 MiB. The same loop keeping the
+previous round's buffers alive while it allocates the next (as the bench does) settled at 608 against 341
+MiB: the heap holds as many buffers as are ever alive at once, plus the holes left between them. It is a process-wide setting, so the library never applies it on import:
 gradcomp's own processes do (the ``gradcomp`` command, ``cli.run``, and every worker it starts, each applying
 it itself) unless ``GRADCOMP_KEEP_FREED_MEMORY=0``; a user's own training script may call it once at start.
 
