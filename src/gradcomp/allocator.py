@@ -20,7 +20,9 @@ benchmarks/allocator_reuse.py`` encodes and decodes one 40 MB fp32 message in a 
 different sizes per round): the first rounds still fault while the heap grows, then none do; 15 ms per round
 against 48 ms with glibc's defaults, for a resident set of 418 MiB against 304 MiB. The same loop keeping the
 previous round's buffers alive while it allocates the next (as the bench does) settled at 608 against 341
-MiB: the heap holds as many buffers as are ever alive at once, plus the holes left between them. It is a process-wide setting, so the library never applies it on import:
+MiB: the heap holds as many buffers as are ever alive at once, plus the holes left between them.
+
+It is a process-wide setting, so the library never applies it on import:
 gradcomp's own processes do (the ``gradcomp`` command, ``cli.run``, and every worker it starts, each applying
 it itself) unless ``GRADCOMP_KEEP_FREED_MEMORY=0``; a user's own training script may call it once at start.
 
