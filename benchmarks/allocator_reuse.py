@@ -7,6 +7,7 @@ the minor page faults per round, the milliseconds per round and the resident set
 
     python benchmarks/allocator_reuse.py                 # 10M entries (40 MB), 60 rounds
     python benchmarks/allocator_reuse.py --size 1000000
+    python benchmarks/allocator_reuse.py --keep-previous # the last round's buffers alive during the next
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import time
 
 
-def _loop(size: int, rounds: int, block: int) -> None:
+def _loop(size: int, rounds: int, block: int, keep_previous: bool) -> None:
     import torch
 
     from gradcomp import allocator, registry, wire
@@ -32,9 +33,11 @@ def _loop(size: int, rounds: int, block: int) -> None:
     specs = compressor.specs(slot)
     print(f"{allocator.state()}")
     faults, started = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+    alive: list = []  # with --keep-previous: the last round's buffers, alive while the next round allocates
     for i in range(1, rounds + 1):
         message = wire.encode(fields, specs)
-        wire.decode(message, specs)
+        decoded = wire.decode(message, specs)
+        alive[:] = [(message, decoded)] if keep_previous else []
         if i % block == 0:
             now_faults, now = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
             with open("/proc/self/statm") as f:
@@ -49,16 +52,18 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=10_000_000, help="fp32 entries of the message")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--block", type=int, default=10, help="rounds per printed line")
+    parser.add_argument("--keep-previous", action="store_true",
+                        help="keep each round's buffers alive until the next round's exist (as gradcomp bench does)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _loop(args.size, args.rounds, args.block)
+        _loop(args.size, args.rounds, args.block, args.keep_previous)
         return 0
     for setting in ("0", "1"):
         print(f"GRADCOMP_KEEP_FREED_MEMORY={setting}:", flush=True)
         subprocess.run(
             [sys.executable, __file__, "--child", "--size", str(args.size), "--rounds", str(args.rounds),
-             "--block", str(args.block)],
+             "--block", str(args.block), *(["--keep-previous"] if args.keep_previous else [])],
             env={**os.environ, "GRADCOMP_KEEP_FREED_MEMORY": setting}, check=True,
         )
     return 0

@@ -17,10 +17,11 @@ jemalloc/tcmalloc (PyTorch's CPU performance guide recommends them) do on the ho
 set stays at the process's peak instead of shrinking between steps (the race's peak-memory columns measure
 it), and the heap fragments until it has holes of every size a step asks for. ``python
 benchmarks/allocator_reuse.py`` encodes and decodes one 40 MB fp32 message in a loop (two buffers of slightly
-different sizes per round): the first rounds still fault while the heap grows, then none do; 15 ms per round
-against 48 ms with glibc's defaults, for a resident set of 418 MiB against 304 MiB. The same loop keeping the
-previous round's buffers alive while it allocates the next (as the bench does) settled at 608 against 341
-MiB: the heap holds as many buffers as are ever alive at once, plus the holes left between them.
+different sizes per round): the first 10-20 rounds still fault while the heap grows, then none do; 14-15 ms
+per round against 48 ms with glibc's defaults, for a resident set of 418-608 MiB against 304-341 MiB (two
+runs: how the heap settles varies). With ``--keep-previous`` (the last round's buffers alive while the next
+are allocated, as in the bench) it settled at 685-723 MiB against 342 MiB: the heap holds as many buffers as
+are ever alive at once, plus the holes left between them.
 
 It is a process-wide setting, so the library never applies it on import:
 gradcomp's own processes do (the ``gradcomp`` command, ``cli.run``, and every worker it starts, each applying
