@@ -132,7 +132,7 @@ def _spawned_worker(rank: int, cfg: TrainConfig, port: int, launcher_pid: int, s
     # multiprocessing's resource tracker would print a warning after the launcher's last line. One process
     # draws the bar: a thread lock is enough.
     tqdm.set_lock(threading.RLock())
-    keep_freed_memory()  # as the launcher's process did, unless GRADCOMP_KEEP_FREED_MEMORY=0
+    keep_freed_memory()  # a process of gradcomp's own: unless GRADCOMP_KEEP_FREED_MEMORY=0 (allocator.py)
     torch.set_num_threads(worker_threads(cfg.workers))
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     device = _device_for(cfg, rank)

@@ -280,7 +280,7 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
-    allocator.keep_freed_memory()  # as the race's process did, unless GRADCOMP_KEEP_FREED_MEMORY=0 (allocator.py)
+    allocator.keep_freed_memory()  # a process of gradcomp's own: unless GRADCOMP_KEEP_FREED_MEMORY=0 (allocator.py)
     code = 0
     try:
         with open(argv[0]) as f:
