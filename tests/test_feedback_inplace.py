@@ -513,3 +513,35 @@ def test_gathered_exchange_drops_its_messages_once_encoded():
 
         (peak,) = cluster.run(step)
     assert peak < 5 * (4 * d), f"peak {peak / (4 * d):.2f} fp32 gradients"
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
+def test_the_chunked_sign_methods_add_the_residual_chunk_by_chunk(name, monkeypatch):
+    """Their compress_sum hands r += x to the chunk loop (one pass fewer over memory); the bits are those of
+    the out-of-place formula (the tests above), and a subclass with its own compress gets the generic route."""
+    from gradcomp.compressors import sign
+
+    calls = []
+    chunked = sign._signs_and_sums
+
+    def spy(flat, maps, signs=True, count=False, before=None):
+        calls.append(before is not None)
+        return chunked(flat, maps, signs=signs, count=count, before=before)
+
+    monkeypatch.setattr(sign, "_signs_and_sums", spy)
+    d = (1 << 20) + 4099
+    slot, xs = Slot("w", 0, d), _inputs(d, 3, seed=3)
+    ef = gradcomp.make(name, error_feedback=True)
+    ef.compress(xs[0], slot, 0)  # the first step copies x into a new residual: nothing to add
+    ef.compress(xs[1], slot, 1)
+    assert calls == [False, True]
+
+    class OwnCompress(type(ef.inner)):
+        def compress(self, x, slot, step):
+            return super().compress(x, slot, step)
+
+    calls.clear()
+    own = gradcomp.ErrorFeedback(OwnCompress())
+    own.compress(xs[0], slot, 0)
+    own.compress(xs[1], slot, 1)
+    assert calls == [False, False]

@@ -140,6 +140,14 @@ class Compressor(ABC):
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         """Compress the flat float tensor ``x`` (``x.numel() == slot.numel``) into message fields."""
 
+    def compress_sum(self, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
+        """``into += x`` in place (``torch.add(x, into, out=into)``: x's operand first), then ``compress(into)``:
+        error feedback's a = x + r, m = C(a). ``x`` and ``into`` are flat float32 tensors of the slot's size,
+        ``into`` contiguous. A compressor that reads its input in chunks may add each chunk just before reading
+        it, while it is in cache (the same elementwise sums). Callers go through :func:`compress_sum`."""
+        torch.add(x, into, out=into)
+        return self.compress(into, slot, step)
+
     @abstractmethod
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         """The dense flat float32 tensor a message stands for. Pure: never changes the compressor's state."""
@@ -204,14 +212,15 @@ class Compressor(ABC):
 # -------------------------------------------------------------------- what was sent, for in-place feedback
 
 
-def _describes_decompress(compressor: Compressor, method: str) -> bool:
-    """Whether ``compressor``'s ``method`` was written for the ``decompress`` it runs: the class that defines
-    the method is the one that defines ``decompress``, or a subclass of it. A subclass that decodes differently
-    but inherits a shortcut written for its parent's decoding gets the generic route, not a wrong shortcut."""
+def _describes_decompress(compressor: Compressor, method: str, of: str = "decompress") -> bool:
+    """Whether ``compressor``'s ``method`` was written for the ``decompress`` (or other method ``of``) it runs:
+    the class that defines the method is the one that defines ``of``, or a subclass of it. A subclass that
+    decodes (or compresses) differently but inherits a shortcut written for its parent's gets the generic
+    route, not a wrong shortcut."""
     mro = type(compressor).__mro__
     owner = next(c for c in mro if method in c.__dict__)
-    decoder = next(c for c in mro if "decompress" in c.__dict__)
-    return issubclass(owner, decoder)
+    definer = next(c for c in mro if of in c.__dict__)
+    return issubclass(owner, definer)
 
 
 _DECODING = ("decompress", "accumulate", "aggregate", "_decode_values")  # what a tally must agree with
@@ -245,6 +254,14 @@ def subtract_sent(compressor: Compressor, fields: Fields, slot: Slot, step: int,
         compressor.subtract_sent(fields, slot, step, out)
     else:
         Compressor.subtract_sent(compressor, fields, slot, step, out)
+
+
+def compress_sum(compressor: Compressor, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
+    """``into += x``, then ``compressor.compress(into, ...)``, by the compressor's own fused route where it was
+    written for its ``compress`` (see ``Compressor.compress_sum``)."""
+    if _describes_decompress(compressor, "compress_sum", of="compress"):
+        return compressor.compress_sum(x, into, slot, step)
+    return Compressor.compress_sum(compressor, x, into, slot, step)
 
 
 def subtract_at(out: Tensor, positions: Tensor, values: Tensor) -> None:

@@ -533,16 +533,22 @@ def _chunked_sums(flat: Tensor, *maps) -> Tensor:
 
 
 def _signs_and_sums(
-    flat: Tensor, maps, signs: bool = True, count: bool = False
+    flat: Tensor, maps, signs: bool = True, count: bool = False, before=None
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """(``_chunked_sums(flat, *maps)``, the sign bitmap ``pack_signs(flat)``, its count of negative entries):
     one pass over ``flat`` instead of two on the CPU, each 2^20-entry chunk packed while it is in cache.
 
     The sums are those of ``_chunked_sums`` bit for bit: the same chunks, the same float32 ``sum`` of each
     mapped chunk, the same float64 total. The scratch buffer is reused across calls (``workspace``).
+    ``before(start, end)``, if given, updates ``flat[start:end]`` in place just before that chunk is read (error
+    feedback's r += x, ``_Sign.compress_sum``); where the chunks are not read in one pass, it runs on the whole
+    tensor first.
     """
     d = flat.numel()
     fused = signs and _numpy_path(flat)
+    if before is not None and not fused:
+        before(0, d)
+        before = None
     packed = negatives = None
     if signs and not fused:
         packed, negatives = _pack(flat, count)
@@ -559,6 +565,8 @@ def _signs_and_sums(
     parts = []
     for start in range(0, d, _CHUNK):
         piece = flat[start : start + _CHUNK]
+        if before is not None:
+            before(start, start + piece.numel())
         out = scratch[: piece.numel()]
         parts.append(torch.stack([m(piece, out=out).sum() for m in maps]))
         if fused:
@@ -584,8 +592,31 @@ def _finite_or_f64(values: Tensor, recompute) -> Tensor:
     return recompute()
 
 
+class _ChunkedSign(_Sign):
+    """EF-signSGD and 1-bit SGD: their compress reads the input chunk by chunk (``_signs_and_sums``), so error
+    feedback's r += x is done chunk by chunk too, each chunk just before it is read (``compress_sum``): the
+    same sums, one pass over the residual fewer from memory."""
+
+    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        return self._compress(_f32(x))
+
+    def _compress(self, flat: Tensor, before=None) -> Fields:
+        """The fields for the flat float32 ``flat``; ``before`` as ``_signs_and_sums`` takes it."""
+        raise NotImplementedError
+
+    def compress_sum(self, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
+        if not (_numpy_path(into) and into.dtype == x.dtype == torch.float32 and into.dim() == 1
+                and into.is_contiguous() and x.shape == into.shape):
+            return super().compress_sum(x, into, slot, step)
+
+        def add(start: int, end: int) -> None:  # x + r, the operands in error feedback's order
+            torch.add(x[start:end], into[start:end], out=into[start:end])
+
+        return self._compress(into, before=add)
+
+
 @register
-class EFSignSGD(_Sign):
+class EFSignSGD(_ChunkedSign):
     """EF-signSGD: send sign(p) and one fp32 scale ||p||_1 / d, p = g + residual; mean aggregation.
 
     Error feedback is on by default (``make`` wraps it in ErrorFeedback). Learning rate: the scale keeps
@@ -599,12 +630,11 @@ class EFSignSGD(_Sign):
     def specs(self, slot: Slot) -> list[FieldSpec]:
         return [_sign_spec(slot), FieldSpec(Codec.F32, count=1)]
 
-    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        flat = _f32(x)
+    def _compress(self, flat: Tensor, before=None) -> Fields:
         d = flat.numel()
         if d == 0:
             return [torch.zeros(0, dtype=torch.uint8, device=flat.device), torch.zeros(1, device=flat.device)]
-        sums, packed, _ = _signs_and_sums(flat, (torch.abs,))
+        sums, packed, _ = _signs_and_sums(flat, (torch.abs,), before=before)
         scale = (sums / d).to(torch.float32)
         scale = _finite_or_f64(scale, lambda: (flat.double().abs().sum() / d).to(torch.float32).reshape(1))
         return [packed, scale]
@@ -615,7 +645,7 @@ class EFSignSGD(_Sign):
 
 
 @register
-class OneBit(_Sign):
+class OneBit(_ChunkedSign):
     """1-bit SGD: sign bit plus two fp32 values, the mean of the entries >= 0 and of the entries < 0.
 
     Error feedback is on by default. Learning rate: the two means keep the gradient's magnitude, so the
@@ -629,12 +659,11 @@ class OneBit(_Sign):
     def specs(self, slot: Slot) -> list[FieldSpec]:
         return [_sign_spec(slot), FieldSpec(Codec.F32, count=2)]
 
-    def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        flat = _f32(x)
+    def _compress(self, flat: Tensor, before=None) -> Fields:
         d = flat.numel()
         if d == 0:
             return [torch.zeros(0, dtype=torch.uint8, device=flat.device), torch.zeros(2, device=flat.device)]
-        sums, packed, n_negative = _signs_and_sums(flat, (_nonnegative, _negative), count=True)
+        sums, packed, n_negative = _signs_and_sums(flat, (_nonnegative, _negative), count=True, before=before)
         n_negative = n_negative.double()
         counts = torch.stack([(d - n_negative).clamp(min=1), n_negative.clamp(min=1)])  # an empty side sums to 0
         means = (sums / counts).to(torch.float32)
