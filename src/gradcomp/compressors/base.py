@@ -212,7 +212,7 @@ class Compressor(ABC):
 # -------------------------------------------------------------------- what was sent, for in-place feedback
 
 
-def _describes_decompress(compressor: Compressor, method: str, of: str = "decompress") -> bool:
+def _written_for(compressor: Compressor, method: str, of: str = "decompress") -> bool:
     """Whether ``compressor``'s ``method`` was written for the ``decompress`` (or other method ``of``) it runs:
     the class that defines the method is the one that defines ``of``, or a subclass of it. A subclass that
     decodes (or compresses) differently but inherits a shortcut written for its parent's gets the generic
@@ -242,7 +242,7 @@ def new_tally(compressor: Compressor, slot: Slot, device: torch.device) -> Tally
 
 def sent_entries(compressor: Compressor, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:
     """``compressor.sent_entries(...)`` where it was written for the compressor's ``decompress``, else None."""
-    if not _describes_decompress(compressor, "sent_entries"):
+    if not _written_for(compressor, "sent_entries"):
         return None
     return compressor.sent_entries(fields, slot, step)
 
@@ -250,7 +250,7 @@ def sent_entries(compressor: Compressor, fields: Fields, slot: Slot, step: int) 
 def subtract_sent(compressor: Compressor, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
     """``out -= compressor.decompress(fields, slot, step)`` in place, by the compressor's own shortcut where it
     was written for its ``decompress`` (see ``Compressor.subtract_sent``)."""
-    if _describes_decompress(compressor, "subtract_sent"):
+    if _written_for(compressor, "subtract_sent"):
         compressor.subtract_sent(fields, slot, step, out)
     else:
         Compressor.subtract_sent(compressor, fields, slot, step, out)
@@ -259,7 +259,7 @@ def subtract_sent(compressor: Compressor, fields: Fields, slot: Slot, step: int,
 def compress_sum(compressor: Compressor, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
     """``into += x``, then ``compressor.compress(into, ...)``, by the compressor's own fused route where it was
     written for its ``compress`` (see ``Compressor.compress_sum``)."""
-    if _describes_decompress(compressor, "compress_sum", of="compress"):
+    if _written_for(compressor, "compress_sum", of="compress"):
         return compressor.compress_sum(x, into, slot, step)
     return Compressor.compress_sum(compressor, x, into, slot, step)
 

@@ -111,7 +111,7 @@ from gradcomp.compressors.base import (
     Compressor,
     Fields,
     Slot,
-    _describes_decompress,
+    _written_for,
     check_int,
     shared_generator,
     shared_seed,
@@ -481,7 +481,7 @@ class _Dithering(Compressor):
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message (the same
         float32 addition per entry). A subclass with its own ``decompress`` gets ``out += decompress(...)``."""
-        if not _describes_decompress(self, "accumulate") or self._decode_compiled(fields, out, add=True) is None:
+        if not _written_for(self, "accumulate") or self._decode_compiled(fields, out, add=True) is None:
             super().accumulate(fields, slot, step, out)
 
 
@@ -703,5 +703,5 @@ class TernGrad(Compressor):
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message. A subclass
         with its own ``decompress`` gets ``out += decompress(...)``."""
-        if not _describes_decompress(self, "accumulate") or self._decode_compiled(fields, out, add=True) is None:
+        if not _written_for(self, "accumulate") or self._decode_compiled(fields, out, add=True) is None:
             super().accumulate(fields, slot, step, out)
