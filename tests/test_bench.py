@@ -341,10 +341,72 @@ def test_cpu_targets_are_not_applied_to_a_gpu_run():
     # a GPU's memcpy runs at TB/s: the CPU's fractions mean nothing there
     result = _targeted("cuda:0 (NVIDIA H100 80GB HBM3)")
     assert all(r["target"] is None and r["target_met"] is None for r in result["rows"])
-    assert result["meta"]["targets"] == {"met": [], "missed": []}
+    assert result["meta"]["targets"] == {"met": [], "missed": [], "missed_beside": []}
 
 
 def test_the_report_says_why_a_gpu_run_has_no_targets(result):
     gpu = {"meta": dict(result["meta"], device="cuda:0 (NVIDIA H100 80GB HBM3)"), "rows": result["rows"]}
     report = bench.format_report(bench.apply_targets(gpu))
     assert "targets: none checked (they are set for the CPU; this ran on cuda:0 (NVIDIA H100 80GB HBM3))" in report
+
+
+def test_targets_are_also_judged_against_the_copy_timed_beside_each_row():
+    result = _targeted("cpu")
+    for row, beside in zip(result["rows"], (2.7, 1.2, 1.0)):
+        row["compress_encode_vs_memcpy_beside"] = beside
+    bench.apply_targets(result)
+    fp16, randomk, none = result["rows"]
+    assert (fp16["target_met_beside"], randomk["target_met_beside"], none["target_met_beside"]) == (True, False, None)
+    assert result["meta"]["targets"]["missed_beside"] == ["randomk [s] 1.2 vs 1.3"]
+    assert fp16["target_met"] is False  # the met column keeps the run's memcpy row as its reference
+
+
+def _scripted_faults(monkeypatch, per_round):
+    """Make bench._minor_faults report ``per_round[i]`` faults in round i (0 after the script ends)."""
+    calls = {"n": 0, "total": 0}
+
+    def fake() -> int:
+        n = calls["n"]
+        calls["n"] += 1
+        if n % 2 == 1:  # the call after a round's timed parts
+            calls["total"] += per_round[n // 2] if n // 2 < len(per_round) else 0
+        return calls["total"]
+
+    monkeypatch.setattr(bench, "_minor_faults", fake)
+
+
+def _one_row(compressor="fp16", repeats=3):
+    res = bench.run_bench(size=N, repeats=repeats, compressors=[compressor], inputs=["synthetic"])
+    return res, res["rows"][1]
+
+
+def test_warm_up_runs_until_a_round_takes_no_page_fault(monkeypatch):
+    _scripted_faults(monkeypatch, [7, 5, 2, 0, 4, 0])
+    _, row = _one_row(repeats=3)
+    # rounds 1-3 warm up (the first always; then while faulting); round 4 is the first repeat, and a repeat
+    # that faults (round 5) is kept: the warm-up is over
+    assert row["warmup_rounds"] == 3
+    assert row["minor_faults_per_repeat"] == 0  # median of 0, 4, 0
+
+
+def test_warm_up_gives_up_after_its_limit_and_the_report_names_the_row(monkeypatch):
+    _scripted_faults(monkeypatch, [9] * 100)
+    res, row = _one_row(repeats=3)
+    assert row["warmup_rounds"] == bench.MAX_WARMUP_ROUNDS
+    assert row["minor_faults_per_repeat"] == 9
+    expected = "still taking page faults after the warm-up (median per repeat): fp16 [defaults] 9"
+    assert expected in bench.format_report(res)
+
+
+def test_one_warm_up_round_when_nothing_faults(monkeypatch):
+    _scripted_faults(monkeypatch, [])
+    _, row = _one_row(repeats=2)
+    assert row["warmup_rounds"] == 1 and row["minor_faults_per_repeat"] == 0
+
+
+def test_each_row_has_a_copy_timed_beside_it():
+    res, row = _one_row("topk", repeats=3)
+    assert row["memcpy_beside_s"] > 0
+    assert row["compress_encode_vs_memcpy_beside"] == pytest.approx(row["memcpy_beside_s"] / row["compress_encode_s"])
+    report = bench.format_report(res)
+    assert "xbeside" in report and "copies timed beside the rows:" in report
