@@ -37,12 +37,27 @@ def run_once(bench_args: list[str], json_path: Path) -> dict:
     return json.loads(json_path.read_text())
 
 
+TARGET_INPUT = "synthetic"  # the bench's targets apply to this input only
+
+
 def summarise(runs: list[dict]) -> str:
-    """A markdown summary of several bench results over the same rows."""
+    """A markdown summary of several bench results over the same rows (the targets' input only)."""
+    per_run = []
+    for i, run in enumerate(runs, 1):
+        rows = [r for r in run["rows"] if r["input"] == TARGET_INPUT]
+        if not any(r["compressor"] == "memcpy" for r in rows):
+            raise SystemExit(f"run {i} has no {TARGET_INPUT} input: the targets apply to it alone")
+        if not any(r.get("memcpy_beside_s") for r in rows):
+            raise SystemExit(f"run {i} has no copies timed beside its rows (a bench from before they existed?)")
+        per_run.append(rows)
+    keys = [(r["compressor"], r["setting"]) for r in per_run[0]]
+    for i, rows in enumerate(per_run[1:], 2):
+        if [(r["compressor"], r["setting"]) for r in rows] != keys:
+            raise SystemExit(f"run {i} does not have the rows of run 1 in the same order")
     lines = [f"{len(runs)} runs of `gradcomp bench`; fractions of memcpy for compress+encode.", ""]
-    batched = [next(r for r in run["rows"] if r["compressor"] == "memcpy")["compress_encode_s"] for run in runs]
-    beside = [statistics.median(r["memcpy_beside_s"] for r in run["rows"] if r.get("memcpy_beside_s")) for run in runs]
-    numel = runs[0]["rows"][0]["numel"]
+    batched = [next(r for r in rows if r["compressor"] == "memcpy")["compress_encode_s"] for rows in per_run]
+    beside = [statistics.median(r["memcpy_beside_s"] for r in rows if r.get("memcpy_beside_s")) for rows in per_run]
+    numel = per_run[0][0]["numel"]
     lines.append(f"Reference copies of the {4 * numel / 1e6:g} MB input, ms per run:")
     lines.append("")
     lines.append("| run | batched copies (the memcpy row) | median copy beside the rows |")
@@ -50,17 +65,16 @@ def summarise(runs: list[dict]) -> str:
     for i, (a, b) in enumerate(zip(batched, beside), 1):
         lines.append(f"| {i} | {1e3 * a:.2f} | {1e3 * b:.2f} |")
     lines.append("")
+    targeted = [i for i, r in enumerate(per_run[0]) if r.get("target") is not None]
+    if not targeted:
+        lines.append("No row has a target (they apply to the synthetic input at the default --size, on the CPU).")
+        return "\n".join(lines)
     header = "| row | target | xmemcpy median (min-max) | met | xbeside median (min-max) | met |"
     lines += [header, "|---|---:|---:|---|---:|---|"]
     met = {"xmemcpy": 0, "xbeside": 0}
-    total = 0
-    for index, row in enumerate(runs[0]["rows"]):
-        if row.get("target") is None:
-            continue
-        same = [run["rows"][index] for run in runs]
-        if any((r["compressor"], r["setting"]) != (row["compressor"], row["setting"]) for r in same):
-            raise SystemExit("the runs do not have the same rows in the same order")
-        total += 1
+    for index in targeted:
+        row = per_run[0][index]
+        same = [rows[index] for rows in per_run]
         cells = [f"{row['compressor']} [{row['setting']}]", f"{row['target']:.3g}"]
         for key, name in (("compress_encode_vs_memcpy", "xmemcpy"), ("compress_encode_vs_memcpy_beside", "xbeside")):
             values = [r[key] for r in same]
@@ -71,8 +85,8 @@ def summarise(runs: list[dict]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        f"At the median of the runs: {met['xmemcpy']} of {total} met against the batched copy, "
-        f"{met['xbeside']} of {total} against the copy beside each row.",
+        f"At the median of the runs: {met['xmemcpy']} of {len(targeted)} met against the batched copy, "
+        f"{met['xbeside']} of {len(targeted)} against the copy beside each row.",
     ]
     return "\n".join(lines)
 

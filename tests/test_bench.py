@@ -359,6 +359,28 @@ def test_targets_are_also_judged_against_the_copy_timed_beside_each_row():
     assert (fp16["target_met_beside"], randomk["target_met_beside"], none["target_met_beside"]) == (True, False, None)
     assert result["meta"]["targets"]["missed_beside"] == ["randomk [s] 1.2 vs 1.3"]
     assert fp16["target_met"] is False  # the met column keeps the run's memcpy row as its reference
+    result["meta"].update(
+        torch="t",
+        threads=1,
+        repeats=1,
+        cpus=2,
+        seconds=0.0,
+        memcpy_gbps={"synthetic": 10.0},
+        inputs={"synthetic": {"numel": bench.TARGET_SIZE, "description": "d"}},
+    )
+    for row in result["rows"]:
+        row.update(
+            setting="s",
+            bits_per_element=32.0,
+            ratio_vs_fp32=1.0,
+            compress_encode_gbps=1.0,
+            decode_decompress_gbps=1.0,
+            decode_decompress_vs_memcpy=0.5,
+            verified=True,
+        )
+    report = bench.format_report(result)
+    line = "against the copy timed beside each row instead (xbeside): 1 of 2 met; missed by 1: randomk [s] 1.2 vs 1.3"
+    assert line in report.splitlines()
 
 
 def _scripted_faults(monkeypatch, per_round):
@@ -385,7 +407,7 @@ def test_warm_up_runs_until_a_round_takes_no_page_fault(monkeypatch):
     _, row = _one_row(repeats=3)
     # rounds 1-3 warm up (the first always; then while faulting); round 4 is the first repeat, and a repeat
     # that faults (round 5) is kept: the warm-up is over
-    assert row["warmup_rounds"] == 3
+    assert row["warmup_rounds"] == row["first_timed_step"] == 3
     assert row["minor_faults_per_repeat"] == 0  # median of 0, 4, 0
 
 
@@ -404,9 +426,30 @@ def test_one_warm_up_round_when_nothing_faults(monkeypatch):
     assert row["warmup_rounds"] == 1 and row["minor_faults_per_repeat"] == 0
 
 
-def test_each_row_has_a_copy_timed_beside_it():
-    res, row = _one_row("topk", repeats=3)
-    assert row["memcpy_beside_s"] > 0
-    assert row["compress_encode_vs_memcpy_beside"] == pytest.approx(row["memcpy_beside_s"] / row["compress_encode_s"])
+class _CountingClock:
+    """A bench timer whose every reading is one second after the previous one."""
+
+    def __init__(self, device):
+        self.t = 0.0
+
+    def now(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def test_each_row_has_a_copy_timed_beside_it(monkeypatch):
+    # six readings a round (compress, encode, decode, decompress, then the copy): each part lasts one second
+    monkeypatch.setattr(bench, "_Timer", _CountingClock)
+    res = bench.run_bench(size=bench.BESIDE_MIN_NUMEL, repeats=3, compressors=["topk"], inputs=["synthetic"])
+    row = res["rows"][1]
+    assert (row["compress_encode_s"], row["memcpy_beside_s"]) == (2.0, 1.0)
+    assert row["compress_encode_vs_memcpy_beside"] == 0.5
     report = bench.format_report(res)
-    assert "xbeside" in report and "copies timed beside the rows:" in report
+    header = report.splitlines()[report.splitlines().index("") + 1]
+    assert header.split()[5:9] == ["c+e", "GB/s", "xmemcpy", "xbeside"]
+    assert "input synthetic: copies timed beside the rows 1e+03 to 1e+03 ms (median 1e+03)" in report
+
+
+def test_no_beside_fraction_for_a_copy_too_short_to_time():
+    res, row = _one_row("topk", repeats=2)  # N entries, below BESIDE_MIN_NUMEL
+    assert row["memcpy_beside_s"] > 0 and row["compress_encode_vs_memcpy_beside"] is None

@@ -19,12 +19,15 @@ The inputs are (1) ``synthetic``: a seeded, heavy-tailed, gradient-like float32 
 spreads) and (2) ``model``: the gradient of SmallCNN (seed 0) on one MNIST batch of 64, flattened into one
 vector (the "synthetic" dataset stands in when MNIST is not installed; the output says so).
 
-How: each row is warmed up with untimed rounds until one takes no minor page fault (the heap has settled,
-as in training's steady state; at least one round, at most :data:`MAX_WARMUP_ROUNDS`), then run
-``--repeats`` times and the **median** is reported; the JSON rows say how many warm-up rounds they took
-(``warmup_rounds``) and how many faults their repeats still took (``minor_faults_per_repeat``). Every repeat
-uses a fresh step number, so step-seeded randomness (random-k positions) changes between repeats. On CUDA the
-device is synchronized before and after every timed region.
+How: each row's first round, and every later round that takes a minor page fault, is discarded (at most
+:data:`MAX_WARMUP_ROUNDS` rounds): the first round without a fault is the first of ``--repeats`` timed
+repeats, so rows are timed once the heap has settled, as in training's steady state; the **median** is
+reported. The JSON rows say how many rounds were discarded (``warmup_rounds``, also the step of the first
+timed repeat, ``first_timed_step``) and how many faults the repeats still took (``minor_faults_per_repeat``).
+Every round uses a fresh step number, so step-seeded randomness (random-k positions) changes between repeats;
+error feedback's state accumulates through the warm-up as through the repeats. On CUDA the device is
+synchronized before and after every timed region (and the host's page faults say nothing about the device's
+memory: the warm-up is one round there).
 
 Two memory-copy references, both ``y.copy_(x)`` of the same tensor into a preallocated one, in the same run:
 
@@ -32,11 +35,12 @@ Two memory-copy references, both ``y.copy_(x)`` of the same tensor into a preall
   batches) measured before the rows; ``xmemcpy`` and the targets' met/MISSED column use it, as every earlier
   round of this benchmark did;
 - one copy timed beside each repeat of each row, after its decompress (``memcpy_beside_s``, median; the
-  ``xbeside`` column): a single copy in the state of the caches the row's own calls run in, and in the same
-  second. Measured over seven runs on the project's 2-core CPU machine (benchmarks/README.md), the batched
-  copies took 1.9 to 3.3 ms for 40 MB, the single copies beside the rows 2.8 to 3.1 ms in all but one run, and
-  a row's fraction of the copy beside it varied about a third less between runs than its fraction of the
-  batched copy. The report gives the targets against both.
+  ``xbeside`` column, for inputs of at least :data:`BESIDE_MIN_NUMEL` entries): a single copy, not back to back
+  with others, within the same second as the row's repeat. Measured over seven runs on the project's 2-core
+  CPU machine (benchmarks/README.md), the batched copies took 1.9 to 3.3 ms for 40 MB (they run partly from
+  the CPU's shared L3 cache), the single copies beside the rows 2.8 to 3.1 ms in all but one run, and a row's
+  fraction of the copy beside it varied about a third less between runs than its fraction of the batched
+  copy. The report gives the targets against both.
 
 Why ratios: absolute GB/s on a shared or noisy machine (CPU frequency scaling, other tenants, thread count)
 move by tens of percent between runs, and memory bandwidth bounds any compressor that must at least read its
@@ -128,6 +132,8 @@ __all__ = [
 DEFAULT_SIZE = 10_000_000
 DEFAULT_REPEATS = 5
 MAX_WARMUP_ROUNDS = 10  # warm-up rounds of one row at most, waiting for a round without page faults
+# A single copy of fewer entries (the model input's 0.9 MB: 0.02 ms) is too short to time alone: no xbeside there.
+BESIDE_MIN_NUMEL = 1_000_000
 INPUT_NAMES: tuple[str, ...] = ("synthetic", "model")
 
 SYNTHETIC_SEED = 0
@@ -258,8 +264,9 @@ def _targets_apply_to(meta: dict[str, Any]) -> bool:
 
 
 def apply_targets(result: dict[str, Any]) -> dict[str, Any]:
-    """Adds ``target``, ``target_basis`` and ``target_met`` to every row (None where no target applies) and
-    ``meta["targets"]`` = {"met": [...], "missed": [...]} (short row descriptions); returns ``result``."""
+    """Adds ``target``, ``target_basis``, ``target_met`` and ``target_met_beside`` (against the copy timed beside
+    the row) to every row (None where no target or no such copy applies) and ``meta["targets"]`` = {"met": [...],
+    "missed": [...], "missed_beside": [...]} (short row descriptions); returns ``result``."""
     met, missed, missed_beside = [], [], []
     on_cpu = _targets_apply_to(result["meta"])
     for r in result["rows"]:
@@ -439,16 +446,21 @@ def _bench_one(
     ``compressor`` is the sender, ``receiver`` a second instance with the same parameters that decodes and
     decompresses, so nothing the sender cached (e.g. random-k positions of the step) shortens the receiver's work.
 
-    Warm-up: rounds are run untimed until one takes no minor page fault in its four timed parts (the heap has
-    settled: every buffer a round needs is served from memory already faulted in, as in training's steady
-    state), at least one and at most :data:`MAX_WARMUP_ROUNDS`. A round's fresh multi-megabyte outputs can take
-    several rounds to stop faulting (benchmarks/allocator_reuse.py), and a fault per 4 KiB page costs about as
-    much as writing the page. The rounds used, and the median faults per timed repeat, are returned.
+    Warm-up: the first round is discarded, and so is every later one that takes a minor page fault in its four
+    timed parts, up to :data:`MAX_WARMUP_ROUNDS` discarded rounds; the first round without a fault is the first
+    timed repeat (the heap has settled: every buffer a round needs is served from memory already faulted in, as
+    in training's steady state). A round's fresh multi-megabyte outputs can take several rounds to stop faulting
+    (benchmarks/allocator_reuse.py), and a fault per 4 KiB page costs about as much as writing the page.
+    Returned: the rounds discarded (``warmup_rounds``), the step of the first timed repeat (``first_timed_step``
+    = ``warmup_rounds``; steps, and error feedback's accumulated state, advance through the warm-up) and the
+    median faults per timed repeat. Faults are the host's (``getrusage``): on CUDA, where the outputs stay on
+    the device, the warm-up is one round.
 
     Beside each repeat, between the decompress and the verification, one ``copy_to.copy_(x)`` is timed: a memory
-    copy of the same input in the same state of the caches and the same second as the compressor's repeat, so
-    the row can also be read against the copy timed beside it (``memcpy_beside_s``), which drifts with the
-    machine the way the row does.
+    copy of the same input, within the same second as the compressor's repeat and, like it, not run back to back
+    with other copies of the same tensor, so the row can also be read against the copy timed beside it
+    (``memcpy_beside_s``), which drifts with the machine the way the row does. (The compressor's repeat follows
+    the previous repeat's verification; the copy follows this repeat's decompress.)
     """
     numel = x.numel()
     slot = Slot(name="bench", index=0, numel=numel)
@@ -457,6 +469,7 @@ def _bench_one(
     sizes: list[int] = []
     copies: list[float] = []
     faults: list[int] = []
+    timed_steps: list[int] = []
     deterministic = True
     warmups, step = 0, 0
     while True:  # warm-up rounds first (step 0, 1, ...), then the repeats, each with a fresh step
@@ -500,8 +513,9 @@ def _bench_one(
         parts["decompress"].append(t4 - t3)
         copies.append(t5 - t4)
         faults.append(faulted)
+        timed_steps.append(step - 1)
         sizes.append(int(buf.numel()))
-        if len(copies) == repeats:
+        if len(copies) >= repeats:
             break
     if not torch.equal(x, x_ref):
         raise BenchError(f"{what}: the compressor modified its input tensor")
@@ -518,6 +532,7 @@ def _bench_one(
         **{f"{k}_s": _median(v) for k, v in parts.items()},
         "memcpy_beside_s": _median(copies),
         "warmup_rounds": warmups,
+        "first_timed_step": timed_steps[0],
         "minor_faults_per_repeat": _median(faults),
         "verified": deterministic,
     }
@@ -876,8 +891,11 @@ def run_bench(
                         "compress_encode_vs_memcpy": ce_gbps / memcpy_gbps,
                         "decode_decompress_vs_memcpy": dd_gbps / memcpy_gbps,
                         "memcpy_beside_s": m["memcpy_beside_s"],
-                        "compress_encode_vs_memcpy_beside": m["memcpy_beside_s"] / m["compress_encode_s"],
+                        "compress_encode_vs_memcpy_beside": (
+                            m["memcpy_beside_s"] / m["compress_encode_s"] if numel >= BESIDE_MIN_NUMEL else None
+                        ),
                         "warmup_rounds": m["warmup_rounds"],
+                        "first_timed_step": m["first_timed_step"],
                         "minor_faults_per_repeat": m["minor_faults_per_repeat"],
                         "verified": m["verified"],
                         "position_bits_per_kept": m["position_bits"],
@@ -1045,17 +1063,20 @@ def format_report(result: dict[str, Any]) -> str:
         ]
         lines += [f"  MISSED  {m}" for m in targets["missed"]]
         beside_missed = targets.get("missed_beside") or []
+        beside_met = sum(r.get("target_met_beside") is True for r in result["rows"])
         lines.append(
-            f"against the copy timed beside each row instead (xbeside): {total - len(beside_missed)} of {total} met"
+            f"against the copy timed beside each row instead (xbeside): {beside_met} of {total} met"
             + (f"; missed by {len(beside_missed)}: " + ", ".join(beside_missed) if beside_missed else "")
         )
-    copies = [r["memcpy_beside_s"] for r in result["rows"] if r.get("memcpy_beside_s")]
-    if copies:
-        lines.append(
-            f"copies timed beside the rows: {1e3 * min(copies):.3g} to {1e3 * max(copies):.3g} ms "
-            f"(median {1e3 * _median(copies):.3g}); the memcpy rows' batched copies: "
-            + ", ".join(f"{1e3 * r['compress_encode_s']:.3g} ms" for r in result["rows"] if r["compressor"] == "memcpy")
-        )
+    for name in meta["inputs"]:
+        rows = [r for r in result["rows"] if r["input"] == name]
+        copies = [r["memcpy_beside_s"] for r in rows if r.get("memcpy_beside_s")]
+        batched = [r["compress_encode_s"] for r in rows if r["compressor"] == "memcpy"]
+        if copies and batched:
+            lines.append(
+                f"input {name}: copies timed beside the rows {1e3 * min(copies):.3g} to {1e3 * max(copies):.3g} ms "
+                f"(median {1e3 * _median(copies):.3g}); the memcpy row's batched copies {1e3 * batched[0]:.3g} ms"
+            )
     faulting = [r for r in result["rows"] if r.get("minor_faults_per_repeat")]
     if faulting:
         lines.append(
@@ -1084,7 +1105,13 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="elements of the synthetic input tensor")
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed runs after one warm-up (median)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="timed runs after the warm-up (median); each row warms up until a round takes no page fault, "
+        f"1 to {MAX_WARMUP_ROUNDS} rounds",
+    )
     parser.add_argument(
         "--compressors", type=_csv, default=None, metavar="A,B,C", help="subset of compressors (default: all)"
     )
