@@ -95,7 +95,7 @@ from typing import Any
 
 try:
     import resource
-except ImportError:  # pragma: no cover - not on Windows: the warm-up then stops after one round
+except ImportError:  # pragma: no cover - Windows has no resource module: the warm-up is then one round
     resource = None  # type: ignore[assignment]
 
 import torch
