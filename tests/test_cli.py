@@ -124,6 +124,27 @@ def test_ddp_options_are_checked_before_any_worker(extra, match, capsys):
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--server-param", "density=0.01"], "--server-param needs --server-compressor (with --topology ps): "
+                                             "without a server compressor density would be ignored"),
+        (["--no-server-error-feedback"], "--no-server-error-feedback needs --server-compressor"),
+        (["--checkpoint-keep", "3"], "--checkpoint-keep needs --checkpoint DIR"),
+        (["--checkpoint-every", "10"], "--checkpoint-every needs --checkpoint DIR: where the checkpoints go"),
+        (["--ddp", "--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive size in MB, got 0.0"),
+    ],
+)
+def test_an_option_that_would_be_ignored_or_is_out_of_range_is_refused(extra, message, tmp_path, capsys):
+    assert main(["train", *SMALL, *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_checkpoint_every_below_one_names_the_value(tmp_path, capsys):
+    assert main(["train", *SMALL, "--checkpoint", str(tmp_path / "ck"), "--checkpoint-every", "0"]) == 2
+    assert "--checkpoint-every must be a number of steps >= 1, got 0" in capsys.readouterr().err
+
+
 def _summary(bits_up: float, dense: float) -> dict:
     return {
         "compressor": "topk", "params": {"density": 0.9}, "error_feedback": False, "workers": 4, "backend": "gloo",
@@ -140,6 +161,15 @@ def test_the_summary_says_more_when_a_run_sent_more_than_fp32():
     assert "x2.5 more than fp32" in text and "fewer" not in text.split("bits down")[0]
     assert "x4.0 fewer than fp32" in text  # the way down
     assert "as much as fp32" in format_summary(_summary(bits_up=1e6, dense=1e6))
+
+
+def test_the_summary_says_its_times_are_per_worker_means():
+    from gradcomp.experiments.report import format_summary
+
+    times = "compute 1.0 s, compress 0.1 s, communicate 0.2 s per worker (mean); wall 2.0 s"
+    assert times + "\n" in format_summary(_summary(bits_up=1e6, dense=1e6)) + "\n"
+    simulated = format_summary({**_summary(bits_up=1e6, dense=1e6), "backend": "simulated"})
+    assert times + " for all 4 in one process" in simulated
 
 
 def test_list_aligns_long_names_and_shows_effective_defaults(monkeypatch, capsys):

@@ -400,3 +400,22 @@ def test_a_cuda_race_needs_a_gpu_per_host(monkeypatch):
                         steps=5, out=None, device="cuda")
     with pytest.raises(ConfigError, match=r"--hosts 2 with --device cuda needs one GPU per emulated host.*--hosts 1"):
         race.plan(opts)
+
+
+def test_without_matplotlib_an_earlier_plot_is_removed_and_the_json_says_none(tmp_path, monkeypatch):
+    (tmp_path / "race.png").write_bytes(b"an earlier race's plot")
+    monkeypatch.setattr(race, "render_plot", lambda *args: False)  # as when matplotlib cannot be imported
+    said = []
+    result = {"table": "| table |\n", "methods": [], "summary": {}}
+    race.write_outputs(str(tmp_path), result, "title", log=said.append)
+    assert not (tmp_path / "race.png").exists()
+    assert (tmp_path / "race.md").read_text() == "| table |\n"
+    assert "plot" not in json.loads((tmp_path / "race.json").read_text())
+    assert said == ["gradcomp race: matplotlib is not installed: no plot (pip install 'gradcomp[plots]')"]
+
+
+def test_the_json_names_the_plot_when_one_was_drawn(tmp_path, monkeypatch):
+    monkeypatch.setattr(race, "render_plot", lambda records, summary, path, title: open(path, "wb").close() or True)
+    result = {"table": "t", "methods": [], "summary": {}}
+    race.write_outputs(str(tmp_path), result, "title", log=print)
+    assert json.loads((tmp_path / "race.json").read_text())["plot"] == str(tmp_path / "race.png")

@@ -88,3 +88,15 @@ def test_table_of_a_resumed_sweep_with_mixed_pricing_and_unknown_divergence_step
     lost = [row(0, diverged=True, diverged_at_step=7, error="x"), row(1, diverged=True, diverged_at_step=None,
                                                                      error="y")]
     assert "diverged at step 7, ?" in render_table(lost)
+
+
+def test_without_matplotlib_the_sweep_says_it_wrote_no_plots(tmp_path, capsys, monkeypatch):
+    from gradcomp.experiments import sweep
+
+    monkeypatch.setattr(sweep, "render_plots", lambda rows, out_dir: [])  # as when matplotlib cannot be imported
+    args = ["sweep", "--dataset", "synthetic", "--model", "mlp", "--steps", "2", "--workers", "2",
+            "--schemes", "topk", "--densities", "0.5", "--granularities", "layer", "--memory", "off", "--seeds", "0",
+            "--no-baseline", "--out", str(tmp_path / "s")]
+    assert main(args) == 0
+    assert "matplotlib is not installed: table.md only, no plots" in capsys.readouterr().err
+    assert (tmp_path / "s" / "table.md").exists()

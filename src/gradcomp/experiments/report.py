@@ -74,7 +74,8 @@ def format_summary(r: dict[str, Any]) -> str:
         (
             "time",
             f"compute {r['compute_s']:.1f} s, compress {r['compress_s']:.1f} s, "
-            f"communicate {r['communicate_s']:.1f} s, wall {r['wall_time_s']:.1f} s",
+            f"communicate {r['communicate_s']:.1f} s per worker (mean); wall {r['wall_time_s']:.1f} s"
+            + (f" for all {r['workers']} in one process" if r.get("backend") == "simulated" else ""),
         ),
         ("replicas identical", "yes" if r["replicas_identical"] else "NO"),
     ]

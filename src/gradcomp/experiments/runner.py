@@ -151,8 +151,18 @@ class TrainConfig:
             raise ConfigError("--ddp exchanges gradients inside backward: it cannot take --local-steps")
         if self.ddp and self.granularity != "layer":
             raise ConfigError("--ddp compresses every parameter of a bucket as its own slot: use --granularity layer")
-        if self.bucket_cap_mb is not None and not (self.ddp and self.bucket_cap_mb > 0):
-            raise ConfigError(f"--bucket-cap-mb needs --ddp and a positive size, got {self.bucket_cap_mb}")
+        if self.bucket_cap_mb is not None and not self.ddp:
+            raise ConfigError("--bucket-cap-mb sets DDP's bucket size: it needs --ddp")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ConfigError(f"--bucket-cap-mb must be a positive size in MB, got {self.bucket_cap_mb}")
+        if self.server_compressor is None and self.server_params:
+            raise ConfigError(
+                "--server-param needs --server-compressor (with --topology ps): without a server compressor "
+                f"{', '.join(sorted(self.server_params))} would be ignored"
+            )
+        if self.server_compressor is None and not self.server_error_feedback:
+            raise ConfigError("--no-server-error-feedback needs --server-compressor: without one there is no server "
+                              "residual to turn off")
         if self.device == "cuda":
             self._check_gpus()
         compressor, server = self.build_compressors()

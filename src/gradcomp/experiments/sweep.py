@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import re
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -323,12 +324,15 @@ def main(args: argparse.Namespace) -> int:
             print(f"[{i}/{len(todo)}] {cell_key(cell)}: {100 * r['test_accuracy']:.2f} %, "
                   f"x{r['compression_ratio_up']:.1f} fewer bits up", flush=True)
         _render(path, args.out)
-    _render(path, args.out)
+    if not _render(path, args.out):
+        print("gradcomp sweep: matplotlib is not installed: table.md only, no plots (pip install matplotlib)",
+              file=sys.stderr)
     return 0
 
 
-def _render(path: str, out_dir: str) -> None:
+def _render(path: str, out_dir: str) -> list[str]:
+    """Writes table.md and, with matplotlib, the plots (the paths of those written)."""
     rows = read_results(path)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write(render_table(rows))
-    render_plots(rows, out_dir)
+    return render_plots(rows, out_dir)
