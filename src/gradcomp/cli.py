@@ -67,7 +67,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, >= 0")
     p.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay, >= 0")
-    p.add_argument("--dataset", default="mnist", help="mnist, digits or synthetic")
+    p.add_argument("--dataset", default="mnist", help="mnist, digits (needs scikit-learn) or synthetic")
     p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
     p.add_argument("--model", default="cnn", help="cnn, mlp or convnet (1.2M parameters on MNIST)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data order")

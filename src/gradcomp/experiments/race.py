@@ -813,7 +813,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--dataset", default="mnist", help="mnist, digits or synthetic")
+    p.add_argument("--dataset", default="mnist", help="mnist, digits (needs scikit-learn) or synthetic")
     p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
     p.add_argument("--model", default="convnet", help="cnn, mlp or convnet")
     p.add_argument("--seed", type=int, default=0)

@@ -284,7 +284,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--dataset", default="mnist")
+    p.add_argument("--dataset", default="mnist", help="mnist, digits (needs scikit-learn) or synthetic")
     p.add_argument("--data", default=None, metavar="DIR")
     p.add_argument("--model", default="cnn", help="cnn, mlp or convnet (1.2M parameters on MNIST)")
     p.add_argument("--bandwidth", default=None, metavar="RATE")
