@@ -57,7 +57,9 @@ def test_a_diverging_cell_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
         assert "non-finite" in r["result"]["error"]
     table = (out / "table.md").read_text()
     assert table.count("diverged at step") == 2
-    assert "non-finite" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "non-finite" in captured.out
+    assert "table.md only, no plots: no cell finished without diverging" in captured.err
     assert main(args) == 0  # a diverged cell counts as done
     assert "2 already done, 0 to run" in capsys.readouterr().out
 
@@ -94,9 +96,10 @@ def test_without_matplotlib_the_sweep_says_it_wrote_no_plots(tmp_path, capsys, m
     from gradcomp.experiments import sweep
 
     monkeypatch.setattr(sweep, "render_plots", lambda rows, out_dir: [])  # as when matplotlib cannot be imported
+    monkeypatch.setattr(sweep, "matplotlib_missing", lambda: True)
     args = ["sweep", "--dataset", "synthetic", "--model", "mlp", "--steps", "2", "--workers", "2",
             "--schemes", "topk", "--densities", "0.5", "--granularities", "layer", "--memory", "off", "--seeds", "0",
             "--no-baseline", "--out", str(tmp_path / "s")]
     assert main(args) == 0
-    assert "matplotlib is not installed: table.md only, no plots" in capsys.readouterr().err
+    assert "gradcomp sweep: table.md only, no plots: matplotlib is not installed" in capsys.readouterr().err
     assert (tmp_path / "s" / "table.md").exists()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import itertools
 import json
 import os
@@ -325,9 +326,14 @@ def main(args: argparse.Namespace) -> int:
                   f"x{r['compression_ratio_up']:.1f} fewer bits up", flush=True)
         _render(path, args.out)
     if not _render(path, args.out):
-        print("gradcomp sweep: matplotlib is not installed: table.md only, no plots (pip install matplotlib)",
-              file=sys.stderr)
+        why = ("matplotlib is not installed (pip install matplotlib)" if matplotlib_missing()
+               else "no cell finished without diverging")
+        print(f"gradcomp sweep: table.md only, no plots: {why}", file=sys.stderr)
     return 0
+
+
+def matplotlib_missing() -> bool:
+    return importlib.util.find_spec("matplotlib") is None
 
 
 def _render(path: str, out_dir: str) -> list[str]:
