@@ -144,3 +144,23 @@ def test_ctrl_c_stops_everything_with_one_line_and_exit_code_130(tmp_path):
         assert glob.glob(os.path.join(tmp_path, "gradcomp-*")) == []
     finally:
         launcher.cleanup()
+
+
+def test_ctrl_c_while_the_workers_start_is_one_line_too(tmp_path):
+    """Ctrl-C as soon as the workers exist, while they still import torch: before a spawned worker's own code runs,
+    the default SIGINT handler would print a KeyboardInterrupt traceback from multiprocessing's bootstrap."""
+    launcher = Launcher(tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while len([p for p in children(launcher.proc.pid) if is_worker(p)]) < 2:
+            assert time.monotonic() < deadline and launcher.proc.poll() is None, launcher.err[-3000:]
+            time.sleep(0.01)
+        launcher.spawned |= children(launcher.proc.pid)
+        assert "step" not in launcher.err  # still starting
+        os.killpg(launcher.proc.pid, signal.SIGINT)
+        assert launcher.finish() == 130, launcher.err[-2000:]
+        err = launcher.err
+        assert "Traceback" not in err and err.count("gradcomp:") == 1, err[-2000:]
+        assert err.endswith("\ngradcomp: stopped by SIGINT (Ctrl-C); its 2 running workers were stopped\n"), err[-2000:]
+    finally:
+        launcher.cleanup()

@@ -10,8 +10,9 @@ Spawned workers live and die with their launcher:
 
 - each worker asks Linux for SIGKILL when the launcher dies (``prctl(PR_SET_PDEATHSIG)``, through ctypes),
   and leaves at once if the launcher died before it could ask; so ``kill -9`` of the launcher ends them too;
-- the workers ignore SIGINT: on Ctrl-C, SIGINT or SIGTERM the launcher stops them itself and raises
-  ``Interrupted`` (the CLI prints one line and exits with 128 + the signal: 130 for Ctrl-C);
+- the workers ignore SIGINT (held blocked from their spawn until their own code ignores it, so a Ctrl-C while
+  they still import torch prints no traceback either): on Ctrl-C, SIGINT or SIGTERM the launcher stops them
+  itself and raises ``Interrupted`` (the CLI prints one line and exits with 128 + the signal: 130 for Ctrl-C);
 - nothing is written to disk for the launcher: rank 0 hands the result over through the rendezvous store,
   which lives in the launcher's memory, so a killed launcher leaves no temporary folder behind.
 
@@ -26,6 +27,7 @@ import contextlib
 import ctypes
 import json
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
@@ -126,6 +128,7 @@ def _train_in_group(cfg: TrainConfig, device: torch.device, started: float) -> d
 def _spawned_worker(rank: int, cfg: TrainConfig, port: int, launcher_pid: int, started: float) -> None:
     die_with_parent(launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the launcher stops us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held since the spawn (_sigint_held); now ignored
     from tqdm import tqdm
 
     # tqdm's default lock is a multiprocessing semaphore; a worker ended by its launcher would leak it, and
@@ -172,10 +175,11 @@ def _spawn_and_wait(cfg: TrainConfig, started: float) -> dict[str, Any]:
     context = None
     try:
         with _signals_raise_interrupted():
-            context = mp.start_processes(
-                _spawned_worker, args=(cfg, store.port, os.getpid(), started), nprocs=cfg.workers, join=False,
-                start_method="spawn",
-            )
+            with _sigint_held():
+                context = mp.start_processes(
+                    _spawned_worker, args=(cfg, store.port, os.getpid(), started), nprocs=cfg.workers, join=False,
+                    start_method="spawn",
+                )
             _wait_for(context, cfg, store)
     except Interrupted as exc:
         stopped = _stop_workers(context)
@@ -277,6 +281,26 @@ def _stop_workers(context: mp.ProcessContext | None) -> int:
             p.kill()
             p.join()
     return len(alive)
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """SIGINT blocked in this thread while it spawns workers, which inherit the blocked mask through the exec.
+
+    A spawned worker imports torch for about a second before its own code ignores SIGINT; a Ctrl-C then (it
+    reaches the whole process group) printed a KeyboardInterrupt traceback from Python's start-up or
+    multiprocessing's bootstrap above the launcher's one line. Blocked, the signal waits: the worker discards it
+    when it ignores SIGINT and unblocks it (``_spawned_worker``); the launcher gets it as soon as this block
+    ends, as ``Interrupted`` (``_signals_raise_interrupted``), and stops the workers.
+    """
+    # multiprocessing starts its resource tracker with the first spawned process, and unblocks SIGINT after
+    # starting it (resource_tracker.ensure_running): started first, it cannot undo the block below.
+    multiprocessing.resource_tracker.ensure_running()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 @contextlib.contextmanager
