@@ -75,7 +75,8 @@ def summarise(runs: list[dict]) -> str:
     for index in targeted:
         row = per_run[0][index]
         same = [rows[index] for rows in per_run]
-        cells = [f"{row['compressor']} [{row['setting']}]", f"{row['target']:.3g}"]
+        label = f"{row['compressor']} [{row['setting']}]".replace("|", "\\|")  # a table cell: escape the pipes
+        cells = [label, f"{row['target']:.3g}"]
         for key, name in (("compress_encode_vs_memcpy", "xmemcpy"), ("compress_encode_vs_memcpy_beside", "xbeside")):
             values = [r[key] for r in same]
             median = statistics.median(values)
