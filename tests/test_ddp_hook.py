@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_workers
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
@@ -330,6 +331,18 @@ def _overlap_and_state(rank: int, world: int) -> dict:
             "step": s3.step,
             "saved_residuals": sorted(checkpoint["hook"]["exchange"]["compressor"]["residuals"]),
         }
+
+    # a state saved by another method, for another model, or not a state at all, is refused, nothing loaded
+    out["refused"] = []
+    other_model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+    for method, model_, state_ in (("randomk", build_model("cnn", data, seed=0), checkpoint["hook"]),
+                                   ("topk", other_model, checkpoint["hook"]), ("topk", other_model, {})):
+        s4 = gradcomp.register_ddp_hook(DDP(model_, bucket_cap_mb=CAP), _method(method))
+        try:
+            s4.load_state_dict(state_)
+        except gradcomp.ConfigError as exc:
+            out["refused"].append((str(exc), s4.step))
+        s4.close()
     return out
 
 
@@ -354,6 +367,12 @@ def test_overlap_dtype_thread_lifetime_and_checkpoint():
             assert r[granularity]["loaded_equal"] and r[granularity]["step"] == 6, granularity
         assert len(r["layer"]["saved_residuals"]) == 8
         assert len(r["bucket"]["saved_residuals"]) == 3
+        (other_method, _), (other_model, _), (not_a_state, _) = r["refused"]
+        assert other_method.startswith("CompressionHookState.load_state_dict: the state was saved by SingleRound(")
+        assert "RandomK(" in other_method.split("this CompressionHookState runs")[1]
+        assert "the state was saved for other parameters" in other_model
+        assert "expects what its state_dict() returns (keys step, exchange), got keys []" in not_a_state
+        assert all(step == 0 for _, step in r["refused"])
 
 
 # -- errors: NaN on every rank, NaN on one rank, a failure on the thread ----------------------------------------

@@ -54,6 +54,9 @@ def make(
         raise ConfigError(
             f"a compressor is named by a string (see gradcomp.available()), got {name!r} ({type(name).__name__})"
         )
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        # a string such as "no" is truthy: it would turn error feedback on
+        raise ConfigError(f"error_feedback must be true or false, got {error_feedback!r}")
     if feedback is not None:
         from gradcomp.feedback import FEEDBACK_POLICIES, apply_feedback
 

@@ -313,5 +313,8 @@ class SingleRound(Scheme):
         return {"compressor": self.compressor.state_dict(), "server": self.server_compressor.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        unexpected = sorted(set(state) - {"compressor", "server"})
+        if unexpected:  # another method's state (PowerSGD's q and error, ...): its values would be dropped
+            raise ConfigError(f"a single-round exchange's state has keys compressor and server, got {unexpected}")
         self.compressor.load_state_dict(state.get("compressor", {}))
         self.server_compressor.load_state_dict(state.get("server", {}))

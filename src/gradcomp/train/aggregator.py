@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError
-from gradcomp.train.exchange import GradientExchange, check_gradients
+from gradcomp.train.exchange import GradientExchange, check_gradients, check_state
 from gradcomp.transport.base import Transport
 
 GRANULARITIES = ("layer", "model")
@@ -105,8 +105,11 @@ class GradientAggregator:
                 p.grad.copy_(a)
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "exchange": self.exchange.state_dict()}
+        return {"steps": self.steps, "exchange": self.exchange.state_dict(), **self.exchange.identity(self.slots)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps = int(state["steps"])
+        """ConfigError, and nothing loaded, for a state saved by another method or for other parameters."""
+        check_state(state, ("steps", "exchange"), "GradientAggregator")
+        self.exchange.check_identity(state, self.slots, "GradientAggregator")
         self.exchange.load_state_dict(state["exchange"])
+        self.steps = int(state["steps"])

@@ -95,7 +95,7 @@ from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
-from gradcomp.train.exchange import GradientExchange, check_gradients
+from gradcomp.train.exchange import GradientExchange, check_gradients, check_state
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 
@@ -388,12 +388,19 @@ class CompressionHookState:
 
     def state_dict(self) -> dict:
         self.wait()
-        return {"step": self.step, "exchange": self.exchange.state_dict()}
+        return {"step": self.step, "exchange": self.exchange.state_dict(), **self.exchange.identity(self._slots())}
 
     def load_state_dict(self, state: dict) -> None:
+        """ConfigError, and nothing loaded, for a state saved by another method or for other parameters."""
         self.wait()
-        self.step = int(state["step"])
+        check_state(state, ("step", "exchange"), "CompressionHookState")
+        self.exchange.check_identity(state, self._slots(), "CompressionHookState")
         self.exchange.load_state_dict(state["exchange"])
+        self.step = int(state["step"])
+
+    def _slots(self) -> list[Slot]:
+        """Every parameter's slot, in the model's order (a state's identity; buckets do not change it)."""
+        return list(self.param_slots.values())
 
     def close(self) -> None:
         """Finish the queued buckets and stop the communication thread (the hook then refuses new ones)."""

@@ -167,3 +167,39 @@ class GradientExchange:
 
     def load_state_dict(self, state: dict) -> None:
         self.scheme.load_state_dict(state)
+
+    def identity(self, slots: Sequence[Slot]) -> dict:
+        """What a saved state belongs to, recorded by its owner's ``state_dict()``: the method (its repr, with its
+        parameters) and the slots (name and size of each)."""
+        return {"method": repr(self.scheme), "slots": [[slot.name, slot.numel] for slot in slots]}
+
+    def check_identity(self, state: dict, slots: Sequence[Slot], owner: str) -> None:
+        """ConfigError when ``state`` was saved by another method or for other parameters: loaded, its residuals
+        would be ignored (another slot's key) or fed to another method. States saved before identities were
+        recorded carry none and are loaded as they are."""
+        mine = self.identity(slots)
+        if "method" in state and state["method"] != mine["method"]:
+            raise ConfigError(
+                f"{owner}.load_state_dict: the state was saved by {state['method']}, but this {owner} runs "
+                f"{mine['method']}"
+            )
+        if "slots" in state:
+            theirs, ours = [tuple(s) for s in state["slots"]], [tuple(s) for s in mine["slots"]]
+            if theirs != ours:
+                pairs = zip(theirs, ours)
+                differ = [f"{a[0]} ({a[1]} entries) there, {b[0]} ({b[1]}) here" for a, b in pairs if a != b]
+                if len(theirs) != len(ours):
+                    differ.append(f"{len(theirs)} slots there, {len(ours)} here")
+                raise ConfigError(
+                    f"{owner}.load_state_dict: the state was saved for other parameters: {'; '.join(differ[:3])}"
+                    + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+                )
+
+
+def check_state(state: object, required: Sequence[str], owner: str) -> None:
+    """ConfigError unless ``state`` is a dict with the ``required`` keys (what ``owner.state_dict()`` returns)."""
+    if not isinstance(state, dict) or any(key not in state for key in required):
+        got = f"keys {sorted(map(str, state))}" if isinstance(state, dict) else type(state).__name__
+        raise ConfigError(
+            f"{owner}.load_state_dict expects what its state_dict() returns (keys {', '.join(required)}), got {got}"
+        )
