@@ -421,6 +421,12 @@ def register_ddp_hook(
     min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
 ) -> CompressionHookState:
     """Register gradcomp's hook on a DDP model; returns the state (checkpoint it with ``state_dict()``)."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ConfigError(
+            f"register_ddp_hook takes a torch.nn.parallel.DistributedDataParallel model, got {type(model).__name__}; "
+            "wrap it first (DistributedDataParallel(model)), or call gradcomp.GradientAggregator(model, ...).step() "
+            "after backward instead"
+        )
     state = CompressionHookState(
         method,
         model.process_group,

@@ -21,6 +21,7 @@ hanging, and ``SimulatedCluster.run`` re-raises the original error. A rendezvous
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -38,8 +39,8 @@ T = TypeVar("T")
 
 class SimulatedCluster:
     def __init__(self, world_size: int, timeout: float = 300.0):
-        if int(world_size) < 1:
-            raise ConfigError(f"world_size must be >= 1, got {world_size}")
+        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+            raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
         self.world_size = int(world_size)
         self.timeout = float(timeout)
         self._barrier = threading.Barrier(self.world_size, timeout=self.timeout)
