@@ -23,3 +23,18 @@ def test_a_simulated_cluster_needs_a_whole_number_of_workers(world):
 def test_a_numpy_integer_is_a_whole_number():
     with SimulatedCluster(np.int64(2)) as cluster:
         assert cluster.world_size == 2
+
+
+def test_sketch_takes_cols_or_cols_per_k_not_both():
+    with pytest.raises(ConfigError, match=r"give cols \(10\) or cols_per_k \(5\), not both"):
+        gradcomp.make("sketch", cols=10, cols_per_k=5)
+    for given in ({"cols": 10}, {"cols_per_k": 5}, {}):
+        params = gradcomp.make("sketch", **given).params()
+        assert gradcomp.make("sketch", **params).params() == params  # what params() says builds the same method
+    assert gradcomp.make("sketch").params()["cols_per_k"] == 10.0
+
+
+@pytest.mark.parametrize("value", ["a", True, None])
+def test_a_threshold_that_is_not_a_number_is_named(value):
+    with pytest.raises(ConfigError, match=f"threshold must be a positive finite number, got {value!r}"):
+        gradcomp.make("threshold", threshold=value)

@@ -515,6 +515,8 @@ class Threshold(_PositionsAndValues):
     name = "threshold"
 
     def __init__(self, threshold: float = 1e-3, positions: str = "fixed"):
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise ConfigError(f"threshold must be a positive finite number, got {threshold!r}")
         threshold = float(threshold)
         if not threshold > 0.0 or threshold == float("inf"):
             raise ConfigError(f"threshold must be a positive finite number, got {threshold}")

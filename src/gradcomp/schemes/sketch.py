@@ -79,6 +79,8 @@ from gradcomp.errors import ConfigError
 from gradcomp.schemes.accumulation import AccumulatingScheme, largest, offsets_of
 from gradcomp.schemes.requests import AllReduce, Broadcast, Gather, Rounds
 
+DEFAULT_COLS_PER_K = 10.0  # table columns per selected coordinate when cols is not given
+
 
 @dataclass(frozen=True)
 class SlotPlan:
@@ -101,7 +103,7 @@ class SketchedSGD(AccumulatingScheme):
         density: float | None = None,
         rows: int = 5,
         cols: int | None = None,
-        cols_per_k: float = 10.0,
+        cols_per_k: float | None = None,
         candidates: int = 10,
         momentum: float = 0.9,
         rounds: int = 2,
@@ -111,6 +113,10 @@ class SketchedSGD(AccumulatingScheme):
         super().__init__(k=k, density=density, momentum=momentum, min_size=min_size)
         self.rows = check_int("rows", rows, minimum=1)
         self.cols = None if cols is None else check_int("cols", cols, minimum=1)
+        if cols is not None and cols_per_k is not None:
+            raise ConfigError(f"give cols ({cols}) or cols_per_k ({cols_per_k}), not both: cols would win unseen")
+        if cols_per_k is None:
+            cols_per_k = DEFAULT_COLS_PER_K
         if isinstance(cols_per_k, bool) or not isinstance(cols_per_k, (int, float)) or not cols_per_k > 0:
             raise ConfigError(f"cols_per_k must be a positive number, got {cols_per_k!r}")
         self.cols_per_k = float(cols_per_k)
@@ -130,7 +136,7 @@ class SketchedSGD(AccumulatingScheme):
             **super().params(),
             "rows": self.rows,
             "cols": self.cols,
-            "cols_per_k": self.cols_per_k,
+            "cols_per_k": None if self.cols is not None else self.cols_per_k,  # unused beside cols
             "candidates": self.candidates,
             "rounds": self.rounds,
             "seed": self.seed,
