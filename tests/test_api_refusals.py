@@ -38,3 +38,9 @@ def test_sketch_takes_cols_or_cols_per_k_not_both():
 def test_a_threshold_that_is_not_a_number_is_named(value):
     with pytest.raises(ConfigError, match=f"threshold must be a positive finite number, got {value!r}"):
         gradcomp.make("threshold", threshold=value)
+
+
+def test_a_composition_with_nothing_to_compose_is_refused_when_made():
+    with pytest.raises(ConfigError, match="fp16\\+topk: 'fp16' sends no fp32 values to compress"):
+        gradcomp.make("fp16+topk")
+    assert gradcomp.make("topk+cnat", density=0.01).name == "topk+cnat"

@@ -25,6 +25,9 @@ from gradcomp.wire import Codec, FieldSpec
 MAX_FIELDS = 16  # value-slot indices are slot.index * MAX_FIELDS + field position
 
 
+PROBE_NUMEL = 1 << 20  # the slot size at which a composition is checked when it is built
+
+
 class ComposedValues(Compressor):
     summable = False
 
@@ -35,6 +38,12 @@ class ComposedValues(Compressor):
         self.unbiased = bool(inner.unbiased and values.unbiased)
         w1, w2 = inner.omega, values.omega
         self.omega = w1 * w2 + w1 + w2 if (self.unbiased and w1 is not None and w2 is not None) else None
+        try:  # refuse a pair with nothing to compose now, not at the first step (fp16+topk: no fp32 field)
+            probe = inner.specs(Slot("probe", 0, PROBE_NUMEL))
+        except ConfigError:  # a size the inner compressor refuses (a fixed k above it): checked per slot later
+            probe = None
+        if probe is not None and not any(spec.codec == Codec.F32 for spec in probe):
+            raise ConfigError(f"{self.name}: {inner.name!r} sends no fp32 values to compress")
 
     def bind_worker(self, worker: int) -> None:
         super().bind_worker(worker)
