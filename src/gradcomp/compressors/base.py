@@ -138,7 +138,13 @@ class Compressor(ABC):
 
     @abstractmethod
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        """Compress the flat float tensor ``x`` (``x.numel() == slot.numel``) into message fields."""
+        """Compress the flat float tensor ``x`` (``x.numel() == slot.numel``) into message fields.
+
+        Not checked here, on the hot path: that ``x`` is finite, floating point and of the slot's size.
+        ``GradientAggregator``, the DDP hook and every exchange check it once per step before anything is sent
+        (``gradcomp.train.exchange.check_gradients``); a caller of ``compress`` itself checks it first. Some
+        compressors refuse NaN/Inf anyway (QSGD, C_nat, TernGrad, the ditherings); others pass them on.
+        """
 
     def compress_sum(self, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
         """``into += x`` in place (``torch.add(x, into, out=into)``: x's operand first), then ``compress(into)``:
