@@ -59,6 +59,10 @@ def test_list_names_every_compressor(capsys):
     printed = capsys.readouterr().out
     for name in ("none", "fp16", "topk", "randomk", "threshold"):
         assert name in printed
+    lines = {line.split()[0]: line for line in printed.splitlines()}
+    for name in ("sbc", "stc", "efsignsgd", "onebit"):  # make(name) adds error feedback unless told not to
+        assert "error feedback on" in lines[name], lines[name]
+    assert "error feedback" not in lines["topk"]
 
 
 @pytest.mark.slow

@@ -200,6 +200,8 @@ def _list(args: argparse.Namespace) -> int:
             flags = ("summable" if cls.summable else "gathered") + (", unbiased" if cls.unbiased else "")
         if cls.owns_momentum:
             flags += ", momentum"
+        if getattr(cls, "default_error_feedback", False):
+            flags += ", error feedback on"  # make(name) wraps it in ErrorFeedback unless error_feedback=False
         rows.append((name, flags, " ".join(params)))
     name_width, flags_width = (max(len(row[i]) for row in rows) for i in (0, 1))
     for name, flags, params in rows:
