@@ -469,7 +469,6 @@ def _bench_one(
     sizes: list[int] = []
     copies: list[float] = []
     faults: list[int] = []
-    timed_steps: list[int] = []
     deterministic = True
     warmups, step = 0, 0
     while True:  # warm-up rounds first (step 0, 1, ...), then the repeats, each with a fresh step
@@ -513,7 +512,6 @@ def _bench_one(
         parts["decompress"].append(t4 - t3)
         copies.append(t5 - t4)
         faults.append(faulted)
-        timed_steps.append(step - 1)
         sizes.append(int(buf.numel()))
         if len(copies) >= repeats:
             break
@@ -532,7 +530,7 @@ def _bench_one(
         **{f"{k}_s": _median(v) for k, v in parts.items()},
         "memcpy_beside_s": _median(copies),
         "warmup_rounds": warmups,
-        "first_timed_step": timed_steps[0],
+        "first_timed_step": warmups,  # steps 0 .. warmups - 1 were the discarded rounds
         "minor_faults_per_repeat": _median(faults),
         "verified": deterministic,
     }
