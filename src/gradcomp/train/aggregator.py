@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError
-from gradcomp.train.exchange import GradientExchange, check_gradients, check_state
+from gradcomp.train.exchange import GradientExchange, check_gradients
 from gradcomp.transport.base import Transport
 
 GRANULARITIES = ("layer", "model")
@@ -109,7 +109,6 @@ class GradientAggregator:
 
     def load_state_dict(self, state: dict) -> None:
         """ConfigError, and nothing loaded, for a state saved by another method or for other parameters."""
-        check_state(state, ("steps", "exchange"), "GradientAggregator")
-        self.exchange.check_identity(state, self.slots, "GradientAggregator")
+        self.exchange.check_saved(state, ("steps", "exchange"), self.slots, "GradientAggregator")
         self.exchange.load_state_dict(state["exchange"])
         self.steps = int(state["steps"])

@@ -95,7 +95,7 @@ from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
-from gradcomp.train.exchange import GradientExchange, check_gradients, check_state
+from gradcomp.train.exchange import GradientExchange, check_gradients
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 
@@ -393,8 +393,7 @@ class CompressionHookState:
     def load_state_dict(self, state: dict) -> None:
         """ConfigError, and nothing loaded, for a state saved by another method or for other parameters."""
         self.wait()
-        check_state(state, ("step", "exchange"), "CompressionHookState")
-        self.exchange.check_identity(state, self._slots(), "CompressionHookState")
+        self.exchange.check_saved(state, ("step", "exchange"), self._slots(), "CompressionHookState")
         self.exchange.load_state_dict(state["exchange"])
         self.step = int(state["step"])
 

@@ -173,10 +173,12 @@ class GradientExchange:
         parameters) and the slots (name and size of each)."""
         return {"method": repr(self.scheme), "slots": [[slot.name, slot.numel] for slot in slots]}
 
-    def check_identity(self, state: dict, slots: Sequence[Slot], owner: str) -> None:
-        """ConfigError when ``state`` was saved by another method or for other parameters: loaded, its residuals
-        would be ignored (another slot's key) or fed to another method. States saved before identities were
-        recorded carry none and are loaded as they are."""
+    def check_saved(self, state: object, required: Sequence[str], slots: Sequence[Slot], owner: str) -> None:
+        """ConfigError unless ``state`` is what ``owner.state_dict()`` returns (a dict with the ``required`` keys),
+        saved by this method for these ``slots``: loaded otherwise, its residuals would be ignored (another slot's
+        key) or fed to another method. States saved before identities were recorded carry none and are loaded
+        as they are."""
+        check_state(state, required, owner)
         mine = self.identity(slots)
         if "method" in state and state["method"] != mine["method"]:
             raise ConfigError(
