@@ -322,6 +322,11 @@ def test_decode_error_messages():
     fails(frame(body, 2), "2 sections, expected 3")
     fails(buf[:-5], f"truncated buffer: header says {len(body)} body bytes, got {len(body) - 5}")
     fails(torch.cat([buf, u8(b"\0")]), "oversized")
+    # the length field is outside the checksum: a flipped bit in it must not read as a plain cut or padding
+    for bit in (0, 9, 30):
+        flipped = bytearray(raw)
+        flipped[8 + bit // 8] ^= 1 << (bit % 8)
+        fails(u8(bytes(flipped)), "length field is corrupted")
     fails(frame(body, 3, checksum=(checksum64(u8(body)) + 1) & M64), "checksum mismatch")
     fails(u8(raw), "section 0: codec 5", sp=[FieldSpec(Codec.GOLOMB, max_count=100, universe=1000)] + specs[1:])
     fails(u8(raw), "section 1: count 20 != expected 32", sp=[specs[0], FieldSpec(Codec.F32, count=32), specs[2]])

@@ -426,9 +426,16 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
         raise WireError(f"header says {n_sections} sections, expected {len(specs)}")
     got = total - HEADER_BYTES
     if got < body_length:
-        raise WireError(f"truncated buffer: header says {body_length} body bytes, got {got}")
+        # The length field is outside the checksum, so a flipped bit in it reads as a cut or a padded buffer
+        raise WireError(
+            f"truncated buffer: header says {body_length} body bytes, got {got} (or the header's length field "
+            "is corrupted)"
+        )
     if got > body_length:
-        raise WireError(f"oversized buffer: header says {body_length} body bytes, got {got} (trailing bytes)")
+        raise WireError(
+            f"oversized buffer: header says {body_length} body bytes, got {got} (trailing bytes, or the header's "
+            "length field is corrupted)"
+        )
     if host is None:
         host = to_host(buf)  # this thread's pinned staging buffer: used only within this call
         mem = host.numpy()
