@@ -1,7 +1,10 @@
 """Library calls given the wrong kind of object refuse with a message that names it, not deep inside torch."""
 
+import warnings
+
 import numpy as np
 import pytest
+import torch
 from torch import nn
 
 import gradcomp
@@ -44,3 +47,27 @@ def test_a_composition_with_nothing_to_compose_is_refused_when_made():
     with pytest.raises(ConfigError, match="fp16\\+topk: 'fp16' sends no fp32 values to compress"):
         gradcomp.make("fp16+topk")
     assert gradcomp.make("topk+cnat", density=0.01).name == "topk+cnat"
+
+
+def _aggregate_once(transport, model):
+    aggregator = gradcomp.GradientAggregator(model, gradcomp.make("none"), transport)
+    model(torch.full((2, 4), 1 / 3, dtype=model.weight.dtype)).sum().backward()
+    before = model.weight.grad.clone()
+    aggregator.step()
+    return before, model.weight.grad
+
+
+def test_float64_parameters_are_named_in_a_warning_and_rounded_to_float32():
+    model = nn.Linear(4, 3).double()  # its weight's gradient, 2/3, has digits float32 cannot hold
+    with SimulatedCluster(1) as cluster:
+        with pytest.warns(UserWarning, match=r"2 float64 parameter\(s\) \(weight, bias\): .* rounded to float32"):
+            [(before, after)] = cluster.run(lambda t: _aggregate_once(t, model))
+    assert after.dtype == torch.float64
+    assert not torch.equal(after, before)
+    assert torch.equal(after, before.float().double())  # what the warning says: 'none' sent float32
+
+
+def test_float32_parameters_give_no_warning():
+    with SimulatedCluster(1) as cluster, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cluster.run(lambda t: _aggregate_once(t, nn.Linear(4, 3)))

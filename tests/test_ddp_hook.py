@@ -465,3 +465,17 @@ def test_error_on_the_thread_reaches_backward():
 def test_bad_granularity_is_a_config_error():
     with pytest.raises(gradcomp.ConfigError, match="granularity"):
         gradcomp.train.ddp_hook.CompressionHookState(gradcomp.make("none"), granularity="model")
+
+
+def _float64_hook(rank: int, world: int) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gradcomp.register_ddp_hook(DDP(nn.Linear(4, 3).double()), gradcomp.make("none"))
+    return [str(w.message) for w in caught]
+
+
+def test_register_ddp_hook_names_float64_parameters_in_a_warning():
+    [messages] = run_workers(_float64_hook, 1)
+    assert any("register_ddp_hook: 2 float64 parameter(s) (weight, bias)" in m for m in messages), messages

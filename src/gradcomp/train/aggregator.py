@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError
-from gradcomp.train.exchange import GradientExchange, check_gradients
+from gradcomp.train.exchange import GradientExchange, check_gradients, warn_float64
 from gradcomp.transport.base import Transport
 
 GRANULARITIES = ("layer", "model")
@@ -59,6 +59,7 @@ class GradientAggregator:
 
             transport = DistTransport()
         self.granularity = granularity
+        warn_float64(self.named, "GradientAggregator")
         self.names = [name for name, _ in self.named]
         self.slots = self.slots_for(self.named, granularity)
         self.exchange = GradientExchange(

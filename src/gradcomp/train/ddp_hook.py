@@ -95,7 +95,7 @@ from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
-from gradcomp.train.exchange import GradientExchange, check_gradients
+from gradcomp.train.exchange import GradientExchange, check_gradients, warn_float64
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 
@@ -426,6 +426,7 @@ def register_ddp_hook(
             "wrap it first (DistributedDataParallel(model)), or call gradcomp.GradientAggregator(model, ...).step() "
             "after backward instead"
         )
+    warn_float64(list(model.module.named_parameters()), "register_ddp_hook")
     state = CompressionHookState(
         method,
         model.process_group,

@@ -20,8 +20,10 @@ simulated worker's waits for the other workers' turns count as neither.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Compressor, Slot
@@ -84,6 +86,22 @@ def check_gradients(names: Sequence[str], tensors: Sequence[Tensor], exchange: i
         where = f" at exchange {exchange}" if exchange is not None else ""
         raise NonFiniteGradientError(
             f"non-finite (NaN or Inf) gradient{where} in {', '.join(bad)}; nothing was sent", step=exchange
+        )
+
+
+def warn_float64(named: Sequence[tuple[str, Tensor]], where: str) -> None:
+    """Warn once, naming them, when parameters are float64: every method compresses float32 values.
+
+    Their gradients are rounded to float32 before compression (and the result written back as float64), so
+    even ``none`` is not exact for them, and the bits are counted against fp32's 32 per entry, not 64.
+    """
+    wide = [name for name, p in named if p.dtype == torch.float64]
+    if wide:
+        shown = ", ".join(wide[:5]) + (f" and {len(wide) - 5} more" if len(wide) > 5 else "")
+        warnings.warn(
+            f"{where}: {len(wide)} float64 parameter(s) ({shown}): gradcomp compresses float32 values, so their "
+            "gradients are rounded to float32 first (even with 'none'), and bits are counted against fp32",
+            stacklevel=3,
         )
 
 
