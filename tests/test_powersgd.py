@@ -84,6 +84,18 @@ def test_rank_r_gradient_is_recovered_exactly(error_feedback):
             assert state["error"]["conv#12x12"].abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e-24, 1e19, 1e25])
+def test_a_rank_r_gradient_of_any_finite_size_is_recovered(scale):
+    # float32 norms of these columns underflow to 0 or overflow to Inf unless each column is scaled first:
+    # the update used to come back as exactly zero
+    s = slot("w", 0, 16, 24)
+    grad = low_rank(16, 24, 2, seed=3) * scale
+    runs = exchange_steps(WORLD, lambda: PowerSGD(rank=2, start_iter=0), [s], lambda rank, step: [grad], range(2))
+    for out, _, _ in runs[0]:
+        assert torch.isfinite(out[0]).all()
+        torch.testing.assert_close(out[0] / scale, grad.reshape(-1) / scale, rtol=1e-4, atol=1e-5)
+
+
 def test_a_rank_r_mean_of_different_gradients_is_recovered():
     # the workers' gradients differ but share a 2-dimensional row space: their mean has rank 2
     s = slot("w", 0, 10, 16)
@@ -244,6 +256,9 @@ def test_orthogonalise_makes_orthonormal_columns_and_keeps_zero_columns_zero():
     torch.testing.assert_close(p[2][:, keep].T @ p[2][:, keep], torch.eye(3), rtol=0, atol=1e-5)
     # the first column keeps its direction
     torch.testing.assert_close(p[0, :, 0], original[0, :, 0] / original[0, :, 0].norm())
+    for scale in (1e-25, 1e20):  # squared entries out of float32's range: still unit columns, same directions
+        scaled = orthogonalise_(original[:1] * scale)  # (the well-conditioned batch: its basis is stable)
+        torch.testing.assert_close(scaled, p[:1], rtol=1e-4, atol=1e-5)
 
 
 # -- bytes -----------------------------------------------------------------------------------------------------------

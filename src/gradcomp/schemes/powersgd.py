@@ -43,9 +43,10 @@ Choices made where the paper is silent (each a parameter where it matters):
   enough"), batched over matrices of the same shape, for every rank. Why not QR (epfml's library, and
   torch's hook for r > 2): the result P̂ P̂ᵀ does not depend on which orthonormal basis is returned, so QR's
   advantage is only speed at larger r, while Gram–Schmidt here (a) is a handful of batched elementwise and
-  bmm operations with no LAPACK call, the same on CPU and GPU; (b) treats a column that is exactly zero
-  (a layer whose gradient and error are zero, a rank-deficient M) by setting it to zero instead of dividing
-  by zero (torch's hook produces NaN there unless given an epsilon); (c) with the second pass it stays
+  bmm operations with no LAPACK call, the same on CPU and GPU; (b) keeps a column that is exactly zero (a
+  layer whose gradient and error are zero) at zero instead of dividing by zero (torch's hook produces NaN
+  there unless given an epsilon); a rank-deficient M leaves rounding noise in its surplus columns, which are
+  normalised like any other (P̂ P̂ᵀ M still equals M to rounding); (c) with the second pass it stays
   orthonormal to rounding even when a column is nearly dependent on the previous ones, where one pass of
   Gram–Schmidt would return a "unit" column made of rounding noise that is not orthogonal.
 - **Q's columns are normalised** before P = M Q. P̂ is unchanged in exact arithmetic (Gram–Schmidt does not
@@ -118,7 +119,15 @@ def orthogonalise_(p: Tensor) -> Tensor:
 
 
 def _normalise_columns_(x: Tensor) -> Tensor:
-    """Divide every column of the batch ``x`` (B, n, c) by its norm; zero columns stay zero."""
+    """Divide every column of the batch ``x`` (B, n, c) by its norm; zero columns stay zero.
+
+    Each column is first divided by its largest magnitude: ``vector_norm`` squares the entries as they are,
+    so in float32 a column whose entries are all below about 1e-19 had a norm of 0 (and was dropped as a zero
+    column) and one with an entry above about 1e19 a norm of Inf (divided to zero), which silently lost a
+    finite gradient of that size. Scaled, the norm lies in [1, sqrt(n)].
+    """
+    largest = x.abs().amax(dim=1, keepdim=True)
+    x.div_(torch.where(largest > 0, largest, torch.full_like(largest, math.inf)))  # a zero column stays zero
     norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
     return x.div_(torch.where(norm > _TINY, norm, torch.full_like(norm, math.inf)))
 
@@ -288,14 +297,12 @@ class PowerSGD(Scheme):
 
     def _prepare_q(self, plan: _Plan, g: _Group, step: int) -> None:
         """Normalise Q's columns; refill a column that is exactly zero from the shared seed."""
-        norms = torch.linalg.vector_norm(g.q_state, dim=1, keepdim=True)  # (B, 1, r)
-        dead = norms <= _TINY
+        dead = g.q_state.abs().amax(dim=1, keepdim=True) == 0  # (B, 1, r)
         if bool(dead.any()):
             for b in torch.nonzero(dead.reshape(g.batch, g.r).any(dim=1)).reshape(-1).tolist():
                 fresh = self._fresh_q(plan.slots[g.members[b]], g.m, g.r, step).to(g.q_state.device)
                 g.q_state[b] = torch.where(dead[b], fresh, g.q_state[b])
-            norms = torch.linalg.vector_norm(g.q_state, dim=1, keepdim=True)
-        g.q_state.div_(norms)
+        _normalise_columns_(g.q_state)  # scaled first, so a Q of any finite magnitude keeps its direction
 
     def _fresh_q(self, slot: Slot, m: int, r: int, step: int) -> Tensor:
         gen = shared_generator(self.seed, step, slot.index, torch.device("cpu"), salt="powersgd-q")
