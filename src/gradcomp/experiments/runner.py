@@ -80,6 +80,10 @@ class TrainConfig:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
+    # True when the method applies momentum itself (set by hand_momentum_to_method): weight decay is then added
+    # to each gradient before the exchange, so it goes through the method's momentum and error accumulation as
+    # in SGD with momentum, instead of being added by the optimizer after the exchange
+    weight_decay_in_gradient: bool = False
     dataset: str = "mnist"
     data_root: str | None = None
     model: str = "cnn"
@@ -223,19 +227,29 @@ class TrainConfig:
         Returns the sentence that says so, or None when nothing changed.
         """
         compressor, _ = self.build_compressors()
-        if not getattr(compressor, "owns_momentum", False) or self.momentum == 0:
+        if not getattr(compressor, "owns_momentum", False):
             return None
-        before, self.momentum = self.momentum, 0.0
-        if self.feedback in ("momentum_correction", "momentum_masking"):
-            self.feedback_momentum = before
-            return (
-                f"--feedback {self.feedback} keeps the momentum on the worker: the optimizer's momentum "
-                f"{before:g} moves into it (optimizer momentum 0)"
+        said = []
+        if self.momentum != 0:
+            before, self.momentum = self.momentum, 0.0
+            if self.feedback in ("momentum_correction", "momentum_masking"):
+                self.feedback_momentum = before
+                said.append(
+                    f"--feedback {self.feedback} keeps the momentum on the worker: the optimizer's momentum "
+                    f"{before:g} moves into it (optimizer momentum 0)"
+                )
+            else:
+                said.append(
+                    f"{self.compressor} applies momentum on the worker itself; the optimizer's momentum "
+                    f"{before:g} is set to 0 (give the method's own momentum parameter instead)"
+                )
+        if self.weight_decay != 0 and not self.weight_decay_in_gradient:
+            self.weight_decay_in_gradient = True
+            said.append(
+                f"weight decay {self.weight_decay:g} is added to each gradient before the exchange, so that it "
+                "goes through the method's momentum as in SGD with momentum"
             )
-        return (
-            f"{self.compressor} applies momentum on the worker itself; the optimizer's momentum "
-            f"{before:g} is set to 0 (give the method's own momentum parameter instead)"
-        )
+        return "; ".join(said) or None
 
     def build_compressors(self):
         params, error_feedback = dict(self.params), self.error_feedback
@@ -308,7 +322,22 @@ class Batches:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    weight_decay = 0.0 if cfg.weight_decay_in_gradient else cfg.weight_decay  # else added twice
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=weight_decay)
+
+
+def add_weight_decay_to_gradients(model: nn.Module, weight_decay: float) -> list:
+    """Make every parameter's gradient g + weight_decay·p as backward computes it (``weight_decay_in_gradient``).
+
+    A tensor hook runs before the gradient is accumulated into ``.grad``, so both the aggregator (after
+    backward) and DDP's communication hook (inside backward) exchange the decayed gradient. Returns the hook
+    handles.
+    """
+    handles = []
+    for p in model.parameters():
+        if p.requires_grad:
+            handles.append(p.register_hook(lambda g, p=p: g.add(p.detach(), alpha=weight_decay)))
+    return handles
 
 
 def compute_gradients(model: nn.Module, xb, yb) -> float:
@@ -384,6 +413,8 @@ def run_worker(
     data = load_dataset(cfg.dataset, cfg.data_root)
     model = build_model(cfg.model, data, cfg.seed).to(device)
     optimizer = make_optimizer(model, cfg)
+    if cfg.weight_decay_in_gradient:
+        add_weight_decay_to_gradients(model, cfg.weight_decay)
     compressor, server = cfg.build_compressors()
     if cfg.ddp:
         # DistributedDataParallel with gradcomp's hook: the exchange runs inside backward, bucket by bucket,
