@@ -67,6 +67,24 @@ def test_stc_is_ternary_with_one_magnitude():
     assert out[kept].abs()[0].item() == pytest.approx(x[kept].abs().mean().item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("positions", ["golomb", "fixed"])
+def test_stc_sends_no_kept_zero(positions):
+    # 5 nonzero entries, k = 20: the paper's message is mu * sign(kept), and sign(0) = 0
+    x = torch.zeros(SLOT.numel)
+    x[[3, 70, 900, 5000, 19_999]] = torch.tensor([0.5, -2.0, 1.0, -0.25, 3.0])
+    x[[10, 11]] = torch.tensor([0.0, -0.0])
+    c = SparseTernary(k=20, positions=positions)
+    fields = c.compress(x, SLOT, 0)
+    assert fields[0].tolist() == [3, 70, 900, 5000, 19_999]
+    out = _round_trip(c, x)
+    mu = 6.75 / 20  # the sum of the kept magnitudes over k, zeros included
+    assert out.nonzero().reshape(-1).tolist() == [3, 70, 900, 5000, 19_999]
+    assert torch.equal(out[[3, 70, 900, 5000, 19_999]], torch.tensor([mu, -mu, mu, -mu, mu]))
+    feedback = gradcomp.make("stc", k=20, positions=positions)
+    assert torch.equal(feedback.decompress(feedback.compress(x, SLOT, 0), SLOT, 0), out)
+    assert torch.count_nonzero(_round_trip(c, torch.zeros(SLOT.numel))) == 0  # nothing at all to send
+
+
 @pytest.mark.parametrize("name", ["sbc", "stc"])
 def test_residual_accumulation_is_on_by_default_and_can_be_switched_off(name):
     assert isinstance(gradcomp.make(name), gradcomp.ErrorFeedback)

@@ -19,7 +19,10 @@ its sign bit is the paper's per-tensor sign bit, so nothing else travels. Everyt
 entries and the difference between the kept entries and μ — stays in the residual.
 
 ``stc`` — sparse ternary: keep the k entries of largest magnitude (both signs), send their positions, one
-sign bit each (bit-packed) and ONE shared magnitude μ = mean |A| over the kept entries.
+sign bit each (bit-packed) and ONE shared magnitude μ = mean |A| over the kept entries. As in the paper's
+algorithm (μ = Σ|kept| / k; the message is μ·sign(kept)), a kept entry that is exactly zero carries 0: it is
+left out of the message, which then holds fewer than k positions (a tensor with fewer than k nonzero entries);
+μ is still the sum over k. (A one-bit sign cannot say 0: these entries used to arrive as +μ.)
 
 Choices where the papers are silent: ties between μ+ and μ− go to the positive side; if a tensor has fewer
 than k positive (negative) entries, the k largest (smallest) still fill up with entries of the other sign
@@ -36,6 +39,7 @@ which ``torch.topk`` returns them on that path: the messages are bit-identical t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 import numpy as np
@@ -167,8 +171,10 @@ class SparseTernary(_SharedValueSparsifier):
     name = "stc"
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
+        # at most k positions: kept entries that are exactly zero are not sent (their ternary value is 0)
         k = self.count(slot)
-        return [self._positions_spec(slot), FieldSpec(Codec.BITS, count=k, width=1), FieldSpec(Codec.F32, count=1)]
+        positions = replace(self._positions_spec(slot), count=None, max_count=k)
+        return [positions, FieldSpec(Codec.BITS, max_count=k, width=1, same_count_as=-1), FieldSpec(Codec.F32, count=1)]
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         flat = x.reshape(-1).to(torch.float32)
@@ -184,8 +190,12 @@ class SparseTernary(_SharedValueSparsifier):
             magnitudes, positions = torch.topk(flat.abs(), k, sorted=False)
             positions = torch.sort(positions).values
             values = torch.index_select(flat, 0, positions)
+        magnitude = magnitudes.mean().reshape(1)  # over all k, zeros included: the paper's mu = sum|kept| / k
+        if bool((values == 0).any()):  # fewer than k nonzero entries: sign(0) = 0, so they are not sent
+            nonzero = values != 0
+            positions, values = positions[nonzero], values[nonzero]
         negative = (values < 0).to(torch.int64)
-        return [positions, negative, magnitudes.mean().reshape(1)]
+        return [positions, negative, magnitude]
 
     def _values(self, fields: Fields) -> tuple[Tensor, Tensor]:
         positions, negative, magnitude = fields
