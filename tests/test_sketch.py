@@ -46,7 +46,7 @@ def run_cluster(world, make_scheme, slots, grads_for, steps):
                 after.up_payload - before.up_payload,
                 after.down_payload - before.down_payload,
             )
-            selection = {k: (c.clone(), s.clone()) for k, (c, s) in scheme.last_selection.items()}
+            selection = {k: (c.clone(), s.clone()) for k, (c, s) in getattr(scheme, "last_selection", {}).items()}
             history.append(([o.clone() for o in out], selection, scheme.state_dict(), counts))
         return history
 
@@ -181,7 +181,7 @@ def test_two_allreduces_with_the_formula_bytes_per_step():
         return [randn(s.numel, seed=10 * rank + s.index) for s in slots2]
 
     runs = run_cluster(2, lambda: SketchedSGD(k=300, cols=10, momentum=0.0), slots2, grads2, [0])
-    assert runs[0][0][3][2] == 4 * (50 + 5 * 10) + 4 * 1000
+    assert runs[0][0][3] == (1, 1, 4 * (50 + 1000), 4 * (50 + 1000))  # P·k >= d: v whole, no sketch, no round 2
     mean = (grads2(0, 0)[0] + grads2(1, 0)[0]) / 2
     assert torch.allclose(runs[0][0][0][0], mean, atol=1e-6)
 
@@ -221,6 +221,126 @@ def test_momentum_and_error_are_zeroed_where_sent_and_kept_elsewhere():
     # and they are the k largest |mean| among the candidates
     cand = runs[0][0][1]["w"][0]
     assert set(chosen.tolist()) == set(cand[mean[cand].abs().argsort(descending=True)[:k]].tolist())
+
+
+@pytest.mark.parametrize(("rounds", "topology"), [(2, "allreduce"), (2, "ps"), (1, "allreduce"), (1, "ps")])
+def test_momentum_and_error_stay_where_the_selected_sum_is_exactly_zero(rounds, topology):
+    # SPEC 5: u and v are zeroed at g̃'s nonzero positions. Coordinate 5 holds +3 on worker 0 and -3 on
+    # worker 1: their sum (and its sketch, bucket by bucket) is exactly 0, every other coordinate but 2 is 0,
+    # so the k = 10 selected are 0..9 (ties to the lower index) and only coordinate 2 carries an update.
+    d, k, rho = 1000, 10, 0.5
+    slots = [Slot("w", 0, d)]
+
+    def grads(rank, step):
+        g = torch.zeros(d)
+        g[5] = 3.0 if rank == 0 else -3.0
+        g[2] = 1.0
+        return [g]
+
+    def make():
+        return build_scheme(SketchedSGD(k=k, rounds=rounds, momentum=rho), topology=topology)
+
+    for rank, history in enumerate(run_cluster(2, make, slots, grads, [0])):
+        out, sel, state, _ = history[0]
+        assert sorted(sel["w"][1].tolist()) == list(range(10))
+        assert out[0].nonzero().reshape(-1).tolist() == [2] and out[0][2] == 1.0
+        u, v = state["momentum"]["w#1000"], state["error"]["w#1000"]
+        assert u[2] == 0 and v[2] == 0
+        assert u[5] == grads(rank, 0)[0][5] and v[5] == grads(rank, 0)[0][5]  # selected, nothing applied: kept
+
+
+def test_momentum_kept_at_a_selected_zero_reaches_a_later_update():
+    # one worker, rho = 0.5; coordinate 5: g = 2 (not selected: ten coordinates of 100 win), then -3 (v = 0
+    # exactly, selected among ties at 0, u = -2), then 0: u = -1, v = -1 goes out. Zeroing u at every selected
+    # coordinate sent 0 at step 2 instead.
+    d, k = 1000, 10
+    slots = [Slot("w", 0, d)]
+
+    def grads(rank, step):
+        g = torch.zeros(d)
+        if step == 0:
+            g[100:110] = 100.0
+            g[5] = 2.0
+        if step == 1:
+            g[5] = -3.0
+        return [g]
+
+    history = run_cluster(1, lambda: SketchedSGD(k=k, momentum=0.5), slots, grads, range(3))[0]
+    assert 5 in history[1][1]["w"][1].tolist() and history[1][0][0][5] == 0
+    assert history[1][2]["momentum"]["w#1000"][5] == -2.0 and history[1][2]["error"]["w#1000"][5] == 0
+    assert history[2][0][0][5] == -1.0
+
+
+def test_tensors_too_small_for_a_sketch_go_dense():
+    # with min_size below 2·rows, a tensor of d < 2·rows coordinates has no sketch of at most ⌊d / (2·rows)⌋ = 0
+    # columns: it goes dense (momentum SGD on the mean), as tensors under min_size do
+    sizes = (1, 3, 7, 9, 10)
+    slots = [Slot(f"t{d}", i, d) for i, d in enumerate(sizes)]
+    scheme = SketchedSGD(min_size=0, candidates=2, momentum=0.9)
+    plans = [scheme.plan(s) for s in slots]
+    assert [p.compressed for p in plans] == [False, False, False, False, True]
+    assert (plans[-1].cols, plans[-1].candidates, plans[-1].whole) == (1, 2, False)
+    scheme.check_slots(slots)
+    with pytest.raises(ConfigError, match="larger than the 3"):  # a cols given explicitly is still checked
+        SketchedSGD(min_size=0, cols=1).plan(slots[1])
+
+    def grads(rank, step):
+        return [randn(s.numel, seed=100 * step + 10 * rank + s.index) for s in slots]
+
+    runs = run_cluster(2, lambda: SketchedSGD(min_size=0, candidates=2, momentum=0.9), slots, grads, range(2))
+    u = [torch.zeros(d) for d in sizes[:4]]
+    for step in range(2):
+        for i in range(4):
+            u[i] = 0.9 * u[i] + (grads(0, step)[i] + grads(1, step)[i]) / 2
+        for history in runs:
+            out, _, state, counts = history[step]
+            assert counts == (2, 2, 4 * (1 + 3 + 7 + 9 + 5 + 2), 4 * (1 + 3 + 7 + 9 + 5 + 2))
+            for i in range(4):
+                torch.testing.assert_close(out[i], u[i], rtol=0, atol=1e-6)
+            assert set(state["error"]) == {"t10#10"}
+
+
+@pytest.mark.parametrize("topology", ["allreduce", "ps"])
+def test_every_coordinate_a_candidate_sends_v_instead_of_a_sketch(topology):
+    # w: P·k = 2000 >= d = 1500, so round 2 would read every coordinate: w sends v in round 1 and takes the
+    # true top k at once; a (P·k = 2000 < 4000) is sketched as before
+    w, a, bias = Slot("w", 0, 1500), Slot("a", 1, 4000), Slot("bias", 2, 30)
+    k, rows, cols, p = 200, 2, 100, 10
+
+    def grads(rank, step):
+        return [randn(s.numel, seed=1000 * step + 10 * rank + s.index) for s in (w, a, bias)]
+
+    def grads_of(*which):
+        return lambda rank, step: [grads(rank, step)[s.index] for s in which]
+
+    def sketch():
+        return build_scheme(SketchedSGD(k=k, rows=rows, cols=cols, candidates=p, momentum=0.7), topology=topology)
+
+    mixed = run_cluster(3, sketch, [w, a, bias], grads, range(4))
+    alone = run_cluster(3, sketch, [a, bias], grads_of(a, bias), range(4))
+    true = run_cluster(3, lambda: gradcomp.make("true_topk", k=k, momentum=0.7), [w, bias], grads_of(w, bias), range(4))
+    only_w = run_cluster(3, sketch, [w, bias], grads_of(w, bias), range(4))
+    if topology == "allreduce":
+        up = down = 4 * (1500 + rows * cols + 30) + 4 * p * k
+        collectives = 2
+    else:  # no candidates are broadcast for w: k values and positions come down, as for a
+        up, down = 4 * (1500 + rows * cols + 30) + 4 * p * k, 4 * p * k + 4 * 30 + 8 * 2 * k
+        collectives = 4
+    for rank in range(3):
+        for step in range(4):
+            out, sel, state, counts = mixed[rank][step]
+            assert counts[0] == collectives and counts[2:] == (up, down)
+            assert torch.equal(sel["w"][0], torch.arange(1500))
+            assert torch.equal(out[0], true[rank][step][0][0])  # the true top k, bit for bit
+            assert torch.equal(out[1], alone[rank][step][0][0]) and torch.equal(out[2], alone[rank][step][0][1])
+            assert torch.equal(state["error"]["w#1500"], true[rank][step][2]["error"]["w#1500"])
+            # with no sketched slot, sketch costs what true top-k does: one allreduce of v and the dense u
+            counts = only_w[rank][step][3]
+            if topology == "allreduce":
+                assert counts == true[rank][step][3] == (1, 1, 4 * 1530, 4 * 1530)
+            else:
+                assert counts[0] == 2 and counts[2:] == (4 * 1530, 4 * 30 + 8 * k)
+            assert torch.equal(only_w[rank][step][0][0], out[0])
 
 
 # -- construction and state ----------------------------------------------------------------------------------------

@@ -16,47 +16,63 @@ Per step, on every worker, for every compressed slot (d coordinates, k = ``k`` o
              g̃ = (the k largest |V| among the candidates) / W, zero elsewhere
     u, v ← 0 where g̃ is nonzero; the slot's result is g̃ (dense)
 
-``rounds=1`` skips round 2 (as FetchSGD does): g̃ is the k largest |estimates of S| divided by W (the sketch's
-estimates, not exact values). u is zeroed there, but v is not: every worker subtracts g̃ from its v, so the sum
-of the workers' v drops by exactly what was applied, and what the estimate missed (or overshot) stays to go out
-later. This is FetchSGD's error accumulation (S_e ← S_e − S(Δ)) written on the workers' side, which the
-sketch's linearity makes the same thing. Zeroing v instead, as round 2's exact values allow, loses the
-estimation error for good: measured, it made the default MNIST job diverge within 60 steps (14 % accuracy).
+Zeroing follows the reference code (``u[weightUpdate.nonzero()] = 0``): a selected coordinate whose sum is
+exactly 0 (the workers' v cancel, or every v is 0 there and it was taken as a tie) applied nothing, so it keeps
+its u and v; zeroing them would drop momentum that has not gone out.
 
-Topologies. ``allreduce`` (the default): two allreduces per step, whatever the number of slots; a worker hands
-4·(Σ r·c over compressed slots + Σ d over dense slots) bytes to round 1 and 4·Σ min(P·k, d) to round 2, and
-receives as much. ``ps`` (``--topology ps``; the paper's server): the root gathers the sketches and sums them
-(in rank order), broadcasts the candidates' positions (int32), gathers the workers' exact values there, and
-broadcasts the result: the dense slots' sums and, per compressed slot, k float32 values and k int32
-positions. Up per worker: 4·(sketch + dense + P·k) bytes; down: 4·P·k + 4·dense + 8·k. ``rounds=1`` over ps
-sends no candidates: one gather, one broadcast.
+``rounds=1`` skips round 2 (as FetchSGD does): g̃ is the k largest |estimates of S| divided by W (the sketch's
+estimates, not exact values). u is zeroed where g̃ is nonzero, but v is not: every worker subtracts g̃ from
+its v, so the sum of the workers' v drops by exactly what was applied, and what the estimate missed (or
+overshot) stays to go out later. This is FetchSGD's error accumulation (S_e ← S_e − S(Δ)) written on the
+workers' side, which the sketch's linearity makes the same thing. Zeroing v instead, as round 2's exact
+values allow, loses the estimation error for good: measured, it made the default MNIST job diverge within 60
+steps (14 % accuracy).
+
+**Whole slots.** With two rounds and P·k ≥ d every coordinate is a candidate, so the sketch would decide
+nothing: such a slot sends v itself in round 1 instead of a sketch (d floats, beside the dense slots' u) and
+takes the k largest of the summed v at once. That is what round 2 would have given (the exact sums of all d
+coordinates, the same tie rule: true top-k), bit for bit on the simulated cluster; the slot takes no part in
+round 2, and a step with no other compressed slot has no round 2 (then it costs exactly true_topk's bytes).
+
+Topologies. ``allreduce`` (the default): two allreduces per step, whatever the number of slots (one when no
+slot is sketched, or with ``rounds=1``); a worker hands 4·(Σ r·c over sketched slots + Σ d over whole and dense
+slots) bytes to round 1 and 4·Σ P·k over sketched slots to round 2, and receives as much. ``ps`` (``--topology
+ps``; the paper's server): the root gathers round 1 and sums it (in rank order), broadcasts the sketched slots'
+candidates' positions (int32), gathers the workers' exact values there, and broadcasts the result: the dense
+slots' sums and, per compressed slot, k float32 values and k int32 positions. Up per worker: 4·(sketch + whole
++ dense + P·k) bytes; down: 4·P·k + 4·dense + 8·k (P·k over sketched slots). ``rounds=1`` over ps sends no
+candidates: one gather, one broadcast.
 
 Choices (each a parameter):
 
-- **Count sketch** (``gradcomp.compressors.countsketch``): random hash tables drawn from the shared seed
-  and the slot's index, built once per slot and cached; the docstring there says why that family.
+- **Count sketch** (``gradcomp.compressors.countsketch``): random hash tables drawn from the scheme's ``seed``
+  parameter (default 0, the same on every worker; ``--param seed=N``; the run's own seed does not reach it) and
+  the slot's index, built once per slot and cached; the docstring there says why that family.
 - ``rows`` (default 5, as in the paper's experiments): the median over 5 rows fails only when 3 of 5
   independent rows are badly hit, so one bad collision does not move an estimate.
-- ``cols`` (default per slot: min(10·k, ⌊d / (2·rows)⌋), at least 1): a count-sketch row estimates a
-  coordinate within about ‖v_tail‖₂/√c, so c = k/ε² columns find the coordinates whose square exceeds
-  ε²·‖tail‖²/k; 10·k is ε² = 0.1. Capped so that the sketch is at most half the vector it compresses: a
-  larger sketch would cost more than sending the slot. A ``cols`` given explicitly is used for every
-  compressed slot; a sketch larger than its slot (rows·cols > d) is a ConfigError. Measured worst case
-  (k equal heavy coordinates planted in N(0, 1) noise, d = 20,000, k = 200, defaults): in 2 of 20 seeds one
-  of the 200 was not among the candidates — it shared buckets with other heavy ones in 3 of the 5 rows and
-  its median estimate cancelled out. It is not lost: it stays in v and goes out at a later step.
+- ``cols`` (default per slot: min(10·k, ⌊d / (2·rows)⌋)): a count-sketch row estimates a coordinate within
+  about ‖v_tail‖₂/√c, so c = k/ε² columns find the coordinates whose square exceeds ε²·‖tail‖²/k; 10·k is
+  ε² = 0.1. Capped so that the sketch is at most half the vector it compresses: a larger sketch would cost
+  more than sending the slot. A slot of d < 2·rows coordinates (reachable only with ``min_size`` below
+  2·rows) has no sketch within that cap (⌊d / (2·rows)⌋ = 0 columns) and goes dense, like a slot under
+  ``min_size``. A ``cols`` given explicitly is used for every compressed slot; a sketch larger
+  than its slot (rows·cols > d) is a ConfigError. Measured worst case (k equal heavy coordinates planted in
+  N(0, 1) noise, d = 20,000, k = 200, defaults): in 2 of 20 seeds one of the 200 was not among the
+  candidates — it shared buckets with other heavy ones in 3 of the 5 rows and its median estimate cancelled
+  out. It is not lost: it stays in v and goes out at a later step.
 - ``candidates`` P (default 10): round 2 costs P·k floats, a fifth of the default sketch (5·10·k); it must be
   large enough that the true top k sit among the P·k largest estimates although the estimates are noisy by
   about the k-th value itself: with P = 10 a heavy coordinate is missed only if 9·k light ones are
-  estimated above it. P·k is capped at d.
+  estimated above it. P·k is capped at d; at d the slot is whole (above).
 - ``min_size`` (default 1000): smaller slots go dense in round 1 (see ``gradcomp.schemes.accumulation``).
 - **Ties** in both selections are broken by the lower coordinate (a stable sort), so every worker, given
   the same summed values, takes the same coordinates.
 - **Mean**: sums are divided by W after the allreduce (g̃ is the mean of the workers' v at the selected
   coordinates).
 
-The paper's compression factor, 2d / (sketch size + P·k + k), is ``paper_compression(slots)``; gradcomp's
-is measured from the bytes that crossed the process group, like every other method's.
+The paper's compression factor, 2d / (sketch size + P·k + k) (d + k for a whole slot), is
+``paper_compression(slots)``; gradcomp's is measured from the bytes that crossed the process group, like every
+other method's.
 
 State (``state_dict``): u and v of every compressed slot and u of every dense one, keyed by
 ``"<slot name>#<d>"``. The hash tables are derived from the seed and are not saved.
@@ -84,12 +100,21 @@ DEFAULT_COLS_PER_K = 10.0  # table columns per selected coordinate when cols is 
 
 @dataclass(frozen=True)
 class SlotPlan:
-    """How one slot travels: sketched (k, cols, P·k candidates) or dense (k = cols = candidates = 0)."""
+    """How one slot travels: compressed (k, cols, P·k candidates) or dense (k = cols = candidates = 0).
+
+    A compressed slot whose candidates are all of its coordinates (P·k ≥ d, two rounds) is ``whole``: its v is
+    sent in round 1 instead of a sketch, and it takes no part in round 2.
+    """
 
     compressed: bool
     k: int = 0
     cols: int = 0
     candidates: int = 0
+    whole: bool = False
+
+    @property
+    def sketched(self) -> bool:
+        return self.compressed and not self.whole
 
 
 @register
@@ -163,23 +188,30 @@ class SketchedSGD(AccumulatingScheme):
         if self.cols is not None:
             cols = self.cols
         else:
-            cols = max(1, min(math.ceil(self.cols_per_k * k), d // (2 * self.rows)))
+            cols = min(math.ceil(self.cols_per_k * k), d // (2 * self.rows))
+            if cols < 1:  # d < 2·rows: no sketch is at most half the slot, so it goes dense
+                return SlotPlan(compressed=False)
         if self.rows * cols > d:
             raise ConfigError(
                 f"{slot.name}: a {self.rows}×{cols} sketch ({self.rows * cols} floats) is larger than the "
                 f"{d} coordinates it compresses"
             )
-        return SlotPlan(compressed=True, k=k, cols=cols, candidates=min(self.candidates * k, d))
+        candidates = min(self.candidates * k, d)
+        whole = self.rounds == 2 and candidates == d
+        return SlotPlan(compressed=True, k=k, cols=cols, candidates=candidates, whole=whole)
 
     def check_slots(self, slots: Sequence[Slot]) -> None:
         for slot in slots:
             self.plan(slot)
 
     def paper_compression(self, slots: Sequence[Slot]) -> float:
-        """The paper's compression factor 2d / (sketch size + P·k + k) over the compressed slots."""
+        """The paper's compression factor 2d / (sketch size + P·k + k) over the compressed slots (d + k if whole)."""
         plans = [self.plan(s) for s in slots]
         d = sum(s.numel for s, p in zip(slots, plans) if p.compressed)
-        cost = sum(self.rows * p.cols + (p.candidates if self.rounds == 2 else 0) + p.k for p in plans)
+        cost = sum(
+            (p.candidates if p.whole else self.rows * p.cols + (p.candidates if self.rounds == 2 else 0)) + p.k
+            for p in plans
+        )
         return 2 * d / cost if cost else 1.0
 
     def _sketch(self, slot: Slot, cols: int, device: torch.device) -> CountSketch:
@@ -200,16 +232,19 @@ class SketchedSGD(AccumulatingScheme):
         squeezed = [i for i, p in enumerate(plans) if p.compressed]
         dense = [i for i, p in enumerate(plans) if not p.compressed]
 
-        # round 1: every compressed slot's sketch of v, then every dense slot's u, in one float32 buffer
-        sizes = [self.rows * p.cols if p.compressed else s.numel for s, p in zip(slots, plans)]
+        # round 1, in slot order in one float32 buffer: a sketch of v per sketched slot, v itself per whole slot,
+        # u per dense slot
+        sizes = [self.rows * p.cols if p.sketched else s.numel for s, p in zip(slots, plans)]
         offsets = offsets_of(sizes)
         buf = torch.empty(offsets[-1], dtype=torch.float32, device=device)
         sketches: dict[int, CountSketch] = {}
         for i, (slot, plan) in enumerate(zip(slots, plans)):
             part = buf[offsets[i] : offsets[i + 1]]
-            if plan.compressed:
+            if plan.sketched:
                 sketches[i] = self._sketch(slot, plan.cols, device)
                 sketches[i].sketch(vs[i], out=part)  # type: ignore[arg-type]
+            elif plan.whole:
+                part.copy_(vs[i])  # type: ignore[arg-type]
             else:
                 part.copy_(us[i])
         if self.topology == "allreduce":
@@ -229,11 +264,12 @@ class SketchedSGD(AccumulatingScheme):
             result = torch.zeros(slot.numel, dtype=torch.float32, device=device)
             result[coords] = values.div(world)
             out.append(result)
-            us[i][coords] = 0.0
+            applied = coords[result[coords] != 0]  # a selected sum can be exactly 0: nothing went out there
+            us[i][applied] = 0.0
             if self.rounds == 2:
-                vs[i][coords] = 0.0  # type: ignore[index]
+                vs[i][applied] = 0.0  # type: ignore[index]
             else:  # an estimate went out: the rest of the sum (or an overshoot) stays in the accumulation
-                vs[i][coords] -= result[coords]  # type: ignore[index]
+                vs[i][applied] -= result[applied]  # type: ignore[index]
         self.last_selection = {
             slots[i].name: (self._candidates.get(i, selected[i][0]), selected[i][0]) for i in squeezed
         }
@@ -246,20 +282,29 @@ class SketchedSGD(AccumulatingScheme):
         coords = largest(estimates, take)
         return coords, estimates[coords]
 
+    def _whole(self, plan: SlotPlan, summed_v: Tensor) -> tuple[Tensor, Tensor]:
+        """(coordinates, sums there) of the k largest of a whole slot's summed v: round 2's result, at once."""
+        top = largest(summed_v, plan.k)
+        return top, summed_v[top]
+
     def _select_allreduce(self, slots, plans, vs, sketches, summed, offsets) -> Rounds:
         """Every worker holds the summed sketch: the same candidates; round 2 allreduces their exact values."""
         selected: list[Any] = [None] * len(slots)
         self._candidates = {}
+        order = []  # the slots that need round 2
         for i, plan in enumerate(plans):
             part = summed[offsets[i] : offsets[i + 1]]
             if not plan.compressed:
                 selected[i] = part
-                continue
-            selected[i] = self._candidates_of(sketches, i, plan, part)
-            self._candidates[i] = selected[i][0]
-        if self.rounds == 1 or not self._candidates:
+            elif plan.whole:
+                selected[i] = self._whole(plan, part)
+                self._candidates[i] = torch.arange(part.numel(), device=part.device)
+            else:
+                selected[i] = self._candidates_of(sketches, i, plan, part)
+                self._candidates[i] = selected[i][0]
+                order.append(i)
+        if self.rounds == 1 or not order:
             return selected
-        order = sorted(self._candidates)
         values = torch.cat([vs[i][self._candidates[i]] for i in order])
         exact = yield AllReduce(values, inplace=True)
         pos = 0
@@ -276,30 +321,38 @@ class SketchedSGD(AccumulatingScheme):
         and sends the k coordinates and values (int32 positions, float32 sums) with the dense slots' sums."""
         device = buf.device
         squeezed = [i for i, p in enumerate(plans) if p.compressed]
+        sketched = [i for i in squeezed if not plans[i].whole]  # the slots that need round 2
         dense = [i for i, p in enumerate(plans) if not p.compressed]
         is_root = self.rank == self.root
         gathered = yield Gather(buf, self.root)
         self._candidates = {}
         chosen: dict[int, tuple[Tensor, Tensor]] = {}
+        for i in squeezed:
+            if plans[i].whole:
+                self._candidates[i] = torch.arange(slots[i].numel, device=device)
         if is_root:
             summed = _sum_in_rank_order(gathered)
             for i in squeezed:
-                chosen[i] = self._candidates_of(sketches, i, plans[i], summed[offsets[i] : offsets[i + 1]])
-        if self.rounds == 2 and squeezed:
-            lengths = [plans[i].candidates for i in squeezed]
+                part = summed[offsets[i] : offsets[i + 1]]
+                if plans[i].whole:
+                    chosen[i] = self._whole(plans[i], part)
+                else:
+                    chosen[i] = self._candidates_of(sketches, i, plans[i], part)
+        if self.rounds == 2 and sketched:
+            lengths = [plans[i].candidates for i in sketched]
             starts = offsets_of(lengths)
             if is_root:
-                flat = torch.cat([chosen[i][0] for i in squeezed]).to(torch.int32)
+                flat = torch.cat([chosen[i][0] for i in sketched]).to(torch.int32)
             else:
                 flat = torch.empty(starts[-1], dtype=torch.int32, device=device)
             flat = yield Broadcast(flat, self.root)
-            for n, i in enumerate(squeezed):
+            for n, i in enumerate(sketched):
                 self._candidates[i] = flat[starts[n] : starts[n + 1]].to(torch.int64)
-            values = torch.cat([vs[i][self._candidates[i]] for i in squeezed])
+            values = torch.cat([vs[i][self._candidates[i]] for i in sketched])
             gathered = yield Gather(values, self.root)
             if is_root:
                 exact = _sum_in_rank_order(gathered)
-                for n, i in enumerate(squeezed):
+                for n, i in enumerate(sketched):
                     vals = exact[starts[n] : starts[n + 1]]
                     top = largest(vals, plans[i].k)
                     chosen[i] = (self._candidates[i][top], vals[top])
