@@ -6,9 +6,13 @@ once since, when fixed-size messages stopped exchanging their sizes: every param
 byte count fell by exactly the size rounds' control bytes (8 up and 8·(W−1) down per step for an all-gather, 8 up and
 8·W down for a parameter server, over 50 steps). Re-recorded again when C_nat's random numbers moved from torch's
 mt19937 to a counter-based SplitMix64 (for the compiled kernel): only the parameter digests of the cases that use cnat
-changed (cnat, cnat-ps-both, topk+cnat), no byte count. A digest is the SHA-256 of the flat parameters after the last
-step, plus the bytes each worker sent up and received down, so a changed trajectory or a changed wire format both
-show.
+changed (cnat, cnat-ps-both, topk+cnat), no byte count. Re-recorded on 2026-11-24 on another machine (an AVX-512
+FP16 Xeon), whose float kernels round differently: every parameter digest changed there, every byte count stayed
+the same (the variable-size ones too); the file now also holds ``arithmetic_fingerprint()`` of the recording
+machine, and the parameter digests are compared only on a machine with the same fingerprint.
+
+A digest is the SHA-256 of the flat parameters after the last step, plus the bytes each worker sent up and received
+down, so a changed trajectory or a changed wire format both show.
 """
 
 from __future__ import annotations
@@ -62,6 +66,28 @@ CONFIGS: dict[str, tuple] = {
 
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:20]
+
+
+def arithmetic_fingerprint(steps: int = 5) -> str:
+    """A digest of this machine's float arithmetic for the runs below, without any exchange: the synthetic data,
+    the MLP's initialisation and a few SGD steps on one process, one thread.
+
+    torch picks its CPU kernels by instruction set (AVX2, AVX-512, AVX-512 FP16, …) and MKL / oneDNN pick theirs
+    by processor, and the kernels round differently in the last bits (seen: the same torch 2.13.0 wheel gave other
+    data, gradients and 50-step parameters on an AVX-512 FP16 Xeon than on the machine the digests were first
+    recorded on). Where this fingerprint differs from the recorded one, the recorded parameters cannot be
+    reproduced and the comparison is skipped, saying so.
+    """
+    torch.set_num_threads(1)
+    data = load_dataset("synthetic")
+    model = build_model("mlp", data, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        optimizer.zero_grad()
+        batch = slice(16 * step, 16 * step + 16)
+        F.cross_entropy(model(data.train_x[batch]), data.train_y[batch]).backward()
+        optimizer.step()
+    return digest(torch.cat([data.train_x.reshape(-1), *(p.detach().reshape(-1) for p in model.parameters())]))
 
 
 def run(transport, label: str, steps: int = STEPS) -> dict:
@@ -124,6 +150,13 @@ def _merge(label: str, per_rank: list[dict], where: str) -> dict:
 
 
 if __name__ == "__main__":
-    record = {"steps": STEPS, "world": WORLD, "torch": torch.__version__, "simulated": simulated(), "gloo": real()}
+    record = {
+        "steps": STEPS,
+        "world": WORLD,
+        "torch": torch.__version__,
+        "arithmetic": arithmetic_fingerprint(),
+        "simulated": simulated(),
+        "gloo": real(),
+    }
     DIGEST_FILE.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"wrote {DIGEST_FILE}")
