@@ -61,11 +61,14 @@ def pad_to(buffer: Tensor, size: int) -> Tensor:
     return padded
 
 
-def broadcast_buffer(buffer: Tensor | None, root: int, device: torch.device, size: int | None = None) -> Rounds:
+def broadcast_buffer(
+    buffer: Tensor | None, root: int, device: torch.device, size: int | None = None, peer: bool = False
+) -> Rounds:
     """The root's uint8 buffer on every worker: its length first (one int64, control traffic), then the bytes.
 
     The root passes its buffer, every other worker None. ``size``: the buffer's length when every worker knows
-    it in advance; the length round is then skipped (the root's buffer is checked against it first).
+    it in advance; the length round is then skipped (the root's buffer is checked against it first). ``peer``:
+    the root is a worker, not the parameter server (``Broadcast.peer``, booked as the root's upload).
     """
     if size is not None:
         if buffer is not None:
@@ -76,8 +79,8 @@ def broadcast_buffer(buffer: Tensor | None, root: int, device: torch.device, siz
             count = torch.tensor([buffer.numel()], dtype=torch.int64, device=device)
         else:
             count = torch.zeros(1, dtype=torch.int64, device=device)
-        count = yield Broadcast(count, root, kind=CONTROL)
+        count = yield Broadcast(count, root, kind=CONTROL, peer=peer)
         length = int(count.item())
     if buffer is None:
         buffer = torch.empty(length, dtype=torch.uint8, device=device)
-    return (yield Broadcast(buffer, root))
+    return (yield Broadcast(buffer, root, peer=peer))

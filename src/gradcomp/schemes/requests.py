@@ -15,8 +15,10 @@ Broadcast      ``root``'s tensor on every worker                             the
 =============  ===========================================================  ==========================
 
 ``kind`` books the bytes as payload or control (size exchanges); ``pad_*`` is padding inside the tensor,
-booked apart. ``AllReduce(inplace=True)`` lets the transport overwrite the tensor it was given (the scheme
-made it and will not read it again), which saves a copy of every reduced buffer.
+booked apart. ``Broadcast(peer=True)``: the root is a worker sending to its peers (booked as its upload),
+not the parameter server's downlink (booked as server output). ``AllReduce(inplace=True)`` lets the
+transport overwrite the tensor it was given (the scheme made it and will not read it again), which saves a
+copy of every reduced buffer.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Broadcast:
     tensor: Tensor
     root: int
     kind: str = PAYLOAD
+    peer: bool = False  # the root is a worker sending to its peers, not the parameter server (booked as such)
 
 
 Request = Union[AllReduce, AllGather, AllToAll, Gather, Broadcast]  # noqa: UP007 (a runtime alias; Python 3.10)
@@ -90,7 +93,7 @@ def execute(transport: Transport, request: Request) -> Any:
     if isinstance(request, Gather):
         return transport.gather(request.tensor, request.root, request.kind, request.pad_up, request.pad_in)
     if isinstance(request, Broadcast):
-        return transport.broadcast(request.tensor, request.root, request.kind)
+        return transport.broadcast(request.tensor, request.root, request.kind, peer=request.peer)
     raise TypeError(f"a scheme yielded {type(request).__name__}, which is not a collective request")
 
 

@@ -14,6 +14,8 @@ is counted, from the point of view of one worker:
   receives one chunk from each other worker: up += (W - 1) * chunk, down += (W - 1) * chunk.
 - ``broadcast(t, root)`` (parameter-server downlink): the root's server role sends t once per worker
   (server_out += W * t.nbytes, payload only) and every worker receives it (down += t.nbytes).
+- ``broadcast(t, root, peer=True)`` (a worker sends to the others, e.g. LGC's leader): the root sends t
+  (up += t.nbytes) and receives nothing; every other worker receives it (down += t.nbytes); no server role.
 
 Each call names its kind: ``payload`` (messages), ``control`` (size exchanges). Padding that equal-size
 collectives need is passed in by the protocol (``pad_up``, ``pad_down``) and booked apart from the payload.
@@ -204,13 +206,21 @@ class Transport(ABC):
             self.counter.server_in += self.world_size * t.nbytes - pad_in
         return result
 
-    def broadcast(self, t: Tensor, root: int, kind: str = PAYLOAD) -> Tensor:
-        """The root's ``t`` on every worker; the others pass a tensor of the right shape and dtype to fill."""
+    def broadcast(self, t: Tensor, root: int, kind: str = PAYLOAD, peer: bool = False) -> Tensor:
+        """The root's ``t`` on every worker; the others pass a tensor of the right shape and dtype to fill.
+
+        ``peer``: the root is a worker sending to its peers, not the parameter server's downlink (see the
+        module docstring for how each is booked).
+        """
         result = self._timed(self._broadcast, t.contiguous(), root)
-        self.counter.book(kind, up=0, down=t.nbytes)
+        if peer:
+            sender = self.rank == root
+            self.counter.book(kind, up=t.nbytes if sender else 0, down=0 if sender else t.nbytes)
+        else:
+            self.counter.book(kind, up=0, down=t.nbytes)
+            if self.rank == root and kind != CONTROL:
+                self.counter.server_out += self.world_size * t.nbytes
         self.counter.record("broadcast", t.nbytes)
-        if self.rank == root and kind != CONTROL:
-            self.counter.server_out += self.world_size * t.nbytes
         return result
 
     @abstractmethod
