@@ -3,6 +3,8 @@ autoencoder copies, state, bad parameters."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from distributed import run_workers
@@ -39,9 +41,13 @@ def make(**kw):
     return lambda: LGC(**params)
 
 
+def _layout(scheme, slots=SLOTS):
+    return scheme._layouts[tuple(s.name for s in slots)]
+
+
 def _residual(scheme):
-    layout = scheme.layout(SLOTS)
-    return None if layout.residual is None else layout.residual.clone()
+    layout = scheme._layouts.get(tuple(s.name for s in SLOTS))
+    return None if layout is None or layout.residual is None else layout.residual.clone()
 
 
 def run_cluster(world, make_scheme, steps, grads_for=grads):
@@ -78,7 +84,7 @@ def test_stage_boundaries_and_dense_first_stage():
 
 
 def test_first_and_last_layer_are_skipped_and_the_rest_concatenated():
-    lay = LGC(density=0.01).layout(SLOTS)
+    lay = LGC(density=0.01).layout(SLOTS, step=0)
     assert [SLOTS[i].name for i in lay.skipped] == ["conv.weight", "conv.bias", "fc2.weight", "fc2.bias"]
     assert lay.d == D and lay.k == 201 and lay.length == 208 and lay.latent == 52
     assert LGC(density=0.01, skip=False).layout(SLOTS).d == D + DENSE
@@ -102,9 +108,11 @@ def test_top_k_stage_sends_the_leaders_positions_and_every_workers_values(varian
         keep[positions] = False
         assert torch.equal(residual[keep], acc[rank][keep])
         # bytes: the positions' Golomb stream down, the values allgathered, the dense layers allreduced
-        coded = golomb_encode(positions, runs[0][1].layout(SLOTS).rice)[0].numel()
-        assert history[0]["up"] == 4 * k + 4 * DENSE
-        assert history[0]["down"] == coded + 4 * k * (WORLD - 1) + 4 * DENSE
+        # the leader (a worker) uploads its positions once: booked as its upload, the others' download
+        coded = golomb_encode(positions, _layout(runs[0][1]).rice)[0].numel()
+        sent = coded if rank == leader else 0
+        assert history[0]["up"] == 4 * k + 4 * DENSE + sent
+        assert history[0]["down"] == coded - sent + 4 * k * (WORLD - 1) + 4 * DENSE
         assert history[0]["control"] == 8  # the stream's length
     # step 1: the leader rotates to worker 1
     acc1 = [runs[r][0][0]["residual"] + torch.cat([grads(r, 1)[i] for i in (2, 3)]) for r in range(WORLD)]
@@ -128,29 +136,43 @@ def test_autoencoder_copies_stay_identical_and_replicas_agree(variant):
     assert runs[0][0][4]["digests"] == runs[0][0][6]["digests"] != runs[0][0][2]["digests"]
 
 
+DECODER_BYTES = 4 * (4 * 64 + 64 + 64 * 256 * 3 + 256 + 256 * 128 * 3 + 128 + 128 * 64 * 3 + 64 + 64 * 3 + 1)
+
+
 def test_ring_stage_three_bytes_and_update():
-    runs = run_cluster(WORLD, make(variant="ring"), 6)
-    lay = runs[0][1].layout(SLOTS)
-    step = runs[0][0][5]
-    for history, _ in runs:
-        h = history[5]
-        # up: the scale (max-allreduce) and the codes with the dense layers; down: the same plus positions
-        assert h["up"] == 4 + 4 * (lay.latent + DENSE)
-        assert h["down"] - h["up"] > 0 and h["control"] == 8
-    out = torch.cat([step["out"][2], step["out"][3]])
+    runs = run_cluster(WORLD, make(variant="ring"), 7)
+    lay = _layout(runs[0][1])
+    common = 4 + 4 * (lay.latent + DENSE)  # the scale (max-allreduce), the codes with the dense layers
+    for step, leader in ((5, 1), (6, 2)):
+        coded = runs[3][0][step]["down"] - common - (DECODER_BYTES if step == 5 else 0)  # the leader's positions
+        assert coded > 0
+        for rank, (history, _) in enumerate(runs):
+            h = history[step]
+            # step 5, the first compressed step: rank 0's decoder to every worker, once (a peer broadcast)
+            sync = DECODER_BYTES if step == 5 else 0
+            assert h["up"] == common + (coded if rank == leader else 0) + (sync if rank == 0 else 0)
+            assert h["down"] == common + (0 if rank == leader else coded) + (0 if rank == 0 else sync)
+            assert h["control"] == 8  # the positions' length
+    out = torch.cat([runs[0][0][5]["out"][2], runs[0][0][5]["out"][3]])
     assert 0 < int((out != 0).sum()) <= lay.k  # the decoded mean at the k common positions only
 
 
 def test_ps_stage_three_bytes():
-    runs = run_cluster(WORLD, make(variant="ps", innovation=0.1), 6)
-    lay = runs[0][1].layout(SLOTS)
+    runs = run_cluster(WORLD, make(variant="ps", innovation=0.1), 7)
+    lay = _layout(runs[0][1])
     n = lay.innovation
     assert n == 21
-    for history, _ in runs:
-        h = history[5]
-        assert h["up"] == 8 * n + 4 * DENSE  # innovation (fp32 value, int32 index) and the dense layers
-        # down: the leader's message (scale, code, positions) and the server's k means with the dense means
-        assert h["down"] > 4 * (1 + lay.latent) + 4 * (lay.k + DENSE)
+    means = 4 * (lay.k + DENSE)  # the server's k means with the dense means: the server's downlink
+    for step, leader in ((5, 1), (6, 2)):
+        message = runs[3][0][step]["down"] - means  # the leader's scale, code and positions
+        assert message > 4 * (1 + lay.latent)
+        for rank, (history, _) in enumerate(runs):
+            h = history[step]
+            # up: the innovation (fp32 value, int32 index) with the dense layers; step 5, the first compressed
+            # step: also the worker's own decoder, to the server (a gather)
+            sync = DECODER_BYTES if step == 5 else 0
+            assert h["up"] == 8 * n + 4 * DENSE + sync + (message if rank == leader else 0)
+            assert h["down"] == means + (0 if rank == leader else message)
 
 
 def test_state_round_trip_continues_exactly():
@@ -216,14 +238,15 @@ def _gloo_worker(rank, world_size, variant):
     scheme = LGC(variant=variant, density=0.01, dense_steps=1, topk_steps=2)
     ex = GradientExchange(scheme, DistTransport())
     outs = [ex.exchange(SLOTS, grads(rank, s), s) for s in range(5)]
-    return outs, scheme.autoencoder_digests()
+    c = ex.transport.counter
+    return outs, scheme.autoencoder_digests(), (c.up_payload, c.down_payload, c.up_control + c.down_control)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["ring", "ps"])
 def test_gloo_workers_match_each_other_and_the_simulated_cluster(single_thread, variant):
     real = run_workers(_gloo_worker, WORLD, variant, timeout=300)
-    for outs, digests in real[1:]:
+    for outs, digests, _ in real[1:]:
         assert digests == real[0][1]
         for a, b in zip(outs, real[0][0]):
             for x, y in zip(a, b):
@@ -233,6 +256,8 @@ def test_gloo_workers_match_each_other_and_the_simulated_cluster(single_thread, 
     for step in range(5):
         for x, y in zip(sim[0][0][step]["out"], real[0][0][step]):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+    for (history, _), (_, _, booked) in zip(sim, real):  # gloo books what the simulated cluster books
+        assert booked == tuple(sum(h[key] for h in history) for key in ("up", "down", "control"))
 
 
 @pytest.mark.parametrize("variant", ["ring", "ps"])
@@ -244,3 +269,207 @@ def test_report_counts_training_and_held_out_errors(variant):
     assert lay["autoencoder_steps"] == 3 and lay["held_out_steps"] == 2  # steps 5 and 6
     assert lay["held_out_error"] >= 0 and 0 < lay["topk_same_bits_error"] < 1
     assert lay["train_loss_first"] is not None and lay["k"] == 201
+
+
+# -- found by a review: skip per model, per-bucket state, decoder sync, peer broadcasts, trainer state ----------
+
+TWO_LAYERS = [  # a two-layer MLP (nn.Sequential(Flatten, Linear, ReLU, Linear)): its first and last layer are all
+    Slot("net.1.weight", 0, 8000, (100, 80)),
+    Slot("net.1.bias", 1, 100),
+    Slot("net.3.weight", 2, 1000, (10, 100)),
+    Slot("net.3.bias", 3, 10),
+]
+TAIL, HEAD = SLOTS[2:], SLOTS[:2]  # DDP's buckets after its rebuild: the last parameters first
+
+
+def test_skip_sends_the_models_first_and_last_layer_dense_not_a_buckets():
+    scheme = LGC(density=0.01)
+    # before the DDP hook named the model (its first backward pass), a bucket that is not the whole model
+    # cannot know the model's last layer: it travels dense
+    assert scheme.layout(TAIL, step=0).d == 0 and not scheme._layouts
+    scheme.retain(SLOTS)
+    tail, head = scheme.layout(TAIL, step=1), scheme.layout(HEAD, step=1)
+    assert [TAIL[i].name for i in tail.skipped] == ["fc2.weight", "fc2.bias"] and tail.d == D
+    assert head.d == 0 and head.skipped == [0, 1]  # only the model's first layer: dense
+
+
+def test_a_model_whose_first_and_last_layer_are_all_its_layers_skips_nothing():
+    assert LGC(density=0.01).layout(TWO_LAYERS, step=0).skipped == []
+    scheme = LGC(density=0.01)
+    scheme.retain(TWO_LAYERS)
+    assert scheme.layout(TWO_LAYERS).d == 9110
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_with_a_flattened_model_slot_is_refused_before_sending(skip):
+    model = [Slot("model", 0, D + DENSE)]
+
+    def worker(t):
+        ex = GradientExchange(LGC(density=0.01, skip=skip, dense_steps=0), t)
+        if skip:
+            with pytest.raises(ConfigError, match="flattened vector"):
+                ex.exchange(model, [torch.cat(grads(0, 0))], 0)
+        else:
+            ex.exchange(model, [torch.cat(grads(0, 0))], 0)
+        return t.counter.collectives
+
+    with gradcomp.SimulatedCluster(1) as cluster:
+        assert (cluster.run(worker) == [0]) == skip
+
+
+def _passes(t, scheme, steps):
+    """DDP's way: the whole model in one bucket in the first pass, then two buckets; retain after each pass."""
+    ex = GradientExchange(scheme, t)
+    history = []
+    for step in range(steps):
+        g = grads(t.rank, step)
+        out = [torch.empty(0)] * len(SLOTS)
+        for bucket in [range(6)] if step == 0 else [range(2, 6), range(2)]:
+            for i, o in zip(bucket, ex.exchange([SLOTS[i] for i in bucket], [g[i] for i in bucket], step)):
+                out[i] = o.clone()
+        scheme.retain(SLOTS)
+        history.append(out)
+    return history
+
+
+def test_every_buckets_residual_and_autoencoder_survive_the_passes():
+    def worker(t):
+        scheme = LGC(density=0.01, dense_steps=1, topk_steps=3)
+        return _passes(t, scheme, 6), scheme
+
+    with gradcomp.SimulatedCluster(2) as cluster:
+        runs = cluster.run(worker)
+    for history, scheme in runs:
+        assert all(torch.equal(a, b) for out, ref in zip(history, runs[0][0]) for a, b in zip(out, ref))
+        # the first pass's single bucket never came back: dropped; the two buckets kept across the passes
+        assert set(scheme._layouts) == {tuple(s.name for s in TAIL), tuple(s.name for s in HEAD)}
+        tail = _layout(scheme, TAIL)
+        assert tail.trainer.steps == 3 and tail.residual is not None and len(tail.held_out) == 2
+        assert set(scheme.state_dict()) == {"|".join(s.name for s in TAIL)}  # the dense bucket has no state
+    g = [grads(r, 5) for r in range(2)]
+    for i in (0, 1, 4, 5):  # the model's first and last layer: the dense mean
+        torch.testing.assert_close(runs[0][0][5][i], (g[0][i] + g[1][i]) / 2, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["ring", "ps"])
+def test_decoders_are_synced_at_the_first_compressed_step(variant):
+    """Copies trained with other rounding (another thread count, CUDA): worker 1's autoencoder is made to
+    differ before stage 3 (step 3). Ring: every worker must decode the summed code with the same decoder;
+    ps: the server must rebuild worker i with worker i's own decoder i."""
+
+    def perturb(scheme, step):
+        if step == 3 and scheme.rank == 1:
+            with torch.no_grad():
+                for p in _layout(scheme).trainer.model.parameters():
+                    p.mul_(1.01)
+
+    def worker(t):
+        scheme = LGC(variant=variant, density=0.01, dense_steps=1, topk_steps=2)
+        ex = GradientExchange(scheme, t)
+        history = []
+        for step in range(5):
+            perturb(scheme, step)
+            history.append([o.clone() for o in ex.exchange(SLOTS, grads(t.rank, step), step)])
+        trainer = _layout(scheme).trainer
+        return history, [trainer.decoder_weights(i) for i in range(len(trainer.model.decoders))]
+
+    with gradcomp.SimulatedCluster(3) as cluster:
+        runs = cluster.run(worker)
+    for history, _ in runs[1:]:
+        for out, ref in zip(history, runs[0][0]):
+            assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    if variant == "ring":
+        assert all(torch.equal(decoders[0], runs[0][1][0]) for _, decoders in runs)
+    else:
+        for worker_rank in range(3):
+            assert torch.equal(runs[0][1][worker_rank], runs[worker_rank][1][worker_rank])
+
+
+def test_a_peer_broadcast_is_the_roots_upload_and_a_server_broadcast_is_unchanged():
+    def worker(t):
+        booked = []
+        for peer in (True, False):
+            before = t.counter.snapshot()
+            out = t.broadcast(torch.full((5,), float(t.rank)), 1, peer=peer)
+            assert torch.equal(out, torch.ones(5))
+            c = t.counter
+            booked.append((c.up_payload - before.up_payload, c.down_payload - before.down_payload,
+                           c.server_out - before.server_out))  # fmt: skip
+        return booked
+
+    with gradcomp.SimulatedCluster(3) as cluster:
+        peer, server = zip(*cluster.run(worker))
+    assert list(peer) == [(0, 20, 0), (20, 0, 0), (0, 20, 0)]
+    assert list(server) == [(0, 20, 0), (0, 20, 60), (0, 20, 0)]
+
+
+def test_autoencoder_state_is_a_copy_both_ways():
+    from gradcomp.schemes.lgc_autoencoder import AutoencoderTrainer
+
+    batch = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    trainer = AutoencoderTrainer()
+    trainer.train_step(batch)
+    taken = trainer.state_dict()
+    kept = copy.deepcopy(taken)
+    trainer.train_step(batch)  # training on must not change the state taken before
+    assert _same_state(taken, kept)
+    assert not _same_state(trainer.state_dict(), kept)
+    other = AutoencoderTrainer(seed=1)
+    other.load_state_dict(taken)
+    other.train_step(batch)  # nor the state given to load_state_dict
+    assert _same_state(taken, kept)
+    assert other.steps == 2
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def _ddp_worker(rank, world_size):
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradcomp.experiments.data import load_dataset, shard_indices
+    from gradcomp.experiments.models import build_model
+
+    data = load_dataset("synthetic")
+    rows = shard_indices(data.num_train, rank, world_size, epoch=0, seed=0)
+    out = {}
+    for variant in ("ring", "ps"):
+        model = build_model("cnn", data, seed=0)
+        ddp = DDP(model, bucket_cap_mb=0.01)  # three buckets after DDP's rebuild (as in test_ddp_hook.py)
+        scheme = gradcomp.make("lgc", variant=variant, density=0.01, dense_steps=1, topk_steps=2)
+        state = gradcomp.register_ddp_hook(ddp, scheme)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(6):
+            x, y = data.train_x[rows[16 * step : 16 * step + 16]], data.train_y[rows[16 * step : 16 * step + 16]]
+            optimizer.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+        state.wait()
+        out[variant] = {
+            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "layouts": {key: (lay.d, lay.trainer.steps if lay.trainer else 0) for key, lay in scheme._layouts.items()},
+            "state": sorted(state.state_dict()["exchange"]),
+        }
+        state.close()
+    return out
+
+
+@pytest.mark.slow
+def test_ddp_hook_with_several_buckets_keeps_every_buckets_autoencoder(single_thread):
+    results = run_workers(_ddp_worker, 2, timeout=300)
+    for variant in ("ring", "ps"):
+        first, second = (r[variant] for r in results)
+        assert torch.equal(first["params"], second["params"])
+        layouts = first["layouts"]
+        assert len(layouts) == 3  # DDP's rebuilt buckets; its first pass's single bucket was dropped
+        # fc1 (in a bucket with fc2, the last layer, dense) and conv2's weight compressed, each with its own
+        # autoencoder trained in both top-k passes; the bucket of conv2's bias and the first layer (conv1) is dense
+        # (32 values left after the skip: too few for a code)
+        assert sorted(layouts.values()) == [(0, 0), (12800, 2), (16512, 2)]
+        assert first["state"] == sorted("|".join(k) for k, (d, _) in layouts.items() if d)

@@ -6,10 +6,21 @@ TNNLS 2021 (arXiv:2103.08870); SPEC.md section 3.
     gradcomp.make("lgc", variant="ring", dense_steps=100, topk_steps=200, density=0.001)
     gradcomp train --model convnet --compressor lgc --param variant=ps
 
-The tensors of one exchange (one slot list) are handled together: the first and the last layer (by module
-name; ``skip=true``, as the paper's implementation does) travel dense, the others are concatenated into one
-vector of d values, of which k = ⌈density·d⌉ are sent. Every worker keeps an error-feedback accumulator
-a ← residual + g over the d values. Three stages, by step:
+The tensors of one exchange (one slot list: the whole model, or one DDP bucket) are handled together: the
+model's first and last layer (``skip=true``, as the paper's implementation does) travel dense, the others are
+concatenated into one vector of d values, of which k = ⌈density·d⌉ are sent. Every worker keeps an
+error-feedback accumulator a ← residual + g over the d values, and its own autoencoder, per slot list.
+
+**The first and the last layer** are the modules (parameter name without its last component) of the model's
+first and last parameter in parameter order (``Slot.index``) — of the model, not of a DDP bucket. A slot list
+whose indices are 0 … n − 1 is the whole model (GradientAggregator, or a DDP model in one bucket) unless a
+higher index was exchanged at the same step; the DDP hook names the model after each backward pass
+(``retain``). Until it has (the first pass of a DDP model in several buckets) every bucket travels dense, as
+a bucket that holds only skipped layers always does. A model whose first and last layer are all its layers
+(a two-layer MLP) skips nothing. skip needs one slot per parameter: a flattened slot (granularity ``model``,
+a DDP hook with granularity ``bucket``) with ``skip=true`` raises ConfigError before anything is sent.
+A DDP bucket too small for a code (latent ≥ k) travels dense; the whole model raises ConfigError instead.
+Three stages, by step:
 
 1. ``step < dense_steps``: a dense allreduce of everything (no residual).
 2. the next ``topk_steps`` steps, top-k with error feedback at **common positions**: the leader (worker
@@ -17,9 +28,14 @@ a ← residual + g over the d values. Three stages, by step:
    Golomb–Rice coded (its length first, as control traffic); every worker allgathers its values a[P]; the
    update is their mean at P; the residual is a with a[P] = 0. Every worker now holds the same W value
    vectors, and trains its copy of the autoencoder (``gradcomp.schemes.lgc_autoencoder``) on them, one Adam
-   step per exchange. Identical data, identical order, identical seed: the copies stay bit-identical, so no
-   weights ever cross the wire (the tests compare the copies' digests on gloo and on the simulated cluster).
-3. afterwards, compressed steps with the autoencoder frozen:
+   step per exchange. Identical data, identical order, identical seed: the copies are bit-identical where
+   training is bitwise reproducible (the tests compare the digests on gloo and on the simulated cluster), but
+   another thread count or CUDA's non-deterministic kernels round differently.
+3. afterwards, compressed steps with the autoencoder frozen. At the first one (per slot list, W > 1) the
+   decoders that must agree are sent once: ring, rank 0's decoder to every worker (a peer broadcast), so that
+   every replica decodes the same summed code identically; ps, worker i's decoder i to the server (a gather),
+   so that the server rebuilds exactly the prediction worker i subtracted. One fp32 vector each, ~173k floats
+   (692 kB) with the default 4 latent channels, booked like everything else; the encoders need not agree.
 
    ``variant=ring``: positions as in stage 2; a max-allreduce of the workers' RMS of a[P] gives a common
    scale s (one fp32); every worker encodes its a[P] / s (zero-padded to a multiple of 16) with the same
@@ -41,7 +57,9 @@ Choices where the paper is silent, and why:
 - **Common positions from a rotating leader** (both variants, stages 2 and 3): the encoder needs every
   worker's values at the same positions; the leader's top-k follows the largest gradients, and rotating it
   lets every worker's gradient choose in turn. Its positions cost k·(b + 1 + …) bits (Golomb–Rice, b from the
-  density), counted like everything else.
+  density), counted like everything else: the leader is a worker, so its broadcasts (positions; ps: the
+  leader's message) and the ring's decoder sync are peer broadcasts (``Broadcast(peer=True)``), booked as the
+  sender's upload and the others' download; the ps server's broadcast of the means is the server's downlink.
 - **Scale**: the network sees unit-RMS values; the scale is sent as one fp32 (ring: the max over workers,
   by an allreduce, so that all codes share it).
 - **Stage 2 is an allgather in both variants**, so that every worker has the training data; the
@@ -50,10 +68,12 @@ Choices where the paper is silent, and why:
   innovation left out), so that the compression error is sent later, as top-k's error feedback does.
 
 Bad parameters (a variant other than ring/ps, negative stage lengths, topk_steps = 0 with compressed steps
-to follow, densities outside (0, 1], a latent code not smaller than the k values it encodes, nothing left to
-compress after skipping) raise ConfigError before anything is sent.
+to follow, densities outside (0, 1], a latent code not smaller than the k values of the whole model, skip
+with a flattened slot, a model of empty tensors) raise ConfigError before anything is sent.
 
-State (``state_dict``): per slot list, the residual and the autoencoder's weights and Adam state.
+State (``state_dict``): per slot list that is compressed, the residual, the autoencoder's weights and Adam
+state, and whether its decoders were synced. The DDP hook's ``retain`` keeps every bucket's state across
+passes and drops that of buckets that did not come back (DDP's first-pass buckets after its rebuild).
 """
 
 from __future__ import annotations
@@ -77,6 +97,7 @@ from gradcomp.schemes.requests import AllGather, AllReduce, Broadcast, Gather, R
 from gradcomp.wire.golomb import golomb_decode, golomb_encode, optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")
+STATE_KEYS = {"residual", "autoencoder", "synced"}
 
 
 @dataclass
@@ -86,12 +107,14 @@ class Layout:
     names: tuple[str, ...]
     compressed: list[int]
     skipped: list[int]
-    d: int
+    d: int  # 0: everything of this slot list travels dense (the model's first / last layer, or too small for a code)
     k: int
     length: int  # k padded to a multiple of 16
     latent: int
     innovation: int
     rice: int
+    ends: tuple[str, str] | None = None  # the model's first and last module, sent dense (None: nothing skipped)
+    synced: bool = False  # the decoders were made to agree (at the first stage-3 step; see ``LGC._sync``)
     residual: Tensor | None = None
     trainer: AutoencoderTrainer | None = None
     losses: list[float] = field(default_factory=list)  # the autoencoder's training loss per stage-2 step
@@ -139,6 +162,10 @@ class LGC(Scheme):
         self.seed = check_int("seed", seed, minimum=0)
         self._layouts: dict[tuple[str, ...], Layout] = {}
         self._pending_state: dict[str, dict[str, Any]] = {}  # loaded state, applied when its slot list comes
+        self._model_size: int | None = None  # the model's number of slots, from retain() (the DDP hook)
+        self._model_ends: tuple[str, str] | None = None  # the modules skip sends dense, from retain()
+        self._seen: tuple[int, int] = (-1, -1)  # (step, the highest slot index exchanged at that step)
+        self._used: set[tuple[str, ...]] = set()  # slot lists exchanged since the last retain()
 
     def params(self) -> dict[str, Any]:
         return {
@@ -169,44 +196,80 @@ class LGC(Scheme):
 
     # -- sizes ----------------------------------------------------------------------------------------------------
 
-    def layout(self, slots: Sequence[Slot]) -> Layout:
+    def layout(self, slots: Sequence[Slot], step: int | None = None) -> Layout:
+        """The slot list's layout (cached): which slots travel dense, d, k and the code's size.
+
+        With ``skip`` the model's first and last module must be known: from ``retain`` (the DDP hook), or from a
+        slot list that is the whole model (``_whole``, which needs the exchange's ``step``). Until then a slot
+        list (a DDP bucket of the first backward pass) travels dense, and nothing is cached for it.
+        """
         names = tuple(s.name for s in slots)
-        cached = self._layouts.get(names)
-        if cached is not None and cached.d == sum(slots[i].numel for i in cached.compressed):
-            return cached
         for s in slots:
             if s.shape is not None and math.prod(s.shape) != s.numel:
                 raise ConfigError(f"{s.name}: shape {tuple(s.shape)} does not hold {s.numel} elements")
-        modules = [s.name.rsplit(".", 1)[0] for s in slots]
-        skipped = set()
-        if self.skip and len(set(modules)) > 2:
-            skipped = {i for i, m in enumerate(modules) if m in (modules[0], modules[-1])}
+        flat = [s.name for s in slots if s.shape is None and "." not in s.name]
+        if self.skip and flat:
+            raise ConfigError(
+                f"lgc: skip=true sends the model's first and last layer dense, which needs one slot per parameter "
+                f"(granularity 'layer'); {flat[0]!r} is a flattened vector (granularity 'model', or a DDP hook with "
+                "granularity 'bucket'): use granularity 'layer', or pass skip=false"
+            )
+        whole = self._whole(slots, step)
+        if not self.skip:
+            ends = None
+        elif self._model_size is not None:
+            ends = self._model_ends
+        elif whole:
+            ends = _skip_ends(slots)
+        else:
+            return _dense_layout(names, len(slots))
+        cached = self._layouts.get(names)
+        if cached is not None and cached.ends == ends and cached.d == sum(slots[i].numel for i in cached.compressed):
+            return cached
+        skipped = [i for i, s in enumerate(slots) if ends is not None and _module(s.name) in ends]
         compressed = [i for i in range(len(slots)) if i not in skipped]
         d = sum(slots[i].numel for i in compressed)
-        if d == 0:
-            raise ConfigError("lgc: nothing left to compress (every tensor is skipped or empty)")
-        k = kept_count(self.density, d)
+        k = kept_count(self.density, d) if d else 0
         length = padded_length(k)
         latent = latent_size(length, self.latent_channels)
-        if latent >= k:
+        if latent < k:
+            layout = Layout(
+                names=names,
+                compressed=compressed,
+                skipped=skipped,
+                d=d,
+                k=k,
+                length=length,
+                latent=latent,
+                innovation=max(1, math.ceil(self.innovation * k)),
+                rice=optimal_rice_parameter(k / d),
+                ends=ends,
+            )
+        elif not whole:
+            layout = _dense_layout(names, len(slots), ends)  # a DDP bucket too small for a code, or skipped whole
+        elif d == 0:
+            raise ConfigError("lgc: nothing to compress (every tensor is empty)")
+        else:
             raise ConfigError(
                 f"lgc: a latent code of {latent} floats ({self.latent_channels} channels × {length // 16}) is not "
                 f"smaller than the k = {k} values it encodes (density {self.density} of {d}): raise the density "
                 "or lower latent_channels"
             )
-        layout = Layout(
-            names=names,
-            compressed=compressed,
-            skipped=sorted(skipped),
-            d=d,
-            k=k,
-            length=length,
-            latent=latent,
-            innovation=max(1, math.ceil(self.innovation * k)),
-            rice=optimal_rice_parameter(k / d),
-        )
         self._layouts[names] = layout
         return layout
+
+    def _whole(self, slots: Sequence[Slot], step: int | None) -> bool:
+        """Whether a slot list is the whole model: its indices are exactly 0 … n − 1, and n is the model's size
+        (once ``retain`` gave it), else no higher index was exchanged at the same ``step`` (another DDP bucket of
+        the pass). Without a step (``check_slots``, which the DDP hook calls per bucket) nothing is assumed."""
+        if sorted(s.index for s in slots) != list(range(len(slots))):
+            return False
+        if self._model_size is not None:
+            return len(slots) == self._model_size
+        if step is None:
+            return False
+        seen_step, seen_max = self._seen
+        return not (seen_step == step and seen_max >= len(slots))
 
     def check_slots(self, slots: Sequence[Slot]) -> None:
         if slots:
@@ -227,13 +290,15 @@ class LGC(Scheme):
             return []
         if len(slots) != len(tensors):
             raise ConfigError(f"{len(slots)} slots but {len(tensors)} tensors")
-        layout = self.layout(slots)  # raises before anything is sent
-        if self._pending_state:
+        layout = self.layout(slots, step)  # raises before anything is sent
+        self._seen = (step, max(self._seen[1] if self._seen[0] == step else -1, *(s.index for s in slots)))
+        self._used.add(layout.names)
+        if self._pending_state and layout.d:
             self._restore(layout, tensors[0].device)
         flat = [t.reshape(-1).to(torch.float32) for t in tensors]
         world = self.world_size
         stage = self.stage(step)
-        if stage == 1:
+        if stage == 1 or layout.d == 0:
             summed = yield AllReduce(torch.cat(flat), inplace=True)
             return _split(summed.div_(world), [s.numel for s in slots])
 
@@ -257,6 +322,9 @@ class LGC(Scheme):
             layout.losses.append(trainer.train_step(_pad(batch / scale, layout.length),
                                                     leader if self.variant == "ps" else None))  # fmt: skip
         else:
+            if not layout.synced and world > 1:
+                yield from self._sync(layout, trainer)
+            layout.synced = True
             compressed = self._ring if self.variant == "ring" else self._ps
             positions, update, dense_mean, carried = yield from compressed(layout, acc, dense, leader, trainer)
             self._record_error(layout, acc[positions], carried)
@@ -287,12 +355,28 @@ class LGC(Scheme):
         error = float((values - carried).pow(2).sum()) / energy
         layout.held_out.append((error, 1.0 - kept / energy))
 
+    def _sync(self, layout: Layout, trainer: AutoencoderTrainer) -> Rounds:
+        """At the first compressed step, make the decoders that must agree equal, whatever rounding each worker's
+        training had (thread counts, CUDA): ring, rank 0's decoder to every worker (a peer broadcast: every
+        worker decodes the same summed code with it); ps, worker i's decoder i to the server (a gather), which
+        replaces its copy (the server then rebuilds exactly the prediction worker i subtracted). One fp32 vector
+        of known size each; the encoders need not agree (ring: each encodes its own values, the codes are summed;
+        ps: only the leader's code is sent)."""
+        if self.variant == "ring":
+            weights = yield Broadcast(trainer.decoder_weights(0), 0, peer=True)
+            trainer.load_decoder_weights(0, weights)
+        else:
+            gathered = yield Gather(trainer.decoder_weights(self.rank), self.root)
+            if self.rank == self.root:
+                for worker, weights in enumerate(gathered):
+                    trainer.load_decoder_weights(worker, weights)
+
     def _positions(self, layout: Layout, acc: Tensor, leader: int) -> Rounds:
         """The leader's top-k positions, Golomb–Rice coded and broadcast (length first); sorted int64."""
         payload = None
         if self.rank == leader:
             payload, _ = golomb_encode(largest(acc, layout.k).sort().values, layout.rice)
-        payload = yield from broadcast_buffer(payload, leader, acc.device)
+        payload = yield from broadcast_buffer(payload, leader, acc.device, peer=True)
         return golomb_decode(payload, layout.rice, layout.k, layout.d).to(acc.device)
 
     def _ring(self, layout: Layout, acc: Tensor, dense: Tensor, leader: int, trainer: AutoencoderTrainer) -> Rounds:
@@ -319,7 +403,7 @@ class LGC(Scheme):
             lead_code = trainer.encode(_pad((lead_values / lead_scale).unsqueeze(0), layout.length)).reshape(-1)
             coded, _ = golomb_encode(chosen, layout.rice)
             message = torch.cat([torch.cat([lead_scale, lead_code]).view(torch.uint8), coded])
-        message = yield from broadcast_buffer(message, leader, device)
+        message = yield from broadcast_buffer(message, leader, device, peer=True)
         head = 4 * (1 + layout.latent)
         floats = message[:head].view(torch.float32)
         lead_scale, lead_code = floats[0], floats[1:].unsqueeze(0)
@@ -356,14 +440,29 @@ class LGC(Scheme):
     # -- state ----------------------------------------------------------------------------------------------------
 
     def retain(self, slots: Sequence[Slot]) -> None:
-        names = tuple(s.name for s in slots)
-        self._layouts = {key: value for key, value in self._layouts.items() if key == names}
+        """``slots``: every slot of the model (the DDP hook passes every slot of the backward pass, after its last
+        bucket). Learns the model (its size, the modules ``skip`` sends dense) and keeps the layouts (residual,
+        autoencoder) whose slots are all among ``slots``, that were exchanged since the last retain (every bucket
+        of the pass; DDP's first-pass buckets never come back after its bucket rebuild) and that skip what the
+        model's layouts skip."""
+        if slots:
+            self._model_size = len(slots)
+            self._model_ends = _skip_ends(slots) if self.skip else None
+        live = {s.name for s in slots}
+        used, self._used = self._used, set()
+        self._layouts = {
+            key: lay
+            for key, lay in self._layouts.items()
+            if set(key) <= live and (key in used or not used) and lay.ends == self._model_ends
+        }
 
     def report(self) -> dict[str, Any]:
         """What the run's JSON records of the method: the autoencoder's training (time, steps, loss) and its
         held-out errors against plain top-k values of the same bits, per slot list."""
         out: dict[str, Any] = {"autoencoder_seconds": self.training_seconds(), "layouts": []}
         for lay in self._layouts.values():
+            if lay.d == 0:
+                continue
             errors = [e for e, _ in lay.held_out]
             topk = [t for _, t in lay.held_out]
             out["layouts"].append({
@@ -387,17 +486,20 @@ class LGC(Scheme):
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}
         for names, lay in self._layouts.items():
+            if lay.d == 0:
+                continue  # dense: no state
             state["|".join(names)] = {
                 "residual": None if lay.residual is None else lay.residual.detach().clone(),
                 "autoencoder": None if lay.trainer is None else lay.trainer.state_dict(),
+                "synced": lay.synced,
             }
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pending: dict[str, dict[str, Any]] = {}
         for key, part in state.items():
-            if not isinstance(key, str) or not isinstance(part, dict) or set(part) - {"residual", "autoencoder"}:
-                raise ConfigError(f"lgc state {key!r}: expected {{'residual', 'autoencoder'}} per slot list")
+            if not isinstance(key, str) or not isinstance(part, dict) or set(part) - STATE_KEYS:
+                raise ConfigError(f"lgc state {key!r}: expected {sorted(STATE_KEYS)} per slot list")
             residual = part.get("residual")
             if residual is not None and not isinstance(residual, Tensor):
                 raise ConfigError(f"lgc state {key!r}: the residual must be a tensor")
@@ -415,6 +517,25 @@ class LGC(Scheme):
             layout.residual = residual.detach().to(device, torch.float32).reshape(-1).clone()
         if part.get("autoencoder") is not None:
             self._trainer(layout, device).load_state_dict(part["autoencoder"])
+        layout.synced = bool(part.get("synced", False))  # older states: synced at the next stage-3 step
+
+
+def _module(name: str) -> str:
+    """A parameter's module: its name without the last component ("features.0.weight" → "features.0")."""
+    return name.rsplit(".", 1)[0]
+
+
+def _skip_ends(slots: Sequence[Slot]) -> tuple[str, str] | None:
+    """The modules of the model's first and last parameter (lowest and highest ``Slot.index``), which ``skip``
+    sends dense; None (nothing skipped) when they are all the model's modules (a two-layer model)."""
+    ends = _module(min(slots, key=lambda s: s.index).name), _module(max(slots, key=lambda s: s.index).name)
+    return ends if any(_module(s.name) not in ends for s in slots) else None
+
+
+def _dense_layout(names: tuple[str, ...], n: int, ends: tuple[str, str] | None = None) -> Layout:
+    """A slot list that travels dense (one allreduce of everything, no state)."""
+    return Layout(names=names, compressed=[], skipped=list(range(n)), d=0, k=0, length=0, latent=0, innovation=0,
+                  rice=0, ends=ends)  # fmt: skip
 
 
 def _pad(x: Tensor, length: int) -> Tensor:

@@ -27,14 +27,20 @@ Choices where the paper is silent:
   worker i from the leader's code) + mean_i ‖D_i(z_i) − x_i‖² + similarity · mean_i ‖z_i − z̄‖².
 - **Optimiser**: Adam, lr 1e-3, one step per exchanged batch of W vectors.
 - **Determinism**: weights are initialised from a CPU generator seeded by the shared seed, without touching
-  the global RNG; every worker trains its copy on the same exchanged values in the same order, so the copies
-  stay bit-identical without shipping weights (checked by digests in the tests).
+  the global RNG, and every worker trains its copy on the same exchanged values in the same order. That keeps
+  the copies equal only where training is bitwise reproducible: another intra-op thread count, or CUDA's
+  non-deterministic convolution backward, gives other rounding. The copies are therefore *not* relied on to
+  be identical: at the switch to the frozen autoencoder the scheme sends the decoders that must agree
+  (``decoder_weights`` / ``load_decoder_weights``, one fp32 vector per decoder; see ``gradcomp.schemes.lgc``).
 
-State (``state_dict``): the network's weights and the optimiser's state.
+State (``state_dict``): copies of the network's weights and of the optimiser's state (cloned tensors, a deep
+copy), so a state taken mid-training keeps describing that moment; ``load_state_dict`` copies what it is
+given, so the caller's dict is never changed by later training.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
 from typing import Any
@@ -193,8 +199,26 @@ class AutoencoderTrainer:
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
 
+    def decoder_weights(self, decoder: int = 0) -> Tensor:
+        """Decoder number ``decoder``'s weights, flattened into one fp32 vector (parameter order)."""
+        return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.model.decoders[decoder].parameters()])
+
+    @torch.no_grad()
+    def load_decoder_weights(self, decoder: int, flat: Tensor) -> None:
+        """Overwrite decoder number ``decoder`` with a vector made by ``decoder_weights`` (copied, not aliased)."""
+        params = list(self.model.decoders[decoder].parameters())
+        total = sum(p.numel() for p in params)
+        if flat.numel() != total:
+            raise ConfigError(f"decoder weights: {flat.numel()} values for {total} parameters")
+        offset = 0
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps}
+        """Copies: later training changes neither the weights nor the Adam state returned here."""
+        model = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+        return {"model": model, "optimizer": copy.deepcopy(self.optimizer.state_dict()), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         unknown = set(state) - {"model", "optimizer", "steps"}
@@ -202,7 +226,8 @@ class AutoencoderTrainer:
             raise ConfigError(f"unexpected autoencoder state keys {sorted(unknown)}")
         try:
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            # torch's Optimizer.load_state_dict keeps the given state tensors (same dtype and device): copy first
+            self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         except (KeyError, RuntimeError, ValueError) as exc:
             raise ConfigError(f"autoencoder state does not fit this autoencoder: {exc}") from None
         self.steps = int(state.get("steps", 0))
