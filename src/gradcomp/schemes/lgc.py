@@ -31,11 +31,15 @@ Three stages, by step:
    step per exchange. Identical data, identical order, identical seed: the copies are bit-identical where
    training is bitwise reproducible (the tests compare the digests on gloo and on the simulated cluster), but
    another thread count or CUDA's non-deterministic kernels round differently.
-3. afterwards, compressed steps with the autoencoder frozen. At the first one (per slot list, W > 1) the
-   decoders that must agree are sent once: ring, rank 0's decoder to every worker (a peer broadcast), so that
-   every replica decodes the same summed code identically; ps, worker i's decoder i to the server (a gather),
-   so that the server rebuilds exactly the prediction worker i subtracted. One fp32 vector each, ~173k floats
-   (692 kB) with the default 4 latent channels, booked like everything else; the encoders need not agree.
+3. afterwards, compressed steps with the autoencoder frozen. Ring, at the first one (per slot list, W > 1):
+   rank 0's decoder goes to every worker once (a peer broadcast of ~173k floats, 692 kB with the default 4
+   latent channels, booked like everything else), so that every replica decodes the same summed code with the
+   same decoder; the encoders need not agree. The ps variant sends no weights: its update is the server's
+   broadcast, the same on every replica whatever the copies' rounding. Where the server's copy of decoder i
+   differs from worker i's (rounding, which may grow over the training steps), the server's rebuild of
+   worker i differs from the prediction worker i subtracted by that much, and the residual does not carry it.
+   With bitwise-reproducible training (CPU, same thread count) the copies are identical and nothing is lost;
+   sending every worker's decoder to the server would cost 692 kB per worker to close that gap elsewhere.
 
    ``variant=ring``: positions as in stage 2; a max-allreduce of the workers' RMS of a[P] gives a common
    scale s (one fp32); every worker encodes its a[P] / s (zero-padded to a multiple of 16) with the same
@@ -322,7 +326,7 @@ class LGC(Scheme):
             layout.losses.append(trainer.train_step(_pad(batch / scale, layout.length),
                                                     leader if self.variant == "ps" else None))  # fmt: skip
         else:
-            if not layout.synced and world > 1:
+            if not layout.synced and world > 1 and self.variant == "ring":
                 yield from self._sync(layout, trainer)
             layout.synced = True
             compressed = self._ring if self.variant == "ring" else self._ps
@@ -356,20 +360,12 @@ class LGC(Scheme):
         layout.held_out.append((error, 1.0 - kept / energy))
 
     def _sync(self, layout: Layout, trainer: AutoencoderTrainer) -> Rounds:
-        """At the first compressed step, make the decoders that must agree equal, whatever rounding each worker's
-        training had (thread counts, CUDA): ring, rank 0's decoder to every worker (a peer broadcast: every
-        worker decodes the same summed code with it); ps, worker i's decoder i to the server (a gather), which
-        replaces its copy (the server then rebuilds exactly the prediction worker i subtracted). One fp32 vector
-        of known size each; the encoders need not agree (ring: each encodes its own values, the codes are summed;
-        ps: only the leader's code is sent)."""
-        if self.variant == "ring":
-            weights = yield Broadcast(trainer.decoder_weights(0), 0, peer=True)
-            trainer.load_decoder_weights(0, weights)
-        else:
-            gathered = yield Gather(trainer.decoder_weights(self.rank), self.root)
-            if self.rank == self.root:
-                for worker, weights in enumerate(gathered):
-                    trainer.load_decoder_weights(worker, weights)
+        """Ring, at the first compressed step: rank 0's decoder to every worker (a peer broadcast of one fp32
+        vector of known size), so that every replica decodes the same summed code with the same decoder whatever
+        rounding each worker's training had (thread counts, CUDA). The encoders need not agree: each encodes its
+        own values and the codes are summed. The ps variant needs no sync (see the module docstring)."""
+        weights = yield Broadcast(trainer.decoder_weights(0), 0, peer=True)
+        trainer.load_decoder_weights(0, weights)
 
     def _positions(self, layout: Layout, acc: Tensor, leader: int) -> Rounds:
         """The leader's top-k positions, Golomb–Rice coded and broadcast (length first); sorted int64."""
