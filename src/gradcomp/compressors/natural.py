@@ -87,10 +87,12 @@ rounding-up probability is compared with ``torch.rand`` draws (multiples of 2^-2
 natural dithering's in-octave probabilities (multiples of 2^-23) and within 2^-24 otherwise.
 
 ``terngrad`` — per tensor: optional clipping of x to [−c·σ, c·σ] (σ the population standard deviation of
-the tensor's entries, computed scale-safe; ``clip`` c = 2.5 by default, 0 turns it off), scale s = max|x|
+the tensor's entries, computed scale-safe; ``clip`` c = 2.5 by default, 0 turns it off; skipped where σ = 0,
+a one-entry tensor or one whose entries are all equal, which a bound of 0 would zero), scale s = max|x|
 after clipping, output s·sign(x_i)·b_i with b_i ~ Bernoulli(|x_i|/s). Wire: field 0 the scale (F32, 1
 value), field 1 one BITS field of width 2 and count d: code 0 = 0, 1 = +s, 2 = −s (3 is never sent and
-decodes to 0). Unbiased only with ``clip=0``: clipping shrinks the large entries, a deliberate bias that
+decodes to 0). Unbiased only with ``clip=0`` (up to the 2^-24 granularity of the ``torch.rand`` draws the
+keep probabilities are compared with, as for the ditherings): clipping shrinks the large entries, a deliberate bias that
 the paper trades for lower variance (``unbiased`` is then False). With clip = 0, E||C(x)||² = s·||x||_1 <=
 sqrt(d)·||x||², so ``omega_bound(d)`` = sqrt(d) − 1. Here each worker sends its own s; the paper's scaler
 sharing (one s = the max over workers, agreed in a max-allreduce round first) needs a second round and is
@@ -649,7 +651,9 @@ class TernGrad(Compressor):
             raise NonFiniteGradientError(f"terngrad: non-finite (NaN or Inf) value in {slot.name}")
         if self.clip > 0:
             sigma = torch.std(scaled, correction=0)  # σ / max|x|: one reduction over the whole tensor
-            bound = self.clip * sigma
+            # σ = 0 (one entry, or all entries equal): no outlier to clip, and a bound of 0 would zero the slot
+            # for good; |x / max|x|| <= 1, so a bound of 1 clips nothing (no host sync)
+            bound = torch.where(sigma > 0, self.clip * sigma, torch.ones_like(sigma))
             torch.minimum(scaled, bound, out=scaled)
             torch.maximum(scaled, -bound, out=scaled)
         return peak, scaled, _peak(scaled)
