@@ -26,13 +26,16 @@ entry (exponent field e, 23-bit mantissa m) this is: drop m and add one to e wit
 decided by comparing a uniform random 23-bit integer u with m (``e + (u < m)``; no log or pow). Wire: ONE
 BITS field of width 9 and count d, each code = sign·2^8 + exponent code (the float32 sign bit and
 biased exponent; the decoder rebuilds the float32 bit pattern ``sign << 31 | exponent << 23``), so
-exactly 9 bits per entry plus the container and section headers. ω = 1/8: E||C(x)||² <= (9/8)||x||².
+exactly 9 bits per entry plus the container and section headers. ω = 1/8: E||C(x)||² <= (9/8)||x||² for
+normal float32 entries (|x_i| >= 2^-126); subnormals break it (below), by at most d·2^-252 in absolute terms.
 
 Choices where the paper is silent:
 
 - zero (either sign) is exponent code 0 with sign bit 0 and decodes to +0.0;
 - subnormals |t| = m·2^-149 < 2^-126 (e = 0, m != 0): the same rule ``e + (u < m)`` rounds them to 0 or
-  to sign(t)·2^-126 (exponent code 1) with probability m/2^23 = |t|/2^-126 — unbiased, bracketing;
+  to sign(t)·2^-126 (exponent code 1) with probability m/2^23 = |t|/2^-126 — unbiased, bracketing, but not
+  between neighbouring powers of two (a subnormal power of two such as 2^-149 is not sent exactly), so the
+  relative variance of a subnormal entry is up to 2^23 instead of 1/8: E C(t)² = |t|·2^-126;
 - overflow: rounding up from exponent 254 (|t| in [2^127, 2^128)) would give exponent 255 (Inf), so those
   entries always round down to sign(t)·2^127 — the one biased case, E[C(t)] = 2^127 instead of |t| < 2^128,
   for gradient entries above 1.7e38. Exponent code 255 is never sent (a decoder given one yields ±Inf);

@@ -20,7 +20,8 @@ Two codings of the same message (``coding``):
 - ``"packed"`` (default) — random dithering's wire format: field 0 the norm (F32, one value), field 1 one
   BITS field of width w = 1 + ceil(log2(s + 1)) and count d, each code sign·2^(w−1) + ξ_i (the sign bit only
   set where ξ_i > 0). Exactly 32 + w·d bits (plus the 20-byte container header once per message and a
-  10-byte header per section); s = 127 (the default): 8 bits per entry; s = 7: 4.
+  10-byte header per section, and the BITS field's padding to whole bytes); s = 127 (the default): 8 bits per
+  entry; s = 7: 4.
 - ``"elias"`` — the paper's Elias code (its Section 3.2 / Appendix A, with Elias-gamma where the paper uses
   the recursive Elias omega code): the norm in 32 bits, then, for each nonzero ξ_i in increasing position i,
   the gap to it (Elias-gamma of i − i_prev, i_prev the previous nonzero position or −1, so the first code is
@@ -51,9 +52,9 @@ sign bit and 7 level bits, all 128 level codes used. It is chosen because this i
 tensor (per slot), as random_dithering does, not per bucket of a few hundred entries (512 in most of the
 paper's experiments): the variance bound min(d/s², √d/s) then grows with the layer (√d/s = 3.5 for the
 SmallCNN's 200,704-entry layer at s = 127, 64 at s = 7), and on MNIST (4 workers, one epoch) s = 127 reached
-98.60 % (fp32: 98.36 %) where s = 7 (4-bit codes) reached 93.47 % and s = 1 diverged
-(docs/methods/qsgd.md). With ``coding="elias"`` a large s costs little (the same run sent ×69.7 fewer bits
-than fp32). The paper's sparse variant s = √d is a per-tensor choice that one parameter for all tensors
+98.60 % (fp32: 98.36 %) where s = 7 (4-bit codes) was unstable (93.47 % in one run, 57.61 % in another)
+and s = 1 diverged (docs/methods/qsgd.md). With ``coding="elias"`` a large s costs little (the same run sent
+×69.7 fewer bits than fp32). The paper's sparse variant s = √d is a per-tensor choice that one parameter for all tensors
 cannot make; it is left to ``levels``. Per-bucket normalisation is not implemented.
 """
 
@@ -77,6 +78,9 @@ CODINGS = ("packed", "elias")
 
 
 _DECODE_CHUNK = 1 << 17  # codes decoded per step of ``QSGD._decode``: chunk-sized temporaries, in cache
+# on an accelerator each step is ~8 kernel launches: larger steps (about 160 MB of temporaries), so that a
+# 25M-entry model takes 6 steps per message, not 190
+_DEVICE_DECODE_CHUNK = 1 << 22
 
 
 def _check_coding(coding: object) -> str:
@@ -155,7 +159,8 @@ class QSGD(RandomDithering):
         where a worker adds up W messages). Here it runs on slices of
         ``_DECODE_CHUNK`` codes at a time, each decoded by that same ``decompress`` (the parent class's own
         arithmetic: the same values, bit for bit) and written or added into its slice of ``out`` at once, so the
-        temporaries are chunk-sized. On the CPU the compiled table-lookup decoder (``_decode_compiled``) does it in one
+        temporaries are chunk-sized (``_DEVICE_DECODE_CHUNK`` on an accelerator, where each chunk costs kernel
+        launches). On the CPU the compiled table-lookup decoder (``_decode_compiled``) does it in one
         pass without temporaries, with the same values. The elias coding first rebuilds the dense codes
         (``_elias_codes``).
         """
@@ -163,8 +168,9 @@ class QSGD(RandomDithering):
         codes = codes.reshape(-1)
         if self._decode_compiled([norm, codes], out, add) is not None:  # the CPU: one compiled pass into out
             return
-        for start in range(0, slot.numel, _DECODE_CHUNK):
-            piece = codes[start : start + _DECODE_CHUNK]
+        chunk = _DECODE_CHUNK if codes.device.type == "cpu" else _DEVICE_DECODE_CHUNK
+        for start in range(0, slot.numel, chunk):
+            piece = codes[start : start + chunk]
             part = Slot(slot.name, slot.index, piece.numel(), None)
             values = super().decompress([norm, piece], part, step)
             if add:
