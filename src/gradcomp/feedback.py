@@ -124,6 +124,7 @@ class _FeedbackWrapper(Compressor):
         self.inner = inner
         self.name = inner.name
         self.summable = inner.summable
+        self.scale_free = getattr(inner, "scale_free", False)  # a majority vote stays one (LocalUpdateExchange)
 
     def bind_worker(self, worker: int) -> None:
         super().bind_worker(worker)

@@ -83,6 +83,9 @@ Choices where the papers are silent or differ:
   the papers' single-worker algorithm is the W = 1 case;
 - signsgd and signum take error feedback only when asked (``error_feedback=True``); the residual is then in
   units of the unscaled ±1 message (bounded by max |g| + 1 per coordinate; not the EF-signSGD algorithm).
+- a majority vote is a direction without a size (``scale_free``): local steps (``LocalUpdateExchange``, which
+  applies the aggregate to the weights as it is) refuse signsgd and signum as the workers' or the server's
+  compressor, which would move every weight by 1.0 at each sync.
 
 None of these compressors is unbiased (a sign throws away the magnitude: E[sign(g)] is not g), so
 ``unbiased`` is False and no ``omega`` is declared.
@@ -422,7 +425,13 @@ def _plus_minus(positive: Tensor, negative: Tensor, numel: int) -> Tensor:
 
 
 class _MajorityVote(_Sign):
-    """A message of sign bits only (±1 decoded); the update is the sign of the sum of the workers' signs."""
+    """A message of sign bits only (±1 decoded); the update is the sign of the sum of the workers' signs.
+
+    ``scale_free``: the aggregate is ±1 (or 0) whatever the size of what was sent, so it is a direction for the
+    optimizer's lr to scale, never an update to apply as it is (``LocalUpdateExchange`` refuses such methods).
+    """
+
+    scale_free: ClassVar[bool] = True
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
         return [_sign_spec(slot)]

@@ -40,7 +40,7 @@ from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
 from gradcomp.registry import make
 from gradcomp.train.aggregator import GRANULARITIES, GradientAggregator
 from gradcomp.train.exchange import TOPOLOGIES, build_scheme
-from gradcomp.train.local_steps import LocalUpdateExchange
+from gradcomp.train.local_steps import LocalUpdateExchange, check_compressors
 from gradcomp.transport.base import ByteCounter, Transport
 from gradcomp.transport.sim import SimulatedCluster
 
@@ -170,6 +170,8 @@ class TrainConfig:
         if self.device == "cuda":
             self._check_gpus()
         compressor, server = self.build_compressors()
+        if self.local_steps is not None:
+            check_compressors(compressor, server)  # no majority vote (worker or server side) with local steps
         scheme = build_scheme(compressor, topology=self.topology, server_compressor=server)
         self.network()
         # per-tensor limits (k larger than a layer, ...) checked on the real model's slots, before any worker

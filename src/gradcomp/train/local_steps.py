@@ -12,6 +12,11 @@ and plain SGD, ΔW_i = −lr·g_i, so exchanging updates is per-step gradient co
 −lr; the only difference is the rounding in measuring ΔW_i as (W − lr·g_i) − W (a test shows the two
 trajectories agree to 1e-6 with lr a power of two). Optimizer state (momentum) stays local between syncs,
 as in local SGD.
+
+The aggregate is applied to the anchor as it is, with no learning rate: it must be an update. A majority vote
+(signsgd, signum: ``scale_free``) aggregates to ±1 per coordinate whatever the workers sent, which would move
+every weight by 1.0 at each sync; such a method, as the workers' or as the server's compressor, is refused with
+ConfigError (``check_compressors``). Methods that send a scale (efsignsgd, onebit) keep the update's magnitude.
 """
 
 from __future__ import annotations
@@ -22,12 +27,26 @@ from gradcomp.errors import ConfigError
 from gradcomp.train.aggregator import GradientAggregator
 
 
+def check_compressors(compressor: object, server_compressor: object | None = None) -> None:
+    """Refuse, with ConfigError, a worker or server compressor whose aggregate is a direction without a size
+    (``scale_free``: the majority vote of signsgd and signum): local steps apply the aggregate as the update."""
+    for role, method in (("compressor", compressor), ("server compressor", server_compressor)):
+        if getattr(method, "scale_free", False):
+            raise ConfigError(
+                f"local steps apply the aggregated weight update as it is, but the {role} {method.name!r} aggregates "
+                "by majority vote to ±1 per coordinate, with no learning rate: every weight would move by 1.0 at "
+                "each sync. Use a method that keeps the update's size (efsignsgd, onebit, ...) or exchange "
+                "gradients every step (no local steps)"
+            )
+
+
 class LocalUpdateExchange:
     """Call ``after_local_step()`` after every ``optimizer.step()``; it syncs every ``local_steps`` calls."""
 
     def __init__(self, aggregator: GradientAggregator, local_steps: int):
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ConfigError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+        check_compressors(aggregator.exchange.compressor, aggregator.exchange.server_compressor)
         self.aggregator = aggregator
         self.local_steps = local_steps
         self.params = [p for _, p in aggregator.named]
@@ -66,6 +85,27 @@ class LocalUpdateExchange:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.anchor = [a.clone() for a in state["anchor"]]
-        self.pending, self.syncs = int(state["pending"]), int(state["syncs"])
-        self.aggregator.load_state_dict(state["aggregator"])
+        """Restore ``state_dict()``'s state. Everything is checked first (the anchors' number, shapes and dtypes
+        against this model's parameters, the counters, then the aggregator's own state, which refuses another
+        model or method); a refused state leaves the exchange as it was."""
+        if not isinstance(state, dict) or set(state) != {"anchor", "pending", "syncs", "aggregator"}:
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(f"LocalUpdateExchange state must hold anchor, pending, syncs and aggregator, got {keys}")
+        anchor = state["anchor"]
+        if not isinstance(anchor, (list, tuple)) or len(anchor) != len(self.params):
+            count = len(anchor) if isinstance(anchor, (list, tuple)) else type(anchor).__name__
+            raise ConfigError(f"LocalUpdateExchange state: {count} anchors for {len(self.params)} parameters")
+        for name, a, p in zip(self.aggregator.names, anchor, self.params):
+            if not isinstance(a, torch.Tensor) or a.shape != p.shape or a.dtype != p.dtype:
+                got = f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else type(a).__name__
+                raise ConfigError(
+                    f"LocalUpdateExchange state: the anchor of {name} is {got}, the parameter is {tuple(p.shape)} "
+                    f"{p.dtype}"
+                )
+        counters = {key: state[key] for key in ("pending", "syncs")}
+        for key, value in counters.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"LocalUpdateExchange state: {key} must be an integer >= 0, got {value!r}")
+        self.aggregator.load_state_dict(state["aggregator"])  # raises before anything below is replaced
+        self.anchor = [a.detach().to(p.device).clone() for a, p in zip(anchor, self.params)]
+        self.pending, self.syncs = counters["pending"], counters["syncs"]
