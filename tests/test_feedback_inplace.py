@@ -195,7 +195,8 @@ def test_error_feedback_matches_on_large_tensors(name):
         _check_same(fields, expected, ef.residuals["w#" + str(d)], reference.residual, f"{name} step {step}")
 
 
-@pytest.mark.parametrize("name", ["topk", "sbc", "stc", "efsignsgd", "onebit", "fp16", "none", "randomblock"])
+# (efsignsgd and onebit refuse a NaN / Inf to send with NonFiniteGradientError: tests/test_sign.py)
+@pytest.mark.parametrize("name", ["topk", "sbc", "stc", "fp16", "none", "randomblock"])
 def test_non_finite_entries_match_too(name):
     d = 5000
     ef, reference = _pair(name, {"density": 0.05} if name in ("topk", "sbc", "stc", "randomblock") else {})

@@ -13,15 +13,18 @@ from distributed import run_workers
 from roundtrip import f32_bits, round_trip
 
 import gradcomp
-from gradcomp import ConfigError, Slot, WireError
+from gradcomp import ConfigError, NonFiniteGradientError, Slot, WireError
+from gradcomp.compressors import sign
 from gradcomp.compressors.sign import EFSignSGD, OneBit, SignSGD, Signum, pack_signs, packed_count, unpack_signs
 from gradcomp.experiments.data import load_dataset, shard_indices
 from gradcomp.experiments.models import build_model
+from gradcomp.experiments.runner import TrainConfig
 from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES, checksum64, decode, encode, pack_bool
 
 NAMES = ["signsgd", "signum", "efsignsgd", "onebit"]
+VOTING = ["signsgd", "signum"]
 FLOATS = {"signsgd": 0, "signum": 0, "efsignsgd": 1, "onebit": 2}  # fp32 values after the sign bits
 SIZES = [0, 1, 7, 8, 9, 63, 64, 65, 1000, 1001]
 
@@ -45,8 +48,10 @@ def vectors() -> dict[str, torch.Tensor]:
     }
 
 
-def negative(x: torch.Tensor) -> torch.Tensor:
-    return x < 0  # the documented sign convention: 0 and -0.0 are +
+def negative(x: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """The documented sign convention: 0 and -0.0 are + (pack_signs, efsignsgd and onebit always; the majority vote's
+    signsgd and signum on even steps), − for the majority vote on odd steps."""
+    return x <= 0 if step % 2 else x < 0
 
 
 # ------------------------------------------------------------------------------------------------ packing
@@ -72,7 +77,9 @@ def test_several_chunks(name):
     c = bare(name)
     slot = Slot("big", 0, d)
     out = round_trip(c, x, slot)
-    assert torch.equal(c.compress(x, slot, 1)[0], pack_bool(negative(x)))
+    assert torch.equal(c.compress(x, slot, 2)[0], pack_bool(negative(x)))
+    odd = 1 if name in VOTING else 0  # efsignsgd and onebit send a zero as + on every step
+    assert torch.equal(bare(name).compress(x, slot, 1)[0], pack_bool(negative(x, odd)))
     xd = x.double()
     if name == "efsignsgd":
         assert out[0].abs().item() == pytest.approx(float(xd.abs().mean()), rel=1e-6)
@@ -107,10 +114,15 @@ def test_wire_round_trip_bit_exact(name, ef):
     compressor = gradcomp.make(name, error_feedback=ef)
     for i, (label, x) in enumerate(vectors().items()):
         for step in (0, 1, 5):
+            if ef and label == "huge" and step == 1 and name in ("efsignsgd", "onebit"):
+                # "huge" + its residual overflows float32: refused before anything is sent; the residual is dropped,
+                # so step 5 starts afresh
+                with pytest.raises(NonFiniteGradientError, match=f"in {label}"):
+                    compressor.compress(x, Slot(label, i, x.numel()), step)
+                continue
             out = round_trip(compressor, x, Slot(label, i, x.numel()), step)
-            # (with error feedback, "huge" + its residual overflows: the exchange's finiteness check is upstream)
             assert ef or torch.isfinite(out).all()
-            if name in ("signsgd", "signum") and not ef and step == 0:
+            if name in VOTING and not ef and step == 0:
                 m = x * (1.0 - 0.9) if name == "signum" else x  # signum's first momentum (1e-45 underflows)
                 assert torch.equal(out, torch.where(negative(m), -1.0, 1.0))
 
@@ -150,12 +162,12 @@ def test_wire_bytes_are_the_lsb_first_bitmap():
 # ------------------------------------------------------------------------------------------- majority vote
 
 
-def vote(name: str, rows: list[list[float]]) -> torch.Tensor:
+def vote(name: str, rows: list[list[float]], step: int = 0) -> torch.Tensor:
     """Every worker's message encoded, gathered and aggregated as the allgather topology does."""
     workers = [bare(name) for _ in rows]  # one compressor (and momentum) per worker
     slot = Slot("w", 0, len(rows[0]))
-    buffers = [encode(c.compress(torch.tensor(r), slot, 0), c.specs(slot)) for c, r in zip(workers, rows)]
-    return aggregate_buffers(workers[0], [slot], buffers, 0, torch.device("cpu"))[0]
+    buffers = [encode(c.compress(torch.tensor(r), slot, step), c.specs(slot)) for c, r in zip(workers, rows)]
+    return aggregate_buffers(workers[0], [slot], buffers, step, torch.device("cpu"))[0]
 
 
 @pytest.mark.parametrize("name", ["signsgd", "signum"])
@@ -177,8 +189,10 @@ def test_majority_vote_four_workers_tie_gives_zero(name):
         [-1.0, 1.0, -1.0, -1.0, -1.0],
         [1.0, -1.0, -1.0, -1.0, -1.0],
     ]
-    # 3:1 → +; 2:2 ties → 0; 0:4 → −; zeros count as + (so 2:2 in the last coordinate)
+    # 3:1 → +; 2:2 ties → 0; 0:4 → −; zeros count as + at an even step (so 2:2 in the last coordinate) and as −
+    # at an odd one (0:4)
     assert vote(name, rows).tolist() == [1.0, 0.0, -1.0, 0.0, 0.0]
+    assert vote(name, rows, step=1).tolist() == [1.0, 0.0, -1.0, 0.0, -1.0]
 
 
 def test_mean_aggregation_for_scaled_signs():
@@ -592,3 +606,125 @@ def test_cuda_matches_cpu(name):
 def test_signum_state_of_the_wrong_size_is_refused():
     with pytest.raises(gradcomp.ConfigError, match="size"):
         gradcomp.make("signum").load_state_dict({"momentum": {"a#4": torch.zeros(5)}})
+
+
+# ------------------------------------------------------------------------------------------ zeros and ties
+
+
+@pytest.mark.parametrize("path", ["cpu", "numpy", "torch"])
+@pytest.mark.parametrize("name", VOTING)
+def test_a_zero_is_sent_as_plus_on_even_steps_and_as_minus_on_odd_ones(name, path, monkeypatch):
+    # the compiled kernel (cpu, above its size threshold), numpy's comparison, and the torch ops of other devices
+    if path == "numpy":
+        monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    if path == "torch":
+        monkeypatch.setattr(sign, "_numpy_path", lambda t: False)
+    d = (1 << 20) + 1003  # two chunks, a partial last byte
+    x = torch.randn(d, generator=torch.Generator().manual_seed(5))
+    x[::5], x[1::7] = 0.0, -0.0
+    slot = Slot("w", 0, d)
+    c = bare(name, momentum=0.0) if name == "signum" else bare(name)  # m = g: the same signs as signsgd
+    for step in range(4):
+        assert torch.equal(c.compress(x, slot, step)[0], pack_bool(negative(x, step))), f"step {step}"
+
+
+@pytest.mark.parametrize("workers", [3, 4])
+@pytest.mark.parametrize("name", VOTING)
+def test_an_all_zero_coordinate_stays_within_lr_of_its_start(name, workers):
+    # a parameter whose gradient is exactly 0 on every worker (unused, a dead unit): sent as + on every step it
+    # drifted by −lr a step (−0.1 after 100 steps at lr 1e-3); now it moves back and forth by lr
+    lr = 1e-3
+
+    def worker(transport):
+        torch.manual_seed(0)
+        used, unused = torch.nn.Linear(3, 1), torch.nn.Parameter(torch.zeros(4))
+        params = [("used.weight", used.weight), ("used.bias", used.bias), ("unused", unused)]
+        optimizer = torch.optim.SGD([p for _, p in params], lr=lr)
+        aggregator = gradcomp.GradientAggregator(params, gradcomp.make(name), transport)
+        g = torch.Generator().manual_seed(transport.rank)
+        furthest = 0.0
+        for _ in range(100):
+            optimizer.zero_grad()
+            used(torch.randn(8, 3, generator=g)).pow(2).mean().backward()
+            unused.grad = torch.zeros(4)
+            aggregator.step()
+            optimizer.step()
+            furthest = max(furthest, unused.detach().abs().max().item())
+        return furthest
+
+    with gradcomp.SimulatedCluster(workers) as cluster:
+        furthest = cluster.run(worker)
+    assert all(0 < f <= lr * (1 + 1e-6) for f in furthest), furthest
+
+
+@pytest.mark.parametrize("server_error_feedback", [True, False])
+def test_a_tied_vote_goes_down_from_the_server_as_plus_then_minus(server_error_feedback):
+    # --topology ps --server-compressor signsgd: the server's vote (0 where 2 of 4 say +) travels down in one bit.
+    # With error feedback (the CLI's default) the residual −1 that a tie sent as + leaves turns the next tie into
+    # −; without it the tie follows the zero rule: + on even steps, − on odd ones (it used to be + every step)
+    rows = torch.tensor(
+        [[1.0, 1.0, -1.0, 1.0], [1.0, -1.0, -1.0, -1.0], [-1.0, 1.0, -1.0, 1.0], [-1.0, -1.0, -1.0, -1.0]]
+    )
+    slot = Slot("w", 0, 4)
+    config = TrainConfig(
+        compressor="signsgd", topology="ps", server_compressor="signsgd", server_error_feedback=server_error_feedback
+    )
+
+    def worker(transport):
+        compressor, server = config.build_compressors()
+        exchange = gradcomp.GradientExchange(compressor, transport, topology="ps", server_compressor=server)
+        return [exchange.exchange([slot], [rows[transport.rank]], step)[0].tolist() for step in range(4)]
+
+    with gradcomp.SimulatedCluster(4) as cluster:
+        out = cluster.run(worker)
+    plus, minus = [1.0, 1.0, -1.0, 1.0], [-1.0, -1.0, -1.0, -1.0]  # coordinates 0, 1 and 3 tie, 2 is −
+    assert out == [[plus, minus, plus, minus]] * 4
+
+
+# ------------------------------------------------------------------------------------ float64 and overflow
+
+
+def test_signsgd_rounds_float64_to_float32_before_the_sign():
+    # as signum, efsignsgd and onebit do: −1e-300 is −0.0 in float32, a zero (+ at an even step), not −
+    x = torch.tensor([-1e-300, 1e-300, -2.0, 3.0], dtype=torch.float64)
+    slot = Slot("w", 0, 4)
+    assert bare("signsgd").compress(x, slot, 0)[0].tolist() == [0b0100]
+    assert torch.equal(bare("signsgd").compress(x, slot, 0)[0], bare("signum").compress(x, slot, 0)[0])
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
+def test_a_non_finite_value_to_send_is_refused_naming_the_slot(name):
+    x = torch.tensor([float("nan"), -1.0, 2.0])
+    with pytest.raises(NonFiniteGradientError, match="non-finite .* in conv1.weight"):
+        bare(name).compress(x, Slot("conv1.weight", 0, 3), 0)
+
+
+def test_efsignsgd_residual_overflow_is_refused_before_sending():
+    # finite gradients near float32's largest value: g + residual overflows to inf at the second step; the exchange
+    # used to hand back inf, then nan. The residual is dropped, so the third step starts afresh
+    slot = Slot("w", 0, 2)
+
+    def worker(transport):
+        exchange = gradcomp.GradientExchange(gradcomp.make("efsignsgd"), transport)
+        first = exchange.exchange([slot], [torch.tensor([3.0e38, -1.0])], 0)[0]
+        with pytest.raises(NonFiniteGradientError, match="efsignsgd: non-finite .* in w"):
+            exchange.exchange([slot], [torch.tensor([3.0e38, -1.0])], 1)
+        third = exchange.exchange([slot], [torch.tensor([3.0e38, -1.0])], 2)[0]
+        return first, third
+
+    with gradcomp.SimulatedCluster(2) as cluster:
+        for first, third in cluster.run(worker):
+            assert torch.isfinite(first).all() and torch.equal(first, third)
+
+
+def test_signsgd_error_feedback_residual_is_bounded_only_while_the_gradient_is():
+    # the residual of sign(p) with error feedback stays within 1 per coordinate while |g| <= 1; a coordinate with
+    # |g| = 3 on every step grows by |g| − 1 = 2 a step
+    c = gradcomp.make("signsgd", error_feedback=True)
+    g = torch.Generator().manual_seed(1)
+    for step in range(50):
+        c.compress(torch.rand(1000, generator=g) * 2 - 1, Slot("w", 0, 1000), step)
+        assert c.residuals["w#1000"].abs().max() <= 1.0
+    for step in range(10):
+        c.compress(torch.tensor([3.0]), Slot("v", 1, 1), step)
+    assert c.residuals["v#1"].tolist() == [20.0]

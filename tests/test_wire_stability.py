@@ -25,7 +25,11 @@ STC stopped sending the kept entries that are exactly zero (the ``sparse`` input
 than those k; they used to arrive as +mu, and now carry 0 as in the paper); ``dgc``, ``dgc-0.01-fixed`` and
 ``dgc-warmup-clip``, when DGC's selection began to send exactly the top-k (its sampled threshold is taken four
 standard deviations low and lowered further when fewer than k pass; the paper's threshold let fewer than k
-through on about half of the steps, and those were sent as they were); every other case kept its digest.
+through on about half of the steps, and those were sent as they were); ``signsgd`` and ``signum``, when the
+majority-vote methods began to send an entry that is exactly 0 as + on even steps and as − on odd ones (it was
+always +, so a coordinate that is 0 on every worker drifted by −lr a step; the ``ties`` and ``sparse`` inputs
+hold zeros, and these cases run three steps; the layout, one bit per entry, is unchanged); every other case kept
+its digest.
 """
 
 from __future__ import annotations
@@ -244,8 +248,8 @@ DIGESTS: dict[str, str] = {
     "qsgd-1-elias": "683590e567569c5af8937029da5baaa9f8995dda98e2806fd891bef55b9948cc",
     "terngrad": "ce0195448f8ca7e894eb8e332c5fcfcaf7f3149e3719888a0dc73f8fe9b03315",
     "terngrad-noclip": "fb7c271487fad618f0f41fcba047966bbf0ddcb53b301de3b296d50421f3ad1b",
-    "signsgd": "eb1a52b7010684f41823d2c01500aad9647d71a9ca0bfbccd523c46e3c07959b",
-    "signum": "eb1a52b7010684f41823d2c01500aad9647d71a9ca0bfbccd523c46e3c07959b",
+    "signsgd": "8a4e6754fb862ebc11955a9052808baf82e296f874b0cffc921755d26d89fd94",
+    "signum": "8a4e6754fb862ebc11955a9052808baf82e296f874b0cffc921755d26d89fd94",
     "signum-0.5": "2485a9550fef481ab545a38d23fea97e22dbd873d3d2b444ba89901b0a356751",
     "efsignsgd": "ad077c7b3b0592d5769d49565c9bfb194c7d65baec442d58732be2a269044af6",
     "efsignsgd-ef": "8983c6e98b756deb7a014079d2679f0cba00e24a9ddc63671915965e32355134",
