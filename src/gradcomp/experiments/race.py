@@ -63,7 +63,6 @@ SGD_KEYS = ("lr", "momentum", "weight_decay")
 MEMORY_FLAG = 4.0  # flag a method that needs more than this many gradient sizes beyond plain DDP
 EXTRA_MEMORY = ("extra_memory_vs_ddp_grads", "extra_cuda_vs_ddp_grads")  # host resident set; CUDA allocated
 MASTER_PORT = 29500  # inside host 0's own namespace: no other process can hold it
-COMPUTE_WARMUP = 2  # compute-only steps left out of the median
 
 
 class WorkerFailedError(GradcompError):
@@ -434,9 +433,7 @@ def first_reaching(curve: list[list[float]], target: float) -> tuple[int, float]
 def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int) -> dict[str, Any]:
     workers = raw["workers"]
     lead = workers[0]
-    compute = [t for w in workers for t in w["compute_only_s"][COMPUTE_WARMUP:]] or [
-        t for w in workers for t in w["compute_only_s"]
-    ]
+    compute = [t for w in workers for t in w["compute_only_s"]]  # the workers' warm-up steps are not in it
     steps = lead["steps"]
     wire_tx = [w["wire_tx_bytes"] for w in workers if w["wire_tx_bytes"] is not None]
     stats = lead["stats"]

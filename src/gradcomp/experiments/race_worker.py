@@ -9,14 +9,19 @@ makes rank 0 bind a port the OS picks and publish it in ``<job dir>/port``.
 What a worker does, in order:
 
 1. joins the process group, gloo or (CUDA) NCCL (a TCP store at MASTER_ADDR, served by rank 0);
-2. **compute-only steps**: ``compute_steps`` steps of forward, backward and optimizer step on a private copy of
-   the model with its own batches, no communication at all, all workers at once (so they contend for the CPU
-   as in training); their median is the method's compute-only step time;
+2. **warm-up and compute-only steps**: ``WARMUP_STEPS`` unreported steps, then ``compute_steps`` measured ones,
+   of forward, backward and optimizer step on a private copy of the model with its own batches, no
+   communication at all, all workers at once (so they contend for the CPU as in training); the median of the
+   measured ones is the method's compute-only step time. The warm-up steps run whatever ``compute_steps`` is
+   (0 included), so torch's first-call costs are never on any method's training clock;
 3. trains with gradcomp's own loop, ``runner.run_worker`` (DDP with gradcomp's hook or torch's, or the
    aggregator), with an ``after_step`` that keeps the **training clock**: the end time of every step, minus
-   the time spent evaluating. Every ``eval_every`` steps all workers evaluate the (identical) replicas on
-   1/W of the test set each and sum the counts, so the accuracy is that of the full test set; that time is
-   off the clock. The last point is run_worker's own final evaluation of the full test set on rank 0;
+   the time spent evaluating. The clock starts, after a barrier, when the first training batch is fetched
+   (``clocked_run_worker``): the model, the optimizer and DDP's constructor (which broadcasts the parameters
+   from rank 0) are set-up, off the clock and out of the wire bytes, for every method alike. Every
+   ``eval_every`` steps all workers evaluate the (identical) replicas on 1/W of the test set each and sum the
+   counts, so the accuracy is that of the full test set; that time is off the clock. The last point is
+   run_worker's own final evaluation of the full test set on rank 0;
 4. writes ``result-<rank>.json``: step end times, accuracy curve, compute-only step times, peak resident set
    during training steps (evaluations excluded: the high-water mark is read before and reset after each one),
    bytes on its veth (namespaces only), and run_worker's statistics.
@@ -41,13 +46,15 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import allocator
+from gradcomp.experiments import runner
 from gradcomp.experiments.data import Dataset, evaluate, load_dataset
 from gradcomp.experiments.models import build_model
 from gradcomp.experiments.netns import read_wire_counters
-from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, make_optimizer, run_worker
+from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, make_optimizer
 from gradcomp.transport.dist import DistTransport, bind_device
 
 _PR_SET_PDEATHSIG = 1
+WARMUP_STEPS = 2  # unreported local steps before the compute-only ones: torch's first calls are slow
 
 
 def _die_with_parent() -> None:
@@ -178,23 +185,58 @@ class RaceClock:
 
 
 def compute_only(cfg: TrainConfig, data: Dataset, rank: int, device: torch.device, steps: int) -> list[float]:
-    """Seconds of ``steps`` local steps (forward, backward, optimizer) on a private model, no communication."""
-    if steps <= 0:
-        return []
+    """Seconds of ``steps`` local steps (forward, backward, optimizer) on a private model, no communication,
+    after ``WARMUP_STEPS`` unreported ones (which run even when ``steps`` is 0: they warm torch up for training).
+    """
     model = build_model(cfg.model, data, cfg.seed).to(device)
     optimizer = make_optimizer(model, cfg)
     batches = Batches(data, cfg, rank)
     times = []
     dist.barrier()  # every worker computes at the same time, as in training
-    for step in range(steps):
+    for step in range(WARMUP_STEPS + max(steps, 0)):
         started = time.perf_counter()
         xb, yb = batches.get(step, device)
         compute_gradients(model, xb, yb)
         optimizer.step()
         _sync(device)
-        times.append(time.perf_counter() - started)
+        if step >= WARMUP_STEPS:
+            times.append(time.perf_counter() - started)
     dist.barrier()
     return times
+
+
+def clocked_run_worker(cfg: TrainConfig, device: torch.device, clock: RaceClock, register=None,
+                       ifname: str | None = None) -> tuple[dict[str, Any], tuple[int, int] | None]:
+    """``runner.run_worker`` with ``clock`` started just before the first training step; returns its statistics
+    and the (tx, rx) bytes on ``ifname`` between that start and the end (None without ``ifname``).
+
+    What run_worker does before its first step (loading the data, building the model and the optimizer, DDP's
+    constructor with its broadcast of rank 0's parameters, hook registration) is set-up, which a method with
+    ``ddp=off`` does not pay the same way: the clock and the wire counters start after it, for every method, at
+    the first fetch of a training batch (all workers together, after a barrier).
+    """
+    counted: dict[str, Any] = {}
+
+    class ClockedBatches(Batches):
+        def get(self, step, device_):
+            if not counted:
+                dist.barrier()
+                counted["before"] = read_wire_counters(ifname) if ifname else None
+                clock.start()
+            return super().get(step, device_)
+
+    plain = runner.Batches
+    runner.Batches = ClockedBatches  # run_worker builds its batches after the model, the optimizer and DDP
+    try:
+        stats = runner.run_worker(cfg, DistTransport(), device, register_hook=register, after_step=clock.after_step)
+    finally:
+        runner.Batches = plain
+    if "before" not in counted:
+        raise RuntimeError("run_worker fetched no batch: the race's clock never started")
+    after = read_wire_counters(ifname) if ifname else None
+    before = counted["before"]
+    wire = (after[0] - before[0], after[1] - before[1]) if before and after else None
+    return stats, wire
 
 
 def _join(job: dict[str, Any], rank: int, world: int, timeout_s: float, device: torch.device) -> None:
@@ -246,12 +288,9 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
 
         register = torch_hook_registrar(job["baseline"], job["baseline_params"])
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    wire_before = read_wire_counters(ifname) if job["netns"] else None
     dist.barrier()
     memory.reset()
-    clock.start()
-    stats = run_worker(cfg, DistTransport(), device, register_hook=register, after_step=clock.after_step)
-    wire_after = read_wire_counters(ifname) if job["netns"] else None
+    stats, wire = clocked_run_worker(cfg, device, clock, register, ifname if job["netns"] else None)
     curve = list(clock.curve)
     if rank == 0:
         curve.append([total, clock.step_end[-1], stats["test_accuracy"]])
@@ -271,8 +310,8 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_resettable": memory.resettable,
         "allocator": allocator.state(),
         "cuda_peak_bytes": memory.cuda if device.type == "cuda" else None,
-        "wire_tx_bytes": wire_after[0] - wire_before[0] if wire_before and wire_after else None,
-        "wire_rx_bytes": wire_after[1] - wire_before[1] if wire_before and wire_after else None,
+        "wire_tx_bytes": wire[0] if wire else None,
+        "wire_rx_bytes": wire[1] if wire else None,
         "stats": stats,
     }
 
