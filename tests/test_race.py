@@ -96,7 +96,7 @@ def test_summary_targets_and_memory_flag():
         rec("torch-powersgd", "torch", [[100, 20.0, 0.96], [200, 40.0, 0.97]], 0.2, 0.1, 301),
         rec("cnat", "gradcomp", [[100, 12.0, 0.97], [200, 22.0, 0.985]], 0.11, 0.1, 330, compressor="cnat"),
     ]
-    summary = race.summarize(records, 0.98, grads)
+    summary = race.summarize(records, 0.98, grads, 100e6, "convnet on mnist, 4 hosts, link 100mbit")
     assert summary["fp32_ideal_s"] == pytest.approx(200 * 0.1)
     cnat = records[2]
     assert (cnat["steps_to_target"], cnat["time_to_target_s"]) == (200, 22.0)
@@ -107,7 +107,13 @@ def test_summary_targets_and_memory_flag():
     assert met["≥ 2 × faster than torch's PowerSGD hook"] is None  # it never got there: 40/22 decides nothing
     assert met["≥ 5 × faster than fp32 DDP"] is False
     assert met["cnat step ≤ 0.4 × fp32 DDP's step"] is True
-    assert "| cnat | 200 | 22 |" in race.render_table(records, summary)
+    table = race.render_table(records, summary)
+    assert "| cnat | 200 | 22 |" in table
+    assert "Targets at 100 Mbit/s, judged on this race (convnet on mnist, 4 hosts, link 100mbit)" in table
+    # the targets are set for a 100 Mbit/s link: on any other (or unshaped) they are neither judged nor shown
+    for rate in (1e9, None):
+        other = race.summarize(records, 0.98, grads, rate, "convnet on mnist, 4 hosts, link 1gbit")
+        assert other["targets"] == [] and "Targets" not in race.render_table(records, other)
     # fp32 short of the target: the race is timed to what fp32 reached, and says so
     summary = race.summarize(records, 0.99, grads)
     assert summary["effective_target"] == 0.981 and summary["notes"]

@@ -16,7 +16,9 @@ the switch end what it receives, so every host has R up and R down, as behind a 
 stalls TCP at these rates (the bucket must hold at least a few segments at the timer granularity).
 
 ``NamespaceNetwork.down()`` kills whatever still runs inside the namespaces (only processes of this run can be in
-them) and deletes the namespaces; deleting a namespace deletes the veth ends and the bridge inside it.
+them) and deletes the namespaces; deleting a namespace deletes the veth ends and the bridge inside it. SIGINT,
+SIGTERM and SIGHUP are held off while it runs (``signals_held``) and delivered when it is done, so a second
+Ctrl-C or SIGTERM cannot stop a teardown half-way; a namespace is forgotten only once it is gone.
 ``cleanup(tag)`` does the same for the leftovers of a run that could not tear down (killed with SIGKILL),
 ``cleanup("all")`` for every namespace named like one of these runs.
 
@@ -27,20 +29,28 @@ processes on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import shutil
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass
 
 from gradcomp.errors import GradcompError
 
 TBF_BURST = "256kb"
+TBF_BURST_BYTES = 256 * 1024  # tc's "kb" is KiB
 TBF_LATENCY = "50ms"
 SUBNET = "10.231"  # /16 inside the run's namespaces only: never routed, never visible outside them
 MAX_HOSTS = 250
+MIN_RATE_BPS = 1e3
+# tbf with a 256kb burst and 50 ms latency holds up to here; at 1tbit tc shortens the latency, at 10tbit the
+# burst becomes 0, and beyond 2^64 bit/s the rate wraps to 0
+MAX_RATE_BPS = 100e9
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _TAG_RE = re.compile(r"^gc\d+$")
 _NAME_RE = re.compile(r"^(gc\d+)(?:sw|h\d+)$")
 _counter = itertools.count()
@@ -66,6 +76,31 @@ def require_emulation(shaped: bool) -> None:
     if reason is not None:
         what = "a shaped link" if shaped else "network namespaces"
         raise EmulationError(f"cannot emulate {what}: {reason}; nothing was started")
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Hold off SIGINT, SIGTERM and SIGHUP for the block; deliver those that came once it is done.
+
+    The signals are blocked (``pthread_sigmask``) and their handlers replaced by one that only notes them (a
+    signal can still reach another thread of the process, which runs no Python handler but wakes this one's);
+    afterwards the handlers are restored and each noted signal raised once, so its own handler (an exception,
+    or the default action) runs after the block. Outside the main thread it does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in HELD_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # what came meanwhile is noted now
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in dict.fromkeys(received):
+            signal.raise_signal(sig)
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -195,8 +230,8 @@ class NamespaceNetwork:
     def __init__(self, hosts: int, rate_bps: float | None = None, tag: str | None = None):
         if not 1 <= hosts <= MAX_HOSTS:
             raise EmulationError(f"between 1 and {MAX_HOSTS} hosts, got {hosts}")
-        if rate_bps is not None and not rate_bps >= 1000:
-            raise EmulationError(f"a link rate must be at least 1kbit, got {rate_bps} bit/s")
+        if rate_bps is not None and not MIN_RATE_BPS <= rate_bps <= MAX_RATE_BPS:
+            raise EmulationError(f"a link rate must lie between 1kbit and 100gbit (tbf's range), got {rate_bps} bit/s")
         require_emulation(shaped=rate_bps is not None)
         self.tag = tag or new_tag()
         if len(self.tag) + 4 > 15:  # "<tag>h123": interface names are limited to 15 characters
@@ -254,11 +289,18 @@ class NamespaceNetwork:
                 _run(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", *self.tbf()])
 
     def down(self) -> None:
-        """Kill what runs in the namespaces and delete them; raises EmulationError if any is left."""
-        made, self._made = self._made, []
-        if not made:
-            return
-        failed = _kill_and_delete(list(reversed(made)))
+        """Kill what runs in the namespaces and delete them; raises EmulationError if any is left.
+
+        SIGINT, SIGTERM and SIGHUP wait until it is done (``signals_held``). A namespace is forgotten only once
+        it no longer exists, so a ``down()`` that did not finish can be called again.
+        """
+        with signals_held():
+            if not self._made:
+                return
+            _kill_and_delete(list(reversed(self._made)))
+            present = set(list_namespaces())
+            self._made = [ns for ns in self._made if ns in present]
+            failed = list(self._made)
         if failed:
             raise EmulationError(
                 f"could not delete namespaces {', '.join(failed)}; "

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -63,6 +65,8 @@ SGD_KEYS = ("lr", "momentum", "weight_decay")
 MEMORY_FLAG = 4.0  # flag a method that needs more than this many gradient sizes beyond plain DDP
 EXTRA_MEMORY = ("extra_memory_vs_ddp_grads", "extra_cuda_vs_ddp_grads")  # host resident set; CUDA allocated
 MASTER_PORT = 29500  # inside host 0's own namespace: no other process can hold it
+BURST_FACTOR = 20  # warn when a host sends less than this many tbf bursts over a method's whole run
+TARGET_RATE_BPS = 100e6  # the link the targets are set for (check_targets)
 
 
 class WorkerFailedError(GradcompError):
@@ -202,12 +206,27 @@ class Options:
 
 
 def link_rate(link: str) -> float | None:
-    """``"100mbit"`` → 1e8 bit/s; ``"none"`` → None (unshaped)."""
+    """``"100mbit"`` → 1e8 bit/s; ``"none"`` → None (unshaped); ConfigError outside tbf's 1kbit to 100gbit."""
     if link.strip().lower() in ("none", "off", "unshaped"):
         return None
     from gradcomp.netmodel import parse_bandwidth
 
-    return parse_bandwidth(link)
+    rate = parse_bandwidth(link)
+    if not netns.MIN_RATE_BPS <= rate <= netns.MAX_RATE_BPS:
+        raise ConfigError(f"--link must lie between 1kbit and 100gbit (what tbf shapes with a 256kb burst), "
+                          f"got {link!r} = {rate:.4g} bit/s")
+    return rate
+
+
+def check_out(out: str) -> None:
+    """Make ``out`` and write a file there (removed again): ConfigError naming it when that fails."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".race-write-test-", delete=True)
+        probe.write(b"x")
+        probe.close()
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); nothing was started") from None
 
 
 def make_network(opts: Options, log=print):
@@ -244,8 +263,9 @@ def plan(opts: Options, log=print) -> tuple[list[Any], int]:
 
     if not opts.methods:
         raise ConfigError("no method to race")
-    if opts.hosts < 1:
-        raise ConfigError(f"--hosts must be >= 1, got {opts.hosts}")
+    if not 1 <= opts.hosts <= netns.MAX_HOSTS:
+        raise ConfigError(f"--hosts must be between 1 and {netns.MAX_HOSTS}, got {opts.hosts}")
+    link_rate(opts.link)
     if not 0 < opts.target <= 1:
         raise ConfigError(f"--target is an accuracy in (0, 1], got {opts.target}")
     if opts.eval_every < 0 or opts.compute_steps < 0:
@@ -482,8 +502,10 @@ def failed_record(method: Method, error: str) -> dict[str, Any]:
             "name": method.name, "error": error, "curve": []}
 
 
-def summarize(records: list[dict[str, Any]], target: float, num_parameters: int) -> dict[str, Any]:
-    """Time to target, ratios to fp32 DDP and to its communication-free ideal, memory flags, the issue's targets."""
+def summarize(records: list[dict[str, Any]], target: float, num_parameters: int, rate_bps: float | None = None,
+              setting: str = "") -> dict[str, Any]:
+    """Time to target, ratios to fp32 DDP and to its communication-free ideal, memory flags; and, on a 100 Mbit/s
+    link only (``rate_bps``), the targets at 100 Mbit/s, judged on ``setting`` (model, data, hosts, link)."""
     ok = [r for r in records if not r.get("error")]
     ref = next((r for r in ok if r["name"] == "torch-fp32"), None)
     notes: list[str] = []
@@ -522,7 +544,8 @@ def summarize(records: list[dict[str, Any]], target: float, num_parameters: int)
         "effective_target": effective,
         "fp32_ideal_s": ideal,
         "gradient_bytes": grad_bytes,
-        "targets": check_targets(ok, ref, ideal),
+        "targets": check_targets(ok, ref, ideal) if rate_bps == TARGET_RATE_BPS else [],
+        "targets_judged_on": setting if rate_bps == TARGET_RATE_BPS else None,
         "notes": notes,
     }
 
@@ -535,7 +558,7 @@ def _time_or_bound(r: dict[str, Any]) -> tuple[float, bool]:
 
 
 def check_targets(ok: list[dict[str, Any]], ref: dict[str, Any] | None, ideal: float | None) -> list[dict[str, Any]]:
-    """The issue's goals at 100 Mbit/s, evaluated on this race (each says met / not met / not measurable)."""
+    """The targets at 100 Mbit/s, evaluated on this race (each says met / not met / not measurable)."""
     out: list[dict[str, Any]] = []
     ours = [r for r in ok if r["kind"] == "gradcomp" and r["time_to_target_s"] is not None]
     best = min(ours, key=lambda r: r["time_to_target_s"]) if ours else None
@@ -637,6 +660,8 @@ def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     for note in summary["notes"]:
         out += f"\nNote: {note}\n"
     if summary["targets"]:
+        judged = summary.get("targets_judged_on") or "a 100 Mbit/s link"
+        out += f"\nTargets at 100 Mbit/s, judged on this race ({judged}):\n"
         out += "\n| goal | met | measured |\n|---|---|---|\n"
         for t in summary["targets"]:
             met = {True: "yes", False: "no", None: "–"}[t["met"]]
@@ -664,7 +689,8 @@ def render_plot(records: list[dict[str, Any]], summary: dict[str, Any], path: st
     ax.set_ylim(max(lo - 1, 100 * summary["effective_target"] - 10), 100)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # no curve when every method failed
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -703,16 +729,91 @@ def machine() -> dict[str, Any]:
 # -- the command ---------------------------------------------------------------------------------------------
 
 
-def race(opts: Options, log=print) -> dict[str, Any]:
-    """Run every method; returns the result dict (also written to ``opts.out``)."""
+def setting(opts: Options) -> str:
+    """What a race ran: model, data, hosts, link, steps (the plot's title; what the targets were judged on)."""
+    return (f"{opts.model} on {opts.dataset}, {opts.hosts} hosts, link {opts.link}, "
+            f"{opts.steps} steps × {opts.batch_size}/host")
+
+
+def burst_warning(record: dict[str, Any], rate_bps: float | None) -> str | None:
+    """A warning when a method sent so little per host that tbf's burst (refilled while the clock is paused for
+    evaluations, and full at the start) is a large part of it: its times are then shorter than the rate allows."""
+    per_step = record.get("wire_tx_bytes_per_step")
+    if rate_bps is None or per_step is None:
+        return None
+    total = per_step * record["steps"]
+    if total >= BURST_FACTOR * netns.TBF_BURST_BYTES:
+        return None
+    return (f"{record['label']}: each host sent {total / 1e6:.3g} MB in the whole run, less than {BURST_FACTOR} × "
+            f"tbf's burst ({netns.TBF_BURST}), which refills while the clock is paused for evaluations; at so few "
+            "bytes the link looks faster than its rate (more steps, or fewer evaluations, docs/race.md)")
+
+
+def remove_workdirs(tag: str) -> list[str]:
+    """The work directories (``<tmp>/gradcomp-race-<tag>-*``) that run ``tag``, or every run (``all``), left."""
+    pattern = "gc*" if tag == "all" else tag
+    found = glob.glob(os.path.join(tempfile.gettempdir(), f"gradcomp-race-{pattern}-*"))
+    removed = []
+    for path in sorted(found):
+        name = os.path.basename(path)
+        if os.path.isdir(path) and re.match(r"^gradcomp-race-gc\d+-", name):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def race(opts: Options, log=print, show=None, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run every method; returns the result dict (also written to ``opts.out``).
+
+    ``--out`` is checked (a file written there) before the network is made. race.json and race.md are written
+    after every finished method, so an interrupted race keeps its finished rows; ``show(table)``, if given, is
+    called before the final files are written. ``state`` receives ``network`` (once made) and ``saved`` (how
+    many methods the files hold), for the caller's message on an interruption.
+    """
+    state = {} if state is None else state
     configs, num_parameters = plan(opts, log)
-    network = make_network(opts, log)
+    network = make_network(opts, log)  # creates nothing yet; refuses a shaped link it cannot have here
     if opts.out:
-        os.makedirs(opts.out, exist_ok=True)
+        check_out(opts.out)
+    state["network"] = network
+    rate = link_rate(opts.link)
+    title = setting(opts)
     records: list[dict[str, Any]] = []
+    warnings: list[str] = []
     started = time.time()
     before = machine()
     code_before = code_version()  # each worker imports the source when it starts: note if it changed meanwhile
+
+    def result_of(complete: bool) -> dict[str, Any]:
+        summary = summarize(records, opts.target, num_parameters, rate, title)
+        summary["notes"] += warnings
+        result = {
+            "command": "gradcomp race",
+            "complete": complete,  # False: written after a method, the race not finished (or interrupted)
+            "options": {**{k: v for k, v in dataclasses.asdict(opts).items() if k != "methods"},
+                        "methods": [m.text for m in opts.methods]},
+            "methods": records,
+            "summary": summary,
+            "network": {"kind": network.kind, "hosts": len(network.hosts), "link": opts.link,
+                        "rate_bps": rate, "tbf_burst": netns.TBF_BURST,
+                        "tbf_latency": netns.TBF_LATENCY, "tag": network.tag},
+            "machine": {**before, "load_average_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
+            "code": {"start": code_before, "end": code_version() if complete else None},
+            "started": started,
+            "wall_s": time.time() - started,
+        }
+        result["table"] = render_table(records, summary)
+        return result
+
+    def save_so_far() -> None:
+        if not opts.out:
+            return
+        try:
+            write_outputs(opts.out, result_of(False), title, log, plot=False)
+            state["saved"] = len(records)
+        except OSError as exc:
+            log(f"gradcomp race: could not save the finished methods in {opts.out}: {exc}")
+
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
     def interrupted(signum, frame):
@@ -721,7 +822,7 @@ def race(opts: Options, log=print) -> dict[str, Any]:
     for sig in previous:
         signal.signal(sig, interrupted)
     try:
-        with tempfile.TemporaryDirectory(prefix="gradcomp-race-") as workdir:
+        with tempfile.TemporaryDirectory(prefix=f"gradcomp-race-{network.tag or 'local'}-") as workdir:
             try:
                 network.up()
                 if network.tag:
@@ -730,8 +831,8 @@ def race(opts: Options, log=print) -> dict[str, Any]:
                     where = f"{len(network.hosts)} local processes, unshaped"
                 log(f"gradcomp race: {where}; {len(opts.methods)} methods × {opts.steps} steps")
                 if network.tag:
-                    log(f"gradcomp race: if this process is killed hard, remove what is left with "
-                        f"`gradcomp race --cleanup {network.tag}`")
+                    log(f"gradcomp race: if this process is killed hard, remove what is left (namespaces and "
+                        f"{workdir}) with `gradcomp race --cleanup {network.tag}`")
                 for i, (method, cfg) in enumerate(zip(opts.methods, configs)):
                     log(f"[{i + 1}/{len(configs)}] {method.label}")
                     try:
@@ -739,6 +840,7 @@ def race(opts: Options, log=print) -> dict[str, Any]:
                     except WorkerFailedError as exc:
                         log(f"gradcomp race: {exc}")
                         records.append(failed_record(method, str(exc)))
+                        save_so_far()
                         continue
                     record = method_record(method, cfg, raw, num_parameters)
                     records.append(record)
@@ -748,58 +850,54 @@ def race(opts: Options, log=print) -> dict[str, Any]:
                         f"{100 * (record['final_accuracy'] or 0):.2f} %, "
                         + (f"{100 * opts.target:.2f} % at step {reached[0]} ({reached[1]:.1f} s)" if reached
                            else f"{100 * opts.target:.2f} % not reached"))
+                    warning = burst_warning(record, rate)
+                    if warning:
+                        log(f"gradcomp race: warning: {warning}")
+                        warnings.append(warning)
+                    save_so_far()
             finally:
-                sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the teardown
-                try:
-                    network.down()
-                finally:
-                    signal.signal(signal.SIGINT, sigint)
+                network.down()  # SIGINT, SIGTERM and SIGHUP wait until it is done (netns.signals_held)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    summary = summarize(records, opts.target, num_parameters)
-    result = {
-        "command": "gradcomp race",
-        "options": {**{k: v for k, v in dataclasses.asdict(opts).items() if k != "methods"},
-                    "methods": [m.text for m in opts.methods]},
-        "methods": records,
-        "summary": summary,
-        "network": {"kind": network.kind, "hosts": len(network.hosts), "link": opts.link,
-                    "rate_bps": link_rate(opts.link), "tbf_burst": netns.TBF_BURST,
-                    "tbf_latency": netns.TBF_LATENCY, "tag": network.tag},
-        "machine": {**before, "load_average_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
-        "code": {"start": code_before, "end": code_version()},
-        "started": started,
-        "wall_s": time.time() - started,
-    }
-    table = render_table(records, summary)
-    result["table"] = table
+    result = result_of(True)
+    if show is not None:
+        show(result["table"])  # before the files: a failed write loses nothing printed
     if opts.out:
-        title = (f"{opts.model} on {opts.dataset}, {opts.hosts} hosts, link {opts.link}, "
-                 f"{opts.steps} steps × {opts.batch_size}/host")
-        write_outputs(opts.out, result, title, log)
+        try:
+            write_outputs(opts.out, result, title, log)
+        except OSError as exc:
+            raise GradcompError(f"--out {opts.out}: could not write the results ({exc})"
+                                + ("; the table was printed above" if show is not None else "")) from None
     return result
 
 
-def write_outputs(out_dir: str, result: dict[str, Any], title: str, log=print) -> None:
-    """race.md, race.png (with matplotlib; otherwise an earlier race's plot there is removed) and race.json."""
-    with open(os.path.join(out_dir, "race.md"), "w") as f:
-        f.write(result["table"])
-    plot = os.path.join(out_dir, "race.png")
-    if render_plot(result["methods"], result["summary"], plot, title):
-        result["plot"] = plot
+def write_outputs(out_dir: str, result: dict[str, Any], title: str, log=print, plot: bool = True) -> None:
+    """race.md, race.png (with matplotlib and ``plot``; otherwise an earlier race's plot there is removed) and
+    race.json (written last, replaced whole)."""
+    _write_whole(os.path.join(out_dir, "race.md"), result["table"])
+    path = os.path.join(out_dir, "race.png")
+    if plot and render_plot(result["methods"], result["summary"], path, title):
+        result["plot"] = path
     else:
-        if os.path.exists(plot):  # an earlier race's plot would sit beside this race's table
-            os.remove(plot)
-        log("gradcomp race: matplotlib is not installed: no plot (pip install 'gradcomp[plots]')")
-    with open(os.path.join(out_dir, "race.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        if os.path.exists(path):  # an earlier race's plot would sit beside this race's table
+            os.remove(path)
+        if plot:
+            log("gradcomp race: matplotlib is not installed: no plot (pip install 'gradcomp[plots]')")
+    _write_whole(os.path.join(out_dir, "race.json"), json.dumps(result, indent=1))
+
+
+def _write_whole(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file: the file is the old one or the new one, whole."""
+    with open(path + ".part", "w") as f:
+        f.write(text)
+    os.replace(path + ".part", path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", action="append", default=None, metavar="NAME[:KEY=VALUE,...]",
                    help="a method to race (repeat); gradcomp compressor or torch-fp32 / torch-fp16 / "
-                        "torch-powersgd; e.g. topk:density=0.01,feedback=residual (default: the issue's ten)")
+                        "torch-powersgd; e.g. topk:density=0.01,feedback=residual (default: ten, docs/race.md)")
     p.add_argument("--hosts", "--workers", dest="hosts", type=int, default=4, help="emulated hosts, one worker each")
     p.add_argument("--link", default="100mbit",
                    help="each host's link rate up and down, e.g. 100mbit or 1gbit (tbf); none: unshaped")
@@ -829,7 +927,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.cleanup:
         removed = netns.cleanup(args.cleanup)
-        print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else ""))
+        dirs = remove_workdirs(args.cleanup)
+        print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else "")
+              + (f"; work directories: {', '.join(dirs)}" if dirs else ""))
         return 0
     opts = Options(
         methods=[parse_method(s) for s in (args.method or DEFAULT_METHODS)],
@@ -840,13 +940,33 @@ def main(args: argparse.Namespace) -> int:
         out=args.out, verbose=not args.quiet,
     )
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    state: dict[str, Any] = {}
     try:
-        result = race(opts, log)
+        result = race(opts, log, show=print, state=state)
     except (KeyboardInterrupt, Interrupted):
-        log("gradcomp race: interrupted; workers stopped and the emulated network removed")
+        with netns.signals_held():  # say truthfully what is left before anything else happens
+            report_interruption(state, opts.out, log)
         return 130
-    print(result["table"])
     if opts.out:
         log(f"gradcomp race: wrote {os.path.join(opts.out, 'race.md')}, race.json"
             + (", race.png" if result.get("plot") else ""))
+    failed = [r["label"] for r in result["methods"] if r.get("error")]
+    if failed:
+        log(f"gradcomp race: {len(failed)} of {len(result['methods'])} methods failed: {', '.join(failed)}")
+        return 1
     return 0
+
+
+def report_interruption(state: dict[str, Any], out: str | None, log) -> None:
+    """What an interrupted race left: the network (removed, or the --cleanup to run) and the finished rows."""
+    network = state.get("network")
+    if isinstance(network, netns.NamespaceNetwork) and network.exists():
+        log(f"gradcomp race: interrupted; the emulated network was not removed completely: remove it with "
+            f"`gradcomp race --cleanup {network.tag}`")
+    elif isinstance(network, netns.NamespaceNetwork):
+        log("gradcomp race: interrupted; workers stopped and the emulated network removed")
+    else:
+        log("gradcomp race: interrupted; workers stopped")
+    if state.get("saved") and out:
+        log(f"gradcomp race: the {state['saved']} finished methods are in {os.path.join(out, 'race.json')} "
+            "and race.md")
