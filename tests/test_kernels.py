@@ -15,6 +15,7 @@ import gradcomp
 from gradcomp import kernels, wire
 from gradcomp.compressors.base import Slot
 from gradcomp.compressors.natural import cnat_decode, cnat_encode, uniform23
+from gradcomp.compressors.sign import _below
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import pack_bits, pack_bits_into, packed_nbytes, packs_into, unpack_bits
@@ -255,15 +256,20 @@ def test_uniform23_is_uniform_and_fresh_per_key():
 def test_sign_bits_are_packbits_of_the_negative_mask(n, dtype):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=dtype)
     x[::5] = -0.0  # not negative
+    x[4::7] = 0.0
+    x[6::19] = torch.finfo(dtype).smallest_normal * 2.0**-20  # a subnormal: positive in both comparisons
     x[1::11] = float("nan")
     x[2::13] = -float("nan")  # nor is a NaN with the sign bit set
     x[3::17] = -float("inf")
-    out = np.full((n + 7) // 8, 0xFF, dtype=np.uint8)
-    negatives = kernels.sign(1 << 22).sign_bits(x.numpy(), out)
-    assert np.array_equal(out, np.packbits(x.numpy() < 0, bitorder="little"))  # padding bits 0 as well
-    assert negatives == int((x < 0).sum())
-    longer = np.full((n + 7) // 8 + 3, 0xFF, dtype=np.uint8)  # bytes past the bitmap are not counted
-    assert kernels.sign(1 << 22).sign_bits(x.numpy(), longer) == negatives
+    a = x.numpy()
+    for compare, zero_negative in ((np.less, False), (np.less_equal, True)):  # x < 0, and x <= 0 for zeros as −
+        out = np.full((n + 7) // 8, 0xFF, dtype=np.uint8)
+        below = _below(a.dtype, zero_negative)
+        negatives = kernels.sign(1 << 22).sign_bits(a, out, below)
+        assert np.array_equal(out, np.packbits(compare(a, 0), bitorder="little"))  # padding bits 0 as well
+        assert negatives == int(compare(a, 0).sum())
+        longer = np.full((n + 7) // 8 + 3, 0xFF, dtype=np.uint8)  # bytes past the bitmap are not counted
+        assert kernels.sign(1 << 22).sign_bits(a, longer, below) == negatives
 
 
 @pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "onebit"])
