@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Federated averaging / local SGD (no compressor, --local-steps n) against SBC's communication delay (SBC 1 %
 # with --local-steps n), default job (MNIST, SmallCNN, 4 workers, batch 32, lr 0.05, momentum 0.9, one
-# epoch), on the simulated cluster (same trajectory and bits as gloo workers). docs/methods/fedavg.md.
+# epoch), on the simulated cluster (the same bits as gloo workers; parameters equal up to gloo's order of summation in
+# its allreduce). docs/methods/fedavg.md.
 set -e
 mkdir -p runs/fedavg
 G="gradcomp train --no-progress --simulate"
