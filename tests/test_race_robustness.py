@@ -163,7 +163,7 @@ def test_an_interrupted_race_keeps_its_finished_methods(monkeypatch, tmp_path, c
     (out / "race.png").write_bytes(b"an earlier race's plot")
     code = cli.main(_args(out))
     err = capsys.readouterr().err
-    assert code == 130 and f"the 1 finished methods are in {out / 'race.json'}" in err
+    assert code == 130 and f"the methods that finished (1) are in {out / 'race.json'}" in err
     saved = json.loads((out / "race.json").read_text())
     assert saved["complete"] is False and [m["label"] for m in saved["methods"]] == ["torch-fp32"]
     assert (out / "race.md").read_text() == saved["table"] and "| torch-fp32 |" in saved["table"]

@@ -415,7 +415,8 @@ def run_method(network, method: Method, cfg, opts: Options, workdir: str, index:
                 break
             time.sleep(0.2)
     finally:
-        _stop(procs)
+        with netns.signals_held():  # a second Ctrl-C or SIGTERM does not leave a worker running
+            _stop(procs)
     wall_s = time.perf_counter() - started
     results = []
     for host in hosts:
@@ -968,5 +969,5 @@ def report_interruption(state: dict[str, Any], out: str | None, log) -> None:
     else:
         log("gradcomp race: interrupted; workers stopped")
     if state.get("saved") and out:
-        log(f"gradcomp race: the {state['saved']} finished methods are in {os.path.join(out, 'race.json')} "
+        log(f"gradcomp race: the methods that finished ({state['saved']}) are in {os.path.join(out, 'race.json')} "
             "and race.md")
