@@ -9,7 +9,10 @@
 
 Granularity ``layer`` compresses every parameter on its own (one slot each, still one collective per step);
 ``model`` flattens all gradients into one vector and compresses that (global top-k, one random block, ...).
-A parameter without a gradient on this step contributes zeros, so all workers always send the same slots.
+A parameter without a gradient on this step contributes zeros, so all workers always send the same slots;
+``step()`` says what it receives. At the first exchange the workers check, with one small all-gather, that they
+all have the same parameters (names and sizes, in order): ConfigError on every worker, naming the first
+difference, before any gradient is sent.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ class GradientAggregator:
     ):
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if isinstance(params, nn.parallel.DistributedDataParallel):
+            raise ConfigError(
+                "GradientAggregator got a DistributedDataParallel model, whose backward already averages the "
+                "gradients: they would be exchanged twice. Use gradcomp.register_ddp_hook(ddp_model, ...) to compress "
+                "DDP's exchange, or pass the unwrapped model (ddp_model.module) and drop DistributedDataParallel"
+            )
         self.named = _named_parameters(params)
         if not self.named:
             raise ConfigError("no parameters that require gradients")
@@ -59,13 +68,14 @@ class GradientAggregator:
 
             transport = DistTransport()
         self.granularity = granularity
-        warn_float64(self.named, "GradientAggregator")
+        self._warned_float64 = warn_float64(self.named, "GradientAggregator")
         self.names = [name for name, _ in self.named]
         self.slots = self.slots_for(self.named, granularity)
         self.exchange = GradientExchange(
             compressor, transport, topology=topology, server_compressor=server_compressor, root=root
         )
         self.steps = 0
+        self._slots_agreed = False  # every worker's parameters checked against the others' (first exchange)
 
     @staticmethod
     def slots_for(named: Sequence[tuple[str, nn.Parameter]], granularity: str) -> list[Slot]:
@@ -79,13 +89,17 @@ class GradientAggregator:
         return self.exchange.transport
 
     def current_gradients(self) -> list[Tensor]:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.named]
+        """Each parameter's ``.grad``; zeros for a parameter without one, or frozen since (``requires_grad`` off)."""
+        return [p.grad if p.grad is not None and p.requires_grad else torch.zeros_like(p) for _, p in self.named]
 
     def aggregate(self, grads: Sequence[Tensor]) -> list[Tensor]:
         """The averaged gradients for ``grads`` (one per parameter, in order); advances the step counter."""
         if len(grads) != len(self.named):
             raise ConfigError(f"expected {len(self.named)} gradients, got {len(grads)}")
         check_gradients(self.names, grads, self.steps)
+        if not self._slots_agreed:
+            self.exchange.check_same_slots(self.slots_for(self.named, "layer"), "GradientAggregator")
+            self._slots_agreed = True
         if self.granularity == "layer":
             averaged = self.exchange.exchange(self.slots, grads, self.steps, validate=False)
         else:
@@ -97,9 +111,32 @@ class GradientAggregator:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Replace every parameter's ``.grad`` with the aggregated average over all workers."""
+        """Replace every parameter's ``.grad`` with the aggregated average over all workers.
+
+        One exchange per call: call it once per iteration, between ``backward()`` and ``optimizer.step()``. A
+        second call in the same iteration is not detected; it runs another exchange of the averaged gradients
+        (with error feedback, the residuals move again) and advances the step counter.
+
+        A parameter whose ``.grad`` is None on this worker (unused in this forward pass) sends zeros and, unlike
+        plain torch, receives the aggregate like every other parameter: its own residual's flush (with error
+        feedback) and the other workers' gradients, so with momentum or weight decay it keeps moving. A
+        parameter used on another worker must receive the aggregate, and leaving ``.grad`` None where it was
+        None on every worker would need the workers to agree on that, which the compressed messages do not
+        carry: one more collective every step (torch's DDP with ``find_unused_parameters=True`` all-reduces a
+        bitmap for it), a latency paid on every step on slow links, so it is not done.
+
+        A parameter frozen since construction (``requires_grad_(False)``) keeps its slot, sends zeros (so every
+        worker still sends the same slots) and its ``.grad`` is left alone: the optimizer does not move it. Its
+        residual (error feedback) is not flushed into it: it drains through its slot's messages and that slot's
+        aggregate is discarded (with ``granularity="model"`` it competes with the other parameters for the
+        selected entries until drained); what is left flows back if it is unfrozen. Freeze it on every worker.
+        """
+        if not self._warned_float64:  # model.double() after construction
+            self._warned_float64 = warn_float64(self.named, "GradientAggregator", stacklevel=4)
         averaged = self.aggregate(self.current_gradients())
         for (_, p), a in zip(self.named, averaged):
+            if not p.requires_grad:
+                continue  # frozen: no gradient, the optimizer leaves it where it is
             if p.grad is None:
                 p.grad = a.to(p.dtype).clone()
             else:
@@ -109,7 +146,9 @@ class GradientAggregator:
         return {"steps": self.steps, "exchange": self.exchange.state_dict(), **self.exchange.identity(self.slots)}
 
     def load_state_dict(self, state: dict) -> None:
-        """ConfigError, and nothing loaded, for a state saved by another method or for other parameters."""
+        """ConfigError, and nothing loaded, for a state saved by another method, for other parameters, or by
+        another rank or world size (residuals are each worker's own: save one state per rank). A state saved
+        before ranks were recorded (no ``rank`` and ``world_size`` keys) loads without that check."""
         self.exchange.check_saved(state, ("steps", "exchange"), self.slots, "GradientAggregator")
         self.exchange.load_state_dict(state["exchange"])
         self.steps = int(state["steps"])

@@ -19,9 +19,12 @@ simulated worker's waits for the other workers' turns count as neither.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import fields
 
 import torch
 from torch import Tensor
@@ -33,7 +36,7 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.requests import drive
 from gradcomp.schemes.single_round import TOPOLOGIES as SINGLE_ROUND_TOPOLOGIES
 from gradcomp.schemes.single_round import SingleRound
-from gradcomp.transport.base import Transport
+from gradcomp.transport.base import CONTROL, Transport
 
 TOPOLOGIES = (*SINGLE_ROUND_TOPOLOGIES, "sharded")
 
@@ -89,11 +92,12 @@ def check_gradients(names: Sequence[str], tensors: Sequence[Tensor], exchange: i
         )
 
 
-def warn_float64(named: Sequence[tuple[str, Tensor]], where: str) -> None:
+def warn_float64(named: Sequence[tuple[str, Tensor]], where: str, stacklevel: int = 3) -> bool:
     """Warn once, naming them, when parameters are float64: every method compresses float32 values.
 
     Their gradients are rounded to float32 before compression (and the result written back as float64), so
     even ``none`` is not exact for them, and the bits are counted against fp32's 32 per entry, not 64.
+    Returns whether it warned.
     """
     wide = [name for name, p in named if p.dtype == torch.float64]
     if wide:
@@ -101,8 +105,9 @@ def warn_float64(named: Sequence[tuple[str, Tensor]], where: str) -> None:
         warnings.warn(
             f"{where}: {len(wide)} float64 parameter(s) ({shown}): gradcomp compresses float32 values, so their "
             "gradients are rounded to float32 first (even with 'none'), and bits are counted against fp32",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
+    return bool(wide)
 
 
 class GradientExchange:
@@ -164,6 +169,34 @@ class GradientExchange:
         if validate:
             check_gradients([s.name for s in slots], tensors)
 
+    def check_same_slots(self, slots: Sequence[Slot], owner: str) -> None:
+        """ConfigError on every worker, before any gradient is sent, unless every worker has the same ``slots``
+        (names and sizes, in order); the message names the first difference. Otherwise the first exchange would
+        hand collectives of different sizes to the transport (gloo aborts the process on one rank, the others
+        report a lost worker). Costs one all-gather of two int64 (a digest of the slot list and its length), and
+        a second one of the lists only when they differ: call it once per run. Not booked in the transport's
+        counter: a one-time set-up check (as the model's first broadcast), so the counts stay the exchanges' own
+        and a resumed run counts what an uninterrupted one does."""
+        transport = self.transport
+        if transport.world_size == 1:
+            return
+        listed = json.dumps([[slot.name, slot.numel] for slot in slots]).encode()
+        digest = int.from_bytes(hashlib.sha256(listed).digest()[:8], "little", signed=True)
+        mine = torch.tensor([digest, len(listed)], dtype=torch.int64, device=transport.device)
+        gathered = [g.tolist() for g in _uncounted_all_gather(transport, mine)]
+        if all(g == gathered[0] for g in gathered):
+            return
+        padded = torch.zeros(max(length for _, length in gathered), dtype=torch.uint8, device=transport.device)
+        padded[: len(listed)] = torch.frombuffer(bytearray(listed), dtype=torch.uint8).to(transport.device)
+        lists = [
+            [tuple(s) for s in json.loads(bytes(t[:length].tolist()).decode())]
+            for t, (_, length) in zip(_uncounted_all_gather(transport, padded), gathered)
+        ]
+        raise ConfigError(
+            f"{owner}: the workers' parameters differ ({first_difference(lists)}); every worker must "
+            "pass the same parameters, in the same order, with the same sizes. Nothing was sent"
+        )
+
     def exchange(
         self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int, *, validate: bool = True
     ) -> list[Tensor]:
@@ -188,16 +221,31 @@ class GradientExchange:
 
     def identity(self, slots: Sequence[Slot]) -> dict:
         """What a saved state belongs to, recorded by its owner's ``state_dict()``: the method (its repr, with its
-        parameters) and the slots (name and size of each)."""
-        return {"method": repr(self.scheme), "slots": [[slot.name, slot.numel] for slot in slots]}
+        parameters), the slots (name and size of each), and the worker (its rank and the world size): residuals
+        are one worker's own, so rank 0's state loaded on every rank would feed rank 0's residuals to all."""
+        return {
+            "method": repr(self.scheme),
+            "slots": [[slot.name, slot.numel] for slot in slots],
+            "rank": self.transport.rank,
+            "world_size": self.transport.world_size,
+        }
 
     def check_saved(self, state: object, required: Sequence[str], slots: Sequence[Slot], owner: str) -> None:
         """ConfigError unless ``state`` is what ``owner.state_dict()`` returns (a dict with the ``required`` keys),
-        saved by this method for these ``slots``: loaded otherwise, its residuals would be ignored (another slot's
-        key) or fed to another method. States saved before identities were recorded carry none and are loaded
-        as they are."""
+        saved by this method for these ``slots``, by this rank in a world of this size: loaded otherwise, its
+        residuals would be ignored (another slot's key), fed to another method, or be another worker's. States
+        saved before identities were recorded carry none (before ranks were recorded: no ``rank`` and
+        ``world_size``) and are loaded as they are, unchecked in what they lack."""
         check_state(state, required, owner)
         mine = self.identity(slots)
+        if "rank" in state or "world_size" in state:
+            theirs_at = (state.get("rank"), state.get("world_size"))
+            if theirs_at != (mine["rank"], mine["world_size"]):
+                raise ConfigError(
+                    f"{owner}.load_state_dict: this state was saved by rank {theirs_at[0]} of {theirs_at[1]}; this "
+                    f"is rank {mine['rank']} of {mine['world_size']}: residuals are one worker's own, so save and "
+                    "load one state per rank (to load it anyway, delete its 'rank' and 'world_size' keys)"
+                )
         if "method" in state and state["method"] != mine["method"]:
             raise ConfigError(
                 f"{owner}.load_state_dict: the state was saved by {state['method']}, but this {owner} runs "
@@ -223,3 +271,30 @@ def check_state(state: object, required: Sequence[str], owner: str) -> None:
         raise ConfigError(
             f"{owner}.load_state_dict expects what its state_dict() returns (keys {', '.join(required)}), got {got}"
         )
+
+
+def _uncounted_all_gather(transport: Transport, t: Tensor) -> list[Tensor]:
+    """``transport.all_gather(t)`` with the counter (bytes, calls, seconds) left as it was."""
+    before = transport.counter.snapshot()
+    try:
+        return transport.all_gather(t, kind=CONTROL)
+    finally:
+        for f in fields(before):
+            setattr(transport.counter, f.name, getattr(before, f.name))
+
+
+def first_difference(lists: Sequence[Sequence[tuple[str, int]]]) -> str:
+    """The first slot in which a worker's list (name, size) differs from rank 0's, in words."""
+
+    def at(slots: Sequence[tuple[str, int]], i: int) -> str:
+        return f"{slots[i][0]} ({slots[i][1]} entries)" if i < len(slots) else "nothing"
+
+    ref = lists[0]
+    for rank, other in enumerate(lists[1:], start=1):
+        if list(other) != list(ref):
+            i = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
+            return (
+                f"slot {i} is {at(ref, i)} on rank 0 but {at(other, i)} on rank {rank}; rank 0 has {len(ref)} "
+                f"slots, rank {rank} {len(other)}"
+            )
+    return "the same slots, a different digest"
