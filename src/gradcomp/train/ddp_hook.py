@@ -59,7 +59,19 @@ thread (a collective that failed or timed out, a bad message) completes that buc
 exception; DDP raises it from ``backward`` as a RuntimeError whose message names the original exception and
 its traceback (the original object is ``state.failure``). The thread then refuses every later bucket at once
 (CommunicationError naming the first error; nothing more is sent), since the ranks' collective sequences may
-no longer agree. Every future is completed, so DDP never waits on one forever.
+no longer agree. Every future is completed, with a result or an error, but only once its collectives return:
+a rank that waits for a peer that never comes waits until the process group's time-out.
+
+Process group. ``register_ddp_hook`` runs the hook's collectives on a process group of its own, made with
+``torch.distributed.new_group`` over the DDP group's ranks (same order, same backend, same time-out), never on
+DDP's group: DDP issues collectives of its own there during backward (with ``find_unused_parameters=True``,
+the allreduce of its used-parameter map once the last bucket is ready, from the autograd thread) while the
+thread may still be exchanging earlier buckets, and two threads issuing on one group interleave differently
+on different ranks (a hang until the time-out). ``new_group`` must be entered by every process of the job,
+so ``register_ddp_hook`` must be called on every rank, in the same order relative to other ``new_group``
+calls (for a DDP group over only some of the processes, by every rank of that group). With NCCL the group is
+one more NCCL communicator over the same devices (this path is not covered by the tests, which run on gloo).
+Pass ``process_group=`` to choose the group yourself (DDP's own is refused with ``find_unused_parameters``).
 
 CUDA / NCCL. The hook records the autograd thread's current CUDA stream with the job; the thread runs the
 job's kernels on that same stream (``torch.cuda.stream``), so they are ordered after the kernels that
@@ -410,6 +422,27 @@ def compression_hook(state: "CompressionHookState", bucket: dist.GradBucket) -> 
     return state.submit(bucket)
 
 
+def _own_group(model: nn.parallel.DistributedDataParallel) -> dist.ProcessGroup:
+    """A new process group over the DDP group's ranks (in its order), with its backend and time-out.
+
+    Every rank of the DDP group must call this, in the same order as its other ``new_group`` calls: when the
+    DDP group spans the whole job, that is every process (torch's rule for ``new_group``); for a DDP group
+    over some of the processes only its members take part (``use_local_synchronization``).
+    """
+    group = model.process_group
+    ranks = dist.get_process_group_ranks(group)
+    timeout = None  # torch's default for the backend, when the DDP group's own cannot be read
+    with contextlib.suppress(Exception):  # not a public API: the group's backend options on the model's device
+        device = next(model.module.parameters()).device
+        timeout = group._get_backend(device).options._timeout
+    kwargs: dict[str, Any] = {"timeout": timeout, "backend": dist.get_backend(group)}
+    if ranks != sorted(ranks):
+        kwargs["sort_ranks"] = False  # keep every rank's index: the hook's rank r is DDP's rank r
+    if len(ranks) < dist.get_world_size():
+        kwargs["use_local_synchronization"] = True
+    return dist.new_group(ranks, **kwargs)
+
+
 def register_ddp_hook(
     model: nn.parallel.DistributedDataParallel,
     method: Compressor | Scheme,
@@ -418,18 +451,34 @@ def register_ddp_hook(
     server_compressor: Compressor | None = None,
     granularity: str = "layer",
     min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
+    process_group: dist.ProcessGroup | None = None,
 ) -> CompressionHookState:
-    """Register gradcomp's hook on a DDP model; returns the state (checkpoint it with ``state_dict()``)."""
+    """Register gradcomp's hook on a DDP model; returns the state (checkpoint it with ``state_dict()``).
+
+    The hook's collectives run on a process group of their own, not on DDP's (``process_group``, by default a
+    new group over the DDP group's ranks, made here with ``torch.distributed.new_group``): DDP issues
+    collectives of its own on its group during backward (with ``find_unused_parameters=True``, an allreduce
+    of the used-parameter map after the last bucket) from the autograd thread, while the hook's thread may
+    still be exchanging earlier buckets; on one group the two sequences would interleave differently on
+    different ranks and the job would hang. Hence, like ``new_group``, this must be called on every rank of
+    the job (every rank of the DDP group when that group is a subgroup), in the same order.
+    """
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         raise ConfigError(
             f"register_ddp_hook takes a torch.nn.parallel.DistributedDataParallel model, got {type(model).__name__}; "
             "wrap it first (DistributedDataParallel(model)), or call gradcomp.GradientAggregator(model, ...).step() "
             "after backward instead"
         )
+    if process_group is not None and process_group is model.process_group and model.find_unused_parameters:
+        raise ConfigError(
+            "register_ddp_hook: process_group is the DDP model's own group, on which DDP(find_unused_parameters="
+            "True) issues collectives of its own during backward, in an order that differs from the hook's "
+            "between ranks (the job hangs); leave process_group out (the hook then makes a group of its own)"
+        )
     warn_float64(list(model.module.named_parameters()), "register_ddp_hook")
     state = CompressionHookState(
         method,
-        model.process_group,
+        process_group if process_group is not None else _own_group(model),
         topology=topology,
         server_compressor=server_compressor,
         named_parameters=list(model.module.named_parameters()),
