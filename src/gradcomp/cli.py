@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
+from gradcomp import errors
 from gradcomp.allocator import keep_freed_memory
 from gradcomp.errors import CommunicationError, ConfigError, GradcompError
 from gradcomp.experiments.runner import DEFAULT_TIMEOUT_S
@@ -257,6 +259,28 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.main(args)
 
 
+# DDP re-raises an exception from a communication hook's future as a bare RuntimeError (no __cause__) whose
+# message is "Got the following error when running the callback: <Type>: <message>\n\nAt:\n<traceback>".
+_HOOK_ERROR = re.compile(r"Got the following error when running the callback: (\w+): (.*?)(?:\n\nAt:\n.*)?\Z", re.S)
+
+
+def _gradcomp_error(exc: BaseException) -> str | None:
+    """The message of the gradcomp error that ``exc`` carries (itself, its causes, or DDP's wrapping), or None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (GradcompError, CommunicationError)):
+            return str(current)
+        match = _HOOK_ERROR.match(str(current)) if isinstance(current, RuntimeError) else None
+        if match:
+            kind = getattr(errors, match.group(1), None)
+            if isinstance(kind, type) and issubclass(kind, (GradcompError, CommunicationError)):
+                return match.group(2).strip()
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradcomp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -274,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[args.command](args)
     except (GradcompError, CommunicationError) as exc:
         print(f"gradcomp: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # with --ddp, a gradcomp error raised in the hook reaches here wrapped by DDP
+        message = _gradcomp_error(exc)
+        if message is None:
+            raise
+        print(f"gradcomp: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C; or Interrupted: the launcher stopped its workers on a signal
         start = "\n" if not getattr(args, "no_progress", True) else ""  # off the progress bar's line
