@@ -16,9 +16,10 @@ What a worker does, in order:
    (0 included), so torch's first-call costs are never on any method's training clock;
 3. trains with gradcomp's own loop, ``runner.run_worker`` (DDP with gradcomp's hook or torch's, or the
    aggregator), with an ``after_step`` that keeps the **training clock**: the end time of every step, minus
-   the time spent evaluating. The clock starts, after a barrier, when the first training batch is fetched
-   (``clocked_run_worker``): the model, the optimizer and DDP's constructor (which broadcasts the parameters
-   from rank 0) are set-up, off the clock and out of the wire bytes, for every method alike. Every
+   the time spent evaluating. The clock starts, after a barrier, just before the first training step
+   (run_worker's ``before_training``, in ``clocked_run_worker``): the model, the optimizer and DDP's
+   constructor (which broadcasts the parameters from rank 0) are set-up, off the clock and out of the wire
+   bytes, for every method alike. Every
    ``eval_every`` steps all workers evaluate the (identical) replicas on 1/W of the test set each and sum the
    counts, so the accuracy is that of the full test set; that time is off the clock. The last point is
    run_worker's own final evaluation of the full test set on rank 0;
@@ -212,27 +213,21 @@ def clocked_run_worker(cfg: TrainConfig, device: torch.device, clock: RaceClock,
 
     What run_worker does before its first step (loading the data, building the model and the optimizer, DDP's
     constructor with its broadcast of rank 0's parameters, hook registration) is set-up, which a method with
-    ``ddp=off`` does not pay the same way: the clock and the wire counters start after it, for every method, at
-    the first fetch of a training batch (all workers together, after a barrier).
+    ``ddp=off`` does not pay the same way: the clock and the wire counters start after it, for every method, in
+    run_worker's ``before_training`` (all workers together, after a barrier).
     """
     counted: dict[str, Any] = {}
 
-    class ClockedBatches(Batches):
-        def get(self, step, device_):
-            if not counted:
-                dist.barrier()
-                counted["before"] = read_wire_counters(ifname) if ifname else None
-                clock.start()
-            return super().get(step, device_)
+    def start() -> None:
+        dist.barrier()
+        counted["before"] = read_wire_counters(ifname) if ifname else None
+        clock.start()
 
-    plain = runner.Batches
-    runner.Batches = ClockedBatches  # run_worker builds its batches after the model, the optimizer and DDP
-    try:
-        stats = runner.run_worker(cfg, DistTransport(), device, register_hook=register, after_step=clock.after_step)
-    finally:
-        runner.Batches = plain
+    stats = runner.run_worker(
+        cfg, DistTransport(), device, register_hook=register, before_training=start, after_step=clock.after_step
+    )
     if "before" not in counted:
-        raise RuntimeError("run_worker fetched no batch: the race's clock never started")
+        raise RuntimeError("run_worker did not call before_training: the race's clock never started")
     after = read_wire_counters(ifname) if ifname else None
     before = counted["before"]
     wire = (after[0] - before[0], after[1] - before[1]) if before and after else None

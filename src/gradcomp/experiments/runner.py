@@ -405,12 +405,20 @@ class Curves:
 
 
 def run_worker(
-    cfg: TrainConfig, transport: Transport, device: torch.device, *, register_hook=None, after_step=None
+    cfg: TrainConfig,
+    transport: Transport,
+    device: torch.device,
+    *,
+    register_hook=None,
+    before_training=None,
+    after_step=None,
 ) -> dict[str, Any]:
     """Train one replica over ``transport``; returns this worker's local statistics.
 
     ``register_hook`` (with ``cfg.ddp``) replaces ``register_ddp_hook`` (torch's own hooks, ``gradcomp race``);
-    ``after_step(step, model)`` is called at the end of every step (``gradcomp race``'s clock and evaluation).
+    ``before_training()`` is called once, after the set-up (data, model, optimizer, DDP's constructor with its
+    broadcast of the parameters, the hook, a resumed checkpoint) and before the first step; ``after_step(step,
+    model)`` at the end of every step (both: ``gradcomp race``'s clock, wire counters and evaluation).
     """
     data = load_dataset(cfg.dataset, cfg.data_root)
     model = build_model(cfg.model, data, cfg.seed).to(device)
@@ -446,6 +454,8 @@ def run_worker(
     )
     start, compute_s, loss = checkpoints.resume()  # 0, 0.0, nan unless the run resumes
     progress = Progress(total, cfg.progress and lead, cfg.label(), initial=start)
+    if before_training is not None:
+        before_training()
     for step in range(start, total):
         checkpoints.crash_if_asked(step)  # GRADCOMP_CRASH_AT_STEP (tests, scripts/torchrun_restart.sh)
         started = time.perf_counter()
