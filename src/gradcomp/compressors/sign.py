@@ -165,15 +165,15 @@ def _numpy_path(flat: Tensor) -> bool:
 
 
 def _pack_piece(
-    piece: np.ndarray, dest: np.ndarray, kernel, scratch: np.ndarray | None, count: bool, compare=np.less
+    piece: np.ndarray, dest: np.ndarray, kernel, scratch: np.ndarray | None, count: bool, zero_negative: bool = False
 ) -> int:
     """The signs of the numpy chunk ``piece`` into ``dest`` (its ceil(n/8) packed bytes): the compiled kernel when
-    given, else numpy's ``compare(piece, 0)`` (< 0, or <= 0 for a zero sent as −) into the bool ``scratch`` and
-    ``np.packbits``. Returns the number of negative entries (0 on the numpy path unless ``count``)."""
+    given, else numpy's ``piece < 0`` (``<= 0`` when ``zero_negative``: a zero sent as −) into the bool
+    ``scratch`` and ``np.packbits``. Returns the number of set bits (0 on the numpy path unless ``count``)."""
     if kernel is not None:
-        return int(kernel.sign_bits(piece, dest, _below(piece.dtype, compare is np.less_equal)))
+        return int(kernel.sign_bits(piece, dest, _below(piece.dtype, zero_negative)))
     mask = scratch[: piece.size]
-    compare(piece, 0, out=mask)
+    (np.less_equal if zero_negative else np.less)(piece, 0, out=mask)
     dest[:] = np.packbits(mask, bitorder="little")
     return int(np.count_nonzero(mask)) if count else 0
 
@@ -215,7 +215,7 @@ def _pack(
             if before is not None:
                 before(start, start + piece.size)
             dest = o[start // 8 : start // 8 + packed_count(piece.size)]
-            negative += _pack_piece(piece, dest, kernel, scratch, count, np.less_equal if zero_negative else np.less)
+            negative += _pack_piece(piece, dest, kernel, scratch, count, zero_negative)
         return out, torch.tensor(negative, dtype=torch.int64) if count else None
     width = min(d, _CHUNK)
     mask = torch.empty(8 * packed_count(width), dtype=torch.bool, device=flat.device)
