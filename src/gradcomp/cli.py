@@ -158,7 +158,14 @@ def _train(args: argparse.Namespace) -> int:
         from gradcomp.experiments.checkpoint import check_before_launch
 
         check_before_launch(cfg)  # options, and a resumed checkpoint's configuration, before any worker starts
-    result = launch(cfg)
+    try:
+        result = launch(cfg)
+    except (GradcompError, CommunicationError) as exc:
+        from gradcomp.experiments.checkpoint import CheckpointError, resume_hint
+
+        if not isinstance(exc, (ConfigError, CheckpointError)) and exc.args:  # a failure during training
+            exc.args = (f"{exc.args[0]}{resume_hint(cfg)}", *exc.args[1:])
+        raise
     if result is None:  # a non-zero torchrun rank
         return 0
     from gradcomp.experiments.report import format_summary
@@ -306,9 +313,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradcomp: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C; or Interrupted: the launcher stopped its workers on a signal
-        start = "\n" if not getattr(args, "no_progress", True) else ""  # off the progress bar's line
-        print(f"{start}gradcomp: {exc or 'interrupted (Ctrl-C)'}", file=sys.stderr)
+        _close_progress_bars()
+        print(f"gradcomp: {str(exc) or 'interrupted (Ctrl-C)'}", file=sys.stderr)
         return getattr(exc, "exit_code", 130)
+
+
+def _close_progress_bars() -> None:
+    """Close the progress bars an interrupted command left open, before its last line.
+
+    A bar left open is closed when the interpreter exits, which redraws it under the message.
+    """
+    if "tqdm" not in sys.modules:
+        return
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def run() -> None:

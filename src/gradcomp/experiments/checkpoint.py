@@ -268,8 +268,25 @@ def check_options(cfg: TrainConfig) -> None:
         raise ConfigError("--resume-if-present resumes from the --checkpoint directory: give --checkpoint DIR")
     if cfg.resume_if_present and cfg.resume_dir is not None:
         raise ConfigError("give --resume DIR or --resume-if-present, not both")
-    if cfg.checkpoint_dir is not None and Path(cfg.checkpoint_dir).expanduser().is_file():
-        raise ConfigError(f"--checkpoint {cfg.checkpoint_dir} is a file; it must be a directory")
+    if cfg.checkpoint_dir is not None:
+        check_writable_dir(Path(cfg.checkpoint_dir).expanduser())
+
+
+def check_writable_dir(root: Path) -> None:
+    """``--checkpoint DIR`` is a directory this process can write, created if missing; ConfigError if not.
+
+    Checked by doing it (creating the directory and a probe file in it, then removing the probe): permission
+    bits alone do not tell (root ignores them; a read-only mount or a path under a file does not show in them).
+    """
+    if root.is_file():
+        raise ConfigError(f"--checkpoint {root} is a file; it must be a directory")
+    probe = root / f".gradcomp-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--checkpoint {root} cannot be written: {exc.strerror or exc}") from None
 
 
 def resume_target(cfg: TrainConfig) -> Path | None:
@@ -292,6 +309,18 @@ def resume_target(cfg: TrainConfig) -> Path | None:
     return target
 
 
+def resume_hint(cfg: TrainConfig) -> str:
+    """'; the checkpoint of step N in DIR is intact: ...' when a failed run left one to continue from, else ''."""
+    if cfg.checkpoint_dir is None:
+        return ""
+    root = Path(cfg.checkpoint_dir).expanduser()
+    try:
+        step = read_manifest(find_checkpoint(root))["step"]
+    except (CheckpointError, OSError):
+        return ""
+    return f"; the checkpoint of step {step} in {root} is intact: continue with --resume {root}"
+
+
 def _inside(target: Path | None, root: Path) -> bool:
     """Whether ``target`` is one of ``root``'s step directories."""
     return target is not None and _step_of(target) is not None and target.parent.resolve() == root.resolve()
@@ -303,7 +332,26 @@ def check_before_launch(cfg: TrainConfig) -> None:
     target = resume_target(cfg)
     if target is not None:
         world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else cfg.workers
-        check_fingerprint(target, read_manifest(target), cfg, world)
+        manifest = read_manifest(target)
+        check_fingerprint(target, manifest, cfg, world)
+        check_file_sizes(target, manifest)
+
+
+def check_file_sizes(step_dir: Path, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is present with its size (the digests are checked by each rank on load).
+
+    A missing or truncated rank file is reported here, before any worker starts, instead of by whichever worker
+    reads it first.
+    """
+    for name, entry in sorted(manifest["files"].items()):
+        path = step_dir / name
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint file {path} could not be read: {exc.strerror or exc}") from None
+        if size != entry["bytes"]:
+            what = "truncated" if size < entry["bytes"] else "longer than written"
+            raise CheckpointError(f"checkpoint file {path} is {what}: {size} bytes, the manifest says {entry['bytes']}")
 
 
 # -- one worker's side -----------------------------------------------------------------------------------

@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import multiprocessing.connection
 import multiprocessing.resource_tracker
 import os
+import re
 import signal
 import socket
 import sys
@@ -228,7 +230,7 @@ def _wait_for(context: mp.ProcessContext, cfg: TrainConfig, store: dist.TCPStore
                 raise WorkerLostError(_stopped_message(context, stopped, cfg, exc)) from None
             if isinstance(exc, mp.ProcessRaisedException):
                 # the worker's traceback is in the exception; its last line says what went wrong
-                last = str(exc).strip().splitlines()[-1]
+                last = _GRADCOMP_ERROR_PATH.sub("", str(exc).strip().splitlines()[-1])
                 raise WorkerFailedError(f"worker {exc.error_index} failed: {last}") from None
             if not store.check([RESULT_KEY]):
                 raise WorkerLostError(f"worker {exc.error_index} died: {exc}") from None
@@ -239,6 +241,20 @@ def _wait_for(context: mp.ProcessContext, cfg: TrainConfig, store: dist.TCPStore
                 file=sys.stderr,
             )
             return
+
+
+# "gradcomp.experiments.checkpoint.CheckpointError: ..." -> "CheckpointError: ...": the user's words, not a module path
+_GRADCOMP_ERROR_PATH = re.compile(r"^gradcomp(?:\.\w+)*\.(?=\w+Error: )")
+
+
+class _NoTerminatingNotice(logging.Filter):
+    """Drops torch's 'Terminating process N via signal SIGTERM' notices: the launcher reports the failure itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Terminating process")
+
+
+logging.getLogger("torch.multiprocessing.spawn").addFilter(_NoTerminatingNotice())
 
 
 def _stopped_message(context: mp.ProcessContext, stopped: dict[int, float], cfg: TrainConfig,
