@@ -152,3 +152,21 @@ def test_cli_with_shapes_json_and_markdown(tmp_path, capsys, monkeypatch):
     assert written["num_parameters"] == 128 * 64 + 128 + 10 * 128 + 10
     assert [r["label"] for r in written["rows"]] == ["topk:density=0.05", "none"]
     assert written["rows"][1]["bits_up"] == 32 * written["num_parameters"]
+
+
+@pytest.mark.parametrize("text", ["none", "topk:density=0.05", "signsgd", "cnat:topology=sharded,server=cnat",
+                                  "powersgd:rank=2"])
+def test_fit_over_workers_predicts_the_bytes_measured_at_a_larger_world(text):
+    method = plan.parse_method(text)
+    measured = {w: plan.Traffic.from_measurement(plan.measure_method(method, TINY, w, warmup=1, timed=1))
+                for w in (2, 4, 8)}
+    fitted = plan.fit_in_workers({2: measured[2], 4: measured[4]})
+    at8 = measured[8].ops_by_worker[0]
+    assert set(fitted.ops) == set(at8)
+    for op, (calls, nbytes) in at8.items():
+        assert fitted.ops[op][0] == calls
+        assert fitted.bytes_per_call(op, 8) == pytest.approx(nbytes / calls, rel=0.02), op  # padding aside
+    network = NetworkModel(1e9, 1e-5)
+    exact = network.seconds(at8, 8)
+    assert fitted.communication_s(network, 8) == pytest.approx(exact, rel=0.02)
+    assert fitted.compress_s(8) >= 0

@@ -431,6 +431,46 @@ def recommend(rows: Sequence[PlanRow]) -> str:
             f"uncompressed fp32's {1e3 * fp32.step_s:.1f} ms")
 
 
+# -- beyond the measured W (scripts/plan_extrapolate.py) -----------------------------------------------------
+
+
+@dataclass
+class Fitted:
+    """A method's step fitted over W from measurements at two world sizes: per collective the calls per step and
+    bytes per call a + b / W (b = 0 for per-worker messages of a fixed size; a = 0 for shards of a fixed total),
+    and compression time c + d · W (d > 0 where each worker decodes every worker's message)."""
+
+    ops: dict[str, tuple[float, float, float]]  # op -> (calls, a, b)
+    compress: tuple[float, float]  # (c, d)
+
+    def bytes_per_call(self, op: str, workers: int) -> float:
+        _, a, b = self.ops[op]
+        return max(0.0, a + b / workers)
+
+    def compress_s(self, workers: int) -> float:
+        c, d = self.compress
+        return max(0.0, c + d * workers)
+
+    def communication_s(self, network: NetworkModel, workers: int) -> float:
+        return sum(calls * network.call_seconds(op, self.bytes_per_call(op, workers), workers)
+                   for op, (calls, _, _) in self.ops.items() if calls)
+
+
+def fit_in_workers(traffic: dict[int, Traffic], scale: float = 1.0) -> Fitted:
+    """Fit a method's measurements at two world sizes (``{W: Traffic}``); ``scale`` multiplies bytes and time
+    (a model measured on a part of its tensors). The calls per step are the larger W's."""
+    (w1, t1), (w2, t2) = sorted(traffic.items())
+    ops = {}
+    for op in set(t1.ops_by_worker[0]) | set(t2.ops_by_worker[0]):
+        c1, n1 = t1.ops_by_worker[0].get(op, [0, 0])
+        c2, n2 = t2.ops_by_worker[0].get(op, [0, 0])
+        per1, per2 = (n1 / c1 if c1 else 0.0), (n2 / c2 if c2 else 0.0)
+        b = (per1 - per2) / (1 / w1 - 1 / w2)
+        ops[op] = (float(c2), (per1 - b / w1) * scale, b * scale)
+    d = max(0.0, (t2.compress_s - t1.compress_s) / (w2 - w1))
+    return Fitted(ops, ((t2.compress_s - d * w2) * scale, d * scale))
+
+
 # -- the planner ---------------------------------------------------------------------------------------------
 
 
