@@ -18,7 +18,8 @@ How (every figure but the extrapolation in W is measured, none is a formula of a
    is assumed to cost what a block's matrices cost per entry. The calls per step are the measured ones.
 2. Extrapolation in W, checked on the measurements: bytes per call of each collective are fitted as a + b / W
    (constant per-worker messages of all-reduce / all-gather: b = 0; the sharded topology's shards: a = 0),
-   compression time as c + d · W (each worker decodes W messages with all-gather; a constant for the rest).
+   compression time as c + d · W for methods that gather every worker's whole message (each worker decodes
+   W of them), as a constant (the smaller of the two timings) for the others (``plan.fit_in_workers``).
 3. Prices with ``gradcomp.netmodel`` at latency 10 us, and adds an assumed compute time per step (forward +
    backward on one accelerator: ``--compute-ms``, 100 ms for ResNet-50 and 400 ms for GPT-2 medium by
    default — assumptions, not measurements).
@@ -116,9 +117,9 @@ def measure(shapes_name: str, cache: plan.Cache) -> dict[str, dict[int, plan.Tra
         for workers in MEASURED_AT:
             print(f"measuring {text} on {shapes_name}, W={workers}", file=sys.stderr, flush=True)
             key = {"what": "method", "machine": machine, "shapes": [list(s) for s in shapes], "workers": workers,
-                   "device": "cpu", "seed": 0, "method": method.key(), "steps": [1, 1]}
+                   "device": "cpu", "seed": 0, "method": method.key(), "steps": [1, 2]}
             measured = cache.get_or_measure(key, lambda m=method, w=workers: plan.measure_method(
-                m, shapes, w, warmup=1, timed=1))
+                m, shapes, w, warmup=1, timed=2))
             out[text][workers] = plan.Traffic.from_measurement(measured)
     return out
 

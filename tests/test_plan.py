@@ -170,3 +170,11 @@ def test_fit_over_workers_predicts_the_bytes_measured_at_a_larger_world(text):
     exact = network.seconds(at8, 8)
     assert fitted.communication_s(network, 8) == pytest.approx(exact, rel=0.02)
     assert fitted.compress_s(8) >= 0
+
+
+def test_a_small_margin_is_called_small():
+    fp32 = plan.PlanRow("none", "none", 1.0, 0.0, 0.1, 32.0, 32.0, {})
+    close = plan.PlanRow("topk", "topk", 1.0, 0.05, 0.03, 1.0, 3.0, {})
+    far = plan.PlanRow("topk", "topk", 1.0, 0.0, 0.0, 1.0, 3.0, {})
+    assert "hardly pays" in plan.recommend([fp32, close])
+    assert "hardly pays" not in plan.recommend([fp32, far]) and plan.recommend([fp32, far]).startswith("use topk")

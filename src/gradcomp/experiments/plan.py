@@ -67,7 +67,8 @@ FP32 = "none"
 WARMUP_STEPS = 2
 TIMED_STEPS = 3
 COMPUTE_REPEATS = 5
-CACHE_FORMAT = 1
+CACHE_FORMAT = 1  # bump when measure_method or measure_compute change what they measure
+SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
 
 
 # -- input ---------------------------------------------------------------------------------------------------
@@ -225,6 +226,8 @@ def _source_digest() -> str:
         root = Path(__file__).resolve().parents[1]
         h = hashlib.sha256()
         for path in sorted(root.rglob("*.py")):
+            if path.name == "plan.py":
+                continue  # the planner's own code: its measuring loop is versioned by CACHE_FORMAT instead
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
         _SOURCE_DIGEST = h.hexdigest()[:16]
@@ -427,8 +430,12 @@ def recommend(rows: Sequence[PlanRow]) -> str:
         behind = f"; the best compressed method, {runner_up.label}, takes {runner_up.step_s / fp32.step_s:.2f} x " \
                  "its step" if runner_up else ""
         return f"uncompressed fp32 is fastest here ({1e3 * fp32.step_s:.1f} ms per step){behind}"
-    return (f"use {best.label}: {1e3 * best.step_s:.1f} ms per step, {best.step_s / fp32.step_s:.2f} x "
+    text = (f"use {best.label}: {1e3 * best.step_s:.1f} ms per step, {best.step_s / fp32.step_s:.2f} x "
             f"uncompressed fp32's {1e3 * fp32.step_s:.1f} ms")
+    if best.step_s > (1 - SMALL_MARGIN) * fp32.step_s:
+        text += (f"; a margin under {100 * SMALL_MARGIN:g} % of the step, less than timings move on a busy machine: "
+                 "compression hardly pays here")
+    return text
 
 
 # -- beyond the measured W (scripts/plan_extrapolate.py) -----------------------------------------------------
@@ -458,7 +465,9 @@ class Fitted:
 
 def fit_in_workers(traffic: dict[int, Traffic], scale: float = 1.0) -> Fitted:
     """Fit a method's measurements at two world sizes (``{W: Traffic}``); ``scale`` multiplies bytes and time
-    (a model measured on a part of its tensors). The calls per step are the larger W's."""
+    (a model measured on a part of its tensors). The calls per step are the larger W's. Compression grows with W
+    only for methods that gather every worker's whole message (each worker decodes W); for the others it is
+    taken as constant, so that noise between two timings is not extrapolated to W = 256."""
     (w1, t1), (w2, t2) = sorted(traffic.items())
     ops = {}
     for op in set(t1.ops_by_worker[0]) | set(t2.ops_by_worker[0]):
@@ -467,8 +476,17 @@ def fit_in_workers(traffic: dict[int, Traffic], scale: float = 1.0) -> Fitted:
         per1, per2 = (n1 / c1 if c1 else 0.0), (n2 / c2 if c2 else 0.0)
         b = (per1 - per2) / (1 / w1 - 1 / w2)
         ops[op] = (float(c2), (per1 - b / w1) * scale, b * scale)
-    d = max(0.0, (t2.compress_s - t1.compress_s) / (w2 - w1))
-    return Fitted(ops, ((t2.compress_s - d * w2) * scale, d * scale))
+    gathers = ops.get("all_gather", (0.0, 0.0, 0.0))
+    if gathers[0] and gathers[1] > abs(gathers[2]):
+        # every worker's message gathered whole (not a shard): each worker decodes W of them, a cost that grows
+        # with W; fitted through both points
+        d = max(0.0, (t2.compress_s - t1.compress_s) / (w2 - w1))
+        c = t2.compress_s - d * w2
+    else:
+        # all-reduce, sharded, parameter server: the per-worker work does not grow with W; the smaller of the two
+        # timings (the less disturbed by other work on the machine) stands for both
+        d, c = 0.0, min(t1.compress_s, t2.compress_s)
+    return Fitted(ops, (c * scale, d * scale))
 
 
 # -- the planner ---------------------------------------------------------------------------------------------
