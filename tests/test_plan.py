@@ -10,7 +10,7 @@ import pytest
 import gradcomp
 from gradcomp.cli import main
 from gradcomp.experiments import plan
-from gradcomp.experiments.runner import TrainConfig, run_simulated
+from gradcomp.experiments.runner import run_simulated
 from gradcomp.netmodel import NetworkModel
 
 TINY = [(128, 64), (128,), (10, 128), (10,)]  # the mlp on the synthetic dataset
@@ -35,9 +35,10 @@ def test_sizes_equal_what_a_real_simulated_training_step_counts(text):
 
 
 def test_per_collective_calls_and_bytes_equal_the_transports_counts():
+    import torch
+
     from gradcomp.train.aggregator import GradientAggregator
     from gradcomp.transport.sim import SimulatedCluster
-    import torch
 
     method = plan.parse_method("topk:density=0.05")
     traffic = plan.Traffic.from_measurement(plan.measure_method(method, TINY, 2, warmup=0, timed=1))
