@@ -132,6 +132,14 @@ def test_bad_input_is_refused_before_measuring(change, message, monkeypatch, tmp
         plan.run_plan(dataclasses.replace(opts, **change))
 
 
+def test_a_plan_too_large_for_memory_is_refused_before_measuring(monkeypatch, tmp_path):
+    monkeypatch.setattr(plan, "measure_method", lambda *a, **k: pytest.fail("measured"))
+    opts = plan.PlanOptions(model=None, shapes=[(1_000_000, 1_000)], workers=64, link="1gbit", methods=["none"],
+                            compute_ms=1.0, cache_dir=str(tmp_path))
+    with pytest.raises(gradcomp.ConfigError, match="GB, more than half"):
+        plan.run_plan(opts)
+
+
 def test_bad_shapes_file_is_refused(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([[3, 0]]))

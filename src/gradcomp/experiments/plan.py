@@ -340,6 +340,27 @@ def measure_compute(model: str, dataset: str, data_root: str | None, batch_size:
     return {"compute_s": statistics.median(times), "repeats": repeats}
 
 
+BYTES_PER_ENTRY_PER_WORKER = 24  # a simulated worker's parameter, gradient, residual, aggregate, message, decoding
+
+
+def check_memory(numel: int, workers: int, device: str) -> None:
+    """ConfigError before measuring when W simulated workers of this model would not fit in half the host's free
+    memory (each holds about :data:`BYTES_PER_ENTRY_PER_WORKER` bytes per parameter)."""
+    if device != "cpu":
+        return
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return  # unknown: try
+    need = numel * workers * BYTES_PER_ENTRY_PER_WORKER
+    if need > available / 2:
+        raise ConfigError(
+            f"measuring {workers} simulated workers of {numel:,} parameters needs about {need / 1e9:.1f} GB, more "
+            f"than half of the {available / 1e9:.1f} GB free here: plan fewer workers, or measure at two small W "
+            "and extrapolate (scripts/plan_extrapolate.py, plan.fit_in_workers)"
+        )
+
+
 def model_shapes(model: str, dataset: str, data_root: str | None, seed: int = 0) -> list[tuple[int, ...]]:
     """The shapes of the trainable parameters of ``model`` built for ``dataset``; ConfigError for an unknown name."""
     from gradcomp.experiments.data import load_dataset
@@ -501,6 +522,7 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
     else:
         shapes = list(opts.shapes)  # type: ignore[arg-type]
         source = f"shapes from {opts.shapes_source or 'a list'}"
+    check_memory(sum(math.prod(s) for s in shapes), opts.workers, opts.device)
     cache = Cache(opts.cache_dir, opts.cache)
     machine = machine_identity(opts.device)
     shape_key = [list(s) for s in shapes]
