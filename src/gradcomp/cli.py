@@ -1,4 +1,4 @@
-"""The ``gradcomp`` command line: ``train``, ``bench``, ``sweep``, ``curves``, ``race``, ``list``."""
+"""The ``gradcomp`` command line: ``train``, ``bench``, ``sweep``, ``curves``, ``race``, ``list``, ``plan``."""
 
 from __future__ import annotations
 
@@ -266,6 +266,21 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.main(args)
 
 
+# -- plan: which method is fastest on a given network (gradcomp.experiments.plan) ----------------------------
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from gradcomp.experiments import plan
+
+    plan.add_arguments(sub.add_parser("plan", help="predict each method's step time on a network; recommend one"))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from gradcomp.experiments import plan
+
+    return plan.main(args)
+
+
 # DDP re-raises an exception from a communication hook's future as a bare RuntimeError (no __cause__) whose
 # message is "Got the following error when running the callback: <Type>: <message>\n\nAt:\n<traceback>".
 _HOOK_ERROR = re.compile(r"Got the following error when running the callback: (\w+): (.*?)(?:\n\nAt:\n.*)?\Z", re.S)
@@ -297,10 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_curves(sub)
     _add_race(sub)
     _add_list(sub)
+    _add_plan(sub)
     for subparser in sub.choices.values():
         _show_defaults(subparser)
     args = parser.parse_args(argv)
     handlers = {"train": _train, "bench": _bench, "sweep": _sweep, "curves": _curves, "race": _race, "list": _list}
+    handlers["plan"] = _plan
     try:
         return handlers[args.command](args)
     except (GradcompError, CommunicationError) as exc:

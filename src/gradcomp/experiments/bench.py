@@ -32,15 +32,15 @@ memory: the warm-up is one round there).
 Two memory-copy references, both ``y.copy_(x)`` of the same tensor into a preallocated one, in the same run:
 
 - the ``memcpy`` row printed first for each input: batches of back-to-back copies (median of ``--repeats``
-  batches) measured before the rows; ``xmemcpy`` and the targets' met/MISSED column use it, as every earlier
-  round of this benchmark did;
+  batches) measured before the rows; ``xmemcpy`` uses it (earlier rounds of this benchmark judged the targets
+  against it; the report still gives that count);
 - one copy timed beside each repeat of each row, after its decompress (``memcpy_beside_s``, median; the
   ``xbeside`` column, for inputs of at least :data:`BESIDE_MIN_NUMEL` entries): a single copy, not back to back
   with others, within the same second as the row's repeat. Measured over seven runs on the project's 2-core
   CPU machine (benchmarks/README.md), the batched copies took 1.9 to 3.3 ms for 40 MB (they run partly from
   the CPU's shared L3 cache), the single copies beside the rows 2.8 to 3.1 ms in all but one run, and a row's
   fraction of the copy beside it varied about a third less between runs than its fraction of the batched
-  copy. The report gives the targets against both.
+  copy. The targets are judged against the copy beside the row.
 
 Why ratios: absolute GB/s on a shared or noisy machine (CPU frequency scaling, other tenants, thread count)
 move by tens of percent between runs, and memory bandwidth bounds any compressor that must at least read its
@@ -55,11 +55,21 @@ not checked for exact equality, and its rows say ``verified: false``.
 
 Compressors without an entry in :data:`SETTINGS` run once, with their default parameters.
 
-Targets: every row of the synthetic input whose compressor has one gets a target for its compress+encode
-fraction of memcpy — twice GRACE's fraction where GRACE has the compressor (at GRACE's setting), 0.25 for
-single-pass compressors, 0.10 for the top-k family, the largest that applies (:func:`row_target`). The table
-says met or MISSED per row and the report ends with the rows that missed; ``--json`` has them too. They are
-CPU targets: with ``--device cuda`` no row has one (a GPU's copy runs at TB/s, another reference).
+Targets (the figures live in ``bench_targets.json`` beside this module, not in code; docs/bench_targets.md
+explains them):
+every row of the synthetic input at the default size whose compressor has one is judged against references
+timed beside it — the same tensor, in the same cache state, within the same second:
+
+- fp16 and bf16: compress + encode at most 1.25 x a bare cast of the same tensor (``x.to(dtype)``, timed
+  beside each repeat, ``cast_beside_s``; the row's ``compress_encode_vs_cast`` is the multiple);
+- every other row: its compress+encode fraction of the copy timed beside it (``xbeside``) at least the largest
+  of those that apply: twice GRACE's fraction where GRACE has the compressor (at GRACE's setting), 0.25 for
+  single-pass compressors, 0.10 for the top-k family (:func:`row_target`).
+
+The table says met or MISSED per row (``target_met``); the report ends with the rows that missed, and says
+how the memcpy-fraction rows would fare against the batched ``memcpy`` row instead (``target_met_batched``);
+``--json`` has all of it. They are CPU targets: with ``--device cuda`` no row has one (a GPU's copy runs at
+TB/s, another reference).
 
 Methods that own their communication rounds (Schemes: ``powersgd``, ``local_topk``, ``true_topk``) have no
 single message to time and are not benchmarked, with one exception, ``sketch`` (sketched SGD), of which the
@@ -91,6 +101,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 try:
@@ -206,45 +217,44 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
 
 # ------------------------------------------------------------------------------------------------ targets
 #
-# Issue "make compressors fast enough": compress+encode throughput as a fraction of memcpy (same run, same
-# tensor), for the rows of the synthetic input at the default size (the 10M-element fp32 tensor the targets
-# were set on; a smaller copy runs from cache and is no reference for them). A row's target is the largest
-# of those that apply to it:
-#
-# - 2 x GRACE's fraction, for a compressor GRACE also has, at the setting GRACE was measured at (GRACE's
-#   figures: compress only, no encoding, same machine kind, 10M fp32, one thread, as the issue gives them);
-# - 0.25 for the single-pass compressors (their work is one pass over the input);
-# - 0.10 for the top-k family (a selection over the whole tensor).
-#
-# Rows of other compressors, of compositions (topk+cnat), of the model input and sketched SGD's halves have
-# no target.
+# The figures are data (bench_targets.json, explained in docs/bench_targets.md): GRACE's fractions of memcpy
+# (compress only, no encoding, same machine kind, 10M fp32, one thread), the factor over them, the single-pass and
+# top-k family fractions, and the cast target of fp16 and bf16. Rows of other compressors, of compositions
+# (topk+cnat), of the model input and sketched SGD's halves have no target.
 
-GRACE_FACTOR = 2.0
-SINGLE_PASS_TARGET = 0.25
-TOPK_FAMILY_TARGET = 0.10
-SINGLE_PASS = frozenset({"fp16", "bf16", "randomk", "randomblock", "signsgd", "signum", "efsignsgd", "onebit", "cnat"})
-TOPK_FAMILY = frozenset({"topk", "threshold", "sbc", "stc", "dgc"})
+TARGETS_FILE = Path(__file__).with_name("bench_targets.json")
+
+
+def load_targets(path: str | os.PathLike[str] = TARGETS_FILE) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+TARGETS = load_targets()
+GRACE_FACTOR = float(TARGETS["grace_factor"])
+SINGLE_PASS_TARGET = float(TARGETS["single_pass"]["fraction"])
+TOPK_FAMILY_TARGET = float(TARGETS["topk_family"]["fraction"])
+SINGLE_PASS = frozenset(TARGETS["single_pass"]["compressors"])
+TOPK_FAMILY = frozenset(TARGETS["topk_family"]["compressors"])
 # name -> (GRACE's fraction of memcpy, the parameters it was measured at; None: every setting of the row)
 GRACE_FRACTIONS: dict[str, tuple[float, dict[str, Any] | None]] = {
-    "topk": (0.014, {"density": 0.01}),
-    "randomk": (0.65, {"density": 0.01}),
-    "threshold": (0.060, None),  # about 1 % kept, as the bench's q0.99 threshold keeps
-    "qsgd": (0.0086, {"levels": 127}),
-    "terngrad": (0.010, None),
-    "onebit": (0.016, None),
-    "signsgd": (0.61, None),
-    "efsignsgd": (0.127, None),
-    "fp16": (1.31, None),
+    name: (float(g["fraction"]), g["params"]) for name, g in TARGETS["grace_fractions"].items()
 }
-TARGET_INPUTS = ("synthetic",)
-TARGET_SIZE = DEFAULT_SIZE  # at other sizes the copy (and the compressors) run from cache: no comparison
+CAST_TIMES = float(TARGETS["casts"]["times"])  # compress + encode <= this many bare casts of the same tensor
+CAST_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, d) for name, d in TARGETS["casts"]["compressors"].items()}
+TARGET_INPUTS = tuple(TARGETS["inputs"])
+TARGET_SIZE = int(TARGETS["size"])  # at other sizes the copy (and the compressors) run from cache: no comparison
 
 
 def row_target(row: dict[str, Any]) -> tuple[float, str] | None:
-    """(target fraction of memcpy for compress+encode, how it was derived) for a bench row, or None."""
+    """(target, how it was derived) for a bench row, or None. For fp16 / bf16 (:data:`CAST_DTYPES`) the target
+    is the most compress+encode may take as a multiple of a bare cast; for the others, the least compress+encode
+    must reach as a fraction of a memory copy (:func:`target_kind` says which)."""
     name, params = row["compressor"], row.get("params") or {}
     if row["input"] not in TARGET_INPUTS or row.get("numel") != TARGET_SIZE or "part" in row:
         return None
+    if name in CAST_DTYPES:
+        return CAST_TIMES, f"<= {CAST_TIMES:g} x a bare cast to {str(CAST_DTYPES[name]).removeprefix('torch.')}"
     found: list[tuple[float, str]] = []
     grace = GRACE_FRACTIONS.get(name)
     if grace is not None and (grace[1] is None or all(params.get(k) == v for k, v in grace[1].items())):
@@ -263,27 +273,47 @@ def _targets_apply_to(meta: dict[str, Any]) -> bool:
     return str(meta.get("device", "cpu")).startswith("cpu")
 
 
+def target_kind(row: dict[str, Any]) -> str:
+    """``cast`` (compress+encode as a multiple of a bare cast, at most the target) or ``memcpy`` (as a fraction
+    of the copy timed beside the row, at least the target)."""
+    return "cast" if row["compressor"] in CAST_DTYPES else "memcpy"
+
+
 def apply_targets(result: dict[str, Any]) -> dict[str, Any]:
-    """Adds ``target``, ``target_basis``, ``target_met`` and ``target_met_beside`` (against the copy timed beside
-    the row) to every row (None where no target or no such copy applies) and ``meta["targets"]`` = {"met": [...],
-    "missed": [...], "missed_beside": [...]} (short row descriptions); returns ``result``."""
-    met, missed, missed_beside = [], [], []
+    """Adds to every row ``target``, ``target_basis``, ``target_kind``, ``target_value`` (the measured figure it
+    is judged on: ``compress_encode_vs_cast`` or ``compress_encode_vs_memcpy_beside``), ``target_met`` (judged
+    against the reference timed beside the row) and ``target_met_batched`` (a memcpy-fraction target against the
+    batched ``memcpy`` row instead: the earlier reference, for comparison), None where they do not apply, and
+    ``meta["targets"]`` = {"met": [...], "missed": [...], "missed_batched": [...]} (short row descriptions);
+    returns ``result``."""
+    met, missed, missed_batched = [], [], []
     on_cpu = _targets_apply_to(result["meta"])
     for r in result["rows"]:
         found = row_target(r) if on_cpu else None
-        r["target"], r["target_basis"], r["target_met"] = (None, None, None) if found is None else (*found, None)
-        r["target_met_beside"] = None
-        if found is None or r.get("compress_encode_vs_memcpy") is None:
+        r["target"], r["target_basis"] = (None, None) if found is None else found
+        r["target_kind"] = None if found is None else target_kind(r)
+        r["target_value"] = r["target_met"] = r["target_met_batched"] = None
+        if found is None:
             continue
-        r["target_met"] = bool(r["compress_encode_vs_memcpy"] >= r["target"])
-        what = f"{r['compressor']} [{r['setting']}] {r['compress_encode_vs_memcpy']:.3g} vs {r['target']:.3g}"
-        (met if r["target_met"] else missed).append(what + f" ({r['target_basis']})")
-        beside = r.get("compress_encode_vs_memcpy_beside")
-        if beside is not None:
-            r["target_met_beside"] = bool(beside >= r["target"])
-            if not r["target_met_beside"]:
-                missed_beside.append(f"{r['compressor']} [{r['setting']}] {beside:.3g} vs {r['target']:.3g}")
-    result["meta"]["targets"] = {"met": met, "missed": missed, "missed_beside": missed_beside}
+        if r["target_kind"] == "cast":
+            value = r.get("compress_encode_vs_cast")
+            ok = None if value is None else bool(value <= r["target"])
+            unit = " x cast"
+        else:
+            value = r.get("compress_encode_vs_memcpy_beside")
+            ok = None if value is None else bool(value >= r["target"])
+            unit = " of the copy beside"
+            batched = r.get("compress_encode_vs_memcpy")
+            if batched is not None:
+                r["target_met_batched"] = bool(batched >= r["target"])
+                if not r["target_met_batched"]:
+                    missed_batched.append(f"{r['compressor']} [{r['setting']}] {batched:.3g} vs {r['target']:.3g}")
+        r["target_value"], r["target_met"] = value, ok
+        if ok is None:
+            continue
+        what = f"{r['compressor']} [{r['setting']}] {value:.3g}{unit} vs {r['target']:.3g} ({r['target_basis']})"
+        (met if ok else missed).append(what)
+    result["meta"]["targets"] = {"met": met, "missed": missed, "missed_batched": missed_batched}
     return result
 
 
@@ -439,7 +469,8 @@ def _minor_faults() -> int:
 
 
 def _bench_one(
-    compressor: Compressor, receiver: Compressor, x: Tensor, repeats: int, timer: _Timer, what: str, copy_to: Tensor
+    compressor: Compressor, receiver: Compressor, x: Tensor, repeats: int, timer: _Timer, what: str, copy_to: Tensor,
+    cast_to: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Time one compressor on one input; verify every round trip. Returns the measured medians and sizes.
 
@@ -461,6 +492,9 @@ def _bench_one(
     with other copies of the same tensor, so the row can also be read against the copy timed beside it
     (``memcpy_beside_s``), which drifts with the machine the way the row does. (The compressor's repeat follows
     the previous repeat's verification; the copy follows this repeat's decompress.)
+
+    ``cast_to`` (fp16 and bf16 rows): after the copy, a bare cast ``x.to(cast_to)`` is timed too
+    (``cast_beside_s``, median; None without it), the reference of those rows' target.
     """
     numel = x.numel()
     slot = Slot(name="bench", index=0, numel=numel)
@@ -468,6 +502,7 @@ def _bench_one(
     parts: dict[str, list[float]] = {"compress": [], "encode": [], "decode": [], "decompress": []}
     sizes: list[int] = []
     copies: list[float] = []
+    casts: list[float] = []
     faults: list[int] = []
     deterministic = True
     warmups, step = 0, 0
@@ -486,6 +521,10 @@ def _bench_one(
         faulted = _minor_faults() - faults_before
         copy_to.copy_(x)
         t5 = timer.now()
+        if cast_to is not None:
+            cast = x.to(cast_to)
+            casts.append(timer.now() - t5)
+            del cast
 
         # Verification, outside the timed regions.
         expected = receiver.decompress(fields, slot, step)
@@ -529,6 +568,7 @@ def _bench_one(
         "decode_decompress_s": _median(dd),
         **{f"{k}_s": _median(v) for k, v in parts.items()},
         "memcpy_beside_s": _median(copies),
+        "cast_beside_s": _median(casts[-len(copies):]) if casts else None,  # the timed repeats' casts
         "warmup_rounds": warmups,
         "first_timed_step": warmups,  # steps 0 .. warmups - 1 were the discarded rounds
         "minor_faults_per_repeat": _median(faults),
@@ -864,7 +904,7 @@ def run_bench(
                     say(f"bench: skipped {what}: {exc}")
                     continue
                 say(f"bench: {what}")
-                m = _bench_one(compressor, receiver, x, repeats, timer, what, copy_to)
+                m = _bench_one(compressor, receiver, x, repeats, timer, what, copy_to, CAST_DTYPES.get(name))
                 bits = 8.0 * m["encoded_bytes"] / numel
                 ce_gbps = _gbps(numel, m["compress_encode_s"])
                 dd_gbps = _gbps(numel, m["decode_decompress_s"])
@@ -891,6 +931,10 @@ def run_bench(
                         "memcpy_beside_s": m["memcpy_beside_s"],
                         "compress_encode_vs_memcpy_beside": (
                             m["memcpy_beside_s"] / m["compress_encode_s"] if numel >= BESIDE_MIN_NUMEL else None
+                        ),
+                        "cast_beside_s": m["cast_beside_s"],
+                        "compress_encode_vs_cast": (
+                            m["compress_encode_s"] / m["cast_beside_s"] if m["cast_beside_s"] else None
                         ),
                         "warmup_rounds": m["warmup_rounds"],
                         "first_timed_step": m["first_timed_step"],
@@ -937,6 +981,7 @@ def format_table(result: dict[str, Any]) -> str:
         "xmemcpy",
         "pos bits/kept",
         "min bits/kept",
+        "xcast",
         "target",
         "met",
     ]
@@ -956,7 +1001,10 @@ def format_table(result: dict[str, Any]) -> str:
                 _num(r["decode_decompress_vs_memcpy"], ".3g"),
                 "-" if r.get("position_bits_per_kept") is None else f"{r['position_bits_per_kept']:.3f}",
                 "-" if r.get("entropy_bits_per_kept") is None else f"{r['entropy_bits_per_kept']:.3f}",
-                _num(r.get("target"), ".3g"),
+                _num(r.get("compress_encode_vs_cast"), ".3g"),
+                "-" if r.get("target") is None else (
+                    f"<={r['target']:.3g}xcast" if r.get("target_kind") == "cast" else f">={r['target']:.3g}xbeside"
+                ),
                 {True: "met", False: "MISSED"}.get(r.get("target_met"), "-"),
             ]
         )
@@ -1032,7 +1080,8 @@ def format_report(result: dict[str, Any]) -> str:
     lines.append(
         "  bits/elem = 8 * encoded bytes / numel (headers included); ratio = 32 / bits; GB/s of fp32 input "
         "(4 * numel bytes / median time); xmemcpy = fraction of the memcpy rate on the same input; "
-        "xbeside = the same against one copy of the input timed beside each repeat (median)"
+        "xbeside = the same against one copy of the input timed beside each repeat (median); xcast = "
+        "compress+encode time as a multiple of a bare cast of the input timed beside each repeat (fp16, bf16)"
     )
     if any(r.get("method") == "sketch" for r in result["rows"]):
         lines.append(
@@ -1055,17 +1104,21 @@ def format_report(result: dict[str, Any]) -> str:
         total = len(targets["met"]) + len(targets["missed"])
         lines += [
             "",
-            f"targets (compress+encode as a fraction of memcpy, {'/'.join(TARGET_INPUTS)} input): "
+            f"targets ({'/'.join(TARGET_INPUTS)} input; each row against references timed beside it: compress+"
+            f"encode as a fraction of the copy (xbeside), fp16 / bf16 as a multiple of a bare cast (xcast)): "
             f"{len(targets['met'])} of {total} rows met"
             + (f"; MISSED by {len(targets['missed'])}:" if targets["missed"] else ""),
         ]
+        lines += [f"  met     {m}" for m in targets["met"]]
         lines += [f"  MISSED  {m}" for m in targets["missed"]]
-        beside_missed = targets.get("missed_beside") or []
-        beside_met = sum(r.get("target_met_beside") is True for r in result["rows"])
-        lines.append(
-            f"against the copy timed beside each row instead (xbeside): {beside_met} of {total} met"
-            + (f"; missed by {len(beside_missed)}: " + ", ".join(beside_missed) if beside_missed else "")
-        )
+        batched_missed = targets.get("missed_batched") or []
+        judged = [r for r in result["rows"] if r.get("target_met_batched") is not None]
+        if judged:
+            lines.append(
+                f"against the batched memcpy row instead (xmemcpy, the earlier reference): "
+                f"{sum(r['target_met_batched'] for r in judged)} of {len(judged)} memcpy-fraction targets met"
+                + (f"; missed by {len(batched_missed)}: " + ", ".join(batched_missed) if batched_missed else "")
+            )
     for name in meta["inputs"]:
         rows = [r for r in result["rows"] if r["input"] == name]
         copies = [r["memcpy_beside_s"] for r in rows if r.get("memcpy_beside_s")]

@@ -39,6 +39,7 @@ from gradcomp.finite import all_finite
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.requests import Rounds
+from gradcomp.transport.sim import computed_once
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
 from gradcomp.wire.bits import bits_needed, packed_nbytes
 
@@ -279,7 +280,9 @@ class SingleRound(Scheme):
         size = self._fixed_size(self.compressor, slots)
         sizes = None if size is None else [size] * self.world_size
         buffers = yield from allgather_buffers(self.rank, self._encoded(slots, tensors, step), sizes)
-        return aggregate_buffers(self.compressor, slots, buffers, step, tensors[0].device)
+        # the same aggregate on every worker: a simulated cluster computes it once (transport.sim)
+        return computed_once("aggregate", lambda: aggregate_buffers(self.compressor, slots, buffers, step,
+                                                                   tensors[0].device))
 
     def _parameter_server(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         device = tensors[0].device

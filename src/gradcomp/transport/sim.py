@@ -14,6 +14,15 @@ A simulated worker's communication time is the time it spends inside collectives
 for the other workers' turns: the cost of moving its tensors in memory, not of a network (see the latency-
 bandwidth model for that).
 
+Work that every worker repeats on the same gathered data — each worker decoding all W messages of an
+all-gather and adding them up in rank order, which gives the same aggregate on every worker — is done once per
+cluster when the scheme asks for it through :func:`computed_once`: the first worker to get there computes it,
+the others take a copy of the result. Each of them is charged the time it took (``charged_s``, counted as its
+own compression time, not as idle), so every worker's measured compression time stays what a real worker
+spends, while the simulation does that work once instead of W times (with all-gather methods the decoding
+grew as W² and made a 64-worker simulation spend most of its time there). Results are bit-identical: the
+result is what every worker computes from the same buffers in the same order.
+
 A worker that raises aborts the rendezvous; the others fail fast with ``WorkerLostError`` instead of
 hanging, and ``SimulatedCluster.run`` re-raises the original error. A rendezvous that waits longer than
 ``timeout`` seconds fails the same way.
@@ -36,6 +45,30 @@ from gradcomp.transport.base import Transport
 
 T = TypeVar("T")
 
+_local = threading.local()  # the SimTransport of the simulated worker running in this thread, if any
+
+
+def computed_once(label: str, compute: Callable[[], T]) -> T:
+    """``compute()``, a function of the data this worker's last all-gather returned and identical on every worker.
+
+    On a simulated cluster it is computed once per all-gather (the first worker to ask computes it; the others
+    get a copy of its result and are charged its time); anywhere else, a plain call. ``label`` tells apart two
+    such computations after one all-gather. ``compute`` must give every worker the same result from the same
+    gathered data, and its result must be tensors (or lists / tuples of tensors).
+    """
+    transport = getattr(_local, "transport", None)
+    if transport is None:
+        return compute()
+    return transport.cluster.once(transport, label, compute)
+
+
+def _copy(result):
+    if isinstance(result, Tensor):
+        return result.clone()
+    if isinstance(result, (list, tuple)):
+        return type(result)(_copy(r) for r in result)
+    raise TypeError(f"computed_once: results must be tensors or lists of tensors, got {type(result).__name__}")
+
 
 class SimulatedCluster:
     def __init__(self, world_size: int, timeout: float = 300.0):
@@ -47,6 +80,7 @@ class SimulatedCluster:
         self._slots: list[Tensor | None] = [None] * self.world_size
         self._combined: object = None
         self._baton = threading.Lock()
+        self._memo: dict[tuple[int, str], list] = {}  # computed_once: key -> [private copy, seconds, workers served]
         self._pool = ThreadPoolExecutor(max_workers=self.world_size, thread_name_prefix="gradcomp-sim")
         self.transports = [SimTransport(self, rank) for rank in range(self.world_size)]
 
@@ -54,6 +88,7 @@ class SimulatedCluster:
         """Run ``fn(transport)`` once per worker, concurrently; results in rank order."""
         if self._barrier.broken:
             self._barrier.reset()
+        self._memo.clear()
         futures = [self._pool.submit(self._guarded, fn, t) for t in self.transports]
         try:
             errors = [f.exception() for f in futures]
@@ -70,13 +105,35 @@ class SimulatedCluster:
 
     def _guarded(self, fn: Callable[[SimTransport], T], transport: SimTransport) -> T:
         self._baton.acquire()
+        _local.transport = transport
         try:
             return fn(transport)
         except BaseException:
             self._barrier.abort()
             raise
         finally:
+            _local.transport = None
             self._baton.release()
+
+    def once(self, transport: SimTransport, label: str, compute: Callable[[], T]) -> T:
+        """See :func:`computed_once`. Runs with the baton held: no other worker runs meanwhile."""
+        key = (transport.gathers, label)
+        entry = self._memo.get(key)
+        if entry is None:
+            started = time.perf_counter()
+            result = compute()
+            seconds = time.perf_counter() - started
+            if self.world_size > 1:
+                self._memo[key] = [_copy(result), seconds, 1]
+            return result
+        entry[2] += 1
+        if entry[2] == self.world_size:
+            del self._memo[key]
+            result = entry[0]
+        else:
+            result = _copy(entry[0])
+        transport.charge(entry[1])
+        return result
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -136,9 +193,16 @@ class SimTransport(Transport):
         self.rank = rank
         self.world_size = cluster.world_size
         self.idle_s = 0.0
+        self.gathers = 0  # all-gathers so far: the n-th of every worker is the same collective
+        self.charged_s = 0.0  # time of work another worker did for this one (computed_once)
 
     def idle_seconds(self) -> float:
         return self.idle_s
+
+    def charge(self, seconds: float) -> None:
+        """Count ``seconds`` of work done for this worker by another as this worker's own (not idle) time."""
+        self.idle_s -= seconds
+        self.charged_s += seconds
 
     def _all_reduce_sum(self, t: Tensor, inplace: bool = False) -> Tensor:
         return self.cluster.rendezvous(self.rank, t, _sum_in_rank_order).clone()
@@ -151,6 +215,7 @@ class SimTransport(Transport):
         return torch.cat([x.chunk(self.world_size)[self.rank] for x in everyone])
 
     def _all_gather(self, t: Tensor) -> list[Tensor]:
+        self.gathers += 1
         return [x.clone() for x in self.cluster.rendezvous(self.rank, t, list)]
 
     def _gather(self, t: Tensor, root: int) -> list[Tensor] | None:

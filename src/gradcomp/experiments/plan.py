@@ -1,0 +1,691 @@
+"""`gradcomp plan`: which method gives the shortest training step on a given network, predicted before training.
+
+For a model (``--model NAME``, any name ``experiments/models.py`` builds) or a list of parameter shapes
+(``--shapes FILE``, a JSON list such as ``[[1024, 3072], [3072]]``), W workers and a link, the planner
+
+1. **measures the exact traffic** of every method: it runs real steps of the method's scheme (its compressor,
+   topology, server compressor, its own rounds) on a ``SimulatedCluster`` of W workers with the model's real
+   parameter shapes and seeded random gradients, and reads each worker's ``ByteCounter``: bytes up and down,
+   and per collective (all-reduce, all-gather, all-to-all, gather, broadcast) the number of calls and the
+   bytes handed to them. No formula for any method's size is involved;
+2. **measures the cost of compressing** on this machine: the same steps' ``compress_s`` (everything the
+   exchange does outside collectives: compress, encode, decode, decompress, aggregate, a parameter server's
+   work on rank 0), the slowest worker's median over the timed steps, after warm-up steps;
+3. **measures compute**: forward + backward of the model on one batch (median of a few), or ``--compute-ms``;
+4. **prices the communication** with the latency-bandwidth model (:mod:`gradcomp.netmodel`: ring all-reduce,
+   ring all-gather, pairwise all-to-all, gather to a root, binomial broadcast) on the recorded collectives;
+5. predicts a step as compute + compression + communication (no overlap of communication with backward is
+   assumed) and recommends the fastest method, saying so when uncompressed fp32 is the fastest.
+
+Measurements (2 and 1, 3) are cached under ``~/.cache/gradcomp/plan/`` (``GRADCOMP_CACHE_DIR`` moves it), keyed by
+the CPU model or GPU name, the torch and gradcomp versions (with a digest of gradcomp's source, so an edited
+compressor is measured again), the thread count, the shapes, W and the method; ``--no-cache`` measures again.
+
+torch's DDP baselines of ``gradcomp race`` are planned as the gradcomp method that sends the same messages:
+``torch-fp32`` as ``none`` (one fp32 all-reduce), ``torch-fp16`` as ``fp16`` (an fp16 all-reduce).
+``torch-powersgd`` has no gradcomp counterpart with identical messages and is refused: plan ``powersgd``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradcomp.errors import ConfigError
+from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
+
+# the race's default methods (experiments/race.py) with torch's DDP baselines as the gradcomp method that sends
+# the same messages, plus cheap ones: bf16, signsgd, terngrad
+DEFAULT_METHODS = (
+    "none",
+    "fp16",
+    "bf16",
+    "topk:density=0.01,feedback=momentum_masking",
+    "cnat:topology=sharded,server=cnat",
+    "sbc:density=0.01",
+    "qsgd",
+    "powersgd:rank=2",
+    "signum",
+    "efsignsgd",
+    "terngrad",
+)
+BASELINE_EQUIVALENTS = {"torch-fp32": "none", "torch-fp16": "fp16"}
+FP32 = "none"
+WARMUP_STEPS = 2
+TIMED_STEPS = 3
+COMPUTE_REPEATS = 5
+CACHE_FORMAT = 1  # bump when measure_method or measure_compute change what they measure
+SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
+
+
+# -- input ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PlanMethod:
+    text: str  # as given
+    label: str
+    compressor: str
+    params: dict[str, Any] = field(default_factory=dict)
+    feedback: str | None = None
+    topology: str = "auto"
+    server: str | None = None
+    server_params: dict[str, Any] = field(default_factory=dict)
+    granularity: str = "layer"
+    note: str = ""
+
+    def config(self):
+        """A TrainConfig holding this method's settings (what ``build_compressors`` needs)."""
+        from gradcomp.experiments.runner import TrainConfig
+
+        return TrainConfig(
+            compressor=self.compressor, params=dict(self.params), feedback=self.feedback, topology=self.topology,
+            server_compressor=self.server, server_params=dict(self.server_params), granularity=self.granularity,
+        )
+
+    def key(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("text", "label", "note")}
+
+
+def parse_method(text: str) -> PlanMethod:
+    """``NAME[:KEY=VALUE,...]`` as ``gradcomp race --method`` takes it; ConfigError for an unknown method."""
+    from gradcomp.experiments import race
+
+    m = race.parse_method(text)
+    note = ""
+    if m.baseline is not None:
+        if m.baseline not in BASELINE_EQUIVALENTS:
+            raise ConfigError(
+                f"--methods {text!r}: {m.baseline} has no gradcomp method that sends the same messages; plan "
+                "'powersgd:rank=R' instead"
+            )
+        name = BASELINE_EQUIVALENTS[m.baseline]
+        note = f"planned as gradcomp's {name} (the same messages)"
+        return PlanMethod(text=m.text, label=m.label, compressor=name, note=note)
+    method = PlanMethod(
+        text=m.text, label=m.label, compressor=m.name, params=dict(m.params), feedback=m.feedback,
+        topology=m.topology, server=m.server, server_params=dict(m.server_params), granularity=m.granularity,
+    )
+    method.config().build_compressors()  # unknown compressor or parameter: ConfigError now
+    return method
+
+
+def load_shapes(path: str) -> list[tuple[int, ...]]:
+    """A JSON file holding a list of shapes (lists of positive integers), or ``{"shapes": [...]}``."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"--shapes {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--shapes {path}: not JSON ({exc})") from None
+    if isinstance(data, dict):
+        data = data.get("shapes")
+    return check_shapes(data, f"--shapes {path}")
+
+
+def check_shapes(data: object, what: str = "shapes") -> list[tuple[int, ...]]:
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"{what}: expected a non-empty list of shapes such as [[128, 64], [64]]")
+    shapes = []
+    for i, shape in enumerate(data):
+        if not isinstance(shape, list) or not shape or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape
+        ):
+            raise ConfigError(f"{what}: shape {i} must be a non-empty list of positive integers, got {shape!r}")
+        shapes.append(tuple(shape))
+    return shapes
+
+
+@dataclass
+class PlanOptions:
+    model: str | None = "convnet"
+    shapes: list[tuple[int, ...]] | None = None
+    shapes_source: str | None = None
+    dataset: str = "mnist"
+    data_root: str | None = None
+    batch_size: int = 32
+    workers: int = 4
+    link: str | float = "1gbit"
+    latency: str | float = 0.0
+    device: str = "cpu"
+    methods: Sequence[str] = DEFAULT_METHODS
+    compute_ms: float | None = None
+    cache: bool = True
+    cache_dir: str | None = None
+    seed: int = 0
+
+    def checked(self) -> tuple[NetworkModel, list[PlanMethod]]:
+        """Everything checked before any measurement; returns the network and the parsed methods."""
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 2:
+            raise ConfigError(f"--workers must be an integer >= 2 (a plan compares ways to communicate), got "
+                              f"{self.workers!r}")
+        if (self.model is None) == (self.shapes is None):
+            raise ConfigError("give --model NAME or --shapes FILE (one of the two)")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.compute_ms is not None and not (math.isfinite(self.compute_ms) and self.compute_ms >= 0):
+            raise ConfigError(f"--compute-ms must be a number >= 0, got {self.compute_ms}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda asked for, but torch sees no CUDA device")
+        network = NetworkModel(parse_bandwidth(self.link), parse_latency(self.latency))
+        if not self.methods:
+            raise ConfigError("--methods: give at least one method")
+        methods = [parse_method(m) for m in self.methods]
+        labels = [m.label for m in methods]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"--methods: a method is given twice ({', '.join(labels)})")
+        return network, methods
+
+
+# -- measuring -----------------------------------------------------------------------------------------------
+
+
+def machine_identity(device: str) -> dict[str, Any]:
+    """What a cached measurement is only valid for: this processor (or GPU), the versions, the thread count."""
+    import gradcomp
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "torch": torch.__version__,
+        "gradcomp": gradcomp.__version__,
+        "gradcomp_source": _source_digest(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+_SOURCE_DIGEST: str | None = None
+
+
+def _source_digest() -> str:
+    """A digest of gradcomp's Python source: an edited compressor is a new version for the cache."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            if path.name == "plan.py":
+                continue  # the planner's own code: its measuring loop is versioned by CACHE_FORMAT instead
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+        _SOURCE_DIGEST = h.hexdigest()[:16]
+    return _SOURCE_DIGEST
+
+
+class Cache:
+    """JSON files under ``~/.cache/gradcomp/plan`` (or ``GRADCOMP_CACHE_DIR``/plan), one per measurement."""
+
+    def __init__(self, directory: str | None = None, enabled: bool = True):
+        base = directory or os.environ.get("GRADCOMP_CACHE_DIR") or os.path.join(Path.home(), ".cache", "gradcomp")
+        self.directory = Path(base) / "plan"
+        self.enabled = enabled
+        self.hits = 0
+        self.misses = 0
+
+    def get_or_measure(self, key: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        name = hashlib.sha256(json.dumps({"format": CACHE_FORMAT, **key}, sort_keys=True).encode()).hexdigest()
+        path = self.directory / f"{name[:32]}.json"
+        if self.enabled and path.is_file():
+            try:
+                stored = json.loads(path.read_text())
+                if stored.get("key") == key:
+                    self.hits += 1
+                    return stored["value"]
+            except (OSError, json.JSONDecodeError, AttributeError):
+                pass  # unreadable: measured again and overwritten
+        self.misses += 1
+        value = measure()
+        if self.enabled:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps({"key": key, "value": value}))
+                tmp.replace(path)
+            except OSError:
+                pass  # a read-only home: the plan still works, uncached
+        return value
+
+
+def measure_method(
+    method: PlanMethod, shapes: Sequence[tuple[int, ...]], workers: int, device: str = "cpu", seed: int = 0,
+    warmup: int = WARMUP_STEPS, timed: int = TIMED_STEPS,
+) -> dict[str, Any]:
+    """Real steps of ``method`` on a simulated cluster of ``workers`` with these shapes and random gradients.
+
+    Returns, for each timed step, each worker's counted traffic (the ByteCounter's bytes and per-collective
+    ``ops``) and its ``compress_s``. Gradients are standard normal times a per-tensor scale drawn from a
+    log-normal, seeded per worker and step, so workers differ as real workers' gradients do.
+    """
+    from gradcomp.train.aggregator import GradientAggregator
+    from gradcomp.transport.sim import SimulatedCluster
+
+    dev = torch.device(device)
+    cfg = method.config()
+
+    def worker(transport) -> list[dict[str, Any]]:
+        compressor, server = cfg.build_compressors()
+        params = [torch.nn.Parameter(torch.zeros(shape, device=dev)) for shape in shapes]
+        aggregator = GradientAggregator(
+            [(f"p{i}", p) for i, p in enumerate(params)], compressor, transport,
+            granularity=method.granularity, topology=method.topology, server_compressor=server,
+        )
+        exchange = aggregator.exchange
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + transport.rank)
+        steps = []
+        for step in range(warmup + timed):
+            grads = []
+            for shape in shapes:
+                scale = math.exp(float(torch.randn((), generator=gen)))
+                grads.append((torch.randn(shape, generator=gen) * (1e-3 * scale)).to(dev))
+            before, compress_before = transport.counter.snapshot(), exchange.compress_s
+            aggregator.aggregate(grads)
+            if step >= warmup:
+                after = transport.counter
+                steps.append({
+                    "compress_s": exchange.compress_s - compress_before,
+                    "bytes_up": after.bytes_up - before.bytes_up,
+                    "bytes_down": after.bytes_down - before.bytes_down,
+                    "ops": {op: [calls - before.ops.get(op, [0, 0])[0], nbytes - before.ops.get(op, [0, 0])[1]]
+                            for op, (calls, nbytes) in after.ops.items()},
+                })
+        return steps
+
+    with SimulatedCluster(workers) as cluster:
+        per_worker = cluster.run(worker)
+    return {"workers": per_worker}
+
+
+def measure_compute(model: str, dataset: str, data_root: str | None, batch_size: int, device: str,
+                    seed: int = 0, repeats: int = COMPUTE_REPEATS) -> dict[str, Any]:
+    """Forward + backward of ``model`` on one batch of ``dataset`` (median of ``repeats`` after one warm-up)."""
+    from gradcomp.experiments.data import load_dataset
+    from gradcomp.experiments.models import build_model
+    from gradcomp.experiments.runner import compute_gradients
+
+    data = load_dataset(dataset, data_root)
+    net = build_model(model, data, seed).to(device)
+    xb, yb = data.train_x[:batch_size].to(device), data.train_y[:batch_size].to(device)
+    times = []
+    for i in range(repeats + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        compute_gradients(net, xb, yb)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - started)
+    return {"compute_s": statistics.median(times), "repeats": repeats}
+
+
+BYTES_PER_ENTRY_PER_WORKER = 24  # a simulated worker's parameter, gradient, residual, aggregate, message, decoding
+
+
+def check_memory(numel: int, workers: int, device: str) -> None:
+    """ConfigError before measuring when W simulated workers of this model would not fit in half the host's free
+    memory (each holds about :data:`BYTES_PER_ENTRY_PER_WORKER` bytes per parameter)."""
+    if device != "cpu":
+        return
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return  # unknown: try
+    need = numel * workers * BYTES_PER_ENTRY_PER_WORKER
+    if need > available / 2:
+        raise ConfigError(
+            f"measuring {workers} simulated workers of {numel:,} parameters needs about {need / 1e9:.1f} GB, more "
+            f"than half of the {available / 1e9:.1f} GB free here: plan fewer workers, or measure at two small W "
+            "and extrapolate (scripts/plan_extrapolate.py, plan.fit_in_workers)"
+        )
+
+
+def model_shapes(model: str, dataset: str, data_root: str | None, seed: int = 0) -> list[tuple[int, ...]]:
+    """The shapes of the trainable parameters of ``model`` built for ``dataset``; ConfigError for an unknown name."""
+    from gradcomp.experiments.data import load_dataset
+    from gradcomp.experiments.models import build_model
+
+    net = build_model(model, load_dataset(dataset, data_root), seed)
+    return [tuple(p.shape) for p in net.parameters() if p.requires_grad]
+
+
+# -- pricing -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Traffic:
+    """One method's measured step: what the slowest worker spends compressing, and every worker's collectives."""
+
+    compress_s: float
+    ops_by_worker: list[dict[str, list[float]]]  # per worker: op -> [calls, bytes] of one step
+    bits_up: float  # per worker, mean over workers and steps
+    bits_down: float
+
+    @classmethod
+    def from_measurement(cls, measured: dict[str, Any]) -> Traffic:
+        workers = measured["workers"]
+        compress = max(statistics.median(s["compress_s"] for s in steps) for steps in workers)
+        ops_by_worker = []
+        for steps in workers:
+            ops: dict[str, list[float]] = {}
+            for s in steps:
+                for op, (calls, nbytes) in s["ops"].items():
+                    acc = ops.setdefault(op, [0.0, 0.0])
+                    acc[0] += calls / len(steps)
+                    acc[1] += nbytes / len(steps)
+            ops_by_worker.append(ops)
+        every = [s for steps in workers for s in steps]
+        return cls(
+            compress_s=compress,
+            ops_by_worker=ops_by_worker,
+            bits_up=8 * statistics.fmean(s["bytes_up"] for s in every),
+            bits_down=8 * statistics.fmean(s["bytes_down"] for s in every),
+        )
+
+
+def communication_seconds(traffic: Traffic, network: NetworkModel, workers: int) -> float:
+    """The slowest worker's priced collectives (the step waits for it)."""
+    return max(network.seconds(ops, workers) for ops in traffic.ops_by_worker)
+
+
+@dataclass
+class PlanRow:
+    label: str
+    method: str
+    compute_s: float
+    compress_s: float
+    communicate_s: float
+    bits_up: float
+    bits_down: float
+    calls: dict[str, float]
+    note: str = ""
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.compress_s + self.communicate_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "step_s": self.step_s,
+                "communicate_share": self.communicate_s / self.step_s if self.step_s else 0.0,
+                "compress_share": self.compress_s / self.step_s if self.step_s else 0.0}
+
+
+def price(label: str, method: str, traffic: Traffic, network: NetworkModel, workers: int, compute_s: float,
+          note: str = "") -> PlanRow:
+    calls: dict[str, float] = {}
+    for op, (n, _) in traffic.ops_by_worker[0].items():
+        calls[op] = n
+    return PlanRow(label, method, compute_s, traffic.compress_s, communication_seconds(traffic, network, workers),
+                   traffic.bits_up, traffic.bits_down, calls, note)
+
+
+def recommend(rows: Sequence[PlanRow]) -> str:
+    """One sentence: the fastest method, and how it compares with uncompressed fp32."""
+    best = min(rows, key=lambda r: r.step_s)
+    fp32 = next((r for r in rows if r.method == FP32), None)
+    if fp32 is None:
+        return f"fastest: {best.label} ({1e3 * best.step_s:.1f} ms per step; fp32 was not planned)"
+    if best is fp32 or best.step_s >= fp32.step_s:
+        runner_up = min((r for r in rows if r is not fp32), key=lambda r: r.step_s, default=None)
+        behind = f"; the best compressed method, {runner_up.label}, takes {runner_up.step_s / fp32.step_s:.2f} x " \
+                 "its step" if runner_up else ""
+        return f"uncompressed fp32 is fastest here ({1e3 * fp32.step_s:.1f} ms per step){behind}"
+    text = (f"use {best.label}: {1e3 * best.step_s:.1f} ms per step, {best.step_s / fp32.step_s:.2f} x "
+            f"uncompressed fp32's {1e3 * fp32.step_s:.1f} ms")
+    if best.step_s > (1 - SMALL_MARGIN) * fp32.step_s:
+        text += (f"; a margin under {100 * SMALL_MARGIN:g} % of the step, less than timings move on a busy machine: "
+                 "compression hardly pays here")
+    return text
+
+
+# -- beyond the measured W (scripts/plan_extrapolate.py) -----------------------------------------------------
+
+
+@dataclass
+class Fitted:
+    """A method's step fitted over W from measurements at two world sizes: per collective the calls per step and
+    bytes per call a + b / W (b = 0 for per-worker messages of a fixed size; a = 0 for shards of a fixed total),
+    and compression time c + d · W (d > 0 where each worker decodes every worker's message)."""
+
+    ops: dict[str, tuple[float, float, float]]  # op -> (calls, a, b)
+    compress: tuple[float, float]  # (c, d)
+
+    def bytes_per_call(self, op: str, workers: int) -> float:
+        _, a, b = self.ops[op]
+        return max(0.0, a + b / workers)
+
+    def compress_s(self, workers: int) -> float:
+        c, d = self.compress
+        return max(0.0, c + d * workers)
+
+    def communication_s(self, network: NetworkModel, workers: int) -> float:
+        return sum(calls * network.call_seconds(op, self.bytes_per_call(op, workers), workers)
+                   for op, (calls, _, _) in self.ops.items() if calls)
+
+
+def fit_in_workers(traffic: dict[int, Traffic], scale: float = 1.0) -> Fitted:
+    """Fit a method's measurements at two world sizes (``{W: Traffic}``); ``scale`` multiplies bytes and time
+    (a model measured on a part of its tensors). The calls per step are the larger W's. Compression grows with W
+    only for methods that gather every worker's whole message (each worker decodes W); for the others it is
+    taken as constant, so that noise between two timings is not extrapolated to W = 256."""
+    (w1, t1), (w2, t2) = sorted(traffic.items())
+    ops = {}
+    for op in set(t1.ops_by_worker[0]) | set(t2.ops_by_worker[0]):
+        c1, n1 = t1.ops_by_worker[0].get(op, [0, 0])
+        c2, n2 = t2.ops_by_worker[0].get(op, [0, 0])
+        per1, per2 = (n1 / c1 if c1 else 0.0), (n2 / c2 if c2 else 0.0)
+        b = (per1 - per2) / (1 / w1 - 1 / w2)
+        ops[op] = (float(c2), (per1 - b / w1) * scale, b * scale)
+    gathers = ops.get("all_gather", (0.0, 0.0, 0.0))
+    if gathers[0] and gathers[1] > abs(gathers[2]):
+        # every worker's message gathered whole (not a shard): each worker decodes W of them, a cost that grows
+        # with W; fitted through both points
+        d = max(0.0, (t2.compress_s - t1.compress_s) / (w2 - w1))
+        c = t2.compress_s - d * w2
+    else:
+        # all-reduce, sharded, parameter server: the per-worker work does not grow with W; the smaller of the two
+        # timings (the less disturbed by other work on the machine) stands for both
+        d, c = 0.0, min(t1.compress_s, t2.compress_s)
+    return Fitted(ops, (c * scale, d * scale))
+
+
+# -- the planner ---------------------------------------------------------------------------------------------
+
+
+def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Check everything, measure (or read the cache), price; returns the plan as a dict (``--json``)."""
+    network, methods = opts.checked()
+    if opts.model is not None:
+        shapes = model_shapes(opts.model, opts.dataset, opts.data_root, opts.seed)  # unknown model: ConfigError
+        source = f"model {opts.model} on {opts.dataset}"
+    else:
+        shapes = list(opts.shapes)  # type: ignore[arg-type]
+        source = f"shapes from {opts.shapes_source or 'a list'}"
+    check_memory(sum(math.prod(s) for s in shapes), opts.workers, opts.device)
+    cache = Cache(opts.cache_dir, opts.cache)
+    machine = machine_identity(opts.device)
+    shape_key = [list(s) for s in shapes]
+    if opts.compute_ms is not None:
+        compute_s, compute_from = opts.compute_ms / 1e3, "--compute-ms"
+    elif opts.model is not None:
+        log(f"measuring forward + backward of {opts.model} (batch {opts.batch_size})")
+        key = {"what": "compute", "machine": machine, "model": opts.model, "dataset": opts.dataset,
+               "batch_size": opts.batch_size, "device": opts.device, "seed": opts.seed}
+        compute_s = cache.get_or_measure(key, lambda: measure_compute(
+            opts.model, opts.dataset, opts.data_root, opts.batch_size, opts.device, opts.seed))["compute_s"]
+        compute_from = f"measured: forward + backward, batch {opts.batch_size}"
+    else:
+        compute_s, compute_from = 0.0, "not included (--shapes without --compute-ms)"
+    rows = []
+    for method in methods:
+        log(f"measuring {method.label} on {opts.workers} simulated workers")
+        key = {"what": "method", "machine": machine, "shapes": shape_key, "workers": opts.workers,
+               "device": opts.device, "seed": opts.seed, "method": method.key(),
+               "steps": [WARMUP_STEPS, TIMED_STEPS]}
+        measured = cache.get_or_measure(
+            key, lambda m=method: measure_method(m, shapes, opts.workers, opts.device, opts.seed))
+        traffic = Traffic.from_measurement(measured)
+        rows.append(price(method.label, method.compressor, traffic, network, opts.workers, compute_s, method.note))
+    return {
+        "source": source,
+        "num_parameters": sum(math.prod(s) for s in shapes),
+        "tensors": len(shapes),
+        "workers": opts.workers,
+        "network": {"bandwidth_bps": network.bandwidth_bps, "latency_s": network.latency_s},
+        "device": opts.device,
+        "machine": machine,
+        "compute_s": compute_s,
+        "compute_from": compute_from,
+        "cache": {"directory": str(cache.directory) if cache.enabled else None, "hits": cache.hits,
+                  "misses": cache.misses},
+        "rows": [r.as_dict() for r in sorted(rows, key=lambda r: r.step_s)],
+        "recommendation": recommend(rows),
+    }
+
+
+# -- output --------------------------------------------------------------------------------------------------
+
+
+def _bits(b: float) -> str:
+    for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{b:.0f} bit"
+
+
+def _rate(bps: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+HEADER = ["method", "step ms", "x fp32", "compute ms", "compress ms", "comm ms", "comm %", "compress %",
+          "bits up/worker", "bits down/worker"]
+
+
+def table_rows(plan: dict[str, Any]) -> list[list[str]]:
+    fp32 = next((r for r in plan["rows"] if r["method"] == FP32), None)
+    out = []
+    for r in plan["rows"]:
+        out.append([
+            r["label"] + (" *" if r["note"] else ""),
+            f"{1e3 * r['step_s']:.2f}",
+            f"{r['step_s'] / fp32['step_s']:.2f}" if fp32 else "-",
+            f"{1e3 * r['compute_s']:.2f}",
+            f"{1e3 * r['compress_s']:.2f}",
+            f"{1e3 * r['communicate_s']:.2f}",
+            f"{100 * r['communicate_share']:.0f}",
+            f"{100 * r['compress_share']:.0f}",
+            _bits(r["bits_up"]),
+            _bits(r["bits_down"]),
+        ])
+    return out
+
+
+def _title(plan: dict[str, Any]) -> str:
+    net = plan["network"]
+    return (f"plan: {plan['source']} ({plan['num_parameters']:,} parameters in {plan['tensors']} tensors), "
+            f"{plan['workers']} workers, {_rate(net['bandwidth_bps'])}, latency {1e6 * net['latency_s']:g} us, "
+            f"device {plan['device']}")
+
+
+def _footer(plan: dict[str, Any]) -> list[str]:
+    lines = [f"compute: {1e3 * plan['compute_s']:.2f} ms ({plan['compute_from']}); compression measured on "
+             f"{plan['machine']['gpu'] or plan['machine']['cpu']} ({plan['machine']['threads']} threads); "
+             "communication priced by the latency-bandwidth model on the collectives each method really issued"]
+    notes = sorted({(r["label"], r["note"]) for r in plan["rows"] if r["note"]})
+    lines += [f"* {label}: {note}" for label, note in notes]
+    cache = plan["cache"]
+    if cache["directory"]:
+        lines.append(f"cache {cache['directory']}: {cache['hits']} measurements reused, {cache['misses']} taken")
+    lines.append(f"recommendation: {plan['recommendation']}")
+    return lines
+
+
+def format_text(plan: dict[str, Any]) -> str:
+    rows = [HEADER, *table_rows(plan)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = [_title(plan), ""]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    return "\n".join(lines + [""] + _footer(plan))
+
+
+def format_markdown(plan: dict[str, Any]) -> str:
+    lines = [f"**{_title(plan)}**", "", "| " + " | ".join(HEADER) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(HEADER) - 1)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in table_rows(plan)]
+    return "\n".join(lines + [""] + [f"- {line}" for line in _footer(plan)])
+
+
+# -- command line --------------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--model", default=None, help="a model gradcomp train takes (default: convnet)")
+    what.add_argument("--shapes", default=None, metavar="FILE", help="JSON list of parameter shapes instead")
+    p.add_argument("--workers", type=int, default=4, help="number of workers, >= 2")
+    p.add_argument("--link", required=True, help="per-worker link rate, e.g. 100mbit, 1Gbit/s, 10gbit")
+    p.add_argument("--latency", default="0", help="per-message latency, e.g. 50us, 1ms")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                   help="methods as gradcomp race --method takes them (default: the race's set plus bf16, "
+                        "terngrad)")
+    p.add_argument("--dataset", default="mnist", help="the dataset the model is built for and timed on")
+    p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker, for the measured compute")
+    p.add_argument("--compute-ms", type=float, default=None, help="forward + backward per step instead of measuring")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="measure again instead of reusing cached measurements")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table instead of plain text")
+
+
+def options_from_args(args: argparse.Namespace) -> PlanOptions:
+    shapes = load_shapes(args.shapes) if args.shapes else None
+    return PlanOptions(
+        model=None if shapes is not None else (args.model or "convnet"),
+        shapes=shapes, shapes_source=args.shapes, dataset=args.dataset, data_root=args.data,
+        batch_size=args.batch_size, workers=args.workers, link=args.link, latency=args.latency,
+        device=args.device, methods=args.methods or DEFAULT_METHODS, compute_ms=args.compute_ms,
+        cache=not args.no_cache, seed=args.seed,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import sys
+
+    if args.json:
+        from gradcomp.experiments.report import check_output_file
+
+        check_output_file(args.json, "--json")
+    opts = options_from_args(args)
+    plan = run_plan(opts, log=lambda s: print(s, file=sys.stderr))
+    print(format_markdown(plan) if args.markdown else format_text(plan))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan, f, indent=2)
+    return 0

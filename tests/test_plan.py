@@ -1,0 +1,189 @@
+"""`gradcomp plan`: measured sizes, pricing, recommendation, cache, refusals (tiny model, seconds)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import gradcomp
+from gradcomp.cli import main
+from gradcomp.experiments import plan
+from gradcomp.experiments.runner import run_simulated
+from gradcomp.netmodel import NetworkModel
+
+TINY = [(128, 64), (128,), (10, 128), (10,)]  # the mlp on the synthetic dataset
+
+
+def _per_step_ops(ops: dict, steps: int) -> dict:
+    return {op: [calls / steps, nbytes / steps] for op, (calls, nbytes) in ops.items()}
+
+
+@pytest.mark.parametrize("text", ["none", "topk:density=0.05", "powersgd:rank=2", "signsgd",
+                                  "cnat:topology=sharded,server=cnat", "qsgd:topology=ps"])
+def test_sizes_equal_what_a_real_simulated_training_step_counts(text):
+    method = plan.parse_method(text)
+    assert plan.model_shapes("mlp", "synthetic", None) == TINY
+    measured = plan.Traffic.from_measurement(plan.measure_method(method, TINY, 3, timed=2))
+    steps = 3
+    cfg = dataclasses.replace(method.config(), model="mlp", dataset="synthetic", workers=3, steps=steps,
+                              simulate=True, progress=False, batch_size=8)
+    result = run_simulated(cfg)
+    assert measured.bits_up == pytest.approx(result["bits_up_per_worker"] / steps)
+    assert measured.bits_down == pytest.approx(result["bits_down_per_worker"] / steps)
+
+
+def test_per_collective_calls_and_bytes_equal_the_transports_counts():
+    import torch
+
+    from gradcomp.train.aggregator import GradientAggregator
+    from gradcomp.transport.sim import SimulatedCluster
+
+    method = plan.parse_method("topk:density=0.05")
+    traffic = plan.Traffic.from_measurement(plan.measure_method(method, TINY, 2, warmup=0, timed=1))
+
+    def one_step(transport):
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in TINY]
+        agg = GradientAggregator([(f"p{i}", p) for i, p in enumerate(params)], method.config().build_compressors()[0],
+                                 transport)
+        agg.aggregate([torch.randn(s) for s in TINY])
+        return transport.counter.ops
+
+    with SimulatedCluster(2) as cluster:
+        ops = cluster.run(one_step)
+    assert traffic.ops_by_worker == [{op: [float(c), float(b)] for op, (c, b) in o.items()} for o in ops]
+
+
+def _traffic(text: str, compress_s: float) -> plan.Traffic:
+    measured = plan.Traffic.from_measurement(plan.measure_method(plan.parse_method(text), TINY, 4, timed=1))
+    return dataclasses.replace(measured, compress_s=compress_s)
+
+
+def test_pricing_is_monotone_in_bandwidth():
+    for text in ("none", "topk:density=0.05", "cnat:topology=sharded,server=cnat"):
+        traffic = _traffic(text, 0.001)
+        steps = [plan.price(text, text, traffic, NetworkModel(rate, 1e-5), 4, 0.01).step_s
+                 for rate in (1e5, 1e6, 1e7, 1e8, 1e9, 1e10)]
+        assert all(a > b for a, b in zip(steps, steps[1:])), steps
+
+
+def test_slow_link_compressed_wins_fast_link_with_expensive_compression_fp32_wins():
+    fp32 = _traffic("none", 0.0)
+    topk = _traffic("topk:density=0.01", 0.050)  # a given compression cost: 50 ms, independent of this machine
+    for rate, winner in ((1e6, "topk"), (1e12, "none")):
+        network = NetworkModel(rate)
+        rows = [plan.price("none", "none", fp32, network, 4, 0.01),
+                plan.price("topk", "topk", topk, network, 4, 0.01)]
+        best = min(rows, key=lambda r: r.step_s)
+        assert best.method == winner
+        text = plan.recommend(rows)
+        assert ("uncompressed fp32 is fastest here" in text) == (winner == "none"), text
+
+
+def test_compressed_messages_are_priced_cheaper_than_fp32():
+    network = NetworkModel(1e8)
+    fp32 = plan.communication_seconds(_traffic("none", 0), network, 4)
+    assert plan.communication_seconds(_traffic("topk:density=0.01", 0), network, 4) < fp32 / 10
+    assert plan.communication_seconds(_traffic("fp16", 0), network, 4) == pytest.approx(fp32 / 2, rel=0.01)
+
+
+def test_cache_hit_and_miss(tmp_path, monkeypatch):
+    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, link="1gbit", methods=["none", "signsgd"],
+                            cache_dir=str(tmp_path), batch_size=8)
+    first = plan.run_plan(opts)
+    assert first["cache"]["hits"] == 0 and first["cache"]["misses"] == 3  # compute + two methods
+
+    def never(*args, **kwargs):
+        raise AssertionError("measured although cached")
+
+    monkeypatch.setattr(plan, "measure_method", never)
+    monkeypatch.setattr(plan, "measure_compute", never)
+    second = plan.run_plan(opts)
+    assert second["cache"] == {**first["cache"], "hits": 3, "misses": 0}
+    assert second["rows"] == first["rows"]
+    # another W is another measurement; --no-cache measures again
+    with pytest.raises(AssertionError, match="measured although cached"):
+        plan.run_plan(dataclasses.replace(opts, workers=3))
+    with pytest.raises(AssertionError, match="measured although cached"):
+        plan.run_plan(dataclasses.replace(opts, cache=False))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"model": "no-such-model"}, "unknown model"),
+    ({"methods": ["nosuchmethod"]}, "nosuchmethod"),
+    ({"methods": ["topk:density=2"]}, "density"),
+    ({"methods": ["torch-powersgd"]}, "powersgd"),
+    ({"link": "fast"}, "bandwidth must"),
+    ({"link": "-1gbit"}, "bandwidth must"),
+    ({"latency": "-1ms"}, "latency must"),
+    ({"workers": 1}, "workers must be an integer >= 2"),
+    ({"compute_ms": -1.0}, "compute-ms"),
+])
+def test_bad_input_is_refused_before_measuring(change, message, monkeypatch, tmp_path):
+    def never(*args, **kwargs):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(plan, "measure_method", never)
+    monkeypatch.setattr(plan, "measure_compute", never)
+    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, link="1gbit", methods=["none"],
+                            cache_dir=str(tmp_path))
+    with pytest.raises(gradcomp.ConfigError, match=message):
+        plan.run_plan(dataclasses.replace(opts, **change))
+
+
+def test_a_plan_too_large_for_memory_is_refused_before_measuring(monkeypatch, tmp_path):
+    monkeypatch.setattr(plan, "measure_method", lambda *a, **k: pytest.fail("measured"))
+    opts = plan.PlanOptions(model=None, shapes=[(1_000_000, 1_000)], workers=64, link="1gbit", methods=["none"],
+                            compute_ms=1.0, cache_dir=str(tmp_path))
+    with pytest.raises(gradcomp.ConfigError, match="GB, more than half"):
+        plan.run_plan(opts)
+
+
+def test_bad_shapes_file_is_refused(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([[3, 0]]))
+    assert main(["plan", "--shapes", str(bad), "--link", "1gbit"]) == 2
+    assert "positive integers" in capsys.readouterr().err
+
+
+def test_cli_with_shapes_json_and_markdown(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GRADCOMP_CACHE_DIR", str(tmp_path / "cache"))
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([list(s) for s in TINY]))
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--shapes", str(shapes), "--workers", "2", "--link", "10kbit", "--compute-ms", "5",
+                 "--methods", "none", "topk:density=0.05", "--json", str(out), "--markdown"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "| topk:density=0.05 |" in text and "recommendation: use topk:density=0.05" in text
+    written = json.loads(out.read_text())
+    assert written["num_parameters"] == 128 * 64 + 128 + 10 * 128 + 10
+    assert [r["label"] for r in written["rows"]] == ["topk:density=0.05", "none"]
+    assert written["rows"][1]["bits_up"] == 32 * written["num_parameters"]
+
+
+@pytest.mark.parametrize("text", ["none", "topk:density=0.05", "signsgd", "cnat:topology=sharded,server=cnat",
+                                  "powersgd:rank=2"])
+def test_fit_over_workers_predicts_the_bytes_measured_at_a_larger_world(text):
+    method = plan.parse_method(text)
+    measured = {w: plan.Traffic.from_measurement(plan.measure_method(method, TINY, w, warmup=1, timed=1))
+                for w in (2, 4, 8)}
+    fitted = plan.fit_in_workers({2: measured[2], 4: measured[4]})
+    at8 = measured[8].ops_by_worker[0]
+    assert set(fitted.ops) == set(at8)
+    for op, (calls, nbytes) in at8.items():
+        assert fitted.ops[op][0] == calls
+        assert fitted.bytes_per_call(op, 8) == pytest.approx(nbytes / calls, rel=0.02), op  # padding aside
+    network = NetworkModel(1e9, 1e-5)
+    exact = network.seconds(at8, 8)
+    assert fitted.communication_s(network, 8) == pytest.approx(exact, rel=0.02)
+    assert fitted.compress_s(8) >= 0
+
+
+def test_a_small_margin_is_called_small():
+    fp32 = plan.PlanRow("none", "none", 1.0, 0.0, 0.1, 32.0, 32.0, {})
+    close = plan.PlanRow("topk", "topk", 1.0, 0.05, 0.03, 1.0, 3.0, {})
+    far = plan.PlanRow("topk", "topk", 1.0, 0.0, 0.0, 1.0, 3.0, {})
+    assert "hardly pays" in plan.recommend([fp32, close])
+    assert "hardly pays" not in plan.recommend([fp32, far]) and plan.recommend([fp32, far]).startswith("use topk")
