@@ -97,7 +97,7 @@ from gradcomp.protocols.sizes import broadcast_buffer
 from gradcomp.schemes.accumulation import largest, offsets_of
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.lgc_autoencoder import AutoencoderTrainer, latent_size, padded_length
-from gradcomp.schemes.requests import AllGather, AllReduce, Broadcast, Gather, Rounds
+from gradcomp.transport.requests import AllGather, AllReduce, Broadcast, Gather, Rounds
 from gradcomp.wire.golomb import golomb_decode, golomb_encode, optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")

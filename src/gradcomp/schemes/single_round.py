@@ -38,7 +38,7 @@ from gradcomp.errors import ConfigError
 from gradcomp.finite import all_finite
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.schemes.base import Scheme
-from gradcomp.schemes.requests import Rounds
+from gradcomp.transport.requests import Rounds
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
 from gradcomp.wire.bits import bits_needed, packed_nbytes
 

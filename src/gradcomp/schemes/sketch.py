@@ -93,7 +93,7 @@ from gradcomp.compressors.base import Slot, check_int
 from gradcomp.compressors.countsketch import CountSketch
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.accumulation import AccumulatingScheme, largest, offsets_of
-from gradcomp.schemes.requests import AllReduce, Broadcast, Gather, Rounds
+from gradcomp.transport.requests import AllReduce, Broadcast, Gather, Rounds
 
 DEFAULT_COLS_PER_K = 10.0  # table columns per selected coordinate when cols is not given
 

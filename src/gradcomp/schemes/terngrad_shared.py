@@ -41,7 +41,7 @@ from gradcomp.compressors.base import Slot
 from gradcomp.compressors.natural import TernGrad
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
-from gradcomp.schemes.requests import AllGather, AllReduce, Rounds
+from gradcomp.transport.requests import AllGather, AllReduce, Rounds
 from gradcomp.wire import Codec, FieldSpec, decode, encode
 
 EXCHANGES = ("allgather", "allreduce")

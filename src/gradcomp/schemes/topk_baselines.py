@@ -32,7 +32,7 @@ from torch import Tensor
 from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot
 from gradcomp.schemes.accumulation import AccumulatingScheme, largest, offsets_of
-from gradcomp.schemes.requests import AllGather, AllReduce, Rounds
+from gradcomp.transport.requests import AllGather, AllReduce, Rounds
 
 
 @register
