@@ -33,7 +33,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("kernels",),  # compiled CPU kernels
     ("wire",),  # bits and bytes, the container
     ("state",),  # per-slot state and the momentum arithmetic (added on another branch; absent here)
-    ("catalog",),
     ("compressors",),
     ("feedback",),  # wrappers of any compressor: error feedback, momentum correction
     ("transport",),  # process group / simulated cluster, and the request vocabulary with its blocking driver

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.wire import Codec, FieldSpec
 
@@ -61,7 +60,6 @@ class _DenseCast(Compressor):
         out.sub_(fields[0].reshape(-1))  # fp16/bf16 widened to float32 in the kernel: exact, as .to(float32)
 
 
-@register
 class NoCompression(_DenseCast):
     """Uncompressed fp32: the reference every ratio is measured against."""
 
@@ -70,7 +68,6 @@ class NoCompression(_DenseCast):
     omega = 0.0
 
 
-@register
 class Float16(_DenseCast):
     """Cast to IEEE half precision (16 bits per entry), saturating at ±65504."""
 
@@ -78,7 +75,6 @@ class Float16(_DenseCast):
     codec, dtype, limit = Codec.F16, torch.float16, FP16_MAX
 
 
-@register
 class BFloat16(_DenseCast):
     """Cast to bfloat16 (16 bits per entry, 8 exponent bits like fp32), saturating at its largest finite value."""
 

@@ -94,7 +94,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import (
     Compressor,
     Fields,
@@ -277,7 +276,6 @@ def clip_norm(g: Tensor, clip: float) -> Tensor:
     return g * (clip / norm) if norm > clip else g
 
 
-@register
 class DGC(Compressor):
     """Deep Gradient Compression; see the module docstring for the algorithm and every choice."""
 

@@ -111,7 +111,6 @@ import torch
 from torch import Tensor
 
 from gradcomp import kernels
-from gradcomp.catalog import register
 from gradcomp.compressors.base import (
     Compressor,
     Fields,
@@ -243,7 +242,6 @@ def cnat_decode(codes: Tensor) -> Tensor:
     return bits.bitwise_left_shift_(_MANTISSA_BITS).view(torch.float32)
 
 
-@register
 class NaturalCompression(Compressor):
     """C_nat: every entry randomly rounded to one of its two neighbouring signed powers of two, 9 bits each."""
 
@@ -490,7 +488,6 @@ class _Dithering(Compressor):
             super().accumulate(fields, slot, step, out)
 
 
-@register
 class RandomDithering(_Dithering):
     """Standard random dithering D_sta^{p,s} (QSGD for p = 2): uniform levels l/s on |x_i|/||x||_p."""
 
@@ -528,7 +525,6 @@ class RandomDithering(_Dithering):
         return index.to(torch.float32) / float(self.levels)
 
 
-@register
 class NaturalDithering(_Dithering):
     """Natural dithering D_nat^{p,s}: levels 0, 2^(1−s), …, 1/2, 1 on |x_i|/||x||_p."""
 
@@ -599,7 +595,6 @@ def _ternary_chunks(
     return out
 
 
-@register
 class TernGrad(Compressor):
     """TernGrad: s·sign(x_i)·Bernoulli(|x_i|/s) with s = max|x| after optional clipping at c·σ.
 

@@ -46,7 +46,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.compressors.sparse import (
     KeptCount,
@@ -126,7 +125,6 @@ class _SharedValueSparsifier(Compressor):
         return position_spec(self.positions, slot.numel, self.count(slot))
 
 
-@register
 class SparseBinary(_SharedValueSparsifier):
     name = "sbc"
 
@@ -166,7 +164,6 @@ class SparseBinary(_SharedValueSparsifier):
         out.index_add_(0, positions, signed_mean.to(out.dtype).expand(positions.numel()))
 
 
-@register
 class SparseTernary(_SharedValueSparsifier):
     name = "stc"
 

@@ -112,7 +112,6 @@ import torch
 from torch import Tensor
 
 from gradcomp import kernels
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Compressor, Fields, Slot, Tally
 from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
@@ -479,7 +478,6 @@ class _MajorityVote(_Sign):
         return VoteTally(slot, device, self.name)
 
 
-@register
 class SignSGD(_MajorityVote):
     """signSGD with majority vote: send sign(g) in one bit per coordinate; the update is the vote.
 
@@ -493,7 +491,6 @@ class SignSGD(_MajorityVote):
         return [self._signs(_f32(x), step)]  # float64 rounded to float32 first, as the rest of the family does
 
 
-@register
 class Signum(_MajorityVote):
     """Signum with majority vote: m = β·m + (1 − β)·g on the worker, send sign(m); the update is the vote.
 
@@ -663,7 +660,6 @@ class _ChunkedSign(_Sign):
         return self._compress(into, slot, before=add)
 
 
-@register
 class EFSignSGD(_ChunkedSign):
     """EF-signSGD: send sign(p) and one fp32 scale ||p||_1 / d, p = g + residual; mean aggregation.
 
@@ -696,7 +692,6 @@ class EFSignSGD(_ChunkedSign):
         return scale, -scale
 
 
-@register
 class OneBit(_ChunkedSign):
     """1-bit SGD: sign bit plus two fp32 values, the mean of the entries >= 0 and of the entries < 0.
 

@@ -44,7 +44,6 @@ import torch
 from torch import Tensor
 
 from gradcomp import kernels
-from gradcomp.catalog import register
 from gradcomp.compressors.base import (
     Compressor,
     Fields,
@@ -404,7 +403,6 @@ class _PositionsAndValues(Compressor):
         scatter_add(out, positions, values)
 
 
-@register
 class TopK(_PositionsAndValues):
     name = "topk"
 
@@ -464,7 +462,6 @@ class _SharedRandomSelection(Compressor):
         return slot.numel / k if (self.scale and k) else 1.0
 
 
-@register
 class RandomK(_SharedRandomSelection):
     name = "randomk"
 
@@ -510,7 +507,6 @@ class RandomK(_SharedRandomSelection):
         scatter_add(out, self.positions(slot, step, values.device), values * self._factor(slot))
 
 
-@register
 class Threshold(_PositionsAndValues):
     name = "threshold"
 
@@ -537,7 +533,6 @@ class Threshold(_PositionsAndValues):
         return [positions, torch.index_select(flat, 0, positions).to(torch.float32)]
 
 
-@register
 class RandomBlock(_SharedRandomSelection):
     """One contiguous block of k coordinates per tensor, placed by a seed every worker shares."""
 

@@ -90,7 +90,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot, check_bool, check_density, check_int, kept_count
 from gradcomp.errors import ConfigError
 from gradcomp.protocols.sizes import broadcast_buffer
@@ -125,7 +124,6 @@ class Layout:
     held_out: list[tuple[float, float]] = field(default_factory=list)  # stage 3: (its error, top-k's at its bits)
 
 
-@register
 class LGC(Scheme):
     name = "lgc"
 

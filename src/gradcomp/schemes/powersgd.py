@@ -91,7 +91,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot, check_bool, check_int, shared_generator
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
@@ -176,7 +175,6 @@ class _Plan:
     total: int  # elements of the flat output
 
 
-@register
 class PowerSGD(Scheme):
     name = "powersgd"
 

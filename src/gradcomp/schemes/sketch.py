@@ -88,7 +88,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot, check_int
 from gradcomp.compressors.countsketch import CountSketch
 from gradcomp.errors import ConfigError
@@ -117,7 +116,6 @@ class SlotPlan:
         return self.compressed and not self.whole
 
 
-@register
 class SketchedSGD(AccumulatingScheme):
     name = "sketch"
     topologies = ("allreduce", "ps")

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot
 from gradcomp.compressors.natural import TernGrad
 from gradcomp.errors import ConfigError
@@ -48,7 +47,6 @@ EXCHANGES = ("allgather", "allreduce")
 _INT8_MAX_WORKERS = 127  # a sum of W values in {-1, 0, 1} fits int8
 
 
-@register
 class TernGradShared(Scheme):
     name = "terngrad_shared"
 
