@@ -101,6 +101,8 @@ def elias_max_bytes(numel: int, levels: int) -> int:
 class QSGD(RandomDithering):
     """QSGD (Alistarh et al., 2017): ℓ2-normalised stochastic rounding to s levels; packed or Elias-coded."""
 
+    capabilities = RandomDithering.capabilities
+    _CODES_KERNEL = RandomDithering._CODES_KERNEL  # the same level index and codes as random dithering
     name = "qsgd"
 
     def __init__(self, levels: int = 127, seed: int = 0, coding: str = "packed"):

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot
+from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot
 from gradcomp.compressors.sparse import (
     KeptCount,
     check_positions_codec,
@@ -126,6 +126,7 @@ class _SharedValueSparsifier(Compressor):
 
 
 class SparseBinary(_SharedValueSparsifier):
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
     name = "sbc"
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
@@ -165,6 +166,7 @@ class SparseBinary(_SharedValueSparsifier):
 
 
 class SparseTernary(_SharedValueSparsifier):
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
     name = "stc"
 
     def specs(self, slot: Slot) -> list[FieldSpec]:

@@ -112,7 +112,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import kernels
-from gradcomp.compressors.base import Compressor, Fields, Slot, Tally
+from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot, Tally
 from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.wire import Codec, FieldSpec
@@ -319,6 +319,7 @@ def _sign_spec(slot: Slot) -> FieldSpec:
 class _Sign(Compressor):
     """Shared by all four: the sign bitmap as the first field, float values after it."""
 
+    capabilities = Capabilities(accumulate=True, subtract_sent=True)
     summable = False
     unbiased = False
     omega = None
@@ -454,6 +455,7 @@ class _MajorityVote(_Sign):
     optimizer's lr to scale, never an update to apply as it is (``LocalUpdateExchange`` refuses such methods).
     """
 
+    capabilities = Capabilities(accumulate=True, subtract_sent=True, tally=True)
     scale_free: ClassVar[bool] = True
 
     @staticmethod
@@ -485,6 +487,7 @@ class SignSGD(_MajorityVote):
     per-coordinate step size: about 1e-4 to 1e-3 on MNIST with SGD and no optimizer momentum.
     """
 
+    capabilities = _MajorityVote.capabilities
     name = "signsgd"
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
@@ -499,6 +502,7 @@ class Signum(_MajorityVote):
     sets it to 0, since this method owns momentum — give ``momentum`` here instead).
     """
 
+    capabilities = _MajorityVote.capabilities
     name = "signum"
     owns_momentum: ClassVar[bool] = True
 
@@ -642,6 +646,8 @@ class _ChunkedSign(_Sign):
     feedback's r += x is done chunk by chunk too, each chunk just before it is read (``compress_sum``): the
     same sums, one pass over the residual fewer from memory."""
 
+    capabilities = Capabilities(accumulate=True, subtract_sent=True, compress_sum=True)
+
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         return self._compress(_f32(x), slot)
 
@@ -668,6 +674,7 @@ class EFSignSGD(_ChunkedSign):
     MNIST lr 0.4 without optimizer momentum (the effective step of lr 0.05 with momentum 0.9).
     """
 
+    capabilities = _ChunkedSign.capabilities
     name = "efsignsgd"
     default_error_feedback: ClassVar[bool] = True
 
@@ -700,6 +707,7 @@ class OneBit(_ChunkedSign):
     momentum 0.9).
     """
 
+    capabilities = _ChunkedSign.capabilities
     name = "onebit"
     default_error_feedback: ClassVar[bool] = True
 

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from gradcomp import kernels
 from gradcomp.compressors.base import (
+    Capabilities,
     Compressor,
     Fields,
     Slot,
@@ -390,6 +391,8 @@ def topk_positions(flat: Tensor, k: int) -> Tensor:
 class _PositionsAndValues(Compressor):
     """Shared decoding of messages made of [sorted positions, fp32 values]."""
 
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
+
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         positions, values = fields
         return scatter_dense(slot.numel, positions, values)
@@ -404,6 +407,7 @@ class _PositionsAndValues(Compressor):
 
 
 class TopK(_PositionsAndValues):
+    capabilities = _PositionsAndValues.capabilities
     name = "topk"
 
     def __init__(self, density: float | None = None, positions: str = "fixed", *, k: int | None = None):
@@ -463,6 +467,7 @@ class _SharedRandomSelection(Compressor):
 
 
 class RandomK(_SharedRandomSelection):
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
     name = "randomk"
 
     def __init__(
@@ -508,6 +513,7 @@ class RandomK(_SharedRandomSelection):
 
 
 class Threshold(_PositionsAndValues):
+    capabilities = _PositionsAndValues.capabilities
     name = "threshold"
 
     def __init__(self, threshold: float = 1e-3, positions: str = "fixed"):
@@ -536,6 +542,7 @@ class Threshold(_PositionsAndValues):
 class RandomBlock(_SharedRandomSelection):
     """One contiguous block of k coordinates per tensor, placed by a seed every worker shares."""
 
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
     name = "randomblock"
 
     def start(self, slot: Slot, step: int) -> int:
