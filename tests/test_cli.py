@@ -177,10 +177,10 @@ def test_the_summary_says_its_times_are_per_worker_means():
 
 
 def test_list_aligns_long_names_and_shows_effective_defaults(monkeypatch, capsys):
-    from gradcomp.catalog import CATALOG
+    from gradcomp import registry
     from gradcomp.compressors import TopK
 
-    monkeypatch.setitem(CATALOG, "a_compressor_with_a_rather_long_name", TopK)
+    monkeypatch.setitem(registry._REGISTERED, "a_compressor_with_a_rather_long_name", TopK)
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("a_compressor_with_a_rather_long_name ") for line in lines)

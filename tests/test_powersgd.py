@@ -19,8 +19,8 @@ from gradcomp.errors import ConfigError
 from gradcomp.experiments.data import load_dataset, shard_indices
 from gradcomp.experiments.models import build_model
 from gradcomp.schemes.powersgd import PowerSGD, orthogonalise_
-from gradcomp.schemes.requests import execute
 from gradcomp.train.exchange import GradientExchange
+from gradcomp.transport.requests import execute
 
 WORLD = 4
 

@@ -188,3 +188,147 @@ def test_unknown_parameter_of_a_parameterless_compressor_says_none():
         gradcomp.make("fp16", density=0.1)
     assert "args" not in str(info.value)
     assert "(none)" in str(info.value)
+
+
+# ------------------------------------------------------------------ one table of built-ins, plugins by entry point
+
+
+def _method_classes() -> dict[str, type]:
+    """Every class with a ``name`` defined in gradcomp's compressors/ and schemes/ modules, by name."""
+    import importlib
+    import pkgutil
+
+    import gradcomp.compressors
+    import gradcomp.schemes
+    from gradcomp.schemes.base import Scheme
+
+    found: dict[str, type] = {}
+    for package in (gradcomp.compressors, gradcomp.schemes):
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            module = importlib.import_module(info.name)
+            for obj in vars(module).values():
+                ours = isinstance(obj, type) and obj.__module__ == module.__name__
+                if ours and issubclass(obj, (Compressor, Scheme)) and obj.__dict__.get("name"):
+                    found[obj.__dict__["name"]] = obj
+    return found
+
+
+def test_the_builtin_table_names_every_method_class_once():
+    from gradcomp import registry
+
+    classes = _method_classes()
+    for name, target in registry.BUILTIN.items():
+        module, attr = target.split(":")
+        cls = compressor_class(name)
+        assert (cls.__module__, cls.__qualname__, cls.name) == (module, attr, name)
+    # a class that sets a name but is not in the table would be unreachable: the table is the one place
+    # (SingleRound and Sharded carry any compressor over a topology: GradientExchange builds them, by no name)
+    unlisted = sorted(set(classes) - set(registry.BUILTIN) - {"single-round", "sharded"})
+    assert not unlisted, f"method classes missing from registry.BUILTIN: {unlisted}"
+    assert len(set(registry.BUILTIN.values())) == len(registry.BUILTIN)
+
+
+def test_builtins_are_imported_when_first_asked_for():
+    """Importing gradcomp registers nothing by side effect, and make() imports only the asked method's module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gradcomp\n"
+        "assert 'gradcomp.schemes.lgc' not in sys.modules and 'gradcomp.compressors.qsgd' not in sys.modules\n"
+        "gradcomp.make('qsgd')\n"
+        "assert 'gradcomp.compressors.qsgd' in sys.modules and 'gradcomp.schemes.lgc' not in sys.modules\n"
+        "assert 'lgc' in gradcomp.available() and 'gradcomp.schemes.lgc' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def _entry_point(name: str, value: str):
+    from importlib.metadata import EntryPoint
+
+    from gradcomp.registry import ENTRY_POINT_GROUP
+
+    return EntryPoint(name, value, ENTRY_POINT_GROUP)
+
+
+@pytest.fixture
+def plugins(monkeypatch):
+    """Replace the installed packages' entry points of the group by the ones a test gives."""
+    from gradcomp import registry
+
+    def install(*eps):
+        monkeypatch.setattr(registry, "_entry_points", lambda: tuple(eps))
+
+    return install
+
+
+def test_a_plugin_that_fails_to_load_is_a_clear_error(plugins, capsys):
+    from gradcomp.cli import main
+
+    plugins(_entry_point("topk_again", "tests_plugin_fixture:TopKAgain"))  # a module that is not on the path
+    assert "topk_again" in gradcomp.available()
+    with pytest.raises(ConfigError, match="failed to load: ModuleNotFoundError"):
+        gradcomp.make("topk_again")
+    assert main(["list"]) == 2
+    err = capsys.readouterr().err
+    assert "plugin method 'topk_again'" in err and "tests_plugin_fixture:TopKAgain" in err and "Traceback" not in err
+    assert type(gradcomp.make("topk")) is TopK  # a broken plugin does not break the other methods
+
+
+def test_a_plugin_loads_from_its_module(plugins, tmp_path, monkeypatch):
+    (tmp_path / "tests_plugin_fixture.py").write_text(
+        "from gradcomp.compressors import TopK\n"
+        "class TopKAgain(TopK):\n    name = 'topk_again'\n"
+        "class Misnamed(TopK):\n    name = 'other'\n"
+        "NOT_A_CLASS = 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugins(_entry_point("topk_again", "tests_plugin_fixture:TopKAgain"),
+            _entry_point("misnamed", "tests_plugin_fixture:Misnamed"),
+            _entry_point("number", "tests_plugin_fixture:NOT_A_CLASS"))
+    c = gradcomp.make("topk_again", density=0.5)
+    assert type(c).__name__ == "TopKAgain" and c.params()["density"] == 0.5
+    with pytest.raises(ConfigError, match="named 'other'"):
+        gradcomp.make("misnamed")
+    with pytest.raises(ConfigError, match="not a gradcomp Compressor or Scheme class"):
+        gradcomp.make("number")
+
+
+@pytest.mark.parametrize("clash", ["builtin", "two plugins"])
+def test_a_plugin_name_clash_is_a_clear_error(plugins, clash, capsys):
+    from gradcomp.cli import main
+
+    if clash == "builtin":
+        plugins(_entry_point("topk", "somewhere:TopK"))
+        expected = "plugin method 'topk' from .* has the name of a built-in method"
+    else:
+        plugins(_entry_point("mine", "one:Mine"), _entry_point("mine", "two:Mine"))
+        expected = "two plugins name a method 'mine'"
+    with pytest.raises(ConfigError, match=expected):
+        gradcomp.available()
+    with pytest.raises(ConfigError, match=expected):
+        gradcomp.make("fp16")  # whichever name is asked for: which class a name means must not be in doubt
+    assert main(["list"]) == 2
+    assert "gradcomp: error:" in capsys.readouterr().err
+
+
+def test_register_at_run_time_and_its_clashes():
+    from gradcomp import registry
+
+    class Mine(TopK):
+        name = "mine_at_run_time"
+
+    try:
+        assert register(Mine) is Mine and gradcomp.make("mine_at_run_time").name == "mine_at_run_time"
+        assert registry.origin("mine_at_run_time") == "registered"
+
+        class Other(TopK):
+            name = "mine_at_run_time"
+
+        with pytest.raises(TypeError, match="taken"):
+            register(Other)
+        with pytest.raises(TypeError, match="neither a Compressor nor a Scheme"):
+            register(type("Plain", (), {"name": "plain"}))
+    finally:
+        registry._REGISTERED.pop("mine_at_run_time", None)

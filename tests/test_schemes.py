@@ -13,9 +13,10 @@ from distributed import run_workers
 import gradcomp
 from gradcomp import ConfigError, SimulatedCluster
 from gradcomp.compressors.base import Slot
-from gradcomp.schemes import AllGather, AllReduce, AllToAll, Broadcast, Gather, Scheme, SingleRound, drive
+from gradcomp.schemes import Scheme, SingleRound
 from gradcomp.schemes.single_round import message_nbytes
 from gradcomp.train.exchange import GradientExchange, build_scheme
+from gradcomp.transport import AllGather, AllReduce, AllToAll, Broadcast, Gather, drive
 from gradcomp.transport.dist import DistTransport
 
 W = 4

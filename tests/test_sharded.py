@@ -17,10 +17,10 @@ from gradients import rank_order_mean, worker_gradients
 import gradcomp
 from gradcomp import ConfigError, GradientExchange, SimulatedCluster, Slot
 from gradcomp.compressors.dense import NoCompression
-from gradcomp.schemes.requests import drive
 from gradcomp.schemes.sharded import Sharded, alltoall_buffers, shard_bounds
 from gradcomp.train.exchange import build_scheme
 from gradcomp.transport.dist import DistTransport
+from gradcomp.transport.requests import drive
 from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES, bits_needed
 
 # slots smaller than W (1, 3), one empty, one not a multiple of W

@@ -15,7 +15,7 @@ import torch
 import gradcomp
 from gradcomp import ByteCounter, ConfigError, SimulatedCluster, WireError, WorkerLostError
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
-from gradcomp.schemes.requests import drive
+from gradcomp.transport.requests import drive
 
 WORLDS = [1, 3, 5]
 

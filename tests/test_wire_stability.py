@@ -263,10 +263,11 @@ DIGESTS: dict[str, str] = {
 
 def test_every_registered_compressor_has_a_case():
     from gradcomp.compressors.base import Compressor
-    from gradcomp.registry import available, compressor_class
+    from gradcomp.registry import BUILTIN, compressor_class
 
     names = {case[0] for case in CASES.values()}
-    singles = [n for n in available() if issubclass(compressor_class(n), Compressor)]
+    # gradcomp's own methods (an installed plugin's wire format is its package's to keep)
+    singles = [n for n in BUILTIN if issubclass(compressor_class(n), Compressor)]
     missing = [n for n in singles if n not in names]
     assert not missing, f"no wire-stability case for {missing}: add one (and its digest, recorded before any change)"
 

@@ -181,13 +181,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _add_list(sub: argparse._SubParsersAction) -> None:
-    sub.add_parser("list", help="list the registered compressors and what they declare")
+    sub.add_parser("list", help="list the methods (built-in and installed plugins) and what they declare")
 
 
 def _list(args: argparse.Namespace) -> int:
     import inspect
 
-    from gradcomp.registry import available, compressor_class
+    from gradcomp.registry import available, compressor_class, origin
     from gradcomp.schemes.base import Scheme
 
     rows = []
@@ -211,6 +211,8 @@ def _list(args: argparse.Namespace) -> int:
             flags += ", momentum"
         if getattr(cls, "default_error_feedback", False):
             flags += ", error feedback on"  # make(name) wraps it in ErrorFeedback unless error_feedback=False
+        if origin(name).startswith("plugin"):
+            flags += f", {origin(name)}"  # from another installed package (entry-point group gradcomp.methods)
         rows.append((name, flags, " ".join(params)))
     name_width, flags_width = (max(len(row[i]) for row in rows) for i in (0, 1))
     for name, flags, params in rows:

@@ -41,9 +41,9 @@ the messages):
 - should the inner compressor raise (non-finite input), the slot's buffer, already a = x + r, is dropped:
   the slot starts afresh rather than from half a step.
 
-A shortcut is used only where it was written for the ``decompress`` the compressor runs (the class that
-defines it defines ``decompress`` or derives from the class that does), so a subclass that decodes
-differently falls back to the generic route instead of a wrong shortcut.
+A shortcut is used only where the compressor's class declares it (``Compressor.capabilities``, set in each
+class's own body and never inherited), so a subclass that decodes differently falls back to the generic route
+instead of a wrong shortcut.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import (
+    Capabilities,
     Compressor,
     Fields,
     Slot,
@@ -110,6 +111,7 @@ class _FeedbackWrapper(Compressor):
     """What every feedback policy shares: it wraps a contractive compressor and keeps its wire layout,
     summability and aggregation, so protocols need not know that feedback is there."""
 
+    capabilities = Capabilities(accumulate=True, tally=True)
     unbiased = False
     omega = None
 
@@ -152,6 +154,8 @@ class _FeedbackWrapper(Compressor):
 
 class ErrorFeedback(_FeedbackWrapper):
     """Error feedback around ``inner``: one residual buffer per slot, updated in place (module docstring)."""
+
+    capabilities = _FeedbackWrapper.capabilities
 
     def __init__(self, inner: Compressor):
         super().__init__(inner, "error feedback")
@@ -225,6 +229,7 @@ class MomentumCorrection(_FeedbackWrapper):
     ``ErrorFeedback``.
     """
 
+    capabilities = _FeedbackWrapper.capabilities
     owns_momentum = True
 
     def __init__(self, inner: Compressor, momentum: float = 0.9, masking: bool = False):

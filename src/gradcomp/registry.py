@@ -1,38 +1,181 @@
-"""The compressor registry: ``gradcomp.make(name, **params)`` and the CLI's ``--compressor NAME --param k=v``.
+"""The method registry: ``gradcomp.make(name, **params)`` and the CLI's ``--compressor NAME --param k=v``.
 
-Both paths build the same object. Methods register themselves in the leaf module ``gradcomp.catalog``; this
-module imports them (no module imports one that imports it back). Unknown names and bad parameters raise
-ConfigError before anything is sent.
+Both paths build the same object. Where a name comes from, in the order looked up:
+
+1. ``BUILTIN`` below: gradcomp's own methods, one explicit table of name → ``"module:Class"``. A module is
+   imported the first time one of its names is asked for (``make("topk")`` imports ``compressors.sparse``
+   only); nothing registers itself as a side effect of being imported.
+2. ``register(cls)``: a class defined at run time (a script, a notebook).
+3. Other installed packages, through the entry-point group ``gradcomp.methods`` (``ENTRY_POINT_GROUP``): a
+   package declares ``name = "module:Class"`` under ``[project.entry-points."gradcomp.methods"]`` in its
+   ``pyproject.toml``, and once installed its method is made, listed (``gradcomp list``) and trained like a
+   built-in, without touching gradcomp (``examples/plugin``; docs/adding-a-method.md). The entry points'
+   names are read when first needed; a plugin's module is imported only when its method is asked for, or
+   listed.
+
+A plugin whose name is a built-in's or another plugin's, or that fails to import, or whose object is not a
+``Compressor`` or ``Scheme`` class with that ``name``, is a ConfigError that names the package to fix. Unknown
+names and bad parameters raise ConfigError before anything is sent.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 from collections.abc import Iterable
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-import gradcomp.compressors
-import gradcomp.schemes.lgc  # registers lgc
-import gradcomp.schemes.powersgd  # registers powersgd
-import gradcomp.schemes.sketch  # registers sketch
-import gradcomp.schemes.terngrad_shared  # registers terngrad_shared
-import gradcomp.schemes.topk_baselines  # noqa: F401  (registers local_topk, true_topk)
-from gradcomp.catalog import CATALOG, register
+from gradcomp.compressors.base import Compressor
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
 
-__all__ = ["available", "compressor_class", "make", "parse_param_strings", "register"]
+__all__ = [
+    "BUILTIN", "ENTRY_POINT_GROUP", "available", "compressor_class", "make", "origin", "parse_param_strings",
+    "register",
+]
+
+ENTRY_POINT_GROUP = "gradcomp.methods"
+
+# Every built-in method: name → "module:Class". Compressors (one message per step; any topology) first, then
+# the methods that own their rounds (Scheme subclasses).
+BUILTIN: dict[str, str] = {
+    "none": "gradcomp.compressors.dense:NoCompression",
+    "fp16": "gradcomp.compressors.dense:Float16",
+    "bf16": "gradcomp.compressors.dense:BFloat16",
+    "topk": "gradcomp.compressors.sparse:TopK",
+    "randomk": "gradcomp.compressors.sparse:RandomK",
+    "randomblock": "gradcomp.compressors.sparse:RandomBlock",
+    "threshold": "gradcomp.compressors.sparse:Threshold",
+    "dgc": "gradcomp.compressors.dgc:DGC",
+    "sbc": "gradcomp.compressors.sbc:SparseBinary",
+    "stc": "gradcomp.compressors.sbc:SparseTernary",
+    "cnat": "gradcomp.compressors.natural:NaturalCompression",
+    "natural_dithering": "gradcomp.compressors.natural:NaturalDithering",
+    "random_dithering": "gradcomp.compressors.natural:RandomDithering",
+    "terngrad": "gradcomp.compressors.natural:TernGrad",
+    "qsgd": "gradcomp.compressors.qsgd:QSGD",
+    "signsgd": "gradcomp.compressors.sign:SignSGD",
+    "signum": "gradcomp.compressors.sign:Signum",
+    "efsignsgd": "gradcomp.compressors.sign:EFSignSGD",
+    "onebit": "gradcomp.compressors.sign:OneBit",
+    # methods that own their rounds
+    "powersgd": "gradcomp.schemes.powersgd:PowerSGD",
+    "sketch": "gradcomp.schemes.sketch:SketchedSGD",
+    "local_topk": "gradcomp.schemes.topk_baselines:LocalTopK",
+    "true_topk": "gradcomp.schemes.topk_baselines:TrueTopK",
+    "terngrad_shared": "gradcomp.schemes.terngrad_shared:TernGradShared",
+    "lgc": "gradcomp.schemes.lgc:LGC",
+}
+
+_REGISTERED: dict[str, type] = {}  # register(cls): classes named at run time
+
+
+def register(cls: type) -> type:
+    """Register a compressor or scheme class under its ``name`` for this process (usable as a decorator).
+
+    For a class defined in a script; a package makes its methods available through the entry-point group
+    instead. A name taken by a built-in or by another registered class is a TypeError; registering the same
+    class again is harmless.
+    """
+    name = getattr(cls, "name", "")
+    if not name:
+        raise TypeError(f"{cls.__name__} has no name")
+    if not (isinstance(cls, type) and issubclass(cls, (Compressor, Scheme))):
+        raise TypeError(f"{cls!r} is neither a Compressor nor a Scheme subclass")
+    taken = _builtin_class(name) if name in BUILTIN else _REGISTERED.get(name)
+    if taken is not None and taken is not cls:
+        raise TypeError(f"method name {name!r} is taken by {taken.__module__}.{taken.__qualname__}")
+    _REGISTERED[name] = cls
+    return cls
+
+
+@functools.cache
+def _builtin_class(name: str) -> type:
+    module, _, attr = BUILTIN[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _describe(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    package = f"package {dist.name} {dist.version}" if dist is not None else "an unknown package"
+    return f"{package} (entry point {ep.name} = {ep.value!r} in group {ENTRY_POINT_GROUP!r})"
+
+
+@functools.lru_cache(maxsize=1)
+def _entry_points() -> tuple[EntryPoint, ...]:
+    """The installed packages' entry points of the group, read once per process."""
+    return tuple(entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _plugins() -> dict[str, EntryPoint]:
+    """The plugins' names → entry points (nothing imported); ConfigError for a name given twice."""
+    found: dict[str, EntryPoint] = {}
+    for ep in _entry_points():
+        if ep.name in BUILTIN or ep.name in _REGISTERED:
+            raise ConfigError(
+                f"plugin method {ep.name!r} from {_describe(ep)} has the name of a built-in method; "
+                "rename it in that package's entry points (or uninstall it)"
+            )
+        other = found.get(ep.name)
+        if other is not None and other.value != ep.value:
+            raise ConfigError(
+                f"two plugins name a method {ep.name!r}: {_describe(other)} and {_describe(ep)}; "
+                "uninstall or rename one"
+            )
+        found[ep.name] = ep
+    return found
+
+
+@functools.cache
+def _load_plugin(ep: EntryPoint) -> type:
+    try:
+        cls = ep.load()
+    except Exception as exc:
+        raise ConfigError(
+            f"plugin method {ep.name!r} from {_describe(ep)} failed to load: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, (Compressor, Scheme))):
+        raise ConfigError(
+            f"plugin method {ep.name!r} from {_describe(ep)} is {cls!r}, not a gradcomp Compressor or Scheme class"
+        )
+    if getattr(cls, "name", "") != ep.name:
+        raise ConfigError(
+            f"plugin method {ep.name!r} from {_describe(ep)}: its class {cls.__qualname__} is named "
+            f"{getattr(cls, 'name', '')!r}; the class's name and the entry point's must agree"
+        )
+    return cls
 
 
 def available() -> list[str]:
-    return sorted(CATALOG)
+    """Every method name: built-in, registered and plugin (plugins are not imported to list their names)."""
+    return sorted(set(BUILTIN) | set(_REGISTERED) | set(_plugins()))
 
 
 def compressor_class(name: str) -> type:
-    try:
-        return CATALOG[name]
-    except KeyError:
-        raise ConfigError(f"unknown compressor {name!r}; available: {', '.join(available())}") from None
+    """The class of the method ``name`` (importing its module, or the plugin's, on first use)."""
+    plugins = _plugins()  # a clash is reported whichever name is asked for
+    if name in BUILTIN:
+        return _builtin_class(name)
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name in plugins:
+        return _load_plugin(plugins[name])
+    raise ConfigError(f"unknown compressor {name!r}; available: {', '.join(available())}")
+
+
+def origin(name: str) -> str:
+    """Where the method ``name`` comes from: "built-in", "registered", or the plugin's package and version."""
+    if name in BUILTIN:
+        return "built-in"
+    if name in _REGISTERED:
+        return "registered"
+    ep = _plugins().get(name)
+    if ep is None:
+        raise ConfigError(f"unknown compressor {name!r}; available: {', '.join(available())}")
+    dist = getattr(ep, "dist", None)
+    return f"plugin {dist.name} {dist.version}" if dist is not None else "plugin"
 
 
 def make(

@@ -1,8 +1,9 @@
-"""Built-in compressors; importing this package registers them all."""
+"""The Compressor interface (``base``) and the built-in single-message compressors, one file per family.
 
-import gradcomp.compressors.dgc  # noqa: F401, RUF100  (registers dgc)
-import gradcomp.compressors.qsgd  # noqa: F401  (registers qsgd)
-from gradcomp.compressors import natural  # noqa: F401  (registers cnat, dithering and terngrad)
+Importing this package registers nothing: the method names live in one table, ``gradcomp.registry.BUILTIN``.
+The classes most used directly are re-exported here.
+"""
+
 from gradcomp.compressors.base import Compressor, Fields, Slot
 from gradcomp.compressors.dense import BFloat16, Float16, NoCompression
 from gradcomp.compressors.sbc import SparseBinary, SparseTernary

@@ -11,6 +11,10 @@ What a compressor declares (class attributes):
 - ``unbiased``: E[decompress(compress(x))] = x.
 - ``omega``: the variance parameter of class B(omega), E||C(x)||^2 <= (omega + 1)||x||^2, where the paper gives
   one; None otherwise.
+- ``capabilities``: which optional shortcuts (``accumulate``, ``sent_entries``, ``subtract_sent``,
+  ``compress_sum``, ``new_tally``) the class's own code provides (:class:`Capabilities`). Declared by each class
+  for itself, never inherited: a class that does not set it has none, so a subclass that decodes differently
+  cannot run a shortcut written for its parent's decoding.
 
 State that must survive a checkpoint (residuals, momentum, RNG position) lives behind
 ``state_dict()`` / ``load_state_dict()``.
@@ -111,6 +115,30 @@ def kept_count(density: float, numel: int) -> int:
     return max(1, min(numel, k))
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """The optional shortcuts a compressor class provides: each flag says that the class's method of that name is
+    written for the class's own ``compress`` / ``decompress`` / ``aggregate`` and gives what the generic route
+    gives (the same values, bit for bit), only faster or smaller.
+
+    Callers go through this module's functions of the same names (``accumulate``, ``sent_entries``,
+    ``subtract_sent``, ``compress_sum``, ``new_tally``), which take the shortcut where it is declared and the
+    generic route otherwise. A class declares its capabilities in its own body (``capabilities =
+    Capabilities(...)``); one that does not has none, even if its parent has some (see
+    ``Compressor.__init_subclass__``). A subclass that keeps its parent's decoding and wants its shortcuts says so:
+    ``capabilities = Parent.capabilities``.
+    """
+
+    accumulate: bool = False  # accumulate(): out += decompress(...) without the dense message (scatter-add, compiled)
+    sent_entries: bool = False  # sent_entries(): a sparse message's (positions, values)
+    subtract_sent: bool = False  # subtract_sent(): out -= decompress(...) in place
+    compress_sum: bool = False  # compress_sum(): into += x fused with compress (chunk by chunk, in cache)
+    tally: bool = False  # new_tally(): a compact running aggregate (majority vote's count of sign bits)
+
+
+NO_CAPABILITIES = Capabilities()
+
+
 class Compressor(ABC):
     """Base class: subclasses set ``name`` and implement compress / decompress / specs."""
 
@@ -124,6 +152,15 @@ class Compressor(ABC):
     # a compressor that keeps its own residual (DGC's momentum correction): make() refuses a second one
     owns_feedback: ClassVar[bool] = False
     worker: int = 0  # set by bind_worker(); salts randomness that must differ between workers
+    # the optional shortcuts this class provides; set in each class's own body, never inherited
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "capabilities" not in cls.__dict__:
+            cls.capabilities = NO_CAPABILITIES  # a parent's shortcuts were written for the parent's decoding
+        elif not isinstance(cls.__dict__["capabilities"], Capabilities):
+            raise TypeError(f"{cls.__qualname__}.capabilities must be a Capabilities, got {cls.capabilities!r}")
 
     def bind_worker(self, worker: int) -> None:
         """Called by the exchange with this worker's rank (the server gets its own number).
@@ -164,17 +201,17 @@ class Compressor(ABC):
         """The dense flat float32 tensor a message stands for. Pure: never changes the compressor's state."""
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-        """Add the decompressed message into ``out``; sparse compressors override it to scatter-add."""
+        """Add the decompressed message into ``out``; sparse compressors override it to scatter-add (and declare
+        ``Capabilities(accumulate=True)``). Callers go through :func:`accumulate`."""
         out += self.decompress(fields, slot, step)
 
     def sent_entries(self, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:
         """(positions, float32 values) such that ``decompress`` gives +0.0 everywhere except ``values[j]`` at the
         distinct ``positions[j]``, bit for bit; None (the default) where the message is not of that form.
 
-        Sparse compressors override it, next to their ``decompress``; error feedback uses it to update a
-        residual at the sent positions only (a - (+0.0) is a for every a, signed zeros and NaN included).
-        Callers go through :func:`sent_entries`, which ignores an override that a subclass's own
-        ``decompress`` has made stale.
+        Sparse compressors override it, next to their ``decompress``, and declare ``sent_entries``; error feedback
+        uses it to update a residual at the sent positions only (a - (+0.0) is a for every a, signed zeros and
+        NaN included). Callers go through :func:`sent_entries`.
         """
         return None
 
@@ -200,8 +237,7 @@ class Compressor(ABC):
         decompressed messages up in float32 (``accumulate``) and finish with ``aggregate``.
 
         Majority vote returns a count of sign bits (``sign.VoteTally``): the same update bit for bit, without
-        decoding every worker's message into floats. Callers go through :func:`new_tally`, which ignores a tally
-        that a subclass's own decoding or aggregation has made stale.
+        decoding every worker's message into floats; it declares ``tally``. Callers go through :func:`new_tally`.
         """
         return None
 
@@ -220,57 +256,46 @@ class Compressor(ABC):
         return f"{type(self).__name__}({args})"
 
 
-# -------------------------------------------------------------------- what was sent, for in-place feedback
+# ------------------------------------------------------------ the optional shortcuts, where a class declares them
 
 
-def _written_for(compressor: Compressor, method: str, of: str = "decompress") -> bool:
-    """Whether ``compressor``'s ``method`` was written for the ``decompress`` (or other method ``of``) it runs:
-    the class that defines the method is the one that defines ``of``, or a subclass of it. A subclass that
-    decodes (or compresses) differently but inherits a shortcut written for its parent's gets the generic
-    route, not a wrong shortcut."""
-    mro = type(compressor).__mro__
-    owner = next(c for c in mro if method in c.__dict__)
-    definer = next(c for c in mro if of in c.__dict__)
-    return issubclass(owner, definer)
-
-
-_DECODING = ("decompress", "accumulate", "aggregate", "_decode_values")  # what a tally must agree with
+def accumulate(compressor: Compressor, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+    """``out += compressor.decompress(fields, slot, step)``, by the compressor's own ``accumulate`` where its class
+    declares it (``Capabilities.accumulate``)."""
+    if compressor.capabilities.accumulate:
+        compressor.accumulate(fields, slot, step, out)
+    else:
+        Compressor.accumulate(compressor, fields, slot, step, out)
 
 
 def new_tally(compressor: Compressor, slot: Slot, device: torch.device) -> Tally | None:
-    """``compressor.new_tally(...)`` where it was written for how the compressor decodes and aggregates: the class
-    that defines ``new_tally`` is, or derives from, every class in its MRO that defines one of ``decompress``,
-    ``accumulate``, ``aggregate`` and ``_decode_values``. A subclass that averages, or decodes differently, but
-    inherits a tally written for its parent gets the float route instead of a wrong vote."""
-    mro = type(compressor).__mro__
-    owner = next(c for c in mro if "new_tally" in c.__dict__)
-    for name in _DECODING:
-        definer = next((c for c in mro if name in c.__dict__), None)
-        if definer is not None and not issubclass(owner, definer):
-            return None
+    """``compressor.new_tally(...)`` where its class declares a tally (``Capabilities.tally``), else None: the
+    receiver adds the messages up in float32 and finishes with ``aggregate``."""
+    if not compressor.capabilities.tally:
+        return None
     return compressor.new_tally(slot, device)
 
 
 def sent_entries(compressor: Compressor, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:
-    """``compressor.sent_entries(...)`` where it was written for the compressor's ``decompress``, else None."""
-    if not _written_for(compressor, "sent_entries"):
+    """``compressor.sent_entries(...)`` where its class declares it (``Capabilities.sent_entries``), else None."""
+    if not compressor.capabilities.sent_entries:
         return None
     return compressor.sent_entries(fields, slot, step)
 
 
 def subtract_sent(compressor: Compressor, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-    """``out -= compressor.decompress(fields, slot, step)`` in place, by the compressor's own shortcut where it
-    was written for its ``decompress`` (see ``Compressor.subtract_sent``)."""
-    if _written_for(compressor, "subtract_sent"):
+    """``out -= compressor.decompress(fields, slot, step)`` in place, by the compressor's own shortcut where its
+    class declares one (``Capabilities.subtract_sent``; see ``Compressor.subtract_sent``)."""
+    if compressor.capabilities.subtract_sent:
         compressor.subtract_sent(fields, slot, step, out)
     else:
         Compressor.subtract_sent(compressor, fields, slot, step, out)
 
 
 def compress_sum(compressor: Compressor, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
-    """``into += x``, then ``compressor.compress(into, ...)``, by the compressor's own fused route where it was
-    written for its ``compress`` (see ``Compressor.compress_sum``)."""
-    if _written_for(compressor, "compress_sum", of="compress"):
+    """``into += x``, then ``compressor.compress(into, ...)``, by the compressor's own fused route where its class
+    declares one (``Capabilities.compress_sum``; see ``Compressor.compress_sum``)."""
+    if compressor.capabilities.compress_sum:
         return compressor.compress_sum(x, into, slot, step)
     return Compressor.compress_sum(compressor, x, into, slot, step)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot, sent_entries
+from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot, accumulate, sent_entries
 from gradcomp.errors import ConfigError
 from gradcomp.wire import Codec, FieldSpec
 
@@ -29,6 +29,7 @@ PROBE_NUMEL = 1 << 20  # the slot size at which a composition is checked when it
 
 
 class ComposedValues(Compressor):
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
     summable = False
 
     def __init__(self, inner: Compressor, values: Compressor):
@@ -107,7 +108,7 @@ class ComposedValues(Compressor):
         return sent_entries(self.inner, self._inner_fields(fields, slot, step), slot, step)
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-        self.inner.accumulate(self._inner_fields(fields, slot, step), slot, step, out)
+        accumulate(self.inner, self._inner_fields(fields, slot, step), slot, step, out)
 
     def state_dict(self) -> dict[str, Any]:
         return {"inner": self.inner.state_dict(), "values": self.values.state_dict()}

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
-from gradcomp.compressors.base import Compressor, Fields, Slot
+from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot
 from gradcomp.wire import Codec, FieldSpec
 
 FP16_MAX = 65504.0
@@ -29,6 +28,7 @@ BF16_MAX = torch.finfo(torch.bfloat16).max
 class _DenseCast(Compressor):
     """Every entry sent in ``dtype`` (codec ``codec``), saturating at ±``limit`` instead of overflowing."""
 
+    capabilities = Capabilities(subtract_sent=True)
     summable = True
     codec: Codec = Codec.F32
     dtype: torch.dtype = torch.float32
@@ -61,26 +61,26 @@ class _DenseCast(Compressor):
         out.sub_(fields[0].reshape(-1))  # fp16/bf16 widened to float32 in the kernel: exact, as .to(float32)
 
 
-@register
 class NoCompression(_DenseCast):
     """Uncompressed fp32: the reference every ratio is measured against."""
 
+    capabilities = _DenseCast.capabilities
     name = "none"
     unbiased = True
     omega = 0.0
 
 
-@register
 class Float16(_DenseCast):
     """Cast to IEEE half precision (16 bits per entry), saturating at ±65504."""
 
+    capabilities = _DenseCast.capabilities
     name = "fp16"
     codec, dtype, limit = Codec.F16, torch.float16, FP16_MAX
 
 
-@register
 class BFloat16(_DenseCast):
     """Cast to bfloat16 (16 bits per entry, 8 exponent bits like fp32), saturating at its largest finite value."""
 
+    capabilities = _DenseCast.capabilities
     name = "bf16"
     codec, dtype, limit = Codec.BF16, torch.bfloat16, BF16_MAX

@@ -94,8 +94,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import (
+    Capabilities,
     Compressor,
     Fields,
     Slot,
@@ -160,6 +160,7 @@ class SampledThresholdTopK(_PositionsAndValues):
     :class:`DGC` wraps it in momentum correction.
     """
 
+    capabilities = _PositionsAndValues.capabilities
     name = "dgc"
 
     def __init__(self, density: float, sample: float, warmup_steps: int, positions: str, seed: int):
@@ -277,10 +278,10 @@ def clip_norm(g: Tensor, clip: float) -> Tensor:
     return g * (clip / norm) if norm > clip else g
 
 
-@register
 class DGC(Compressor):
     """Deep Gradient Compression; see the module docstring for the algorithm and every choice."""
 
+    capabilities = Capabilities(accumulate=True)
     name = "dgc"
     owns_momentum = True
     owns_feedback = True  # its momentum correction keeps the residual: no error feedback on top

@@ -111,12 +111,11 @@ import torch
 from torch import Tensor
 
 from gradcomp import kernels
-from gradcomp.catalog import register
 from gradcomp.compressors.base import (
+    Capabilities,
     Compressor,
     Fields,
     Slot,
-    _written_for,
     check_int,
     shared_generator,
     shared_seed,
@@ -243,10 +242,10 @@ def cnat_decode(codes: Tensor) -> Tensor:
     return bits.bitwise_left_shift_(_MANTISSA_BITS).view(torch.float32)
 
 
-@register
 class NaturalCompression(Compressor):
     """C_nat: every entry randomly rounded to one of its two neighbouring signed powers of two, 9 bits each."""
 
+    capabilities = Capabilities(accumulate=True)
     name = "cnat"
     unbiased = True
     omega = 1.0 / 8.0
@@ -342,6 +341,7 @@ def _scaled(flat: Tensor, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
 class _Dithering(Compressor):
     """Shared machinery: [norm field, sign+level codes]; subclasses map y in [0, 1] to level indices."""
 
+    capabilities = Capabilities(accumulate=True)
     unbiased = True
     omega = None
     max_levels = 1
@@ -381,16 +381,19 @@ class _Dithering(Compressor):
     def _level_value(self, index: Tensor) -> Tensor:
         raise NotImplementedError
 
-    _CODES_KERNEL: str | None = None  # the dither_kernel function that reproduces this class's _level_index
+    # the dither_kernel function that reproduces this class's _level_index and _codes, declared in the class's
+    # own body; not inherited (__init_subclass__): a subclass that quantises otherwise must not run it
+    _CODES_KERNEL: str | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "_CODES_KERNEL" not in cls.__dict__:
+            cls._CODES_KERNEL = None
 
     def _codes_kernel(self, numel: int):
-        """The compiled codes of this method for ``numel`` entries on the CPU, or None. Only for the class whose
-        ``_level_index`` and ``_codes`` the kernel reproduces: a subclass that redefines either gets the torch
-        path."""
-        mro = type(self).__mro__
-        owner = next(c for c in mro if "_level_index" in c.__dict__)
-        codes_owner = next(c for c in mro if "_codes" in c.__dict__)
-        name = owner.__dict__.get("_CODES_KERNEL") if issubclass(owner, codes_owner) else None
+        """The compiled codes of this method for ``numel`` entries on the CPU, or None: the kernel the class
+        declares (``_CODES_KERNEL``), which a subclass that does not declare one never inherits."""
+        name = self._CODES_KERNEL
         module = kernels.dither(numel) if name else None
         return getattr(module, name) if module is not None else None
 
@@ -485,15 +488,16 @@ class _Dithering(Compressor):
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message (the same
-        float32 addition per entry). A subclass with its own ``decompress`` gets ``out += decompress(...)``."""
-        if not _written_for(self, "accumulate") or self._decode_compiled(fields, out, add=True) is None:
+        float32 addition per entry). A subclass that does not declare ``accumulate`` among its capabilities gets
+        ``out += decompress(...)``."""
+        if not self.capabilities.accumulate or self._decode_compiled(fields, out, add=True) is None:
             super().accumulate(fields, slot, step, out)
 
 
-@register
 class RandomDithering(_Dithering):
     """Standard random dithering D_sta^{p,s} (QSGD for p = 2): uniform levels l/s on |x_i|/||x||_p."""
 
+    capabilities = _Dithering.capabilities
     name = "random_dithering"
     max_levels = (1 << 24) - 1
     _CODES_KERNEL = "random_codes"
@@ -528,10 +532,10 @@ class RandomDithering(_Dithering):
         return index.to(torch.float32) / float(self.levels)
 
 
-@register
 class NaturalDithering(_Dithering):
     """Natural dithering D_nat^{p,s}: levels 0, 2^(1−s), …, 1/2, 1 on |x_i|/||x||_p."""
 
+    capabilities = _Dithering.capabilities
     name = "natural_dithering"
     max_levels = 126
     _CODES_KERNEL = "natural_codes"
@@ -599,7 +603,6 @@ def _ternary_chunks(
     return out
 
 
-@register
 class TernGrad(Compressor):
     """TernGrad: s·sign(x_i)·Bernoulli(|x_i|/s) with s = max|x| after optional clipping at c·σ.
 
@@ -615,6 +618,7 @@ class TernGrad(Compressor):
     whole-tensor path that other devices run (``_cpu_loop``).
     """
 
+    capabilities = Capabilities(accumulate=True)
     name = "terngrad"
     omega = None
 
@@ -709,6 +713,6 @@ class TernGrad(Compressor):
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message. A subclass
-        with its own ``decompress`` gets ``out += decompress(...)``."""
-        if not _written_for(self, "accumulate") or self._decode_compiled(fields, out, add=True) is None:
+        that does not declare ``accumulate`` among its capabilities gets ``out += decompress(...)``."""
+        if not self.capabilities.accumulate or self._decode_compiled(fields, out, add=True) is None:
             super().accumulate(fields, slot, step, out)

@@ -65,7 +65,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Fields, Slot
 from gradcomp.compressors.natural import RandomDithering
 from gradcomp.errors import ConfigError, WireError
@@ -99,10 +98,11 @@ def elias_max_bytes(numel: int, levels: int) -> int:
     return (2 * numel + level_bits * numel + 7) // 8
 
 
-@register
 class QSGD(RandomDithering):
     """QSGD (Alistarh et al., 2017): ℓ2-normalised stochastic rounding to s levels; packed or Elias-coded."""
 
+    capabilities = RandomDithering.capabilities
+    _CODES_KERNEL = RandomDithering._CODES_KERNEL  # the same level index and codes as random dithering
     name = "qsgd"
 
     def __init__(self, levels: int = 127, seed: int = 0, coding: str = "packed"):

@@ -46,8 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
-from gradcomp.compressors.base import Compressor, Fields, Slot
+from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot
 from gradcomp.compressors.sparse import (
     KeptCount,
     check_positions_codec,
@@ -126,8 +125,8 @@ class _SharedValueSparsifier(Compressor):
         return position_spec(self.positions, slot.numel, self.count(slot))
 
 
-@register
 class SparseBinary(_SharedValueSparsifier):
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
     name = "sbc"
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
@@ -166,8 +165,8 @@ class SparseBinary(_SharedValueSparsifier):
         out.index_add_(0, positions, signed_mean.to(out.dtype).expand(positions.numel()))
 
 
-@register
 class SparseTernary(_SharedValueSparsifier):
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
     name = "stc"
 
     def specs(self, slot: Slot) -> list[FieldSpec]:

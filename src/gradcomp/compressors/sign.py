@@ -112,8 +112,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import kernels
-from gradcomp.catalog import register
-from gradcomp.compressors.base import Compressor, Fields, Slot, Tally
+from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot, Tally
 from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.wire import Codec, FieldSpec
@@ -320,6 +319,7 @@ def _sign_spec(slot: Slot) -> FieldSpec:
 class _Sign(Compressor):
     """Shared by all four: the sign bitmap as the first field, float values after it."""
 
+    capabilities = Capabilities(accumulate=True, subtract_sent=True)
     summable = False
     unbiased = False
     omega = None
@@ -455,6 +455,7 @@ class _MajorityVote(_Sign):
     optimizer's lr to scale, never an update to apply as it is (``LocalUpdateExchange`` refuses such methods).
     """
 
+    capabilities = Capabilities(accumulate=True, subtract_sent=True, tally=True)
     scale_free: ClassVar[bool] = True
 
     @staticmethod
@@ -479,7 +480,6 @@ class _MajorityVote(_Sign):
         return VoteTally(slot, device, self.name)
 
 
-@register
 class SignSGD(_MajorityVote):
     """signSGD with majority vote: send sign(g) in one bit per coordinate; the update is the vote.
 
@@ -487,13 +487,13 @@ class SignSGD(_MajorityVote):
     per-coordinate step size: about 1e-4 to 1e-3 on MNIST with SGD and no optimizer momentum.
     """
 
+    capabilities = _MajorityVote.capabilities
     name = "signsgd"
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         return [self._signs(_f32(x), step)]  # float64 rounded to float32 first, as the rest of the family does
 
 
-@register
 class Signum(_MajorityVote):
     """Signum with majority vote: m = β·m + (1 − β)·g on the worker, send sign(m); the update is the vote.
 
@@ -502,6 +502,7 @@ class Signum(_MajorityVote):
     sets it to 0, since this method owns momentum — give ``momentum`` here instead).
     """
 
+    capabilities = _MajorityVote.capabilities
     name = "signum"
     owns_momentum: ClassVar[bool] = True
 
@@ -645,6 +646,8 @@ class _ChunkedSign(_Sign):
     feedback's r += x is done chunk by chunk too, each chunk just before it is read (``compress_sum``): the
     same sums, one pass over the residual fewer from memory."""
 
+    capabilities = Capabilities(accumulate=True, subtract_sent=True, compress_sum=True)
+
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         return self._compress(_f32(x), slot)
 
@@ -663,7 +666,6 @@ class _ChunkedSign(_Sign):
         return self._compress(into, slot, before=add)
 
 
-@register
 class EFSignSGD(_ChunkedSign):
     """EF-signSGD: send sign(p) and one fp32 scale ||p||_1 / d, p = g + residual; mean aggregation.
 
@@ -672,6 +674,7 @@ class EFSignSGD(_ChunkedSign):
     MNIST lr 0.4 without optimizer momentum (the effective step of lr 0.05 with momentum 0.9).
     """
 
+    capabilities = _ChunkedSign.capabilities
     name = "efsignsgd"
     default_error_feedback: ClassVar[bool] = True
 
@@ -696,7 +699,6 @@ class EFSignSGD(_ChunkedSign):
         return scale, -scale
 
 
-@register
 class OneBit(_ChunkedSign):
     """1-bit SGD: sign bit plus two fp32 values, the mean of the entries >= 0 and of the entries < 0.
 
@@ -705,6 +707,7 @@ class OneBit(_ChunkedSign):
     momentum 0.9).
     """
 
+    capabilities = _ChunkedSign.capabilities
     name = "onebit"
     default_error_feedback: ClassVar[bool] = True
 

@@ -44,8 +44,8 @@ import torch
 from torch import Tensor
 
 from gradcomp import kernels
-from gradcomp.catalog import register
 from gradcomp.compressors.base import (
+    Capabilities,
     Compressor,
     Fields,
     Slot,
@@ -391,6 +391,8 @@ def topk_positions(flat: Tensor, k: int) -> Tensor:
 class _PositionsAndValues(Compressor):
     """Shared decoding of messages made of [sorted positions, fp32 values]."""
 
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
+
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         positions, values = fields
         return scatter_dense(slot.numel, positions, values)
@@ -404,8 +406,8 @@ class _PositionsAndValues(Compressor):
         scatter_add(out, positions, values)
 
 
-@register
 class TopK(_PositionsAndValues):
+    capabilities = _PositionsAndValues.capabilities
     name = "topk"
 
     def __init__(self, density: float | None = None, positions: str = "fixed", *, k: int | None = None):
@@ -464,8 +466,8 @@ class _SharedRandomSelection(Compressor):
         return slot.numel / k if (self.scale and k) else 1.0
 
 
-@register
 class RandomK(_SharedRandomSelection):
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
     name = "randomk"
 
     def __init__(
@@ -510,8 +512,8 @@ class RandomK(_SharedRandomSelection):
         scatter_add(out, self.positions(slot, step, values.device), values * self._factor(slot))
 
 
-@register
 class Threshold(_PositionsAndValues):
+    capabilities = _PositionsAndValues.capabilities
     name = "threshold"
 
     def __init__(self, threshold: float = 1e-3, positions: str = "fixed"):
@@ -537,10 +539,10 @@ class Threshold(_PositionsAndValues):
         return [positions, torch.index_select(flat, 0, positions).to(torch.float32)]
 
 
-@register
 class RandomBlock(_SharedRandomSelection):
     """One contiguous block of k coordinates per tensor, placed by a seed every worker shares."""
 
+    capabilities = Capabilities(accumulate=True, sent_entries=True)
     name = "randomblock"
 
     def start(self, slot: Slot, step: int) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from gradcomp.protocols.sizes import buffer_sizes, pad_to
-from gradcomp.schemes.requests import AllGather, Rounds
+from gradcomp.transport.requests import AllGather, Rounds
 
 
 def allgather_buffers(rank: int, buffer: Tensor, sizes: Sequence[int] | None = None) -> Rounds:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gradcomp.schemes.requests import AllReduce, Rounds
+from gradcomp.transport.requests import AllReduce, Rounds
 
 
 def allreduce_sum(flat: Tensor, inplace: bool = False) -> Rounds:

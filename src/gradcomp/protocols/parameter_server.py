@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from torch import Tensor
 
 from gradcomp.protocols.sizes import broadcast_buffer, buffer_sizes, pad_to
-from gradcomp.schemes.requests import Gather, Rounds
+from gradcomp.transport.requests import Gather, Rounds
 
 
 def parameter_server(

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from gradcomp.errors import WireError
-from gradcomp.schemes.requests import AllGather, Broadcast, Rounds
 from gradcomp.transport.base import CONTROL
+from gradcomp.transport.requests import AllGather, Broadcast, Rounds
 
 
 def exchange_sizes(buffer: Tensor) -> Rounds:

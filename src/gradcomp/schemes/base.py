@@ -4,7 +4,7 @@
         def run(self, slots, tensors, step) -> Rounds   # a generator of collective requests
         def state_dict(self) / load_state_dict(state) / retain(slots)
 
-``run`` yields requests (``gradcomp.schemes.requests``) and receives their results; it returns, on every
+``run`` yields requests (``gradcomp.transport.requests``) and receives their results; it returns, on every
 worker, the aggregated dense float32 tensors, one per slot. Drivers decide *how* the requests are carried
 out: ``drive`` blocks (``GradientAggregator``, the simulated cluster); the DDP hook runs the same generator on
 a communication thread so that a bucket's rounds overlap the rest of backward. A scheme is bound to its
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from gradcomp.compressors.base import Slot
 from gradcomp.errors import ConfigError
-from gradcomp.schemes.requests import Rounds
+from gradcomp.transport.requests import Rounds
 
 
 class Scheme(ABC):

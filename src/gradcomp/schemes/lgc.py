@@ -90,14 +90,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot, check_bool, check_density, check_int, kept_count
 from gradcomp.errors import ConfigError
 from gradcomp.protocols.sizes import broadcast_buffer
 from gradcomp.schemes.accumulation import largest, offsets_of
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.lgc_autoencoder import AutoencoderTrainer, latent_size, padded_length
-from gradcomp.schemes.requests import AllGather, AllReduce, Broadcast, Gather, Rounds
+from gradcomp.transport.requests import AllGather, AllReduce, Broadcast, Gather, Rounds
 from gradcomp.wire.golomb import golomb_decode, golomb_encode, optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")
@@ -125,7 +124,6 @@ class Layout:
     held_out: list[tuple[float, float]] = field(default_factory=list)  # stage 3: (its error, top-k's at its bits)
 
 
-@register
 class LGC(Scheme):
     name = "lgc"
 

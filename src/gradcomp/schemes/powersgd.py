@@ -91,11 +91,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot, check_bool, check_int, shared_generator
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
-from gradcomp.schemes.requests import AllReduce, Rounds
+from gradcomp.transport.requests import AllReduce, Rounds
 
 _TINY = torch.finfo(torch.float32).tiny  # a column whose norm is at most this counts as zero
 
@@ -176,7 +175,6 @@ class _Plan:
     total: int  # elements of the flat output
 
 
-@register
 class PowerSGD(Scheme):
     name = "powersgd"
 

@@ -83,9 +83,9 @@ from gradcomp.errors import ConfigError
 from gradcomp.protocols import allgather_buffers, pad_to
 from gradcomp.protocols.sizes import check_size
 from gradcomp.schemes.base import Scheme
-from gradcomp.schemes.requests import AllToAll, Rounds
 from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots, fixed_buffer_size
 from gradcomp.transport.base import CONTROL
+from gradcomp.transport.requests import AllToAll, Rounds
 
 
 def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:

@@ -32,13 +32,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, new_tally
+from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, accumulate, new_tally
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
 from gradcomp.finite import all_finite
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.schemes.base import Scheme
-from gradcomp.schemes.requests import Rounds
+from gradcomp.transport.requests import Rounds
 from gradcomp.transport.sim import computed_once
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
 from gradcomp.wire.bits import bits_needed, packed_nbytes
@@ -131,7 +131,7 @@ def aggregate_buffers(
         one = torch.empty_like(total)
         for buffer in buffers:
             one.zero_()
-            compressor.accumulate(decode_slots(compressor, slots, buffer)[i], slot, step, one)
+            accumulate(compressor, decode_slots(compressor, slots, buffer)[i], slot, step, one)
             total += one.div_(len(buffers))
         results.append(compressor.aggregate(total, 1))
     return results
@@ -147,7 +147,7 @@ def _add_buffer(
         if isinstance(total, Tally):
             total.add(fields)
         else:
-            compressor.accumulate(fields, slot, step, total)
+            accumulate(compressor, fields, slot, step, total)
 
 
 class SingleRound(Scheme):

@@ -88,12 +88,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot, check_int
 from gradcomp.compressors.countsketch import CountSketch
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.accumulation import AccumulatingScheme, largest, offsets_of
-from gradcomp.schemes.requests import AllReduce, Broadcast, Gather, Rounds
+from gradcomp.transport.requests import AllReduce, Broadcast, Gather, Rounds
 
 DEFAULT_COLS_PER_K = 10.0  # table columns per selected coordinate when cols is not given
 
@@ -117,7 +116,6 @@ class SlotPlan:
         return self.compressed and not self.whole
 
 
-@register
 class SketchedSGD(AccumulatingScheme):
     name = "sketch"
     topologies = ("allreduce", "ps")

@@ -36,19 +36,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot
 from gradcomp.compressors.natural import TernGrad
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
-from gradcomp.schemes.requests import AllGather, AllReduce, Rounds
+from gradcomp.transport.requests import AllGather, AllReduce, Rounds
 from gradcomp.wire import Codec, FieldSpec, decode, encode
 
 EXCHANGES = ("allgather", "allreduce")
 _INT8_MAX_WORKERS = 127  # a sum of W values in {-1, 0, 1} fits int8
 
 
-@register
 class TernGradShared(Scheme):
     name = "terngrad_shared"
 

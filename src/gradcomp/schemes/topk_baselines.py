@@ -29,13 +29,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradcomp.catalog import register
 from gradcomp.compressors.base import Slot
 from gradcomp.schemes.accumulation import AccumulatingScheme, largest, offsets_of
-from gradcomp.schemes.requests import AllGather, AllReduce, Rounds
+from gradcomp.transport.requests import AllGather, AllReduce, Rounds
 
 
-@register
 class LocalTopK(AccumulatingScheme):
     name = "local_topk"
 
@@ -72,7 +70,6 @@ class LocalTopK(AccumulatingScheme):
         return [t.div_(self.world_size) for t in out]
 
 
-@register
 class TrueTopK(AccumulatingScheme):
     name = "true_topk"
 

@@ -33,10 +33,10 @@ from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.finite import finite_flags
 from gradcomp.schemes.base import Scheme
-from gradcomp.schemes.requests import drive
 from gradcomp.schemes.single_round import TOPOLOGIES as SINGLE_ROUND_TOPOLOGIES
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.transport.base import CONTROL, Transport
+from gradcomp.transport.requests import drive
 
 TOPOLOGIES = (*SINGLE_ROUND_TOPOLOGIES, "sharded")
 

@@ -1,0 +1,103 @@
+"""Compressor capabilities: each class declares the optional shortcuts it provides, and only those run.
+
+``Compressor.capabilities`` (a ``Capabilities``) is set in each class's own body and never inherited; callers go
+through ``compressors.base``'s functions (``accumulate``, ``sent_entries``, ``subtract_sent``, ``compress_sum``,
+``new_tally``), which take a shortcut only where it is declared.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradcomp
+from gradcomp import Slot
+from gradcomp.compressors import base
+from gradcomp.compressors.base import Capabilities, Compressor
+from gradcomp.compressors.sparse import TopK
+from gradcomp.registry import BUILTIN, compressor_class
+
+# What every built-in single-message compressor declares (what the method-resolution inference it replaced gave).
+EXPECTED = {
+    "none": {"subtract_sent"}, "fp16": {"subtract_sent"}, "bf16": {"subtract_sent"},
+    "topk": {"accumulate", "sent_entries"}, "threshold": {"accumulate", "sent_entries"},
+    "randomk": {"accumulate", "sent_entries"}, "randomblock": {"accumulate", "sent_entries"},
+    "sbc": {"accumulate", "sent_entries"}, "stc": {"accumulate", "sent_entries"},
+    "dgc": {"accumulate"},
+    "cnat": {"accumulate"}, "random_dithering": {"accumulate"}, "natural_dithering": {"accumulate"},
+    "terngrad": {"accumulate"}, "qsgd": {"accumulate"},
+    "signsgd": {"accumulate", "subtract_sent", "tally"}, "signum": {"accumulate", "subtract_sent", "tally"},
+    "efsignsgd": {"accumulate", "subtract_sent", "compress_sum"},
+    "onebit": {"accumulate", "subtract_sent", "compress_sum"},
+}
+HOOKS = {"accumulate": "accumulate", "sent_entries": "sent_entries", "subtract_sent": "subtract_sent",
+         "compress_sum": "compress_sum", "tally": "new_tally"}
+
+
+def _declared(cls: type) -> set[str]:
+    return {flag for flag in HOOKS if getattr(cls.capabilities, flag)}
+
+
+def test_every_builtin_declares_what_it_did():
+    singles = {n for n in BUILTIN if issubclass(compressor_class(n), Compressor)}
+    assert singles == set(EXPECTED)
+    for name, flags in EXPECTED.items():
+        assert _declared(compressor_class(name)) == flags, name
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_a_declared_capability_has_its_method(name):
+    """A declaration is not a promise without code: the class (or a parent) defines the method it declares."""
+    cls = compressor_class(name)
+    for flag in _declared(cls):
+        method = HOOKS[flag]
+        assert getattr(cls, method) is not getattr(Compressor, method), (name, method)
+
+
+def test_wrappers_declare_what_they_forward():
+    ef = gradcomp.make("signum", error_feedback=True)
+    assert _declared(type(ef)) == {"accumulate", "tally"}
+    slot = Slot("w", 0, 100)
+    assert isinstance(base.new_tally(ef, slot, torch.device("cpu")), base.Tally)  # the inner vote, forwarded
+    composed = gradcomp.make("topk+cnat", error_feedback=False)
+    assert _declared(type(composed)) == {"accumulate", "sent_entries"}
+
+
+def test_a_subclass_that_declares_nothing_has_nothing():
+    class Quiet(TopK):
+        pass
+
+    class Same(TopK):
+        capabilities = TopK.capabilities
+
+    assert Quiet.capabilities == Capabilities() and Same.capabilities == TopK.capabilities
+    slot = Slot("w", 0, 50)
+    x = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    fields = Quiet(density=0.2).compress(x, slot, 0)
+    assert base.sent_entries(Quiet(density=0.2), fields, slot, 0) is None
+    assert base.sent_entries(Same(density=0.2), fields, slot, 0) is not None
+
+
+def test_a_subclass_that_decodes_otherwise_gets_the_generic_routes():
+    """Doubled inherits top-k's scatter-add and sent entries, written for top-k's decompress: not used for it."""
+
+    class Doubled(TopK):
+        def decompress(self, fields, slot, step):
+            return 2 * super().decompress(fields, slot, step)
+
+    c, slot = Doubled(density=0.2), Slot("w", 0, 50)
+    x = torch.randn(50, generator=torch.Generator().manual_seed(2))
+    fields = c.compress(x, slot, 0)
+    total = torch.ones(50)
+    base.accumulate(c, fields, slot, 0, total)
+    assert torch.equal(total, 1 + c.decompress(fields, slot, 0))
+    residual = x.clone()
+    base.subtract_sent(c, fields, slot, 0, residual)
+    assert torch.equal(residual, x - c.decompress(fields, slot, 0))
+
+
+def test_capabilities_must_be_a_capabilities():
+    with pytest.raises(TypeError, match="must be a Capabilities"):
+
+        class Wrong(TopK):  # the class statement itself raises
+            capabilities = {"accumulate": True}
