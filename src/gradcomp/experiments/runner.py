@@ -98,6 +98,7 @@ class TrainConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     ddp: bool = False  # train a DistributedDataParallel model with gradcomp's communication hook
     bucket_cap_mb: float | None = None  # DDP's bucket size (None: DDP's default, 25 MB)
+    fsdp: bool = False  # train an FSDP2 model whose reduce-scatter is compressed (experiments/fsdp_run.py)
     # resumable checkpoints (gradcomp.experiments.checkpoint): every rank's state into checkpoint_dir every
     # checkpoint_every steps and after the last one; resume_dir (or, with resume_if_present, checkpoint_dir
     # when it holds one) is loaded on every rank before training
@@ -183,6 +184,10 @@ class TrainConfig:
                 f"{data.train_x.shape[0]} examples of {self.dataset} over {self.workers} workers are {share} each"
             )
         model = build_model(self.model, data, self.seed)
+        if self.fsdp:
+            from gradcomp.experiments.fsdp_run import check_fsdp_config
+
+            return check_fsdp_config(self, compressor, server, model)
         scheme.bind(0, self.workers)  # a sharded scheme checks shards, which depend on W
         scheme.check_slots(GradientAggregator.slots_for(list(model.named_parameters()), self.granularity))
 
@@ -420,6 +425,10 @@ def run_worker(
     broadcast of the parameters, the hook, a resumed checkpoint) and before the first step; ``after_step(step,
     model)`` at the end of every step (both: ``gradcomp race``'s clock, wire counters and evaluation).
     """
+    if cfg.fsdp:
+        from gradcomp.experiments.fsdp_run import run_fsdp_worker
+
+        return run_fsdp_worker(cfg, transport, device)
     data = load_dataset(cfg.dataset, cfg.data_root)
     model = build_model(cfg.model, data, cfg.seed).to(device)
     optimizer = make_optimizer(model, cfg)
