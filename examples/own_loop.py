@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 examples/own_loop.py
 
+(The README shows this file from its first import on; tests/test_examples.py keeps the two the same.)
+
 Every rank trains its own replica on its own share of the examples; after backward, the aggregator replaces
 every ``.grad`` by the average over the workers of the decompressed messages, so the replicas stay identical.
 """
@@ -43,4 +45,4 @@ if rank == 0:
     print(f"test accuracy {accuracy:.4f}; replicas identical: {all(torch.equal(flat, r) for r in replicas)}")
 dist.barrier()  # under torchrun: every rank is done talking, then
 sys.stdout.flush()
-os._exit(0)  # leave without torch's teardown (see the README)
+os._exit(0)  # leave without torch's teardown (see below)

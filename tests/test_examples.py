@@ -40,6 +40,16 @@ def test_own_loop(tmp_path):
     assert "test accuracy 0." in out
 
 
+def test_readme_shows_own_loop():
+    """The README's "In your own training loop" block is examples/own_loop.py from its first import on."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = readme[readme.index("## In your own training loop") :]
+    block = section[section.index("```python\n") + len("```python\n") :]
+    block = block[: block.index("```")]
+    source = (EXAMPLES / "own_loop.py").read_text()
+    assert block == source[source.index("\nimport os") + 1 :]
+
+
 def test_torchrun_ddp(tmp_path):
     out = _run("torchrun_ddp.py", tmp_path, "--checkpoint-dir", str(tmp_path))
     assert "replicas identical: True" in out
