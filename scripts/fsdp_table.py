@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from gradcomp.experiments.launch import join_group, rendezvous_store
 from gradcomp.experiments.runner import TrainConfig
 
-METHODS = {  # name: (compressor, params, error feedback, lr); lr 0.05 = the default job's
+METHODS = {  # name: (compressor, params, error feedback, lr[, momentum]); lr 0.05, momentum 0.9 = the default job's
     "fsdp": (None, {}, None, 0.05),
     "none": ("none", {}, None, 0.05),
     "fp16": ("fp16", {}, None, 0.05),
@@ -34,6 +34,9 @@ METHODS = {  # name: (compressor, params, error feedback, lr); lr 0.05 = the def
     "efsignsgd": ("efsignsgd", {}, None, 0.05),
     "onebit": ("onebit", {}, None, 0.05),
     "topk 0.01 + EF": ("topk", {"density": 0.01}, True, 0.05),
+    # the sign family's settings of docs/methods/sign.md (at lr 0.05 with momentum 0.9 both diverge, as without FSDP)
+    "efsignsgd lr 0.4 m 0": ("efsignsgd", {}, None, 0.4, 0.0),
+    "onebit lr 0.4 m 0": ("onebit", {}, None, 0.4, 0.0),
 }
 
 
@@ -69,7 +72,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated labels of METHODS")
     ap.add_argument("--out", default="runs/fsdp.jsonl")
     args = ap.parse_args()
     methods = args.methods.split(",")
@@ -83,8 +86,10 @@ def main() -> None:
         for label in methods:
             if (label, seed) in done:
                 continue
-            name, params, ef, lr = METHODS[label]
+            name, params, ef, lr, *rest = METHODS[label]
+            momentum = rest[0] if rest else 0.9
             cfg = TrainConfig(compressor=name or "none", params=dict(params), error_feedback=ef, lr=lr, seed=seed,
+                              momentum=momentum,
                               workers=args.workers, steps=args.steps, progress=False, fsdp=True)
             jobs.append((label, cfg))
         if not jobs:
