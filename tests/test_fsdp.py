@@ -222,3 +222,24 @@ def test_refusals():
     assert "k=5" in errors[1] or "5" in errors[1]
     assert "fully_shard" in errors[2]
     assert "rank" in errors[3]
+
+
+def test_cli_fsdp(tmp_path):
+    """gradcomp train --fsdp trains through the launcher; options it does not carry are refused up front."""
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "gradcomp.cli", "train", "--fsdp", "--workers", "2", "--no-progress"]
+    for extra, words in ((["--simulate"], "drop --simulate"), (["--compressor", "powersgd"], "owns its rounds"),
+                         (["--topology", "sharded"], "no --topology"),
+                         (["--compressor", "topk", "--param", "k=100000"], "exceeds")):
+        done = subprocess.run(base + extra + ["--steps", "2"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and words in done.stderr, done.stderr
+    out = tmp_path / "run.json"
+    done = subprocess.run(base + ["--compressor", "cnat", "--steps", "6", "--json", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["steps"] == 6
+    assert 0 < result["bits_up_per_worker"] < result["dense_bits_per_worker"]

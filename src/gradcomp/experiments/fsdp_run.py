@@ -11,11 +11,15 @@ Evaluation: an FSDP forward is a collective (it all-gathers the parameters), so 
 alone. Every rank gathers the full parameters (``full_tensor``) into a plain copy of the model, and rank 0
 evaluates the copy. The replica digest is that gathered copy's.
 
-Not carried (refused before a worker starts, by ``check_fsdp_config``): ``--simulate``, ``--ddp``,
+Not carried (refused before a worker starts, by ``TrainConfig.validate``): ``--simulate``, ``--ddp``,
 ``--local-steps``, a topology or a server compressor (the reduce-scatter is the topology), methods that own
-their rounds, ``--checkpoint`` / ``--resume`` (the compressor's state has ``state_dict``, but the runner's
-checkpoint format is per replica, not per shard), and a method that applies momentum itself together with
-weight decay (the decay would have to enter the sharded gradient before the exchange).
+their rounds (``gradcomp.train.fsdp.check_fsdp_method``), ``--checkpoint`` / ``--resume`` (the compressor's state
+has ``state_dict``, but the runner's checkpoint format is per replica, not per shard), and a method that applies
+momentum itself together with weight decay (the decay would have to enter the sharded gradient before the
+exchange).
+
+``launch`` calls ``run_fsdp_worker`` instead of ``runner.run_worker`` when ``cfg.fsdp`` is set (this module
+uses the runner's batches and helpers, so the runner cannot import it).
 """
 
 from __future__ import annotations
@@ -27,56 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradcomp.compressors.base import Compressor, Slot
-from gradcomp.errors import ConfigError
 from gradcomp.experiments.data import evaluate, load_dataset
 from gradcomp.experiments.models import build_model
 from gradcomp.transport.base import Transport
-
-
-def fsdp_slots(model: nn.Module, world_size: int) -> list[Slot]:
-    """The slots ``compress_fsdp`` will compress for ``model`` sharded over ``world_size`` ranks (dim 0 cut into
-    W chunks of ceil(rows / W) rows, as FSDP2 pads it), so that limits are checked before a worker starts."""
-    slots = []
-    for index, (name, p) in enumerate(model.named_parameters()):
-        if not p.requires_grad or p.dim() == 0:
-            continue
-        rows = p.shape[0]
-        per_chunk = -(-rows // world_size)
-        rest = p.numel() // rows if rows else 0
-        for j in range(world_size):
-            real = max(0, min(rows - j * per_chunk, per_chunk)) * rest
-            if real:
-                slots.append(Slot(f"{name}/shard{j}", index * world_size + j, real))
-    return slots
-
-
-def check_fsdp_config(cfg: Any, compressor: Any, server: Any, model: nn.Module) -> None:
-    """ConfigError for what ``--fsdp`` does not carry (see the module docstring)."""
-    refusals = [
-        (cfg.simulate, "--fsdp needs real workers (a torch.distributed process group): drop --simulate"),
-        (cfg.ddp, "give --fsdp or --ddp, not both"),
-        (cfg.local_steps is not None, "--fsdp exchanges gradients inside backward: it cannot take --local-steps"),
-        (cfg.topology != "auto" or server is not None,
-         "--fsdp compresses FSDP's reduce-scatter (every rank owns 1/W of every parameter): it takes no "
-         "--topology or --server-compressor"),
-        (cfg.checkpoint_dir is not None or cfg.resume_dir is not None,
-         "--fsdp does not write or read the runner's checkpoints yet (gradcomp.compress_fsdp's state has "
-         "state_dict / load_state_dict for your own loop)"),
-        (cfg.weight_decay_in_gradient or (getattr(compressor, "owns_momentum", False) and cfg.weight_decay),
-         "--fsdp with a method that applies momentum itself cannot take --weight-decay"),
-    ]
-    for refused, message in refusals:
-        if refused:
-            raise ConfigError(message)
-    if not isinstance(compressor, Compressor):
-        raise ConfigError(
-            f"--fsdp carries single-message compressors; {cfg.compressor!r} owns its rounds (they assume every "
-            "rank ends with the whole aggregate, which a reduce-scatter does not give)"
-        )
-    compressor.bind_worker(0)
-    for slot in fsdp_slots(model, cfg.workers):
-        compressor.specs(slot)  # k larger than a chunk, ...
 
 
 def shard_model(model: nn.Module, world_size: int, device: torch.device) -> nn.Module:

@@ -56,6 +56,18 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+FSDP_REFUSALS = (  # what --fsdp does not carry: (test on the config and the server compressor, message)
+    (lambda c, s: c.simulate, "--fsdp needs real workers (a torch.distributed process group): drop --simulate"),
+    (lambda c, s: c.ddp, "give --fsdp or --ddp, not both"),
+    (lambda c, s: c.local_steps is not None, "--fsdp exchanges gradients inside backward: no --local-steps"),
+    (lambda c, s: c.topology != "auto" or s is not None, "--fsdp compresses FSDP's reduce-scatter (every rank owns "
+     "1/W of every parameter): it takes no --topology or --server-compressor"),
+    (lambda c, s: c.checkpoint_dir is not None or c.resume_dir is not None, "--fsdp does not write or read the "
+     "runner's checkpoints (gradcomp.compress_fsdp's state has state_dict for your own loop)"),
+    (lambda c, s: c.weight_decay_in_gradient, "--fsdp with a method that applies momentum itself takes no --weight-decay"),
+)
+
+
 @dataclass
 class TrainConfig:
     compressor: str = "none"
@@ -184,10 +196,13 @@ class TrainConfig:
                 f"{data.train_x.shape[0]} examples of {self.dataset} over {self.workers} workers are {share} each"
             )
         model = build_model(self.model, data, self.seed)
-        if self.fsdp:
-            from gradcomp.experiments.fsdp_run import check_fsdp_config
+        if self.fsdp:  # FSDP2 with a compressed reduce-scatter (experiments/fsdp_run.py, docs/fsdp.md)
+            from gradcomp.train.fsdp import check_fsdp_method
 
-            return check_fsdp_config(self, compressor, server, model)
+            for refused, message in FSDP_REFUSALS:
+                if refused(self, server):
+                    raise ConfigError(message)
+            return check_fsdp_method(compressor, model, self.workers)
         scheme.bind(0, self.workers)  # a sharded scheme checks shards, which depend on W
         scheme.check_slots(GradientAggregator.slots_for(list(model.named_parameters()), self.granularity))
 
@@ -425,10 +440,6 @@ def run_worker(
     broadcast of the parameters, the hook, a resumed checkpoint) and before the first step; ``after_step(step,
     model)`` at the end of every step (both: ``gradcomp race``'s clock, wire counters and evaluation).
     """
-    if cfg.fsdp:
-        from gradcomp.experiments.fsdp_run import run_fsdp_worker
-
-        return run_fsdp_worker(cfg, transport, device)
     data = load_dataset(cfg.dataset, cfg.data_root)
     model = build_model(cfg.model, data, cfg.seed).to(device)
     optimizer = make_optimizer(model, cfg)

@@ -267,6 +267,36 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
+def fsdp_slots(model: nn.Module, world_size: int) -> list[Slot]:
+    """The slots ``compress_fsdp`` compresses for a plain ``model`` once sharded over ``world_size`` ranks (dim 0
+    cut into W chunks of ceil(rows / W) rows, as FSDP2 pads it): for checks before any process group exists."""
+    slots = []
+    for index, (name, p) in enumerate(model.named_parameters()):
+        if not p.requires_grad or p.dim() == 0:
+            continue
+        rows = p.shape[0]
+        per_chunk = -(-rows // world_size)
+        rest = p.numel() // rows if rows else 0
+        for j in range(world_size):
+            real = max(0, min(rows - j * per_chunk, per_chunk)) * rest
+            if real:
+                slots.append(Slot(f"{name}/shard{j}", index * world_size + j, real))
+    return slots
+
+
+def check_fsdp_method(method: Any, model: nn.Module, world_size: int) -> None:
+    """ConfigError unless ``compress_fsdp`` can carry ``method`` for ``model`` over ``world_size`` ranks."""
+    if not isinstance(method, Compressor):
+        raise ConfigError(
+            f"compress_fsdp carries a single-message compressor (gradcomp.make('topk', ...)), got "
+            f"{getattr(method, 'name', '') or type(method).__name__}, which owns its rounds: they assume every rank "
+            "ends with the whole aggregate, which a reduce-scatter does not give"
+        )
+    method.bind_worker(0)
+    for slot in fsdp_slots(model, world_size):
+        method.specs(slot)  # k larger than a chunk, ...
+
+
 def compress_fsdp(
     model: nn.Module,
     compressor: Compressor,
@@ -283,11 +313,7 @@ def compress_fsdp(
     if FSDPModule is None:  # pragma: no cover
         raise ConfigError("compress_fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)")
     if not isinstance(compressor, Compressor):
-        raise ConfigError(
-            f"compress_fsdp carries a single-message compressor (gradcomp.make('topk', ...)), got "
-            f"{type(compressor).__name__}: a method that owns its rounds (PowerSGD, sketch, LGC, ...) expects every "
-            "rank to end with the whole aggregate, which a reduce-scatter does not give"
-        )
+        check_fsdp_method(compressor, model, 1)  # raises: a method that owns its rounds
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules or not isinstance(model, FSDPModule):
         raise ConfigError(
