@@ -136,8 +136,9 @@ def _reduce_scatter_topk(rank, world):
     return out, everyone, [(p.offset, p.padded, [s.numel if s else 0 for s in p.slots]) for p in comm.pieces]
 
 
-def test_each_rank_gets_the_mean_of_the_compressed_chunks():
-    results = run_workers(_reduce_scatter_topk, 2)
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_gets_the_mean_of_the_compressed_chunks(world):
+    results = run_workers(_reduce_scatter_topk, world)
     for rank, (out, everyone, pieces) in enumerate(results):
         expected = torch.zeros_like(out)
         row = out.numel()
@@ -148,7 +149,7 @@ def test_each_rank_gets_the_mean_of_the_compressed_chunks():
                 kept = torch.zeros_like(chunk)
                 top = chunk.abs().topk(math.ceil(0.3 * n)).indices
                 kept[top] = chunk[top]
-                expected[offset : offset + n] += kept / 2
+                expected[offset : offset + n] += kept / world
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
 
 
