@@ -91,7 +91,8 @@ def trainer(folder, callbacks):
 
 
 def main():
-    folder = os.environ.get("CHECKPOINT_DIR") or os.path.join(tempfile.gettempdir(), f"gradcomp-lightning-{os.getppid()}")
+    default = os.path.join(tempfile.gettempdir(), f"gradcomp-lightning-{os.getppid()}")  # torchrun's pid: shared
+    folder = os.environ.get("CHECKPOINT_DIR") or default
     make = lambda: gradcomp.make("topk", density=0.01, error_feedback=True)  # noqa: E731
     hook = GradcompDDPHook(make)
     every_epoch = ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1, every_n_epochs=1)

@@ -46,11 +46,15 @@ def batch(step):  # a pure function of (rank, step): a resumed run sees the same
 
 def build():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 10))
     for layer in (model[1], model[3]):
         fully_shard(layer, mesh=mesh)  # one FSDP module per layer: one reduce-scatter each
     fully_shard(model, mesh=mesh)
-    compressor = gradcomp.make("topk", density=0.01, error_feedback=True) if args.method == "topk" else gradcomp.make(args.method)
+    if args.method == "topk":
+        compressor = gradcomp.make("topk", density=0.01, error_feedback=True)
+    else:
+        compressor = gradcomp.make(args.method)
     state = gradcomp.compress_fsdp(model, compressor)  # after fully_shard, on every rank
     return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -91,7 +95,8 @@ train(model, optimizer, range(saved["step"], args.steps))
 resumed = full(model)
 same = all(torch.equal(a, b) for a, b in zip(straight, resumed))
 if rank == 0:  # an FSDP forward is a collective: rank 0 evaluates a plain copy of the gathered parameters
-    plain = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    plain = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 10))
     with torch.no_grad():
         for target, p in zip(plain.parameters(), resumed):
             target.copy_(p)

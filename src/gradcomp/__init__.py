@@ -44,6 +44,7 @@ __all__ = [
     "ByteCounter", "CommunicationError", "CompressionHookState", "Compressor", "ConfigError", "DistTransport",
     "ErrorFeedback", "FSDPCompressionState",
     "GradcompError", "GradientAggregator", "GradientExchange", "LocalUpdateExchange", "NonFiniteGradientError",
-    "SimulatedCluster", "Slot", "Transport", "WireError", "WorkerLostError", "available", "compress_fsdp", "compression_hook",
+    "SimulatedCluster", "Slot", "Transport", "WireError", "WorkerLostError", "available", "compress_fsdp",
+    "compression_hook",
     "keep_freed_memory", "make", "register", "register_ddp_hook",
 ]

@@ -63,7 +63,9 @@ def run_fsdp_worker(cfg: Any, transport: Transport, device: torch.device, *, com
     and the residual's bytes). ``compress=False``: FSDP's own reduce-scatter (the baseline of docs/fsdp.md;
     no bytes are counted then)."""
     from gradcomp.transport.base import ByteCounter
-    from gradcomp.experiments.runner import Batches, Curves, Progress, compute_gradients, make_optimizer, parameter_digest
+    from gradcomp.experiments.runner import (
+        Batches, Curves, Progress, compute_gradients, make_optimizer, parameter_digest,
+    )
     from gradcomp.train.fsdp import compress_fsdp
 
     data = load_dataset(cfg.dataset, cfg.data_root)

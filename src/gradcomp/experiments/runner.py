@@ -64,7 +64,8 @@ FSDP_REFUSALS = (  # what --fsdp does not carry: (test on the config and the ser
      "1/W of every parameter): it takes no --topology or --server-compressor"),
     (lambda c, s: c.checkpoint_dir is not None or c.resume_dir is not None, "--fsdp does not write or read the "
      "runner's checkpoints (gradcomp.compress_fsdp's state has state_dict for your own loop)"),
-    (lambda c, s: c.weight_decay_in_gradient, "--fsdp with a method that applies momentum itself takes no --weight-decay"),
+    (lambda c, s: c.weight_decay_in_gradient,
+     "--fsdp with a method that applies momentum itself takes no --weight-decay"),
 )
 
 
