@@ -329,8 +329,14 @@ def compress_fsdp(
     if process_group is None:
         pg = fsdp_group.mesh_info.shard_process_group
         ranks = dist.get_process_group_ranks(pg)
-        process_group = dist.new_group(ranks, backend=dist.get_backend(pg))
+        unsorted = {"sort_ranks": False} if ranks != sorted(ranks) else {}  # row j goes to FSDP's rank j
+        process_group = dist.new_group(ranks, backend=dist.get_backend(pg), **unsorted)
     transport = DistTransport(process_group)
+    if transport.rank != fsdp_group.mesh_info.shard_mesh_rank:
+        raise ConfigError(
+            f"compress_fsdp: this process is rank {transport.rank} of the given process group but rank "
+            f"{fsdp_group.mesh_info.shard_mesh_rank} of the FSDP mesh; the two must number the ranks alike"
+        )
     world = transport.world_size
     compressor.bind_worker(transport.rank)
     state = FSDPCompressionState(compressor, transport)
