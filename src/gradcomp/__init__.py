@@ -30,10 +30,21 @@ from gradcomp.transport import ByteCounter, DistTransport, SimulatedCluster, Tra
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # FSDP2 support is imported on first use: torch.distributed.fsdp takes about a second to import
+    if name in ("compress_fsdp", "FSDPCompressionState"):
+        from gradcomp.train import fsdp
+
+        return getattr(fsdp, name)
+    raise AttributeError(f"module 'gradcomp' has no attribute {name!r}")
+
+
 __all__ = [
     "ByteCounter", "CommunicationError", "CompressionHookState", "Compressor", "ConfigError", "DistTransport",
-    "ErrorFeedback",
+    "ErrorFeedback", "FSDPCompressionState",
     "GradcompError", "GradientAggregator", "GradientExchange", "LocalUpdateExchange", "NonFiniteGradientError",
-    "SimulatedCluster", "Slot", "Transport", "WireError", "WorkerLostError", "available", "compression_hook",
+    "SimulatedCluster", "Slot", "Transport", "WireError", "WorkerLostError", "available", "compress_fsdp",
+    "compression_hook",
     "keep_freed_memory", "make", "register", "register_ddp_hook",
 ]

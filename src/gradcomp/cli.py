@@ -57,6 +57,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ddp", action="store_true",
                    help="train a DistributedDataParallel model with gradcomp's communication hook "
                         "(exchanges overlap backward) instead of calling the aggregator after backward")
+    p.add_argument("--fsdp", action="store_true", help="train an FSDP2 model (fully_shard) whose gradient "
+                   "reduce-scatter gradcomp compresses (docs/fsdp.md)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, metavar="MB",
                    help="with --ddp: DDP's bucket size (default: DDP's 25 MB)")
     p.add_argument("--workers", type=int, default=4, help="number of workers (processes, or simulated)")
@@ -143,6 +145,7 @@ def _train(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         timeout_s=args.timeout,
         ddp=args.ddp,
+        fsdp=args.fsdp,
         bucket_cap_mb=args.bucket_cap_mb,
         checkpoint_dir=args.checkpoint,
         checkpoint_every=args.checkpoint_every,

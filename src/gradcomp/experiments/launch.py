@@ -119,7 +119,12 @@ def _device_for(cfg: TrainConfig, local_rank: int) -> torch.device:
 def _train_in_group(cfg: TrainConfig, device: torch.device, started: float) -> dict[str, Any] | None:
     """Runs inside an initialised process group; rank 0 returns the summary."""
     transport = DistTransport()
-    stats = run_worker(cfg, transport, device)
+    if cfg.fsdp:  # FSDP2 with a compressed reduce-scatter: its own loop, which uses the runner's helpers
+        from gradcomp.experiments.fsdp_run import run_fsdp_worker
+
+        stats = run_fsdp_worker(cfg, transport, device)
+    else:
+        stats = run_worker(cfg, transport, device)
     everyone: list[Any] = [None] * transport.world_size
     dist.all_gather_object(everyone, stats)  # after training: not booked on the transport's counters
     if transport.rank != 0:

@@ -56,6 +56,19 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+FSDP_REFUSALS = (  # what --fsdp does not carry: (test on the config and the server compressor, message)
+    (lambda c, s: c.simulate, "--fsdp needs real workers (a torch.distributed process group): drop --simulate"),
+    (lambda c, s: c.ddp, "give --fsdp or --ddp, not both"),
+    (lambda c, s: c.local_steps is not None, "--fsdp exchanges gradients inside backward: no --local-steps"),
+    (lambda c, s: c.topology != "auto" or s is not None, "--fsdp compresses FSDP's reduce-scatter (every rank owns "
+     "1/W of every parameter): it takes no --topology or --server-compressor"),
+    (lambda c, s: c.checkpoint_dir is not None or c.resume_dir is not None, "--fsdp does not write or read the "
+     "runner's checkpoints (gradcomp.compress_fsdp's state has state_dict for your own loop)"),
+    (lambda c, s: c.weight_decay_in_gradient,
+     "--fsdp with a method that applies momentum itself takes no --weight-decay"),
+)
+
+
 @dataclass
 class TrainConfig:
     compressor: str = "none"
@@ -98,6 +111,7 @@ class TrainConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     ddp: bool = False  # train a DistributedDataParallel model with gradcomp's communication hook
     bucket_cap_mb: float | None = None  # DDP's bucket size (None: DDP's default, 25 MB)
+    fsdp: bool = False  # train an FSDP2 model whose reduce-scatter is compressed (experiments/fsdp_run.py)
     # resumable checkpoints (gradcomp.experiments.checkpoint): every rank's state into checkpoint_dir every
     # checkpoint_every steps and after the last one; resume_dir (or, with resume_if_present, checkpoint_dir
     # when it holds one) is loaded on every rank before training
@@ -183,6 +197,13 @@ class TrainConfig:
                 f"{data.train_x.shape[0]} examples of {self.dataset} over {self.workers} workers are {share} each"
             )
         model = build_model(self.model, data, self.seed)
+        if self.fsdp:  # FSDP2 with a compressed reduce-scatter (experiments/fsdp_run.py, docs/fsdp.md)
+            from gradcomp.train.fsdp import check_fsdp_method
+
+            for refused, message in FSDP_REFUSALS:
+                if refused(self, server):
+                    raise ConfigError(message)
+            return check_fsdp_method(compressor, model, self.workers)
         scheme.bind(0, self.workers)  # a sharded scheme checks shards, which depend on W
         scheme.check_slots(GradientAggregator.slots_for(list(model.named_parameters()), self.granularity))
 

@@ -1,0 +1,387 @@
+"""FSDP2's gradient reduce-scatter, compressed with a gradcomp compressor.
+
+    model = ...; fully_shard(block) for each block; fully_shard(model)          # torch.distributed.fsdp
+    state = gradcomp.compress_fsdp(model, gradcomp.make("topk", density=0.01, error_feedback=True))
+    ...; loss.backward(); optimizer.step()                                         # as with plain FSDP2
+
+What FSDP2 does without it. After a module's backward, FSDP2 copies the unsharded gradients of the module's
+parameters into one flat buffer of W equal rows (``foreach_reduce_scatter_copy_in``): row j holds, for every
+parameter in turn, its dim-0 chunk j (dim 0 padded up to a multiple of W; the padding rows are zeros), i.e.
+exactly what rank j keeps of that parameter. A reduce-scatter then leaves on rank j the average of every
+rank's row j, which FSDP2 views as the sharded ``.grad`` of each parameter. ``FSDPModule.
+set_custom_reduce_scatter`` replaces that collective by an object called as ``comm(output_tensor=...,
+input_tensor=..., group=..., op=...)``, synchronously, on the autograd thread, once per FSDP module and
+backward, in the same order on every rank.
+
+What this module puts there (``_CompressedReduceScatter``), on rank r for each call:
+
+1. Slots. Every parameter's chunk j is a slot of its own, ``Slot(f"{name}/shard{j}", index·W + j, n)``, where
+   ``name`` / ``index`` are the parameter's in ``model.named_parameters()`` and n its chunk's real entries
+   (the padding is not compressed: an empty chunk sends nothing). Names and indices are the same on every
+   rank and distinct per (parameter, chunk), so shared randomness (random-k positions) is shared by the
+   ranks that send chunk j and differs between chunks, as in the sharded topology (schemes/sharded.py).
+2. Compress. Rank r compresses its chunk j of every parameter with the compressor (its error-feedback
+   residual for that slot, when it has one) and encodes them into ONE wire buffer for rank j.
+3. All-to-all. The W buffers travel by one all-to-all (``alltoall_buffers``: sizes fixed by the specs need
+   no size round; otherwise a control all-to-all first, padding booked apart), through a ``DistTransport``
+   on a process group of its own, so every byte is booked by the transport's ``ByteCounter`` from the
+   buffers handed to the process group, as everywhere in gradcomp.
+4. Aggregate. Rank r decodes the W buffers it received in rank order and aggregates them by the
+   compressor's rule (``aggregate_buffers``: the mean; the majority vote for signSGD / Signum), and writes
+   the result into the output shard (zeros in the padding). This is the first half of the sharded
+   topology; the second half (sending aggregates back) is not needed: FSDP keeps the gradient sharded, the
+   optimizer updates the shard, and the next forward all-gathers parameters, not gradients.
+
+Error-feedback memory. In a compressed reduce-scatter the compression error arises on the *sender*: rank r
+loses ``chunk_j - C(chunk_j)`` when it sends its chunk j to rank j, and only rank r knows it (rank j
+receives the compressed message only). So the residual that error feedback re-injects must live with the
+sender, one per chunk it sends: on every rank, the residuals cover the whole unsharded gradient of the
+model, W times the local shard's gradient (the figure is measured in docs/fsdp.md). Keeping it "for the
+local shard only" would need the compression to act after the reduction (on the owner), and then nothing
+before the reduction is compressed: that is an fp32 reduce-scatter. Methods without a residual (fp16,
+bf16, C_nat, QSGD and dithering: unbiased or nearly exact) keep no state at all; biased ones (the sign
+family, top-k, threshold, SBC/STC) need their residual and so a full gradient's memory per rank. Under
+FSDP that is one unsharded gradient (in fp32) more per rank than plain FSDP keeps; the model's
+parameters, gradients and optimizer states stay sharded.
+
+Other choices:
+
+- ``op``: FSDP2 asks for the average (``ReduceOp.AVG``) in fp32 and bf16; with fp16 gradient reduction
+  (``MixedPrecisionPolicy(reduce_dtype=float16)``) or ``set_force_sum_reduction_for_comms`` it asks for a sum
+  after dividing the input by a pre-factor and divides the output by a post-factor itself: the output is then
+  W times the aggregate. A custom divide factor (``set_gradient_divide_factor``: NCCL's PREMUL_SUM) is
+  refused. The compressors read float32: chunks of another dtype are widened exactly, and the result is
+  written back in the output's dtype.
+- Unused parameters: ``compress_fsdp`` turns on ``set_reduce_scatter_unused_params(True)`` so that every
+  parameter that requires a gradient is in every reduce-scatter (zeros when unused), which keeps the layout
+  of the flat buffer fixed and known; as with ``GradientAggregator``, an unused parameter then receives the
+  aggregate (its residual, the other ranks' gradients) instead of ``None``.
+- Step: each FSDP module counts its own reduce-scatters; the count seeds shared randomness and is saved.
+- Sharding: only FSDP2's default dim-0 sharding (``Shard(0)``) is carried; a ``shard_placement_fn`` that
+  shards another dim is refused at registration (FSDP reorders such gradients before the copy-in).
+- NaN / Inf in a gradient raise ``NonFiniteGradientError`` (from ``backward``) before anything is sent; a
+  rank with a finite gradient then waits at the all-to-all until the process group's time-out, as with the
+  DDP hook.
+- Methods that own their rounds (PowerSGD, sketched SGD, LGC, ...) are refused: their rounds assume every
+  rank ends with the whole aggregate, which a reduce-scatter does not give.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.errors import ConfigError
+from gradcomp.finite import all_finite
+from gradcomp.schemes.requests import drive
+from gradcomp.schemes.sharded import alltoall_buffers
+from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
+from gradcomp.train.exchange import check_gradients, check_state
+from gradcomp.transport.dist import DistTransport
+
+try:  # torch >= 2.6 (FSDP2's custom collectives: 2.8)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:  # pragma: no cover - an older torch
+    FSDPModule = None  # type: ignore[assignment,misc]
+    ReduceScatter = object  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One parameter's place in a row of FSDP's flat reduce-scatter buffer."""
+
+    name: str
+    offset: int  # where its chunk starts in every row
+    padded: int  # entries of its chunk in a row (dim 0 padded to a multiple of W)
+    slots: tuple[Slot | None, ...]  # chunk j as a slot (its first n entries are real), None when empty
+
+
+def _group_of(module: Any) -> Any:
+    """The FSDP module's one parameter group (FSDP2 internals; None when it manages no parameter)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(groups) > 1:
+        raise ConfigError(
+            "compress_fsdp: an FSDP module with several parameter groups (a per-parameter mesh from "
+            "shard_placement_fn) is not supported: FSDP2's custom reduce-scatter is one per module"
+        )
+    return groups[0] if groups else None
+
+
+class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
+    """FSDP2's ``ReduceScatter`` for one FSDP module: compress per destination, all-to-all, aggregate."""
+
+    def __init__(self, state: FSDPCompressionState, key: str, pieces: list[_Piece]):
+        self.state = state
+        self.key = key
+        self.pieces = pieces
+        world = state.world_size
+        self.row = sum(p.padded for p in pieces)
+        # the slots rank j serves: (piece, slot) for every non-empty chunk j
+        self.owned: list[list[tuple[_Piece, Slot]]] = [
+            [(p, p.slots[j]) for p in pieces if p.slots[j] is not None] for j in range(world)
+        ]
+        sizes = []
+        for owned in self.owned:
+            size = fixed_buffer_size(state.compressor, [s for _, s in owned]) if owned else 0
+            sizes.append(size)
+        self.known: list[int] | None = None if any(s is None for s in sizes) else sizes  # type: ignore[misc]
+        self.step = 0
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Any = None, op: Any = None, async_op: bool = False
+    ) -> None:
+        state = self.state
+        world, rank = state.world_size, state.rank
+        if op == dist.ReduceOp.AVG:
+            scale = 1.0
+        elif op == dist.ReduceOp.SUM:
+            scale = float(world)
+        else:
+            raise ConfigError(
+                f"compress_fsdp: FSDP asked for a reduce-scatter with {op!r}; only its average (and its sum with "
+                "pre/post division) are carried: do not call set_gradient_divide_factor on a compressed model"
+            )
+        if input_tensor.numel() != world * self.row or output_tensor.numel() != self.row:
+            raise ConfigError(
+                f"compress_fsdp: FSDP module {self.key!r} handed a reduce-scatter of {input_tensor.numel()} entries "
+                f"(output {output_tensor.numel()}), but its parameters that require gradients make "
+                f"{world} x {self.row}; were parameters frozen or unfrozen after compress_fsdp? Call it again"
+            )
+        rows = input_tensor.reshape(world, self.row)
+        if not input_tensor.is_floating_point() or not all_finite(input_tensor):
+            names, views = [], []
+            for p in self.pieces:
+                names.append(p.name)
+                views.append(rows[:, p.offset : p.offset + p.padded])
+            check_gradients(names, views, self.step)
+        step, compressor = self.step, state.compressor
+        started = time.perf_counter()
+        blocked_before = state.transport.counter.seconds
+        with torch.no_grad():
+            up = []
+            for j, owned in enumerate(self.owned):
+                if not owned:
+                    up.append(torch.empty(0, dtype=torch.uint8, device=input_tensor.device))
+                    continue
+                messages = []
+                for piece, slot in owned:
+                    chunk = rows[j, piece.offset : piece.offset + slot.numel]
+                    messages.append(compressor.compress(chunk.to(torch.float32), slot, step))
+                up.append(encode_slots(compressor, [s for _, s in owned], messages))
+            received = drive(state.transport, alltoall_buffers(rank, up, self.known))
+            mine = self.owned[rank]
+            output_tensor.zero_()
+            if mine:
+                aggregates = aggregate_buffers(compressor, [s for _, s in mine], received, step, input_tensor.device)
+                flat = output_tensor.reshape(-1)
+                for (piece, slot), aggregate in zip(mine, aggregates):
+                    if scale != 1.0:
+                        aggregate = aggregate * scale
+                    flat[piece.offset : piece.offset + slot.numel].copy_(aggregate)
+        state.compress_s += time.perf_counter() - started - (state.transport.counter.seconds - blocked_before)
+        self.step += 1
+        state.calls += 1
+        return None
+
+
+class FSDPCompressionState:
+    """What ``compress_fsdp`` returns: the compressor, the transport (``transport.counter``: bytes), the
+    per-module reduce-scatters, and ``state_dict`` / ``load_state_dict`` for the residuals and step counts."""
+
+    def __init__(self, compressor: Compressor, transport: DistTransport):
+        self.compressor = compressor
+        self.transport = transport
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self.comms: list[_CompressedReduceScatter] = []
+        self.compress_s = 0.0
+        self.calls = 0
+
+    @property
+    def counter(self):
+        return self.transport.counter
+
+    def slots(self) -> list[Slot]:
+        """Every slot this rank sends, module by module (a state's identity)."""
+        return [s for comm in self.comms for p in comm.pieces for s in p.slots if s is not None]
+
+    def residual_bytes(self) -> int:
+        """Bytes of the tensors this rank keeps between steps (error-feedback residuals, momentum), measured
+        from the compressor's state."""
+        return _tensor_bytes(self.compressor.state_dict())
+
+    def identity(self) -> dict:
+        return {
+            "method": repr(self.compressor),
+            "slots": [[s.name, s.numel] for s in self.slots()],
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "steps": {comm.key: comm.step for comm in self.comms},
+            "compressor": self.compressor.state_dict(),
+            **self.identity(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """ConfigError, and nothing loaded, for a state of another rank, method or model."""
+        check_state(state, ("steps", "compressor"), "FSDPCompressionState")
+        mine = self.identity()
+        for key in ("rank", "world_size", "method"):
+            if key in state and state[key] != mine[key]:
+                raise ConfigError(
+                    f"FSDPCompressionState.load_state_dict: the state was saved with {key} {state[key]!r}, this is "
+                    f"{mine[key]!r} (residuals are one rank's own: save and load one state per rank)"
+                )
+        if "slots" in state and [tuple(s) for s in state["slots"]] != [tuple(s) for s in mine["slots"]]:
+            raise ConfigError("FSDPCompressionState.load_state_dict: the state was saved for other parameters")
+        if set(state["steps"]) != {comm.key for comm in self.comms}:
+            raise ConfigError(
+                f"FSDPCompressionState.load_state_dict: the state has FSDP modules {sorted(state['steps'])}, "
+                f"this model {sorted(comm.key for comm in self.comms)}"
+            )
+        self.compressor.load_state_dict(state["compressor"])
+        for comm in self.comms:
+            comm.step = int(state["steps"][comm.key])
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def fsdp_slots(model: nn.Module, world_size: int) -> list[Slot]:
+    """The slots ``compress_fsdp`` compresses for a plain ``model`` once sharded over ``world_size`` ranks (dim 0
+    cut into W chunks of ceil(rows / W) rows, as FSDP2 pads it): for checks before any process group exists."""
+    slots = []
+    for index, (name, p) in enumerate(model.named_parameters()):
+        if not p.requires_grad or p.dim() == 0:
+            continue
+        rows = p.shape[0]
+        per_chunk = -(-rows // world_size)
+        rest = p.numel() // rows if rows else 0
+        for j in range(world_size):
+            real = max(0, min(rows - j * per_chunk, per_chunk)) * rest
+            if real:
+                slots.append(Slot(f"{name}/shard{j}", index * world_size + j, real))
+    return slots
+
+
+def check_fsdp_method(method: Any, model: nn.Module, world_size: int) -> None:
+    """ConfigError unless ``compress_fsdp`` can carry ``method`` for ``model`` over ``world_size`` ranks."""
+    if not isinstance(method, Compressor):
+        raise ConfigError(
+            f"compress_fsdp carries a single-message compressor (gradcomp.make('topk', ...)), got "
+            f"{getattr(method, 'name', '') or type(method).__name__}, which owns its rounds: they assume every rank "
+            "ends with the whole aggregate, which a reduce-scatter does not give"
+        )
+    method.bind_worker(0)
+    for slot in fsdp_slots(model, world_size):
+        method.specs(slot)  # k larger than a chunk, ...
+
+
+def compress_fsdp(
+    model: nn.Module,
+    compressor: Compressor,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> FSDPCompressionState:
+    """Compress the gradient reduce-scatter of every FSDP2 module in ``model`` with ``compressor``.
+
+    Call it on every rank, after ``fully_shard`` and before the first backward. Its collectives run on a
+    process group of its own (``process_group``, by default a new group over the FSDP mesh's ranks, made with
+    ``torch.distributed.new_group``, hence on every rank and in the same order). Returns the state:
+    ``state.counter`` (bytes), ``state.state_dict()`` / ``load_state_dict`` (residuals, one per rank).
+    """
+    if FSDPModule is None:  # pragma: no cover
+        raise ConfigError("compress_fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)")
+    if not isinstance(compressor, Compressor):
+        check_fsdp_method(compressor, model, 1)  # raises: a method that owns its rounds
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules or not isinstance(model, FSDPModule):
+        raise ConfigError(
+            "compress_fsdp takes a model wrapped by FSDP2 (torch.distributed.fsdp.fully_shard(model), after its "
+            "blocks), got a model that is not an FSDP module"
+        )
+    named = [(name, p) for name, p in model.named_parameters()]
+    index_of = {id(p): (i, name) for i, (name, p) in enumerate(named)}
+    groups = [(m, _group_of(m)) for m in modules]
+    fsdp_group = next((g for _, g in groups if g is not None), None)
+    if fsdp_group is None:
+        raise ConfigError("compress_fsdp: the FSDP model manages no parameter")
+    if process_group is None:
+        pg = fsdp_group.mesh_info.shard_process_group
+        ranks = dist.get_process_group_ranks(pg)
+        unsorted = {"sort_ranks": False} if ranks != sorted(ranks) else {}  # row j goes to FSDP's rank j
+        process_group = dist.new_group(ranks, backend=dist.get_backend(pg), **unsorted)
+    transport = DistTransport(process_group)
+    if transport.rank != fsdp_group.mesh_info.shard_mesh_rank:
+        raise ConfigError(
+            f"compress_fsdp: this process is rank {transport.rank} of the given process group but rank "
+            f"{fsdp_group.mesh_info.shard_mesh_rank} of the FSDP mesh; the two must number the ranks alike"
+        )
+    world = transport.world_size
+    compressor.bind_worker(transport.rank)
+    state = FSDPCompressionState(compressor, transport)
+    for module, group in groups:
+        if group is None:
+            continue
+        if group.mesh_info.shard_mesh_size != world:
+            raise ConfigError(
+                f"compress_fsdp: the FSDP mesh shards over {group.mesh_info.shard_mesh_size} ranks, the process "
+                f"group has {world}"
+            )
+        pieces, offset = [], 0
+        for fp in group.fsdp_params:
+            if not fp.sharded_param.requires_grad:
+                continue
+            if fp.fsdp_placement.dim != 0:
+                raise ConfigError(
+                    f"compress_fsdp: a parameter is sharded on dim {fp.fsdp_placement.dim}; only dim-0 sharding "
+                    "(FSDP2's default) is carried"
+                )
+            found = index_of.get(id(fp.sharded_param))
+            if found is None:
+                raise ConfigError("compress_fsdp: an FSDP parameter is not among model.named_parameters()")
+            index, name = found
+            if len(fp._orig_size) == 0:
+                raise ConfigError(f"compress_fsdp: {name} is a 0-dimensional parameter, which FSDP cannot shard")
+            padded = int(fp.padded_sharded_param_size.numel())
+            padded_rows = int(fp.padded_sharded_param_size[0])
+            rest = padded // padded_rows if padded_rows else 0  # entries per row of dim 0
+            rows = int(fp._orig_size[0])
+            slots = []
+            for j in range(world):
+                real = max(0, min(rows - j * padded_rows, padded_rows)) * rest
+                slots.append(Slot(f"{name}/shard{j}", index * world + j, real) if real > 0 else None)
+            for slot in slots:
+                if slot is not None:
+                    compressor.specs(slot)  # ConfigError (k larger than a chunk, ...) before anything is sent
+            pieces.append(_Piece(name, offset, padded, tuple(slots)))
+            offset += padded
+        if not pieces:
+            continue
+        prefix = pieces[0].name.rsplit(".", 1)[0] if "." in pieces[0].name else ""
+        key = f"{len(state.comms)}:{prefix}"  # the module's place and its first parameter's owner
+        comm = _CompressedReduceScatter(state, key, pieces)
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+        module.set_custom_reduce_scatter(comm)
+        state.comms.append(comm)
+    return state
