@@ -60,7 +60,9 @@ exception; DDP raises it from ``backward`` as a RuntimeError whose message names
 its traceback (the original object is ``state.failure``). The thread then refuses every later bucket at once
 (CommunicationError naming the first error; nothing more is sent), since the ranks' collective sequences may
 no longer agree. Every future is completed, with a result or an error, but only once its collectives return:
-a rank that waits for a peer that never comes waits until the process group's time-out.
+a rank that waits for a peer that never comes waits until the process group's time-out. If the thread itself
+dies (an error outside a job's handling), every queued future fails with the cause and later buckets are
+refused at once; ``wait`` and ``close`` wait at most the group's time-out and a margin, and notice a dead thread.
 
 Process group. ``register_ddp_hook`` runs the hook's collectives on a process group of its own, made with
 ``torch.distributed.new_group`` over the DDP group's ranks (same order, same backend, same time-out), never on
@@ -113,6 +115,23 @@ from gradcomp.transport.dist import DistTransport
 
 GRANULARITIES = ("layer", "bucket")
 DEFAULT_MIN_COMPRESSION_RATE = 2.0
+DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group time-out, when the group's own cannot be read
+
+
+def group_timeout(group: dist.ProcessGroup | None, device: torch.device | None = None) -> float | None:
+    """The process group's time-out in seconds, or None when torch does not expose it."""
+    with contextlib.suppress(Exception):  # not a public API: the group's backend options
+        group = group if group is not None else dist.group.WORLD
+        backend = group._get_backend(device or torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    return None
+
+
+def wait_bound(timeout_s: float | None) -> float:
+    """How long ``wait`` / ``close`` wait for the thread: the group's time-out (a job in a collective ends by
+    then, with its result or with the time-out's error) and a margin for the jobs' own work."""
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    return timeout_s + max(10.0, 0.1 * timeout_s)
 
 
 @dataclass
@@ -127,21 +146,46 @@ class _Job:
 
 
 class _CommThread:
-    """One thread draining one FIFO: every job's rounds run to the end, in submission order."""
+    """One thread draining one FIFO: every job's rounds run to the end, in submission order.
 
-    def __init__(self, exchange: GradientExchange):
+    Shared state (the queue, the count of jobs not yet completed, ``failure``) is guarded by one lock (the
+    condition's): ``failure`` is written by this thread and, for ``none``'s direct path, by gloo's callback
+    thread. If the thread dies (an error outside a job's own handling, e.g. completing a future raised), every
+    job still queued has its future failed with the cause, and later jobs are refused at once, so no future is
+    left pending. ``wait_idle`` and ``stop`` wait at most ``timeout`` seconds (the process group's time-out and
+    a margin: a job in a collective ends by then, with a result or the collective's time-out error).
+    """
+
+    def __init__(self, exchange: GradientExchange, timeout: float = DEFAULT_TIMEOUT_S):
         self.exchange = exchange
-        self.failure: BaseException | None = None
+        self.timeout = timeout
+        self._failure: BaseException | None = None
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
         self._pending = 0
         self._stopped = False
+        self._dead: BaseException | None = None  # why the thread ended abnormally
         self._thread: threading.Thread | None = None
+
+    @property
+    def failure(self) -> BaseException | None:
+        with self._cond:
+            return self._failure
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """Record ``exc`` as the first failure unless one is recorded already; returns the first failure."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = exc
+            return self._failure
 
     def submit(self, job: _Job) -> None:
         with self._cond:
             if self._stopped:
                 raise CommunicationError("this DDP hook state was closed; register a new hook")
+            if self._dead is not None:
+                _fail_future(job.future, _refusal(self._dead, "the DDP hook's communication thread died"))
+                return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gradcomp-ddp-comm", daemon=True)
                 self._thread.start()
@@ -149,20 +193,45 @@ class _CommThread:
             self._pending += 1
             self._cond.notify_all()
 
-    def wait_idle(self) -> None:
-        """Return once every submitted job has completed its future."""
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Return once every submitted job has completed its future.
+
+        CommunicationError if that takes longer than ``timeout`` seconds (default: the process group's
+        time-out and a margin), naming the failure if there is one. A dead thread's jobs were failed already.
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._cond:
             while self._pending:
-                self._cond.wait()
+                if self._thread is not None and not self._thread.is_alive():
+                    self._drain(self._dead or RuntimeError("the communication thread ended"))
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    cause = f"; first failure: {type(self._failure).__name__}: {self._failure}" if self._failure else ""
+                    raise CommunicationError(
+                        f"the DDP hook's communication thread still had {self._pending} bucket(s) after "
+                        f"{self.timeout if timeout is None else timeout:.0f} s (the process group's time-out and a "
+                        f"margin){cause}"
+                    )
+                self._cond.wait(min(left, 1.0))  # and look at the thread's liveness every second
 
-    def stop(self) -> None:
-        """Let the thread finish the queued jobs, then end it."""
+    def stop(self, timeout: float | None = None) -> bool:
+        """Let the thread finish the queued jobs, then end it; waits at most ``timeout`` seconds (default: the
+        process group's time-out and a margin). Returns whether the thread ended in time; if not, the jobs it
+        had not started have their futures failed, and the thread (a daemon) is left to end with its collective.
+        """
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(self.timeout if timeout is None else timeout)
+        if thread.is_alive():
+            with self._cond:
+                self._drain(CommunicationError("the DDP hook state was closed before this bucket was exchanged"))
+            return False
+        return True
 
     @property
     def closed(self) -> bool:
@@ -172,45 +241,78 @@ class _CommThread:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def _drain(self, cause: BaseException) -> None:
+        """Fail the future of every job not started (the lock held)."""
+        while self._jobs:
+            _fail_future(self._jobs.popleft().future, _refusal(cause, "the DDP hook's communication thread died"))
+            self._pending -= 1
+        self._cond.notify_all()
+
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self._stopped:
-                    self._cond.wait()
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-            try:
-                self._run(job)
-            finally:
+        job: _Job | None = None
+        try:
+            while True:
                 with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
+                    while not self._jobs and not self._stopped:
+                        self._cond.wait()
+                    if not self._jobs:
+                        return
+                    job = self._jobs.popleft()
+                try:
+                    self._run(job)
+                finally:
+                    with self._cond:
+                        self._pending -= 1
+                        self._cond.notify_all()
+                job = None
+        except BaseException as exc:  # the thread dies: nothing may stay pending
+            with self._cond:
+                if self._failure is None:
+                    self._failure = exc
+                self._dead = exc
+                if job is not None:
+                    _fail_future(job.future, exc)
+                self._drain(exc)
 
     def _run(self, job: _Job) -> None:
         stream = torch.cuda.stream(job.stream) if job.stream is not None else contextlib.nullcontext()
         with stream:
             try:
-                if self.failure is not None:
-                    raise CommunicationError(
-                        f"an earlier exchange of this DDP hook failed ({type(self.failure).__name__}: "
-                        f"{self.failure}); nothing more is sent"
-                    )
+                failure = self.failure
+                if failure is not None:
+                    raise _refusal(failure, "an earlier exchange of this DDP hook failed")
                 with torch.no_grad():
                     self._exchange(job)
                     if job.retain is not None:
                         self.exchange.scheme.retain(job.retain)
-            except BaseException as exc:
-                if self.failure is None:
-                    self.failure = exc
-                job.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-                return
-            job.future.set_result(job.buffer)
+                _set_result(job.future, job.buffer)
+            except Exception as exc:
+                self.fail(exc)
+                _fail_future(job.future, exc)
 
     def _exchange(self, job: _Job) -> None:
         averages = self.exchange.exchange(job.slots, job.tensors, job.step, validate=False)
         for target, average in zip(job.tensors, averages):
             target.copy_(average.view_as(target))
+
+
+def _set_result(future: torch.futures.Future, value: Tensor) -> None:
+    """Complete ``future`` with ``value`` (one place, so that a test can make it fail)."""
+    future.set_result(value)
+
+
+def _fail_future(future: torch.futures.Future, exc: BaseException) -> None:
+    """Complete ``future`` with ``exc`` unless it is completed already (then there is nothing to do)."""
+    if future.done():
+        return
+    with contextlib.suppress(RuntimeError):  # completed meanwhile
+        future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+
+
+def _refusal(cause: BaseException, what: str) -> CommunicationError:
+    error = CommunicationError(f"{what} ({type(cause).__name__}: {cause}); nothing more is sent")
+    error.__cause__ = cause
+    return error
 
 
 def _unwrap(future: torch.futures.Future) -> Tensor:
@@ -254,7 +356,7 @@ class CompressionHookState:
             and scheme.topology == "allreduce"
         )
         self._counter_lock = threading.Lock()  # the direct path books bytes here and seconds on gloo's thread
-        self._worker = _CommThread(self.exchange)
+        self._worker = _CommThread(self.exchange, wait_bound(group_timeout(process_group, self.exchange.transport.device)))
         self._finalizer = weakref.finalize(self, self._worker.stop)
         self._finalizer.atexit = False  # never join at exit: a daemon thread may sit in a dead collective
         self._layouts: dict[tuple, tuple[list[Slot], list[str]]] = {}
@@ -359,11 +461,9 @@ class CompressionHookState:
         still DDP's bucket order on every rank). A buffer that is not fp32 is sent as fp32, like the scheme.
         """
         transport = self.transport
-        if self._worker.failure is not None:  # the ranks' collective sequences may no longer agree
-            raise CommunicationError(
-                f"an earlier exchange of this DDP hook failed ({type(self._worker.failure).__name__}: "
-                f"{self._worker.failure}); nothing more is sent"
-            )
+        failure = self._worker.failure
+        if failure is not None:  # the ranks' collective sequences may no longer agree
+            raise _refusal(failure, "an earlier exchange of this DDP hook failed")
         flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
         flat.div_(transport.world_size)
         started = time.perf_counter()
@@ -381,8 +481,7 @@ class CompressionHookState:
                     f"rank {transport.rank}: all_reduce over {transport.backend} failed; a worker disappeared "
                     f"or did not answer within the process group's time-out ({exc})"
                 )
-                if self._worker.failure is None:
-                    self._worker.failure = lost
+                self._worker.fail(lost)
                 raise lost from exc
             with self._counter_lock:
                 transport.counter.seconds += time.perf_counter() - started
@@ -394,9 +493,10 @@ class CompressionHookState:
 
     # -- checkpoints and shutdown ---------------------------------------------------------------------------
 
-    def wait(self) -> None:
-        """Block until every bucket handed to the thread has been exchanged."""
-        self._worker.wait_idle()
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every bucket handed to the thread has been exchanged; CommunicationError after ``timeout``
+        seconds (default: the process group's time-out and a margin)."""
+        self._worker.wait_idle(timeout)
 
     def state_dict(self) -> dict:
         self.wait()
@@ -413,9 +513,15 @@ class CompressionHookState:
         """Every parameter's slot, in the model's order (a state's identity; buckets do not change it)."""
         return list(self.param_slots.values())
 
-    def close(self) -> None:
-        """Finish the queued buckets and stop the communication thread (the hook then refuses new ones)."""
-        self._finalizer()
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the queued buckets and stop the communication thread (the hook then refuses new ones).
+
+        Waits at most ``timeout`` seconds (default: the process group's time-out and a margin); returns whether
+        the thread ended in time. If not, the buckets it had not started fail, and the thread (a daemon, in a
+        collective) is left to end by itself.
+        """
+        self._finalizer.detach()
+        return self._worker.stop(timeout)
 
 
 def compression_hook(state: "CompressionHookState", bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
