@@ -174,23 +174,23 @@ class GradientExchange:
         (names and sizes, in order); the message names the first difference. Otherwise the first exchange would
         hand collectives of different sizes to the transport (gloo aborts the process on one rank, the others
         report a lost worker). Costs one all-gather of two int64 (a digest of the slot list and its length), and
-        a second one of the lists only when they differ: call it once per run. Not booked in the transport's
-        counter: a one-time set-up check (as the model's first broadcast), so the counts stay the exchanges' own
-        and a resumed run counts what an uninterrupted one does."""
+        a second one of the lists only when they differ: call it once per run. Booked as set-up traffic
+        (``counter.up_setup`` / ``down_setup``) and nowhere else, so the step counts stay the exchanges' own and
+        a resumed run's steps count what an uninterrupted run's do."""
         transport = self.transport
         if transport.world_size == 1:
             return
         listed = json.dumps([[slot.name, slot.numel] for slot in slots]).encode()
         digest = int.from_bytes(hashlib.sha256(listed).digest()[:8], "little", signed=True)
         mine = torch.tensor([digest, len(listed)], dtype=torch.int64, device=transport.device)
-        gathered = [g.tolist() for g in _uncounted_all_gather(transport, mine)]
+        gathered = [g.tolist() for g in _setup_all_gather(transport, mine)]
         if all(g == gathered[0] for g in gathered):
             return
         padded = torch.zeros(max(length for _, length in gathered), dtype=torch.uint8, device=transport.device)
         padded[: len(listed)] = torch.frombuffer(bytearray(listed), dtype=torch.uint8).to(transport.device)
         lists = [
             [tuple(s) for s in json.loads(bytes(t[:length].tolist()).decode())]
-            for t, (_, length) in zip(_uncounted_all_gather(transport, padded), gathered)
+            for t, (_, length) in zip(_setup_all_gather(transport, padded), gathered)
         ]
         raise ConfigError(
             f"{owner}: the workers' parameters differ ({first_difference(lists)}); every worker must "
@@ -273,14 +273,15 @@ def check_state(state: object, required: Sequence[str], owner: str) -> None:
         )
 
 
-def _uncounted_all_gather(transport: Transport, t: Tensor) -> list[Tensor]:
-    """``transport.all_gather(t)`` with the counter (bytes, calls, seconds) left as it was."""
+def _setup_all_gather(transport: Transport, t: Tensor) -> list[Tensor]:
+    """``transport.all_gather(t)`` booked as set-up traffic only (the step counts, calls and seconds unchanged)."""
     before = transport.counter.snapshot()
     try:
         return transport.all_gather(t, kind=CONTROL)
     finally:
         for f in fields(before):
             setattr(transport.counter, f.name, getattr(before, f.name))
+        transport.counter.book_setup(up=t.nbytes, down=(transport.world_size - 1) * t.nbytes)
 
 
 def first_difference(lists: Sequence[Sequence[tuple[str, int]]]) -> str:
