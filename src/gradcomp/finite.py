@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["all_finite", "finite_flags"]
+__all__ = ["all_finite", "finite_flags", "loss_scale"]
 
 
 def _sum(t: Tensor) -> Tensor:
@@ -38,3 +38,16 @@ def finite_flags(tensors: Sequence[Tensor]) -> list[bool]:
     if bool(torch.isfinite(torch.stack([_sum(t).to(torch.float32) for t in tensors])).all()):
         return [True] * len(tensors)
     return [all_finite(t) for t in tensors]
+
+
+def loss_scale(scaler) -> Tensor | None:
+    """The current scale of a ``torch.amp.GradScaler`` as a one-element tensor on its device (no host read), or
+    None for no scaler or a disabled one. The scaler must have scaled a loss already (its scale is made then)."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)  # the scaler's own tensor: reading it needs no host synchronisation
+    if scale is None:
+        from gradcomp.errors import ConfigError
+
+        raise ConfigError("the GradScaler has no scale yet: call scaler.scale(loss).backward() before the exchange")
+    return scale

@@ -109,7 +109,8 @@ from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
-from gradcomp.train.exchange import GradientExchange, check_gradients, warn_float64
+from gradcomp.finite import finite_flags, loss_scale
+from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 
@@ -143,6 +144,9 @@ class _Job:
     future: torch.futures.Future
     retain: list[Slot] | None  # at the last bucket of a pass: every slot of the pass
     stream: Any = None  # the autograd thread's CUDA stream, or None on the CPU
+    first: bool = False  # the first bucket of a backward pass
+    names: list[str] | None = None  # the bucket's parameters (to name a non-finite one)
+    grads: list[Tensor] | None = None  # granularity "bucket": the parameters' gradients (to name a non-finite one)
 
 
 class _CommThread:
@@ -156,9 +160,12 @@ class _CommThread:
     a margin: a job in a collective ends by then, with a result or the collective's time-out error).
     """
 
-    def __init__(self, exchange: GradientExchange, timeout: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, exchange: GradientExchange, timeout: float = DEFAULT_TIMEOUT_S, scaler: Any = None):
         self.exchange = exchange
         self.timeout = timeout
+        self.scaler = scaler
+        self._snapshot: dict | None = None  # the method's state at the start of the pass (taken on this thread)
+        self._skipping = False  # the pass overflowed on some rank (with a scaler): its later buckets are skipped
         self._failure: BaseException | None = None
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
@@ -283,17 +290,39 @@ class _CommThread:
                     raise _refusal(failure, "an earlier exchange of this DDP hook failed")
                 with torch.no_grad():
                     self._exchange(job)
-                    if job.retain is not None:
-                        self.exchange.scheme.retain(job.retain)
                 _set_result(job.future, job.buffer)
             except Exception as exc:
                 self.fail(exc)
                 _fail_future(job.future, exc)
 
     def _exchange(self, job: _Job) -> None:
-        averages = self.exchange.exchange(job.slots, job.tensors, job.step, validate=False)
+        """The bucket's exchange, agreed finite on every rank (see the module docstring, "Non-finite")."""
+        if job.first:
+            self._snapshot, self._skipping = self.exchange.snapshot(), False
+        if self._skipping:  # an earlier bucket of this pass overflowed on some rank: every rank skips the rest
+            job.buffer.fill_(float("nan"))
+            return
+        flags = finite_flags(job.tensors)  # on this thread: the autograd thread never waits for it
+        if job.grads is not None and not all(flags):
+            flags = finite_flags(job.grads)
+        here = [name for name, ok in zip(job.names or [], flags) if not ok]
+        scale = loss_scale(self.scaler)
+        if scale is not None and not here:
+            job.buffer.div_(scale)  # error feedback and momentum see unscaled gradients (a power of 2: exact)
+        averages = self.exchange.exchange(job.slots, job.tensors, job.step, validate=False, finite=not here)
+        if averages is None:  # some rank's gradients were not finite: every rank is here, at this bucket
+            self.exchange.restore(self._snapshot)
+            if self.scaler is None:
+                raise agreed_non_finite(job.step, here)
+            self._skipping = True
+            job.buffer.fill_(float("nan"))  # GradScaler's found_inf, on every rank: scaler.step skips
+            return
         for target, average in zip(job.tensors, averages):
             target.copy_(average.view_as(target))
+        if scale is not None:
+            job.buffer.mul_(scale)  # back in the scaler's units, for scaler.unscale_
+        if job.retain is not None:
+            self.exchange.scheme.retain(job.retain)
 
 
 def _set_result(future: torch.futures.Future, value: Tensor) -> None:
@@ -330,6 +359,7 @@ class CompressionHookState:
         named_parameters: Sequence[tuple[str, nn.Parameter]] | None = None,
         granularity: str = "layer",
         min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
+        scaler: torch.amp.GradScaler | None = None,
     ):
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -356,7 +386,8 @@ class CompressionHookState:
             and scheme.topology == "allreduce"
         )
         self._counter_lock = threading.Lock()  # the direct path books bytes here and seconds on gloo's thread
-        self._worker = _CommThread(self.exchange, wait_bound(group_timeout(process_group, self.exchange.transport.device)))
+        timeout = wait_bound(group_timeout(process_group, self.exchange.transport.device))
+        self._worker = _CommThread(self.exchange, timeout, scaler)
         self._finalizer = weakref.finalize(self, self._worker.stop)
         self._finalizer.atexit = False  # never join at exit: a daemon thread may sit in a dead collective
         self._layouts: dict[tuple, tuple[list[Slot], list[str]]] = {}
@@ -407,26 +438,24 @@ class CompressionHookState:
             raise CommunicationError("this DDP hook state was closed; register a new hook")
         if bucket.index() == 0:  # DDP hands buckets over in index order: a new backward pass
             self._pass_slots, self._pass_sizes = [], {}
-        try:
-            buffer = bucket.buffer()
-            # one reduction over the buffer; NaN or ±Inf anywhere makes the sum non-finite. Only then (or when
-            # finite values overflowed the sum) look parameter by parameter, which names the culprits.
-            finite = buffer.is_floating_point() and math.isfinite(buffer.sum().item())
-            if not finite or not self.direct:  # the direct path needs the slots only to name a culprit
+        buffer = bucket.buffer()
+        if self.direct:  # finiteness rides on the allreduce itself (see ``_direct``)
+            slots, names = [], []
+        else:  # checked on the thread: nothing here waits for the device
+            try:
                 slots, names = self._layout(bucket, bucket.parameters(), buffer)
-            if not finite:
-                check_gradients(names, bucket.gradients(), self.step)
-        except BaseException:
-            self._pass_slots, self._pass_sizes = [], {}
-            self._worker.wait_idle()  # nothing of this hook is in flight when backward raises
-            raise
+            except BaseException:
+                self._pass_slots, self._pass_sizes = [], {}
+                self._worker.wait_idle()  # nothing of this hook is in flight when backward raises
+                raise
         self._pass_sizes[bucket.index()] = buffer.numel()
         if self.direct:  # keeps no per-slot state: nothing to retain
+            step = self.step
             if bucket.is_last():
                 self.step += 1
                 self.bucket_sizes = self._pass_sizes
                 self._pass_sizes = {}
-            return self._direct(buffer)
+            return self._direct(buffer, step, bucket.index())
         self._pass_slots.extend(slots)
         device = buffer.device
         on_cuda = device.type == "cuda"
@@ -442,6 +471,9 @@ class CompressionHookState:
             future=future,
             retain=list(self._pass_slots) if bucket.is_last() else None,
             stream=torch.cuda.current_stream(device) if on_cuda else None,
+            first=bucket.index() == 0,
+            names=names,
+            grads=bucket.gradients() if self.granularity == "bucket" else None,
         )
         if bucket.is_last():
             self.step += 1
@@ -452,13 +484,19 @@ class CompressionHookState:
         self._worker.submit(job)
         return chained
 
-    def _direct(self, buffer: Tensor) -> torch.futures.Future:
+    def _direct(self, buffer: Tensor, step: int, index: int) -> torch.futures.Future:
         """``none``: the bucket buffer *is* its parameters' gradients back to back, i.e. SingleRound's message.
 
         Divided by W in place and all-reduced in place, asynchronously, straight from the hook, as torch's
         own allreduce does: the same bytes and the same average as the scheme, without a copy or a hop
         through the communication thread (which this state never uses, so the order of collectives is
         still DDP's bucket order on every rank). A buffer that is not fp32 is sent as fp32, like the scheme.
+
+        Finiteness rides on the allreduce without a byte more and without a host read here: the first entry gets
+        ``total - total`` added (total: the buffer's sum), which is 0 when every entry is finite and NaN when one
+        is not (or their sum overflows), so every rank's reduced first entry is NaN when any rank's bucket held a
+        NaN / Inf. gloo's callback thread reads it: NonFiniteGradientError on every rank, or, with a scaler, the
+        NaN left in every rank's gradients (``scaler.step`` skips the step on every rank).
         """
         transport = self.transport
         failure = self._worker.failure
@@ -466,6 +504,9 @@ class CompressionHookState:
             raise _refusal(failure, "an earlier exchange of this DDP hook failed")
         flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
         flat.div_(transport.world_size)
+        if flat.numel():
+            total = flat.sum()
+            flat[:1].add_(total - total)  # +0 (exact), or NaN: this rank's bucket is not finite
         started = time.perf_counter()
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=transport.group, async_op=True)
         with self._counter_lock:
@@ -485,6 +526,11 @@ class CompressionHookState:
                 raise lost from exc
             with self._counter_lock:
                 transport.counter.seconds += time.perf_counter() - started
+            if flat.numel() and not math.isfinite(float(flat[0])) and self._worker.scaler is None:
+                here = [f"bucket {index}"] if not math.isfinite(float(total)) else []
+                error = agreed_non_finite(step, here)
+                self._worker.fail(error)
+                raise error
             if flat is not buffer:
                 buffer.copy_(flat)
             return buffer
@@ -558,6 +604,7 @@ def register_ddp_hook(
     granularity: str = "layer",
     min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
     process_group: dist.ProcessGroup | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> CompressionHookState:
     """Register gradcomp's hook on a DDP model; returns the state (checkpoint it with ``state_dict()``).
 
@@ -590,6 +637,7 @@ def register_ddp_hook(
         named_parameters=list(model.module.named_parameters()),
         granularity=granularity,
         min_compression_rate=min_compression_rate,
+        scaler=scaler,
     )
     model.register_comm_hook(state, compression_hook)
     return state
