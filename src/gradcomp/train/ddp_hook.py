@@ -4,13 +4,13 @@
 
 Design: one communication thread per hook state, fed by a FIFO.
 
-- The hook runs on the autograd thread. It checks the bucket's gradients (NaN / Inf raise
-  NonFiniteGradientError naming the parameters, before anything of that bucket is sent), puts
-  ``(slots, tensors, step, future)`` on the FIFO and returns the future at once, so backward goes on
-  computing the next bucket while this one is exchanged.
-- The thread takes the jobs one by one and runs the scheme's rounds with the blocking driver (``drive``),
-  then writes the averages into the bucket's buffer in place (its dtype kept) and completes the future with
-  that buffer (``set_result``), or with the error (``set_exception``).
+- The hook runs on the autograd thread. It puts ``(slots, tensors, step, future)`` on the FIFO and returns the
+  future at once, so backward goes on computing the next bucket while this one is exchanged; it reads nothing
+  of the gradients, so it never waits for the device.
+- The thread takes the jobs one by one, checks the bucket for NaN / Inf, runs the scheme's rounds with the
+  ranks' finiteness agreed on the first message (``drive_agreeing``, see "Non-finite" below), then writes the
+  averages into the bucket's buffer in place (its dtype kept) and completes the future with that buffer
+  (``set_result``), or with the error (``set_exception``).
 
 Why a thread and not torch's chained futures (``all_reduce(async_op=True).get_future().then(...)``): with
 gloo every rank must issue the collectives of a process group in the same order. DDP calls the hook for
@@ -48,13 +48,16 @@ parameters' gradients back to back, i.e. the scheme's message: it is divided by 
 with no copy; the bytes and the average are the scheme's. Through the thread it measured 1.07-1.14x torch's
 built-in allreduce, directly 1.01-1.06x, like torch's own Python allreduce hook (docs/ddp.md).
 
-Errors. A NaN / Inf found by the hook is raised from the hook (so from ``loss.backward()``) as
-NonFiniteGradientError, after the buckets already queued have finished: when ``backward`` returns with the
-error, no collective of this hook is in flight and the process group can be used at once. When every rank
-finds it in the same bucket (a diverged model, a NaN loss that reaches every gradient) every rank raises
-there. When some ranks do not, they wait at a collective that never comes until the process group's time-out,
-then fail with the WorkerLostError. (After an error inside backward DDP itself refuses the next iteration:
-"Expected to have finished reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the
+Non-finite. Every rank's verdict on a bucket rides on the bucket's first message (``drive_agreeing``): if any
+rank's bucket held a NaN / Inf, every rank learns it at that message and stops there. The method's state is then
+put back to what it was at the start of the pass (a ``snapshot`` taken at the first bucket of every pass: one
+copy of the state per step). Without a scaler every rank raises the same NonFiniteGradientError (DDP raises it
+from ``backward`` as a RuntimeError naming it; ``state.failure`` is the original), and later buckets are
+refused. With ``scaler=`` (a ``torch.amp.GradScaler``) the pass is skipped instead: the bad bucket and every later
+one are filled with NaN on every rank, so ``scaler.step`` skips and ``scaler.update`` lowers the scale everywhere;
+gradients are divided by the scale before compression (residuals and momentum in unscaled units) and the average
+multiplied back. (After an error inside backward DDP itself refuses the next iteration: "Expected to have
+finished reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the
 thread (a collective that failed or timed out, a bad message) completes that bucket's future with the
 exception; DDP raises it from ``backward`` as a RuntimeError whose message names the original exception and
 its traceback (the original object is ``state.failure``). The thread then refuses every later bucket at once
