@@ -127,3 +127,20 @@ def test_a_scaler_leaves_parameters_and_residuals_as_without_one(runs, driver, l
         scaled, plain = r[driver, label, "scaled"], r[driver, label, "plain"]
         assert torch.equal(scaled["params"], plain["params"])
         assert same(scaled["state"], plain["state"])  # residuals and momentum in unscaled units
+
+
+def test_local_steps_refuse_an_aggregator_with_a_scaler():
+    from gradcomp.transport.sim import SimulatedCluster
+
+    cluster = SimulatedCluster(1)
+    agg = gradcomp.GradientAggregator(_net(), gradcomp.make("none"), cluster.transports[0],
+                                      scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(gradcomp.ConfigError, match="without a scaler"):
+        gradcomp.LocalUpdateExchange(agg, 2)
+
+
+def test_a_scaler_that_is_not_one_is_refused_before_anything_is_sent():
+    from gradcomp.transport.sim import SimulatedCluster
+
+    with pytest.raises(gradcomp.ConfigError, match="GradScaler"):
+        gradcomp.GradientAggregator(_net(), gradcomp.make("none"), SimulatedCluster(1).transports[0], scaler=2.0)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["all_finite", "finite_flags", "loss_scale"]
+__all__ = ["all_finite", "check_scaler", "finite_flags", "loss_scale"]
 
 
 def _sum(t: Tensor) -> Tensor:
@@ -51,3 +51,11 @@ def loss_scale(scaler) -> Tensor | None:
 
         raise ConfigError("the GradScaler has no scale yet: call scaler.scale(loss).backward() before the exchange")
     return scale
+
+
+def check_scaler(scaler, owner: str) -> None:
+    """ConfigError unless ``scaler`` is None or a ``torch.amp.GradScaler`` (anything with its scale and update)."""
+    if scaler is not None and not all(hasattr(scaler, a) for a in ("is_enabled", "get_scale", "scale", "update")):
+        from gradcomp.errors import ConfigError
+
+        raise ConfigError(f"{owner}: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError
-from gradcomp.finite import finite_flags, loss_scale
+from gradcomp.finite import check_scaler, finite_flags, loss_scale
 from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
 from gradcomp.transport.base import Transport
 
@@ -71,6 +71,7 @@ class GradientAggregator:
                 "gradients: they would be exchanged twice. Use gradcomp.register_ddp_hook(ddp_model, ...) to compress "
                 "DDP's exchange, or pass the unwrapped model (ddp_model.module) and drop DistributedDataParallel"
             )
+        check_scaler(scaler, "GradientAggregator")
         self.named = _named_parameters(params)
         if not self.named:
             raise ConfigError("no parameters that require gradients")

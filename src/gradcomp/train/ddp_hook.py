@@ -112,7 +112,7 @@ from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
-from gradcomp.finite import finite_flags, loss_scale
+from gradcomp.finite import check_scaler, finite_flags, loss_scale
 from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
@@ -366,6 +366,7 @@ class CompressionHookState:
     ):
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        check_scaler(scaler, "register_ddp_hook")
         self.exchange = GradientExchange(
             method,
             DistTransport(process_group),
