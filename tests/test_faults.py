@@ -146,3 +146,60 @@ def test_hook_nan_on_one_rank_raises_the_same_error_on_every_rank():
             assert event["seconds"] < 8, (label, rank, event)  # under the group's 10 s time-out
         assert per_rank[0][label]["events"][0]["message"] == per_rank[1][label]["events"][0]["message"], label
         assert torch.equal(per_rank[0][label]["params"], per_rank[1][label]["params"]), label
+
+
+# -- a step undone exactly: a run with a non-finite step ignored == a run that never had that step ------------------
+
+UNDONE = {
+    "topk-ef": ("topk", {"density": 0.25, "error_feedback": True}, "auto"),
+    "topk-ef-sharded": ("topk", {"density": 0.25, "error_feedback": True}, "sharded"),
+    "threshold-ps": ("threshold", {"threshold": 0.01, "error_feedback": True}, "ps"),
+    "signum": ("signum", {}, "auto"),
+    "powersgd": ("powersgd", {}, "auto"),
+    "dgc": ("dgc", {"density": 0.25}, "auto"),
+    "terngrad_shared": ("terngrad_shared", {}, "auto"),
+    "lgc-training": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 3}, "auto"),  # its first message
+    "lgc-compressed": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 1}, "auto"),  # is a broadcast
+}
+
+
+def _undone_run(name: str, params: dict, topology: str, bad: str):
+    def fn(t):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        agg = gradcomp.GradientAggregator(model, gradcomp.make(name, **params), t, topology=topology)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        raised = []
+        for step in range(6):
+            g = torch.Generator().manual_seed(10 * step + t.rank)
+            x, y = torch.randn(5, 16, generator=g), torch.randint(0, 8, (5,), generator=g)
+            if step == 2 and bad == "never happened":
+                continue
+            if step == 2 and t.rank == 1:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            try:
+                agg.step()
+            except gradcomp.NonFiniteGradientError as exc:
+                raised.append(exc.step)
+                continue
+            opt.step()
+        return raised, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    from gradcomp.transport.sim import SimulatedCluster
+
+    with SimulatedCluster(3) as cluster:
+        return cluster.run(fn)
+
+
+@pytest.mark.parametrize("label", list(UNDONE))
+def test_a_non_finite_step_is_undone_exactly(label):
+    name, params, topology = UNDONE[label]
+    if name not in gradcomp.available():
+        pytest.skip(f"{name} is not registered")
+    with_nan = _undone_run(name, params, topology, "nan on rank 1")
+    without = _undone_run(name, params, topology, "never happened")
+    for (raised, p), (none_raised, q) in zip(with_nan, without):
+        assert raised == [2] and none_raised == []
+        assert torch.equal(p, q), "the state after the undone step differs from never having had it"

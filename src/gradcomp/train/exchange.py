@@ -412,13 +412,25 @@ def drive_agreeing(transport: Transport, rounds: Rounds, finite: bool) -> tuple[
     on every worker, at the same request: the rounds are abandoned there, so nothing more is sent. ``_mark``
     says how a message says "not finite" without changing its size. A summed or gathered first message (an
     all-reduce, an all-gather, an all-to-all) tells every worker at once; a parameter server's gather tells the
-    root, whose next broadcast (the downstream message, or its length) tells the others. A first message that
-    cannot carry it (a broadcast, an integer all-reduce, an empty tensor) is preceded by one all-reduce of a
-    float32 flag (4 bytes, booked as control). Reading the flags is one host read of a few values.
+    root, whose next broadcast (the downstream message, or its length) tells the others. Broadcasts that come
+    first (a leader's message: LGC's positions) carry only their root's data and are passed on until a message
+    to which every worker contributes. A message that cannot carry it (an integer all-reduce, an empty tensor;
+    a step of broadcasts only) is preceded (followed) by one all-reduce of a float32 flag (4 bytes, booked as
+    control). Reading the flags is one host read of a few values.
     """
     world = transport.world_size
     try:
         request = next(rounds)
+    except StopIteration as done:  # nothing to send (no slots): the same on every worker
+        return True, done.value
+    while isinstance(request, Broadcast):
+        try:
+            request = rounds.send(execute(transport, request))
+        except StopIteration as done:  # broadcasts only: one flag round at the end
+            flag = torch.tensor([0.0 if finite else 1.0], device=request.tensor.device)
+            agreed = float(transport.all_reduce_sum(flag, kind=CONTROL)[0]) == 0.0
+            return agreed, done.value if agreed else None
+    try:
         chunks = world if isinstance(request, AllToAll) else 1
         t = request.tensor
         carries = _can_mark(t, chunks) and (
