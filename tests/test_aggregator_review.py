@@ -137,9 +137,10 @@ def test_different_parameters_on_the_simulated_workers_are_refused_before_anythi
         assert collectives == 0  # the check is not booked, and no exchange ran
 
 
-def test_the_same_parameters_pass_the_check_once_and_it_is_not_counted():
-    cluster = SimulatedCluster(2)
-    models = [_net() for _ in range(2)]
+def test_the_same_parameters_pass_the_check_once_and_it_is_counted_as_set_up_only():
+    world = 3
+    cluster = SimulatedCluster(world)
+    models = [_net() for _ in range(world)]
     aggs = [gradcomp.GradientAggregator(m, gradcomp.make("none"), t) for m, t in zip(models, cluster.transports)]
 
     def train(transport):
@@ -147,9 +148,15 @@ def test_the_same_parameters_pass_the_check_once_and_it_is_not_counted():
             models[transport.rank].zero_grad()
             F.cross_entropy(models[transport.rank](_batch(step)[0]), _batch(step)[1]).backward()
             aggs[transport.rank].step()
-        return transport.counter.up_control, transport.counter.collectives
+        c = transport.counter
+        return c.up_control, c.collectives, c.up_setup, c.down_setup, c.bytes_up, list(c.ops), c.report()
 
-    assert cluster.run(train) == [(0, 2), (0, 2)]  # one all-reduce per step, no control bytes
+    numel = sum(p.numel() for p in models[0].parameters())
+    for control, collectives, up_setup, down_setup, bytes_up, ops, report in cluster.run(train):
+        assert (control, collectives, ops) == (0, 2, ["all_reduce"])  # one all-reduce per step, no control bytes
+        assert (up_setup, down_setup) == (16, 16 * (world - 1))  # the digest and its length, two int64, once
+        assert bytes_up == 2 * 4 * numel  # the steps' own bytes, without the set-up
+        assert "set-up    sent 16 B, received 32 B (once per run" in report
 
 
 def test_float64_after_construction_is_announced_once_by_step():

@@ -388,7 +388,7 @@ def _nan_everywhere(rank: int, world: int) -> dict:
     x[0, 0, 0, 0] = float("nan")  # on every rank
     try:
         F.cross_entropy(ddp(x), batches[1][1]).backward()
-    except gradcomp.NonFiniteGradientError as exc:
+    except RuntimeError as exc:  # DDP re-raises the future's error, naming it
         message = str(exc)
     else:
         message = "no error"
@@ -401,8 +401,9 @@ def _nan_everywhere(rank: int, world: int) -> dict:
 @pytest.mark.slow
 def test_nan_on_every_rank_raises_naming_parameters():
     for r in run_workers(_nan_everywhere, 2, timeout=120):
-        assert "non-finite" in r["message"] and "classifier.3.weight" in r["message"], r["message"]
-        assert "nothing was sent" in r["message"]
+        assert "NonFiniteGradientError: non-finite" in r["message"], r["message"]
+        assert "classifier.3.weight" in r["message"], r["message"]
+        assert "nothing of it was applied" in r["message"]
         assert r["sum"] == [2.0, 2.0, 2.0]
 
 
@@ -426,13 +427,13 @@ def _nan_on_rank0(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_nan_on_one_rank_fails_the_others_within_the_group_timeout():
+def test_nan_on_one_rank_raises_on_every_rank_without_a_time_out():
     rank0, rank1 = run_workers(_nan_on_rank0, 2, timeout=120)
-    assert rank0["error"].startswith("NonFiniteGradientError"), rank0
-    # rank 1 sent its bucket and waited for rank 0, which never came: the collective timed out, the future
-    # failed and DDP raised from backward, naming the original error
-    assert "WorkerLostError" in rank1["error"] and "WorkerLostError" in rank1["failure"], rank1
-    assert rank1["seconds"] < 60
+    # the ranks agree on the bucket's first message: both raise at once, not after the group's 3 s time-out
+    for r in (rank0, rank1):
+        assert "NonFiniteGradientError" in r["error"] and r["failure"].startswith("NonFiniteGradientError"), r
+        assert "WorkerLostError" not in r["error"], r
+    assert "classifier" in rank0["failure"] and "on this worker" not in rank1["failure"]
 
 
 def _thread_failure(rank: int, world: int) -> dict:

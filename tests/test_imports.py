@@ -221,3 +221,25 @@ def test_the_reader_resolves_each_form_of_import(tmp_path):
     )
     found = _imported_all("gradcomp.schemes.sketch", source, modules)
     assert found == {"gradcomp.wire.bits", "gradcomp.kernels", "gradcomp.errors", "gradcomp.schemes.base"}
+
+
+def test_every_gradcomp_import_names_a_module_that_exists():
+    """``from gradcomp.a.b import c`` needs a module ``gradcomp.a.b`` (or ``gradcomp.a.b.c``): a module that moved
+    leaves no import behind that only fails when its (lazy) import finally runs."""
+    modules = _modules()
+    missing = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - (node.level - 1)] + ([base] if base else []))
+                wanted = [base] if base.startswith("gradcomp") else []
+            elif isinstance(node, ast.Import):
+                wanted = [a.name for a in node.names if a.name.startswith("gradcomp")]
+            else:
+                continue
+            missing += [f"{name}: {w}" for w in wanted if w not in modules]
+    assert not missing, "imports of modules that do not exist: " + ", ".join(missing)

@@ -44,13 +44,19 @@ def test_bf16_autocast_trains_and_keeps_replicas_identical():
 
 def _scaled_step(transport):
     model = _model()
-    aggregator = gradcomp.GradientAggregator(model, gradcomp.make("topk", density=0.5), transport)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)
+    aggregator = gradcomp.GradientAggregator(model, gradcomp.make("topk", density=0.5), transport, scaler=scaler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
     scaler.scale(model(torch.ones(4, 8)).pow(2).mean() * 1e10).backward()  # overflows to Inf on every rank
-    aggregator.step()
+    applied = aggregator.step()
+    scaler.step(optimizer)
+    scaler.update()
+    moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    return applied, moved, scaler.get_scale(), aggregator.skipped
 
 
-def test_fp16_grad_scaler_overflow_raises_instead_of_skipping_the_step():
-    # documented as not supported yet: GradScaler expects Inf / NaN gradients back, to skip the step
-    with SimulatedCluster(2) as cluster, pytest.raises(gradcomp.NonFiniteGradientError, match="nothing was sent"):
-        cluster.run(_scaled_step)
+def test_fp16_grad_scaler_overflow_skips_the_step_and_halves_the_scale_on_every_rank():
+    with SimulatedCluster(2) as cluster:
+        results = cluster.run(_scaled_step)
+    assert results == [(False, False, 2.0**119, 1)] * 2

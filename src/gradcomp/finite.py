@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["all_finite", "finite_flags"]
+__all__ = ["all_finite", "check_scaler", "finite_flags", "loss_scale"]
 
 
 def _sum(t: Tensor) -> Tensor:
@@ -38,3 +38,24 @@ def finite_flags(tensors: Sequence[Tensor]) -> list[bool]:
     if bool(torch.isfinite(torch.stack([_sum(t).to(torch.float32) for t in tensors])).all()):
         return [True] * len(tensors)
     return [all_finite(t) for t in tensors]
+
+
+def loss_scale(scaler) -> Tensor | None:
+    """The current scale of a ``torch.amp.GradScaler`` as a one-element tensor on its device (no host read), or
+    None for no scaler or a disabled one. The scaler must have scaled a loss already (its scale is made then)."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)  # the scaler's own tensor: reading it needs no host synchronisation
+    if scale is None:
+        from gradcomp.errors import ConfigError
+
+        raise ConfigError("the GradScaler has no scale yet: call scaler.scale(loss).backward() before the exchange")
+    return scale
+
+
+def check_scaler(scaler, owner: str) -> None:
+    """ConfigError unless ``scaler`` is None or a ``torch.amp.GradScaler`` (anything with its scale and update)."""
+    if scaler is not None and not all(hasattr(scaler, a) for a in ("is_enabled", "get_scale", "scale", "update")):
+        from gradcomp.errors import ConfigError
+
+        raise ConfigError(f"{owner}: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")

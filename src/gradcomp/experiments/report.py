@@ -71,6 +71,7 @@ def format_summary(r: dict[str, Any]) -> str:
         ("bits down / worker", f"{human_bits(down)}  ({ratio(down)})"),
         ("fp32 would send", f"{human_bits(dense)} up per worker"),
         ("padding", human_bits(r["padding_bits"]) + " per worker (not in the counts above)"),
+        ("set-up", human_bits(r.get("setup_bits", 0)) + " per worker, once (the slot check; not in the counts above)"),
         (
             "time",
             f"compute {r['compute_s']:.1f} s, compress {r['compress_s']:.1f} s, "

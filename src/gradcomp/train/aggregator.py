@@ -9,6 +9,15 @@
 
 Granularity ``layer`` compresses every parameter on its own (one slot each, still one collective per step);
 ``model`` flattens all gradients into one vector and compresses that (global top-k, one random block, ...).
+Non-finite gradients: the workers agree, on the step's first message, whether every worker's gradients were finite
+(``GradientExchange.exchange(finite=...)``). If any worker's were not, every worker raises the same
+NonFiniteGradientError at the same step, and the method's state (residuals, momentum) is restored to what it was
+before the step (``snapshot`` / ``restore``: one copy of the state per step, none for stateless methods). With a
+``torch.amp.GradScaler`` (``scaler=``) the step is skipped instead: every worker's gradients are set to NaN so that
+``scaler.step`` skips it and ``scaler.update`` lowers the scale on every worker. Gradients are unscaled before
+they are compressed (residuals and momentum stay in unscaled units, whatever the scale does) and the average is
+scaled back, so that ``scaler.unscale_`` / ``scaler.step`` see what they expect (exact: the scale is a power of 2).
+
 A parameter without a gradient on this step contributes zeros, so all workers always send the same slots;
 ``step()`` says what it receives. At the first exchange the workers check, with one small all-gather, that they
 all have the same parameters (names and sizes, in order): ConfigError on every worker, naming the first
@@ -24,7 +33,8 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError
-from gradcomp.train.exchange import GradientExchange, check_gradients, warn_float64
+from gradcomp.finite import check_scaler, finite_flags, loss_scale
+from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
 from gradcomp.transport.base import Transport
 
 GRANULARITIES = ("layer", "model")
@@ -51,6 +61,7 @@ class GradientAggregator:
         topology: str = "auto",
         server_compressor: Compressor | None = None,
         root: int = 0,
+        scaler: torch.amp.GradScaler | None = None,
     ):
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -60,6 +71,7 @@ class GradientAggregator:
                 "gradients: they would be exchanged twice. Use gradcomp.register_ddp_hook(ddp_model, ...) to compress "
                 "DDP's exchange, or pass the unwrapped model (ddp_model.module) and drop DistributedDataParallel"
             )
+        check_scaler(scaler, "GradientAggregator")
         self.named = _named_parameters(params)
         if not self.named:
             raise ConfigError("no parameters that require gradients")
@@ -74,7 +86,9 @@ class GradientAggregator:
         self.exchange = GradientExchange(
             compressor, transport, topology=topology, server_compressor=server_compressor, root=root
         )
+        self.scaler = scaler
         self.steps = 0
+        self.skipped = 0  # steps skipped because some worker's gradients overflowed (with a scaler)
         self._slots_agreed = False  # every worker's parameters checked against the others' (first exchange)
 
     @staticmethod
@@ -92,26 +106,49 @@ class GradientAggregator:
         """Each parameter's ``.grad``; zeros for a parameter without one, or frozen since (``requires_grad`` off)."""
         return [p.grad if p.grad is not None and p.requires_grad else torch.zeros_like(p) for _, p in self.named]
 
-    def aggregate(self, grads: Sequence[Tensor]) -> list[Tensor]:
-        """The averaged gradients for ``grads`` (one per parameter, in order); advances the step counter."""
+    def aggregate(self, grads: Sequence[Tensor]) -> list[Tensor] | None:
+        """The averaged gradients for ``grads`` (one per parameter, in order); advances the step counter.
+
+        If some worker's gradients are not finite: NonFiniteGradientError on every worker (the counter stays), or,
+        with a scaler, None on every worker (a skipped step; the counter advances). The state is as before either way.
+        """
         if len(grads) != len(self.named):
             raise ConfigError(f"expected {len(self.named)} gradients, got {len(grads)}")
-        check_gradients(self.names, grads, self.steps)
+        for name, g in zip(self.names, grads):
+            if not g.is_floating_point():
+                raise ConfigError(f"{name}: gradcomp compresses floating-point tensors, got dtype {g.dtype}")
+        here = [name for name, ok in zip(self.names, finite_flags(grads)) if not ok]
         if not self._slots_agreed:
             self.exchange.check_same_slots(self.slots_for(self.named, "layer"), "GradientAggregator")
             self._slots_agreed = True
+        scale = loss_scale(self.scaler)
+        snapshot = self.exchange.snapshot()
         if self.granularity == "layer":
-            averaged = self.exchange.exchange(self.slots, grads, self.steps, validate=False)
+            inputs = [g / scale for g in grads] if scale is not None and not here else grads
+            averaged = self.exchange.exchange(self.slots, inputs, self.steps, validate=False, finite=not here)
         else:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            (average,) = self.exchange.exchange(self.slots, [flat], self.steps, validate=False)
-            averaged = list(torch.split(average, [g.numel() for g in grads]))
+            if scale is not None and not here:
+                flat.div_(scale)
+            out = self.exchange.exchange(self.slots, [flat], self.steps, validate=False, finite=not here)
+            averaged = None if out is None else list(torch.split(out[0], [g.numel() for g in grads]))
+        if averaged is None:
+            self.exchange.restore(snapshot)
+            if self.scaler is None:
+                raise agreed_non_finite(self.steps, here)
+            self.steps += 1
+            self.skipped += 1
+            return None
         self.steps += 1
+        if scale is not None:
+            averaged = [a * scale for a in averaged]  # back in the scaler's units (a power of 2: exact)
         return [a.view_as(g) for a, g in zip(averaged, grads)]
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Replace every parameter's ``.grad`` with the aggregated average over all workers.
+    def step(self) -> bool:
+        """Replace every parameter's ``.grad`` with the aggregated average over all workers; returns True, or
+        False for a step skipped because some worker's gradients overflowed (with a ``scaler``; every ``.grad``
+        is then NaN, so ``scaler.step`` skips it and ``scaler.update`` lowers the scale, on every worker).
 
         One exchange per call: call it once per iteration, between ``backward()`` and ``optimizer.step()``. A
         second call in the same iteration is not detected; it runs another exchange of the averaged gradients
@@ -134,6 +171,11 @@ class GradientAggregator:
         if not self._warned_float64:  # model.double() after construction
             self._warned_float64 = warn_float64(self.named, "GradientAggregator", stacklevel=4)
         averaged = self.aggregate(self.current_gradients())
+        if averaged is None:  # skipped (a scaler, and some worker overflowed): every optimizer must see it
+            for _, p in self.named:
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+            return False
         for (_, p), a in zip(self.named, averaged):
             if not p.requires_grad:
                 continue  # frozen: no gradient, the optimizer leaves it where it is
@@ -141,6 +183,7 @@ class GradientAggregator:
                 p.grad = a.to(p.dtype).clone()
             else:
                 p.grad.copy_(a)
+        return True
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "exchange": self.exchange.state_dict(), **self.exchange.identity(self.slots)}

@@ -4,13 +4,13 @@
 
 Design: one communication thread per hook state, fed by a FIFO.
 
-- The hook runs on the autograd thread. It checks the bucket's gradients (NaN / Inf raise
-  NonFiniteGradientError naming the parameters, before anything of that bucket is sent), puts
-  ``(slots, tensors, step, future)`` on the FIFO and returns the future at once, so backward goes on
-  computing the next bucket while this one is exchanged.
-- The thread takes the jobs one by one and runs the scheme's rounds with the blocking driver (``drive``),
-  then writes the averages into the bucket's buffer in place (its dtype kept) and completes the future with
-  that buffer (``set_result``), or with the error (``set_exception``).
+- The hook runs on the autograd thread. It puts ``(slots, tensors, step, future)`` on the FIFO and returns the
+  future at once, so backward goes on computing the next bucket while this one is exchanged; it reads nothing
+  of the gradients, so it never waits for the device.
+- The thread takes the jobs one by one, checks the bucket for NaN / Inf, runs the scheme's rounds with the
+  ranks' finiteness agreed on the first message (``drive_agreeing``, see "Non-finite" below), then writes the
+  averages into the bucket's buffer in place (its dtype kept) and completes the future with that buffer
+  (``set_result``), or with the error (``set_exception``).
 
 Why a thread and not torch's chained futures (``all_reduce(async_op=True).get_future().then(...)``): with
 gloo every rank must issue the collectives of a process group in the same order. DDP calls the hook for
@@ -48,19 +48,24 @@ parameters' gradients back to back, i.e. the scheme's message: it is divided by 
 with no copy; the bytes and the average are the scheme's. Through the thread it measured 1.07-1.14x torch's
 built-in allreduce, directly 1.01-1.06x, like torch's own Python allreduce hook (docs/ddp.md).
 
-Errors. A NaN / Inf found by the hook is raised from the hook (so from ``loss.backward()``) as
-NonFiniteGradientError, after the buckets already queued have finished: when ``backward`` returns with the
-error, no collective of this hook is in flight and the process group can be used at once. When every rank
-finds it in the same bucket (a diverged model, a NaN loss that reaches every gradient) every rank raises
-there. When some ranks do not, they wait at a collective that never comes until the process group's time-out,
-then fail with the WorkerLostError. (After an error inside backward DDP itself refuses the next iteration:
-"Expected to have finished reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the
+Non-finite. Every rank's verdict on a bucket rides on the bucket's first message (``drive_agreeing``): if any
+rank's bucket held a NaN / Inf, every rank learns it at that message and stops there. The method's state is then
+put back to what it was at the start of the pass (a ``snapshot`` taken at the first bucket of every pass: one
+copy of the state per step). Without a scaler every rank raises the same NonFiniteGradientError (DDP raises it
+from ``backward`` as a RuntimeError naming it; ``state.failure`` is the original), and later buckets are
+refused. With ``scaler=`` (a ``torch.amp.GradScaler``) the pass is skipped instead: the bad bucket and every later
+one are filled with NaN on every rank, so ``scaler.step`` skips and ``scaler.update`` lowers the scale everywhere;
+gradients are divided by the scale before compression (residuals and momentum in unscaled units) and the average
+multiplied back. (After an error inside backward DDP itself refuses the next iteration: "Expected to have
+finished reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the
 thread (a collective that failed or timed out, a bad message) completes that bucket's future with the
 exception; DDP raises it from ``backward`` as a RuntimeError whose message names the original exception and
 its traceback (the original object is ``state.failure``). The thread then refuses every later bucket at once
 (CommunicationError naming the first error; nothing more is sent), since the ranks' collective sequences may
 no longer agree. Every future is completed, with a result or an error, but only once its collectives return:
-a rank that waits for a peer that never comes waits until the process group's time-out.
+a rank that waits for a peer that never comes waits until the process group's time-out. If the thread itself
+dies (an error outside a job's handling), every queued future fails with the cause and later buckets are
+refused at once; ``wait`` and ``close`` wait at most the group's time-out and a margin, and notice a dead thread.
 
 Process group. ``register_ddp_hook`` runs the hook's collectives on a process group of its own, made with
 ``torch.distributed.new_group`` over the DDP group's ranks (same order, same backend, same time-out), never on
@@ -107,12 +112,30 @@ from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
-from gradcomp.train.exchange import GradientExchange, check_gradients, warn_float64
+from gradcomp.finite import check_scaler, finite_flags, loss_scale
+from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 
 GRANULARITIES = ("layer", "bucket")
 DEFAULT_MIN_COMPRESSION_RATE = 2.0
+DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group time-out, when the group's own cannot be read
+
+
+def group_timeout(group: dist.ProcessGroup | None, device: torch.device | None = None) -> float | None:
+    """The process group's time-out in seconds, or None when torch does not expose it."""
+    with contextlib.suppress(Exception):  # not a public API: the group's backend options
+        group = group if group is not None else dist.group.WORLD
+        backend = group._get_backend(device or torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    return None
+
+
+def wait_bound(timeout_s: float | None) -> float:
+    """How long ``wait`` / ``close`` wait for the thread: the group's time-out (a job in a collective ends by
+    then, with its result or with the time-out's error) and a margin for the jobs' own work."""
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    return timeout_s + max(10.0, 0.1 * timeout_s)
 
 
 @dataclass
@@ -124,24 +147,55 @@ class _Job:
     future: torch.futures.Future
     retain: list[Slot] | None  # at the last bucket of a pass: every slot of the pass
     stream: Any = None  # the autograd thread's CUDA stream, or None on the CPU
+    first: bool = False  # the first bucket of a backward pass
+    names: list[str] | None = None  # the bucket's parameters (to name a non-finite one)
+    grads: list[Tensor] | None = None  # granularity "bucket": the parameters' gradients (to name a non-finite one)
 
 
 class _CommThread:
-    """One thread draining one FIFO: every job's rounds run to the end, in submission order."""
+    """One thread draining one FIFO: every job's rounds run to the end, in submission order.
 
-    def __init__(self, exchange: GradientExchange):
+    Shared state (the queue, the count of jobs not yet completed, ``failure``) is guarded by one lock (the
+    condition's): ``failure`` is written by this thread and, for ``none``'s direct path, by gloo's callback
+    thread. If the thread dies (an error outside a job's own handling, e.g. completing a future raised), every
+    job still queued has its future failed with the cause, and later jobs are refused at once, so no future is
+    left pending. ``wait_idle`` and ``stop`` wait at most ``timeout`` seconds (the process group's time-out and
+    a margin: a job in a collective ends by then, with a result or the collective's time-out error).
+    """
+
+    def __init__(self, exchange: GradientExchange, timeout: float = DEFAULT_TIMEOUT_S, scaler: Any = None):
         self.exchange = exchange
-        self.failure: BaseException | None = None
+        self.timeout = timeout
+        self.scaler = scaler
+        self._snapshot: dict | None = None  # the method's state at the start of the pass (taken on this thread)
+        self._skipping = False  # the pass overflowed on some rank (with a scaler): its later buckets are skipped
+        self._failure: BaseException | None = None
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
         self._pending = 0
         self._stopped = False
+        self._dead: BaseException | None = None  # why the thread ended abnormally
         self._thread: threading.Thread | None = None
+
+    @property
+    def failure(self) -> BaseException | None:
+        with self._cond:
+            return self._failure
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """Record ``exc`` as the first failure unless one is recorded already; returns the first failure."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = exc
+            return self._failure
 
     def submit(self, job: _Job) -> None:
         with self._cond:
             if self._stopped:
                 raise CommunicationError("this DDP hook state was closed; register a new hook")
+            if self._dead is not None:
+                _fail_future(job.future, _refusal(self._dead, "the DDP hook's communication thread died"))
+                return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gradcomp-ddp-comm", daemon=True)
                 self._thread.start()
@@ -149,20 +203,45 @@ class _CommThread:
             self._pending += 1
             self._cond.notify_all()
 
-    def wait_idle(self) -> None:
-        """Return once every submitted job has completed its future."""
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Return once every submitted job has completed its future.
+
+        CommunicationError if that takes longer than ``timeout`` seconds (default: the process group's
+        time-out and a margin), naming the failure if there is one. A dead thread's jobs were failed already.
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._cond:
             while self._pending:
-                self._cond.wait()
+                if self._thread is not None and not self._thread.is_alive():
+                    self._drain(self._dead or RuntimeError("the communication thread ended"))
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    cause = f"; first failure: {type(self._failure).__name__}: {self._failure}" if self._failure else ""
+                    raise CommunicationError(
+                        f"the DDP hook's communication thread still had {self._pending} bucket(s) after "
+                        f"{self.timeout if timeout is None else timeout:.0f} s (the process group's time-out and a "
+                        f"margin){cause}"
+                    )
+                self._cond.wait(min(left, 1.0))  # and look at the thread's liveness every second
 
-    def stop(self) -> None:
-        """Let the thread finish the queued jobs, then end it."""
+    def stop(self, timeout: float | None = None) -> bool:
+        """Let the thread finish the queued jobs, then end it; waits at most ``timeout`` seconds (default: the
+        process group's time-out and a margin). Returns whether the thread ended in time; if not, the jobs it
+        had not started have their futures failed, and the thread (a daemon) is left to end with its collective.
+        """
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(self.timeout if timeout is None else timeout)
+        if thread.is_alive():
+            with self._cond:
+                self._drain(CommunicationError("the DDP hook state was closed before this bucket was exchanged"))
+            return False
+        return True
 
     @property
     def closed(self) -> bool:
@@ -172,45 +251,100 @@ class _CommThread:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def _drain(self, cause: BaseException) -> None:
+        """Fail the future of every job not started (the lock held)."""
+        while self._jobs:
+            _fail_future(self._jobs.popleft().future, _refusal(cause, "the DDP hook's communication thread died"))
+            self._pending -= 1
+        self._cond.notify_all()
+
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self._stopped:
-                    self._cond.wait()
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-            try:
-                self._run(job)
-            finally:
+        job: _Job | None = None
+        try:
+            while True:
                 with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
+                    while not self._jobs and not self._stopped:
+                        self._cond.wait()
+                    if not self._jobs:
+                        return
+                    job = self._jobs.popleft()
+                try:
+                    self._run(job)
+                finally:
+                    with self._cond:
+                        self._pending -= 1
+                        self._cond.notify_all()
+                job = None
+        except BaseException as exc:  # the thread dies: nothing may stay pending
+            with self._cond:
+                if self._failure is None:
+                    self._failure = exc
+                self._dead = exc
+                if job is not None:
+                    _fail_future(job.future, exc)
+                self._drain(exc)
 
     def _run(self, job: _Job) -> None:
         stream = torch.cuda.stream(job.stream) if job.stream is not None else contextlib.nullcontext()
         with stream:
             try:
-                if self.failure is not None:
-                    raise CommunicationError(
-                        f"an earlier exchange of this DDP hook failed ({type(self.failure).__name__}: "
-                        f"{self.failure}); nothing more is sent"
-                    )
+                failure = self.failure
+                if failure is not None:
+                    raise _refusal(failure, "an earlier exchange of this DDP hook failed")
                 with torch.no_grad():
                     self._exchange(job)
-                    if job.retain is not None:
-                        self.exchange.scheme.retain(job.retain)
-            except BaseException as exc:
-                if self.failure is None:
-                    self.failure = exc
-                job.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-                return
-            job.future.set_result(job.buffer)
+                _set_result(job.future, job.buffer)
+            except Exception as exc:
+                self.fail(exc)
+                _fail_future(job.future, exc)
 
     def _exchange(self, job: _Job) -> None:
-        averages = self.exchange.exchange(job.slots, job.tensors, job.step, validate=False)
+        """The bucket's exchange, agreed finite on every rank (see the module docstring, "Non-finite")."""
+        if job.first:
+            self._snapshot, self._skipping = self.exchange.snapshot(), False
+        if self._skipping:  # an earlier bucket of this pass overflowed on some rank: every rank skips the rest
+            job.buffer.fill_(float("nan"))
+            return
+        flags = finite_flags(job.tensors)  # on this thread: the autograd thread never waits for it
+        if job.grads is not None and not all(flags):
+            flags = finite_flags(job.grads)
+        here = [name for name, ok in zip(job.names or [], flags) if not ok]
+        scale = loss_scale(self.scaler)
+        if scale is not None and not here:
+            job.buffer.div_(scale)  # error feedback and momentum see unscaled gradients (a power of 2: exact)
+        averages = self.exchange.exchange(job.slots, job.tensors, job.step, validate=False, finite=not here)
+        if averages is None:  # some rank's gradients were not finite: every rank is here, at this bucket
+            self.exchange.restore(self._snapshot)
+            if self.scaler is None:
+                raise agreed_non_finite(job.step, here)
+            self._skipping = True
+            job.buffer.fill_(float("nan"))  # GradScaler's found_inf, on every rank: scaler.step skips
+            return
         for target, average in zip(job.tensors, averages):
             target.copy_(average.view_as(target))
+        if scale is not None:
+            job.buffer.mul_(scale)  # back in the scaler's units, for scaler.unscale_
+        if job.retain is not None:
+            self.exchange.scheme.retain(job.retain)
+
+
+def _set_result(future: torch.futures.Future, value: Tensor) -> None:
+    """Complete ``future`` with ``value`` (one place, so that a test can make it fail)."""
+    future.set_result(value)
+
+
+def _fail_future(future: torch.futures.Future, exc: BaseException) -> None:
+    """Complete ``future`` with ``exc`` unless it is completed already (then there is nothing to do)."""
+    if future.done():
+        return
+    with contextlib.suppress(RuntimeError):  # completed meanwhile
+        future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+
+
+def _refusal(cause: BaseException, what: str) -> CommunicationError:
+    error = CommunicationError(f"{what} ({type(cause).__name__}: {cause}); nothing more is sent")
+    error.__cause__ = cause
+    return error
 
 
 def _unwrap(future: torch.futures.Future) -> Tensor:
@@ -228,9 +362,11 @@ class CompressionHookState:
         named_parameters: Sequence[tuple[str, nn.Parameter]] | None = None,
         granularity: str = "layer",
         min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
+        scaler: torch.amp.GradScaler | None = None,
     ):
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        check_scaler(scaler, "register_ddp_hook")
         self.exchange = GradientExchange(
             method,
             DistTransport(process_group),
@@ -254,7 +390,8 @@ class CompressionHookState:
             and scheme.topology == "allreduce"
         )
         self._counter_lock = threading.Lock()  # the direct path books bytes here and seconds on gloo's thread
-        self._worker = _CommThread(self.exchange)
+        timeout = wait_bound(group_timeout(process_group, self.exchange.transport.device))
+        self._worker = _CommThread(self.exchange, timeout, scaler)
         self._finalizer = weakref.finalize(self, self._worker.stop)
         self._finalizer.atexit = False  # never join at exit: a daemon thread may sit in a dead collective
         self._layouts: dict[tuple, tuple[list[Slot], list[str]]] = {}
@@ -305,26 +442,24 @@ class CompressionHookState:
             raise CommunicationError("this DDP hook state was closed; register a new hook")
         if bucket.index() == 0:  # DDP hands buckets over in index order: a new backward pass
             self._pass_slots, self._pass_sizes = [], {}
-        try:
-            buffer = bucket.buffer()
-            # one reduction over the buffer; NaN or ±Inf anywhere makes the sum non-finite. Only then (or when
-            # finite values overflowed the sum) look parameter by parameter, which names the culprits.
-            finite = buffer.is_floating_point() and math.isfinite(buffer.sum().item())
-            if not finite or not self.direct:  # the direct path needs the slots only to name a culprit
+        buffer = bucket.buffer()
+        if self.direct:  # finiteness rides on the allreduce itself (see ``_direct``)
+            slots, names = [], []
+        else:  # checked on the thread: nothing here waits for the device
+            try:
                 slots, names = self._layout(bucket, bucket.parameters(), buffer)
-            if not finite:
-                check_gradients(names, bucket.gradients(), self.step)
-        except BaseException:
-            self._pass_slots, self._pass_sizes = [], {}
-            self._worker.wait_idle()  # nothing of this hook is in flight when backward raises
-            raise
+            except BaseException:
+                self._pass_slots, self._pass_sizes = [], {}
+                self._worker.wait_idle()  # nothing of this hook is in flight when backward raises
+                raise
         self._pass_sizes[bucket.index()] = buffer.numel()
         if self.direct:  # keeps no per-slot state: nothing to retain
+            step = self.step
             if bucket.is_last():
                 self.step += 1
                 self.bucket_sizes = self._pass_sizes
                 self._pass_sizes = {}
-            return self._direct(buffer)
+            return self._direct(buffer, step, bucket.index())
         self._pass_slots.extend(slots)
         device = buffer.device
         on_cuda = device.type == "cuda"
@@ -340,6 +475,9 @@ class CompressionHookState:
             future=future,
             retain=list(self._pass_slots) if bucket.is_last() else None,
             stream=torch.cuda.current_stream(device) if on_cuda else None,
+            first=bucket.index() == 0,
+            names=names,
+            grads=bucket.gradients() if self.granularity == "bucket" else None,
         )
         if bucket.is_last():
             self.step += 1
@@ -350,22 +488,29 @@ class CompressionHookState:
         self._worker.submit(job)
         return chained
 
-    def _direct(self, buffer: Tensor) -> torch.futures.Future:
+    def _direct(self, buffer: Tensor, step: int, index: int) -> torch.futures.Future:
         """``none``: the bucket buffer *is* its parameters' gradients back to back, i.e. SingleRound's message.
 
         Divided by W in place and all-reduced in place, asynchronously, straight from the hook, as torch's
         own allreduce does: the same bytes and the same average as the scheme, without a copy or a hop
         through the communication thread (which this state never uses, so the order of collectives is
         still DDP's bucket order on every rank). A buffer that is not fp32 is sent as fp32, like the scheme.
+
+        Finiteness rides on the allreduce without a byte more and without a host read here: the first entry gets
+        ``total - total`` added (total: the buffer's sum), which is 0 when every entry is finite and NaN when one
+        is not (or their sum overflows), so every rank's reduced first entry is NaN when any rank's bucket held a
+        NaN / Inf. gloo's callback thread reads it: NonFiniteGradientError on every rank, or, with a scaler, the
+        NaN left in every rank's gradients (``scaler.step`` skips the step on every rank).
         """
         transport = self.transport
-        if self._worker.failure is not None:  # the ranks' collective sequences may no longer agree
-            raise CommunicationError(
-                f"an earlier exchange of this DDP hook failed ({type(self._worker.failure).__name__}: "
-                f"{self._worker.failure}); nothing more is sent"
-            )
+        failure = self._worker.failure
+        if failure is not None:  # the ranks' collective sequences may no longer agree
+            raise _refusal(failure, "an earlier exchange of this DDP hook failed")
         flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
         flat.div_(transport.world_size)
+        if flat.numel():
+            total = flat.sum()
+            flat[:1].add_(total - total)  # +0 (exact), or NaN: this rank's bucket is not finite
         started = time.perf_counter()
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=transport.group, async_op=True)
         with self._counter_lock:
@@ -381,11 +526,15 @@ class CompressionHookState:
                     f"rank {transport.rank}: all_reduce over {transport.backend} failed; a worker disappeared "
                     f"or did not answer within the process group's time-out ({exc})"
                 )
-                if self._worker.failure is None:
-                    self._worker.failure = lost
+                self._worker.fail(lost)
                 raise lost from exc
             with self._counter_lock:
                 transport.counter.seconds += time.perf_counter() - started
+            if flat.numel() and not math.isfinite(float(flat[0])) and self._worker.scaler is None:
+                here = [f"bucket {index}"] if not math.isfinite(float(total)) else []
+                error = agreed_non_finite(step, here)
+                self._worker.fail(error)
+                raise error
             if flat is not buffer:
                 buffer.copy_(flat)
             return buffer
@@ -394,9 +543,10 @@ class CompressionHookState:
 
     # -- checkpoints and shutdown ---------------------------------------------------------------------------
 
-    def wait(self) -> None:
-        """Block until every bucket handed to the thread has been exchanged."""
-        self._worker.wait_idle()
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every bucket handed to the thread has been exchanged; CommunicationError after ``timeout``
+        seconds (default: the process group's time-out and a margin)."""
+        self._worker.wait_idle(timeout)
 
     def state_dict(self) -> dict:
         self.wait()
@@ -413,9 +563,15 @@ class CompressionHookState:
         """Every parameter's slot, in the model's order (a state's identity; buckets do not change it)."""
         return list(self.param_slots.values())
 
-    def close(self) -> None:
-        """Finish the queued buckets and stop the communication thread (the hook then refuses new ones)."""
-        self._finalizer()
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the queued buckets and stop the communication thread (the hook then refuses new ones).
+
+        Waits at most ``timeout`` seconds (default: the process group's time-out and a margin); returns whether
+        the thread ended in time. If not, the buckets it had not started fail, and the thread (a daemon, in a
+        collective) is left to end by itself.
+        """
+        self._finalizer.detach()
+        return self._worker.stop(timeout)
 
 
 def compression_hook(state: "CompressionHookState", bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -452,6 +608,7 @@ def register_ddp_hook(
     granularity: str = "layer",
     min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
     process_group: dist.ProcessGroup | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> CompressionHookState:
     """Register gradcomp's hook on a DDP model; returns the state (checkpoint it with ``state_dict()``).
 
@@ -484,6 +641,7 @@ def register_ddp_hook(
         named_parameters=list(model.module.named_parameters()),
         granularity=granularity,
         min_compression_rate=min_compression_rate,
+        scaler=scaler,
     )
     model.register_comm_hook(state, compression_hook)
     return state

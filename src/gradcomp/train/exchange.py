@@ -24,7 +24,8 @@ import json
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,7 +37,17 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import TOPOLOGIES as SINGLE_ROUND_TOPOLOGIES
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.transport.base import CONTROL, Transport
-from gradcomp.transport.requests import drive
+from gradcomp.transport.requests import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Broadcast,
+    Gather,
+    Request,
+    Rounds,
+    drive,
+    execute,
+)
 
 TOPOLOGIES = (*SINGLE_ROUND_TOPOLOGIES, "sharded")
 
@@ -90,6 +101,17 @@ def check_gradients(names: Sequence[str], tensors: Sequence[Tensor], exchange: i
         raise NonFiniteGradientError(
             f"non-finite (NaN or Inf) gradient{where} in {', '.join(bad)}; nothing was sent", step=exchange
         )
+
+
+def agreed_non_finite(step: int, here: Sequence[str] = ()) -> NonFiniteGradientError:
+    """The error every worker raises, at the same exchange, when the workers agreed that some worker's gradients
+    were not finite; ``here``: this worker's non-finite tensors, if any (only their own worker names them)."""
+    mine = f"; on this worker in {', '.join(here)}" if here else ""
+    return NonFiniteGradientError(
+        f"non-finite (NaN or Inf) gradient at exchange {step} on at least one worker: every worker stops at this "
+        f"exchange and nothing of it was applied (no residual or momentum changed){mine}",
+        step=step,
+    )
 
 
 def warn_float64(named: Sequence[tuple[str, Tensor]], where: str, stacklevel: int = 3) -> bool:
@@ -174,23 +196,23 @@ class GradientExchange:
         (names and sizes, in order); the message names the first difference. Otherwise the first exchange would
         hand collectives of different sizes to the transport (gloo aborts the process on one rank, the others
         report a lost worker). Costs one all-gather of two int64 (a digest of the slot list and its length), and
-        a second one of the lists only when they differ: call it once per run. Not booked in the transport's
-        counter: a one-time set-up check (as the model's first broadcast), so the counts stay the exchanges' own
-        and a resumed run counts what an uninterrupted one does."""
+        a second one of the lists only when they differ: call it once per run. Booked as set-up traffic
+        (``counter.up_setup`` / ``down_setup``) and nowhere else, so the step counts stay the exchanges' own and
+        a resumed run's steps count what an uninterrupted run's do."""
         transport = self.transport
         if transport.world_size == 1:
             return
         listed = json.dumps([[slot.name, slot.numel] for slot in slots]).encode()
         digest = int.from_bytes(hashlib.sha256(listed).digest()[:8], "little", signed=True)
         mine = torch.tensor([digest, len(listed)], dtype=torch.int64, device=transport.device)
-        gathered = [g.tolist() for g in _uncounted_all_gather(transport, mine)]
+        gathered = [g.tolist() for g in _setup_all_gather(transport, mine)]
         if all(g == gathered[0] for g in gathered):
             return
         padded = torch.zeros(max(length for _, length in gathered), dtype=torch.uint8, device=transport.device)
         padded[: len(listed)] = torch.frombuffer(bytearray(listed), dtype=torch.uint8).to(transport.device)
         lists = [
             [tuple(s) for s in json.loads(bytes(t[:length].tolist()).decode())]
-            for t, (_, length) in zip(_uncounted_all_gather(transport, padded), gathered)
+            for t, (_, length) in zip(_setup_all_gather(transport, padded), gathered)
         ]
         raise ConfigError(
             f"{owner}: the workers' parameters differ ({first_difference(lists)}); every worker must "
@@ -198,18 +220,49 @@ class GradientExchange:
         )
 
     def exchange(
-        self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int, *, validate: bool = True
-    ) -> list[Tensor]:
-        """The aggregate over workers of the decompressed messages; ``validate=False`` if the caller checked."""
-        self.check(slots, tensors, validate)
+        self,
+        slots: Sequence[Slot],
+        tensors: Sequence[Tensor],
+        step: int,
+        *,
+        validate: bool = True,
+        finite: bool | None = None,
+    ) -> list[Tensor] | None:
+        """The aggregate over workers of the decompressed messages; ``validate=False`` if the caller checked.
+
+        ``finite``: this worker's verdict on its tensors (the caller checked them). The workers then agree, on
+        the step's first message (``drive_agreeing``), whether every worker's were finite; if any was not, every
+        worker returns None at the same point and sends nothing more. The scheme's state has then moved (it
+        compressed before the verdict came): restore it from a ``snapshot()`` taken before. A worker whose own
+        tensors are not finite compresses zeros in their place (only the message's shape matters), so no NaN
+        reaches a compressor. Without ``finite``, non-finite tensors raise NonFiniteGradientError here, on this
+        worker only, before anything is sent (``validate``).
+        """
+        self.check(slots, tensors, validate and finite is None)
         started, blocked_before = time.perf_counter(), self._blocked_seconds()
-        result = drive(self.transport, self.scheme.run(slots, tensors, step))
+        if finite is None:
+            result = drive(self.transport, self.scheme.run(slots, tensors, step))
+        else:
+            inputs = tensors if finite else [torch.zeros_like(t) for t in tensors]
+            agreed, result = drive_agreeing(self.transport, self.scheme.run(slots, inputs, step), finite)
+            if not agreed:
+                result = None
         blocked = self._blocked_seconds() - blocked_before
         self.compress_s += time.perf_counter() - started - blocked
         return result
 
     def _blocked_seconds(self) -> float:
         return self.transport.counter.seconds + self.transport.idle_seconds()
+
+    # -- a step undone: the state before it ----------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """The scheme's state as it is now (``state_dict()``, which copies every tensor): one copy of the
+        residuals, momenta, ... per call, nothing for stateless methods. ``restore`` puts it back exactly."""
+        return self.scheme.state_dict()
+
+    def restore(self, snapshot: dict) -> None:
+        self.scheme.load_state_dict(snapshot)
 
     # -- checkpointing ---------------------------------------------------------------------------------------
 
@@ -273,14 +326,15 @@ def check_state(state: object, required: Sequence[str], owner: str) -> None:
         )
 
 
-def _uncounted_all_gather(transport: Transport, t: Tensor) -> list[Tensor]:
-    """``transport.all_gather(t)`` with the counter (bytes, calls, seconds) left as it was."""
+def _setup_all_gather(transport: Transport, t: Tensor) -> list[Tensor]:
+    """``transport.all_gather(t)`` booked as set-up traffic only (the step counts, calls and seconds unchanged)."""
     before = transport.counter.snapshot()
     try:
         return transport.all_gather(t, kind=CONTROL)
     finally:
         for f in fields(before):
             setattr(transport.counter, f.name, getattr(before, f.name))
+        transport.counter.book_setup(up=t.nbytes, down=(transport.world_size - 1) * t.nbytes)
 
 
 def first_difference(lists: Sequence[Sequence[tuple[str, int]]]) -> str:
@@ -298,3 +352,135 @@ def first_difference(lists: Sequence[Sequence[tuple[str, int]]]) -> str:
                 f"slots, rank {rank} {len(other)}"
             )
     return "the same slots, a different digest"
+
+
+# -- agreeing that a step is finite, on the step's first message ---------------------------------------------------
+
+NF_MARK = (ord("N"), ord("F"))  # bytes 0-1 of a byte message from a worker whose gradients are not finite (else b"GC")
+
+
+def _can_mark(t: Tensor, chunks: int = 1) -> bool:
+    if not t.numel() or t.numel() % chunks:
+        return False
+    return t.is_floating_point() or t.dtype == torch.int64 or (t.dtype == torch.uint8 and t.numel() // chunks >= 2)
+
+
+def _mark(t: Tensor, chunks: int = 1, value: float = float("nan")) -> Tensor:
+    """A copy of ``t`` that says "not finite" without changing its size (``_can_mark(t, chunks)`` holds).
+
+    float: ``value`` (NaN; +Inf for a maximum) in the first entry of each chunk, which a sum, a maximum, a gather
+    or a broadcast keeps non-finite; int64 (sizes and counts, never negative): every entry n becomes −1 − n;
+    uint8 (containers, which start with b"GC"): the first two bytes of each chunk become b"NF". ``chunks``: an
+    all-to-all's W chunks (each receiver gets one).
+    """
+    if t.dtype == torch.int64:
+        return -1 - t
+    out = t.clone().view(chunks, -1)
+    if t.is_floating_point():
+        out[:, 0] = value
+    else:
+        out[:, 0], out[:, 1] = NF_MARK
+    return out.view_as(t)
+
+
+def _marked(received: list[Tensor] | Tensor, chunks: int = 1) -> list[bool]:
+    """For each received tensor (or chunk of one), whether its sender marked it (one host read for all)."""
+    parts = received if isinstance(received, list) else [received]
+    rows = torch.cat([r.reshape(chunks, -1) for r in parts])
+    if rows.is_floating_point():
+        flags = ~torch.isfinite(rows[:, 0])
+    elif rows.dtype == torch.int64:
+        flags = (rows < 0).any(dim=1)
+    else:
+        flags = (rows[:, 0] == NF_MARK[0]) & (rows[:, 1] == NF_MARK[1])
+    return [bool(f) for f in flags.tolist()]
+
+
+def _flag_round(transport: Transport, rounds: Rounds, request: Request, bad: bool) -> tuple[bool, Any]:
+    """The fallback: one all-reduce of a float32 flag (4 bytes, control), then ``request`` and the rest."""
+    flag = torch.tensor([1.0 if bad else 0.0], device=request.tensor.device)
+    if float(transport.all_reduce_sum(flag, kind=CONTROL)[0]) != 0.0:
+        rounds.close()
+        return False, None
+    return True, _continue(transport, rounds, execute(transport, request))
+
+
+def drive_agreeing(transport: Transport, rounds: Rounds, finite: bool) -> tuple[bool, Any]:
+    """Run a scheme's rounds like ``drive``, with this worker's finiteness riding on the step's first message.
+
+    Returns ``(True, the scheme's result)`` when every worker's gradients were finite, else ``(False, None)``
+    on every worker, at the same request: the rounds are abandoned there, so nothing more is sent. ``_mark``
+    says how a message says "not finite" without changing its size. A summed or gathered first message (an
+    all-reduce, an all-gather, an all-to-all) tells every worker at once; a parameter server's gather tells the
+    root, whose next broadcast (the downstream message, or its length) tells the others. Broadcasts that come
+    first (a leader's message: LGC's positions) carry only their root's data and are passed on until a message
+    to which every worker contributes. A message that cannot carry it (an integer all-reduce, an empty tensor;
+    a step of broadcasts only) is preceded (followed) by one all-reduce of a float32 flag (4 bytes, booked as
+    control). Reading the flags is one host read of a few values.
+    """
+    world = transport.world_size
+    try:
+        request = next(rounds)
+    except StopIteration as done:  # nothing to send (no slots): the same on every worker
+        return True, done.value
+    while isinstance(request, Broadcast):
+        try:
+            request = rounds.send(execute(transport, request))
+        except StopIteration as done:  # broadcasts only: one flag round at the end
+            flag = torch.tensor([0.0 if finite else 1.0], device=request.tensor.device)
+            agreed = float(transport.all_reduce_sum(flag, kind=CONTROL)[0]) == 0.0
+            return agreed, done.value if agreed else None
+    try:
+        chunks = world if isinstance(request, AllToAll) else 1
+        t = request.tensor
+        carries = _can_mark(t, chunks) and (
+            isinstance(request, (AllGather, AllToAll, Gather))
+            or (isinstance(request, AllReduce) and t.is_floating_point())
+        )
+        if not carries:
+            return _flag_round(transport, rounds, request, not finite)
+        if not finite:
+            maximum = isinstance(request, AllReduce) and request.op == "max"
+            request = replace(request, tensor=_mark(t, chunks, float("inf") if maximum else float("nan")))
+            if isinstance(request, AllReduce):
+                request.inplace = True  # the marked copy is ours to overwrite
+        received = execute(transport, request)
+        if isinstance(request, Gather):
+            return _after_gather(transport, rounds, request.root, t, received, finite)
+        if any(_marked(received, chunks)):
+            rounds.close()
+            return False, None
+        return True, _continue(transport, rounds, received)
+    except StopIteration as done:
+        return True, done.value
+
+
+def _after_gather(
+    transport: Transport, rounds: Rounds, root: int, mine: Tensor, received: list[Tensor] | None, finite: bool
+) -> tuple[bool, Any]:
+    """A parameter server's gather: the root knows; its next broadcast, marked or not, tells every worker."""
+    root_saw_bad = False
+    if received is not None:  # the root serves with its own unmarked message in place of a marked one
+        flags = _marked(received)
+        root_saw_bad = any(flags)
+        received = [mine if bad else r for r, bad in zip(received, flags)]
+    request = rounds.send(received)
+    if not (isinstance(request, Broadcast) and request.root == root and _can_mark(request.tensor)):
+        return _flag_round(transport, rounds, request, root_saw_bad or not finite)
+    if root_saw_bad and transport.rank == root:
+        request = replace(request, tensor=_mark(request.tensor))
+    received = execute(transport, request)
+    if _marked(received)[0]:
+        rounds.close()
+        return False, None
+    return True, _continue(transport, rounds, received)
+
+
+def _continue(transport: Transport, rounds: Rounds, result: Any) -> Any:
+    """``drive`` from the point where ``result`` is the answer to the request the rounds last yielded."""
+    try:
+        request = rounds.send(result)
+        while True:
+            request = rounds.send(execute(transport, request))
+    except StopIteration as done:
+        return done.value

@@ -80,7 +80,7 @@ from torch import Tensor, nn
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError
 from gradcomp.finite import all_finite
-from gradcomp.schemes.requests import drive
+from gradcomp.transport.requests import drive
 from gradcomp.schemes.sharded import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
 from gradcomp.train.exchange import check_gradients, check_state

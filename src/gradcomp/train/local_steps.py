@@ -47,6 +47,8 @@ class LocalUpdateExchange:
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ConfigError(f"local_steps must be an integer >= 1, got {local_steps!r}")
         check_compressors(aggregator.exchange.compressor, aggregator.exchange.server_compressor)
+        if getattr(aggregator, "scaler", None) is not None:  # it would unscale weight updates, which are not scaled
+            raise ConfigError("LocalUpdateExchange exchanges weight updates: give it an aggregator without a scaler")
         self.aggregator = aggregator
         self.local_steps = local_steps
         self.params = [p for _, p in aggregator.named]

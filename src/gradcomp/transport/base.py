@@ -17,7 +17,9 @@ is counted, from the point of view of one worker:
 - ``broadcast(t, root, peer=True)`` (a worker sends to the others, e.g. LGC's leader): the root sends t
   (up += t.nbytes) and receives nothing; every other worker receives it (down += t.nbytes); no server role.
 
-Each call names its kind: ``payload`` (messages), ``control`` (size exchanges). Padding that equal-size
+Each call names its kind: ``payload`` (messages), ``control`` (size exchanges). Once-per-run set-up checks (the
+workers' slot lists, compared at the first exchange) are booked apart, in ``up_setup`` / ``down_setup``
+(``book_setup``), and in nothing else: not in the step bytes, the collectives, ``ops`` or ``seconds``. Padding that equal-size
 collectives need is passed in by the protocol (``pad_up``, ``pad_down``) and booked apart from the payload.
 Wall-clock time spent inside collectives is accumulated in ``seconds``.
 """
@@ -45,6 +47,9 @@ class ByteCounter:
     down_control: int = 0
     server_in: int = 0
     server_out: int = 0
+    # once-per-run set-up traffic (the slot check at the first exchange): not step bytes, apart from the rest
+    up_setup: int = 0
+    down_setup: int = 0
     collectives: int = 0
     seconds: float = 0.0
     # per collective: [calls, bytes of the tensors handed to it] — what the latency-bandwidth model prices
@@ -64,6 +69,16 @@ class ByteCounter:
             self.down_payload += down - pad_down
             self.up_padding += pad_up
             self.down_padding += pad_down
+
+    def book_setup(self, up: int, down: int) -> None:
+        """Once-per-run set-up traffic: counted here only, apart from the steps' bytes."""
+        self.up_setup += up
+        self.down_setup += down
+
+    @property
+    def setup_bytes(self) -> int:
+        """Set-up traffic this worker sent and received (once per run; not in ``bytes_up`` / ``bytes_down``)."""
+        return self.up_setup + self.down_setup
 
     @property
     def bytes_up(self) -> int:
@@ -105,6 +120,11 @@ class ByteCounter:
             f"padding   {_human_bytes(self.padding_bytes)} (up {_human_bytes(self.up_padding)}, down "
             f"{_human_bytes(self.down_padding)}; not in the counts above)",
         ]
+        if self.up_setup or self.down_setup:
+            lines.append(
+                f"set-up    sent {_human_bytes(self.up_setup)}, received {_human_bytes(self.down_setup)} (once per "
+                "run; not in the counts above)"
+            )
         if self.server_in or self.server_out:
             lines.append(f"server    in {_human_bytes(self.server_in)}, out {_human_bytes(self.server_out)}")
         lines.append(f"{self.collectives} collectives, {self.seconds:.3g} s in them")

@@ -1,0 +1,205 @@
+"""A non-finite gradient on one rank only: every rank raises the same NonFiniteGradientError at the same step, no
+rank's residual or momentum changes, and no rank waits for a time-out (gloo, GradientAggregator and the DDP hook,
+top-k with error feedback and Signum)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_workers
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+
+pytestmark = pytest.mark.timeout(200)
+
+BAD_STEP, BAD_RANK, STEPS = 3, 1, 5
+METHODS = {
+    "topk-ef": lambda: gradcomp.make("topk", density=0.25, error_feedback=True),
+    "signum": lambda: gradcomp.make("signum"),
+    "topk-ef-ps": lambda: gradcomp.make("topk", density=0.25, error_feedback=True),
+    "none": lambda: gradcomp.make("none"),
+}
+TOPOLOGY = {"topk-ef-ps": "ps"}
+
+
+def same(a, b) -> bool:
+    """Nested state dicts equal, tensors bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+    if step == BAD_STEP and rank == BAD_RANK:
+        x[0, 0] = float("nan")
+    return x, y
+
+
+def _aggregator(rank: int, world: int) -> dict:
+    out = {}
+    for label, make in METHODS.items():
+        model = _net()
+        agg = gradcomp.GradientAggregator(model, make(), topology=TOPOLOGY.get(label, "auto"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        events = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = _batch(step, rank)
+            F.cross_entropy(model(x), y).backward()
+            before = agg.state_dict()["exchange"]
+            started = time.monotonic()
+            try:
+                agg.step()
+            except gradcomp.NonFiniteGradientError as exc:
+                events.append({"step": step, "error_step": exc.step, "message": str(exc).split(";")[0],
+                               "unchanged": same(before, agg.state_dict()["exchange"]),
+                               "seconds": time.monotonic() - started})
+                continue
+            opt.step()
+        out[label] = {"events": events, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    return out
+
+
+def _check(per_rank: list[dict], labels) -> None:
+    for label in labels:
+        runs = [r[label] for r in per_rank]
+        for rank, run in enumerate(runs):
+            assert len(run["events"]) == 1, (label, rank, run["events"])
+            event = run["events"][0]
+            assert event["step"] == BAD_STEP and event["error_step"] == BAD_STEP, (label, rank, event)
+            assert event["unchanged"], (label, rank, "the method's state changed at the bad step")
+            assert event["seconds"] < 20, (label, rank, event)
+        assert len({run["events"][0]["message"] for run in runs}) == 1, label  # the same error on every rank
+        for run in runs[1:]:
+            assert torch.equal(run["params"], runs[0]["params"]), label  # the replicas went on together
+
+
+@pytest.mark.slow
+def test_aggregator_nan_on_one_rank_raises_the_same_error_on_every_rank():
+    _check(run_workers(_aggregator, 3, timeout=180), METHODS)
+
+
+def _hook(rank: int, world: int) -> dict:
+    # a 10 s time-out: a rank that waited for one would take that long, and fail with WorkerLostError
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))
+    out = {}
+    for label, make in METHODS.items():
+        model = _net()
+        ddp = DDP(model, bucket_cap_mb=0.001, process_group=group)  # several buckets
+        state = gradcomp.register_ddp_hook(ddp, make(), topology=TOPOLOGY.get(label, "auto"))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        events = []
+        for step in range(BAD_STEP + 1):
+            opt.zero_grad()
+            x, y = _batch(step, rank)
+            before = state.state_dict()["exchange"]
+            started = time.monotonic()
+            try:
+                F.cross_entropy(ddp(x), y).backward()
+            except RuntimeError as exc:
+                failure = state.failure
+                events.append({
+                    "step": step, "error_step": getattr(failure, "step", None), "type": type(failure).__name__,
+                    "message": str(failure).split(";")[0], "in_backward": "NonFiniteGradientError" in str(exc),
+                    "unchanged": same(before, state.state_dict()["exchange"]),
+                    "seconds": time.monotonic() - started,
+                })
+                break
+            opt.step()
+        state.close(timeout=20)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group)  # the group is usable at once: no collective of the hook in flight
+        out[label] = {"events": events, "sum": float(t),
+                      "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    return out
+
+
+@pytest.mark.slow
+def test_hook_nan_on_one_rank_raises_the_same_error_on_every_rank():
+    per_rank = run_workers(_hook, 2, timeout=180)
+    for label in METHODS:
+        for rank, r in enumerate(per_rank):
+            run = r[label]
+            assert r[label]["sum"] == 2.0
+            (event,) = run["events"]
+            assert event["type"] == "NonFiniteGradientError" and event["in_backward"], (label, rank, event)
+            assert event["step"] == BAD_STEP and event["error_step"] == BAD_STEP, (label, rank, event)
+            assert event["unchanged"], (label, rank, "the method's state changed at the bad step")
+            assert event["seconds"] < 8, (label, rank, event)  # under the group's 10 s time-out
+        assert per_rank[0][label]["events"][0]["message"] == per_rank[1][label]["events"][0]["message"], label
+        assert torch.equal(per_rank[0][label]["params"], per_rank[1][label]["params"]), label
+
+
+# -- a step undone exactly: a run with a non-finite step ignored == a run that never had that step ------------------
+
+UNDONE = {
+    "topk-ef": ("topk", {"density": 0.25, "error_feedback": True}, "auto"),
+    "topk-ef-sharded": ("topk", {"density": 0.25, "error_feedback": True}, "sharded"),
+    "threshold-ps": ("threshold", {"threshold": 0.01, "error_feedback": True}, "ps"),
+    "signum": ("signum", {}, "auto"),
+    "powersgd": ("powersgd", {}, "auto"),
+    "dgc": ("dgc", {"density": 0.25}, "auto"),
+    "terngrad_shared": ("terngrad_shared", {}, "auto"),
+    "lgc-training": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 3}, "auto"),  # its first message
+    "lgc-compressed": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 1}, "auto"),  # is a broadcast
+}
+
+
+def _undone_run(name: str, params: dict, topology: str, bad: str):
+    def fn(t):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        agg = gradcomp.GradientAggregator(model, gradcomp.make(name, **params), t, topology=topology)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        raised = []
+        for step in range(6):
+            g = torch.Generator().manual_seed(10 * step + t.rank)
+            x, y = torch.randn(5, 16, generator=g), torch.randint(0, 8, (5,), generator=g)
+            if step == 2 and bad == "never happened":
+                continue
+            if step == 2 and t.rank == 1:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            try:
+                agg.step()
+            except gradcomp.NonFiniteGradientError as exc:
+                raised.append(exc.step)
+                continue
+            opt.step()
+        return raised, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    from gradcomp.transport.sim import SimulatedCluster
+
+    with SimulatedCluster(3) as cluster:
+        return cluster.run(fn)
+
+
+@pytest.mark.parametrize("label", list(UNDONE))
+def test_a_non_finite_step_is_undone_exactly(label):
+    name, params, topology = UNDONE[label]
+    if name not in gradcomp.available():
+        pytest.skip(f"{name} is not registered")
+    with_nan = _undone_run(name, params, topology, "nan on rank 1")
+    without = _undone_run(name, params, topology, "never happened")
+    for (raised, p), (none_raised, q) in zip(with_nan, without):
+        assert raised == [2] and none_raised == []
+        assert torch.equal(p, q), "the state after the undone step differs from never having had it"

@@ -1,0 +1,146 @@
+"""fp16-style loss scaling with torch.amp.GradScaler through GradientAggregator and the DDP hook (gloo, CPU).
+
+An overflow forced on one rank at a chosen step: every rank skips that step (its parameters and the method's state
+do not move), every rank's scale halves, training goes on, and the replicas stay identical. Without an overflow, a
+run with a scaler gives the parameters and residuals of a run without one, bit for bit: error feedback works in
+unscaled units (the scale is a power of 2, so unscaling and scaling back are exact).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_workers
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+
+pytestmark = pytest.mark.timeout(200)
+
+BAD_STEP, BAD_RANK, STEPS, INIT_SCALE = 2, 1, 5, 2.0**12
+METHODS = {
+    "topk-ef": lambda: gradcomp.make("topk", density=0.25, error_feedback=True),
+    "signum": lambda: gradcomp.make("signum"),
+    "none": lambda: gradcomp.make("none"),
+}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _run(rank: int, label: str, driver: str, scaled: bool, overflow: bool) -> dict:
+    model = _net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1000) if scaled else None
+    if driver == "hook":
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        state = gradcomp.register_ddp_hook(ddp, METHODS[label](), scaler=scaler)
+        forward, exchange = ddp, None
+    else:
+        state = gradcomp.GradientAggregator(model, METHODS[label](), scaler=scaler)
+        forward, exchange = model, state
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+        loss = F.cross_entropy(forward(x), y)
+        if overflow and step == BAD_STEP and rank == BAD_RANK:
+            loss = loss * float("inf")  # this rank's gradients overflow
+        before_params, before_state = _flat(model), state.state_dict()["exchange"]
+        (scaler.scale(loss) if scaler else loss).backward()
+        if exchange is not None:
+            exchange.step()
+        scale = scaler.get_scale() if scaler else None
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        steps.append({
+            "moved": not torch.equal(before_params, _flat(model)),
+            "state_unchanged": same(before_state, state.state_dict()["exchange"]),
+            "scale_before": scale, "scale_after": scaler.get_scale() if scaler else None,
+        })
+    out = {"steps": steps, "params": _flat(model), "state": state.state_dict()["exchange"]}
+    if driver == "hook":
+        out["failure"] = repr(state.failure)
+        state.close(timeout=20)
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    out = {}
+    for driver in ("aggregator", "hook"):
+        for label in METHODS:
+            out[driver, label, "overflow"] = _run(rank, label, driver, scaled=True, overflow=True)
+            out[driver, label, "scaled"] = _run(rank, label, driver, scaled=True, overflow=False)
+            out[driver, label, "plain"] = _run(rank, label, driver, scaled=False, overflow=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_workers(_worker, 2, timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("driver", ["aggregator", "hook"])
+@pytest.mark.parametrize("label", list(METHODS))
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(runs, driver, label):
+    per_rank = [r[driver, label, "overflow"] for r in runs]
+    for rank, run in enumerate(per_rank):
+        assert run.get("failure", "None") == "None", (rank, run["failure"])
+        for step, s in enumerate(run["steps"]):
+            if step == BAD_STEP:
+                assert not s["moved"] and s["state_unchanged"], (rank, step, s)  # skipped, state untouched
+                assert s["scale_after"] == s["scale_before"] / 2, (rank, step, s)  # the scale halved
+            else:
+                assert s["moved"] and s["scale_after"] == s["scale_before"], (rank, step, s)  # training goes on
+    assert torch.equal(per_rank[0]["params"], per_rank[1]["params"])  # replicas identical
+    assert per_rank[0]["steps"][-1]["scale_after"] == INIT_SCALE / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("driver", ["aggregator", "hook"])
+@pytest.mark.parametrize("label", list(METHODS))
+def test_a_scaler_leaves_parameters_and_residuals_as_without_one(runs, driver, label):
+    for r in runs:
+        scaled, plain = r[driver, label, "scaled"], r[driver, label, "plain"]
+        assert torch.equal(scaled["params"], plain["params"])
+        assert same(scaled["state"], plain["state"])  # residuals and momentum in unscaled units
+
+
+def test_local_steps_refuse_an_aggregator_with_a_scaler():
+    from gradcomp.transport.sim import SimulatedCluster
+
+    cluster = SimulatedCluster(1)
+    agg = gradcomp.GradientAggregator(_net(), gradcomp.make("none"), cluster.transports[0],
+                                      scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(gradcomp.ConfigError, match="without a scaler"):
+        gradcomp.LocalUpdateExchange(agg, 2)
+
+
+def test_a_scaler_that_is_not_one_is_refused_before_anything_is_sent():
+    from gradcomp.transport.sim import SimulatedCluster
+
+    with pytest.raises(gradcomp.ConfigError, match="GradScaler"):
+        gradcomp.GradientAggregator(_net(), gradcomp.make("none"), SimulatedCluster(1).transports[0], scaler=2.0)
