@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,12 +79,13 @@ from gradcomp.wire.bits import (
     _unpack,
     bits_needed,
     decoded_dtype,
+    host_path,
     pack_bits,
     pack_bits_into,
     packed_nbytes,
     packs_into,
 )
-from gradcomp.wire.checksum import checksum64, to_host
+from gradcomp.wire.checksum import checksum64, checksum64_tensor, to_host
 from gradcomp.wire.golomb import MAX_UNIVERSE, golomb_decode, golomb_encode, optimal_rice_parameter
 
 __all__ = [
@@ -207,7 +209,23 @@ def _golomb_b(spec: FieldSpec, count: int) -> int:
     return optimal_rice_parameter(count / spec.universe if spec.universe else 1.0)
 
 
-def _check_positions(pos: torch.Tensor, universe: int, exc: type[Exception], where: str) -> None:
+def _positions_ok(pos: torch.Tensor, universe: int) -> torch.Tensor:
+    """The position checks of :func:`_check_positions` as one bool tensor on the positions' device (not read)."""
+    if pos.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=pos.device)
+    ok = (pos[0] >= 0) & (pos[-1] < universe)
+    if pos.numel() > 1:
+        ok = ok & (pos[1:] > pos[:-1]).all()
+    return ok
+
+
+def _check_positions(
+    pos: torch.Tensor, universe: int, exc: type[Exception], where: str, flags: list | None = None
+) -> None:
+    if flags is not None:  # the device path: checked later with the caller's other checks (see encode)
+        message = f"{where}: positions must be strictly increasing in [0, {universe})"
+        flags.append((_positions_ok(pos, universe), message))
+        return
     if pos.numel() == 0:
         return
     if pos.numel() > 1 and bool((pos[1:] <= pos[:-1]).any()):
@@ -217,17 +235,22 @@ def _check_positions(pos: torch.Tensor, universe: int, exc: type[Exception], whe
         raise exc(f"{where}: positions must lie in [0, {universe}), got range [{lo}, {hi}]")
 
 
-def _encode_field(t: torch.Tensor, spec: FieldSpec, codec: Codec, i: int) -> tuple[int, torch.Tensor]:
-    """Returns (param, data bytes) for one BITS / POSITIONS / GOLOMB field (float fields: :func:`_put_float`)."""
+def _encode_field(
+    t: torch.Tensor, spec: FieldSpec, codec: Codec, i: int, flags: list | None = None
+) -> tuple[int, torch.Tensor]:
+    """Returns (param, data bytes) for one BITS / POSITIONS / GOLOMB field (float fields: :func:`_put_float`).
+
+    With ``flags`` (the device path), the range and order checks of BITS and POSITIONS fields are appended to it as
+    ``(bool tensor, message)`` instead of being read back (see :func:`encode`)."""
     where = f"field {i} ({codec.name})"
     if t.dtype.is_floating_point or t.dtype.is_complex:
         raise ConfigError(f"{where}: expected an integer tensor, got dtype {t.dtype}")
     if codec == Codec.BITS:
-        return spec.width, pack_bits(t, spec.width)
+        return spec.width, pack_bits(t, spec.width, flags)
     if t.dtype == torch.bool:
         raise ConfigError(f"{where}: positions must be an integer tensor, got dtype bool")
     pos = t.to(torch.int64)
-    _check_positions(pos, spec.universe, ConfigError, where)
+    _check_positions(pos, spec.universe, ConfigError, where, flags if codec == Codec.POSITIONS else None)
     if codec == Codec.POSITIONS:
         width = bits_needed(spec.universe)
         return width, _pack(pos, width)
@@ -273,18 +296,60 @@ def _raw_bytes(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> t
     return flat.view(torch.uint8)
 
 
-def _put_section_heads(out: torch.Tensor, heads: list[tuple[int, bytes]]) -> None:
-    """Writes the packed section headers ``(offset, 10 bytes)`` into ``out`` on a non-CPU device.
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without making the host wait: through pinned memory, asynchronously, on
+    CUDA (torch's pinned-memory allocator keeps the block until the copy is done); a plain copy elsewhere."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
-    All of them in one host-to-device transfer and one indexed write, instead of one transfer per section
-    (the CPU writes them with ``struct.pack_into`` into the tensor's memory as it goes).
+
+def _put_heads(out: torch.Tensor, heads: list[tuple[int, bytes]]) -> None:
+    """Writes byte strings ``(offset, bytes)`` (the header's first 12 bytes, the section headers) into ``out`` on
+    the device path: all of them in one host-to-device transfer and one indexed write, instead of one transfer per
+    section (the host path writes them with ``struct.pack_into`` into the tensor's memory as it goes).
     """
     if not heads:
         return
-    blob = torch.frombuffer(bytearray(b"".join(h for _, h in heads)), dtype=torch.uint8)
-    starts = torch.tensor([off for off, _ in heads], dtype=torch.int64)
-    index = (starts[:, None] + torch.arange(SECTION_HEADER_BYTES, dtype=torch.int64)).reshape(-1)
-    out[index.to(out.device)] = blob.to(out.device)
+    index = [off + k for off, h in heads for k in range(len(h))]
+    both = torch.tensor(index + list(b"".join(h for _, h in heads)), dtype=torch.int64)
+    both = _to_device(both, out.device)
+    out[both[: len(index)]] = both[len(index) :].to(torch.uint8)
+
+
+# The sender-side checks of device-path encodes (BITS ranges, POSITIONS order), not yet read: per thread, a list of
+# (bool tensor, message). They are read with the next device-path decode's one transfer in the same thread, or by
+# check_pending(), or when _PENDING_LIMIT of them have gathered; a false one raises ConfigError (the caller's bug).
+_pending = threading.local()
+_PENDING_LIMIT = 256
+
+
+def _defer(flags: list) -> None:
+    checks = getattr(_pending, "checks", None)
+    if checks is None:
+        checks = _pending.checks = []
+    checks.extend(flags)
+    if len(checks) >= _PENDING_LIMIT:
+        check_pending()
+
+
+def _take_pending() -> list:
+    checks = getattr(_pending, "checks", None) or []
+    _pending.checks = []
+    return checks
+
+
+def _raise_failed(checks: list, values) -> None:
+    for (_, message), ok in zip(checks, values):
+        if not ok:
+            raise ConfigError(f"a message encoded on the device: {message}")
+
+
+def check_pending() -> None:
+    """Reads this thread's outstanding device-path encode checks (one transfer) and raises ConfigError if one failed."""
+    checks = _take_pending()
+    if checks:
+        _raise_failed(checks, torch.stack([f for f, _ in checks]).cpu().tolist())
 
 
 def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.Tensor:
@@ -311,6 +376,8 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
     if fields:
         device = fields[0].device
     codecs = _check_specs(specs)
+    on_host = host_path(torch.empty(0, device=device))
+    flags: list = []  # the device path's deferred sender checks
     # Pass 1: checks, sizes, and the streams of the non-float codecs. plan: (codec, param, count, nbytes, tensor,
     # packed_later) where tensor is the detached field itself for float codecs (read once, in pass 2) and for BITS
     # fields that the compiled packer writes straight into the output in pass 2 (packed_later), else its data bytes.
@@ -337,11 +404,11 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
             if not t.dtype.is_floating_point:
                 raise ConfigError(f"field {i} ({codec.name}): expected a floating-point tensor, got dtype {t.dtype}")
             param, data, nbytes = 0, t, _expected_nbytes(codec, 0, n)
-        elif codec == Codec.BITS and device.type == "cpu" and packs_into(t, spec.width):
+        elif codec == Codec.BITS and on_host and packs_into(t, spec.width):
             later = True  # packed in pass 2 straight into the output by the compiled kernel (range-checked there)
             param, data, nbytes = spec.width, t, packed_nbytes(n, spec.width)
         else:
-            param, data = _encode_field(t.reshape(-1).to(device), spec, codec, i)
+            param, data = _encode_field(t.reshape(-1).to(device), spec, codec, i, None if on_host else flags)
             data = data.reshape(-1)
             nbytes = data.numel()
         if nbytes > _U32_MAX:
@@ -352,7 +419,7 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
         raise ConfigError(f"message body of {body_length} bytes does not fit the u32 length")
     # Pass 2: one allocation, every section written at its offset, then the checksum of the body in place.
     out = torch.empty(HEADER_BYTES + body_length, dtype=torch.uint8, device=device)
-    mem = out.numpy() if device.type == "cpu" else None  # the output's own memory, for struct and small copies
+    mem = out.numpy() if on_host else None  # the output's own memory, for struct and small copies
     heads: list[tuple[int, bytes]] = []  # section headers to write on other devices
     off = HEADER_BYTES
     for codec, param, n, nbytes, data, later in plan:
@@ -370,13 +437,16 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
         elif nbytes:
             out[off : off + nbytes].copy_(data)
         off += nbytes
-    _put_section_heads(out, heads)
-    checksum = checksum64(out[HEADER_BYTES:])
-    header = (MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, checksum)
     if mem is not None:
-        _HEADER.pack_into(mem, 0, *header)
-    else:
-        out[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(_HEADER.pack(*header)), dtype=torch.uint8))
+        _HEADER.pack_into(mem, 0, MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, checksum64(out[HEADER_BYTES:]))
+        return out
+    # The device path: nothing is read back. The header's first 12 bytes go with the section headers; the checksum is
+    # computed where the body is (checksum64_tensor) and written as the header's last 8 bytes (little-endian u64).
+    heads.insert(0, (0, _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, 0)[:12]))
+    _put_heads(out, heads)
+    out[12:HEADER_BYTES].copy_(checksum64_tensor(out[HEADER_BYTES:]).reshape(1).view(torch.uint8))
+    if flags:
+        _defer(flags)
     return out
 
 
@@ -404,11 +474,18 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
     total = buf.numel()
     if total < HEADER_BYTES:
         raise WireError(f"truncated buffer: {total} bytes, shorter than the {HEADER_BYTES}-byte header")
+    if not host_path(buf):
+        fixed = _fixed_layout(specs, codecs)
+        if fixed is not None and fixed[1] == total:
+            got = _decode_on_device(buf, specs, fixed[0])
+            if got is not None:
+                return got
+        # A message with variable counts (or one that failed a check): the whole buffer to the host in one transfer,
+        # and the host path below, which names what is wrong.
     # Headers are parsed from host memory with struct: on the CPU the buffer's own memory (no copy); on another
-    # device the 20-byte header first, then, once the lengths are checked, the whole buffer in one transfer that
-    # the checksum needs anyway (it used to be one more transfer, and a sync, per section header).
-    host = buf if buf.device.type == "cpu" else None
-    mem = (host if host is not None else buf[:HEADER_BYTES].cpu()).numpy()
+    # device the whole buffer, in one transfer (it used to be one more transfer, and a sync, per section header).
+    host = buf if host_path(buf) else to_host(buf)  # to_host: this thread's pinned staging buffer, used only here
+    mem = host.numpy()
     magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack_from(mem, 0)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r} (expected {MAGIC!r})")
@@ -436,9 +513,6 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
             f"oversized buffer: header says {body_length} body bytes, got {got} (trailing bytes, or the header's "
             "length field is corrupted)"
         )
-    if host is None:
-        host = to_host(buf)  # this thread's pinned staging buffer: used only within this call
-        mem = host.numpy()
     if checksum64(host[HEADER_BYTES:]) != checksum:
         raise WireError("checksum mismatch: the message body is corrupted")
 
@@ -503,6 +577,64 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
                 raise WireError(f"{where}: {e}") from None
     if off != total:
         raise WireError(f"trailing bytes: {total - off} bytes after the last section")
+    return out
+
+
+def _fixed_layout(specs: list, codecs: list) -> tuple[list, int] | None:
+    """Where every section's data lies when no field's size depends on the data: ``([(data offset, codec, param,
+    count, nbytes)], message length)``; None when a count is variable or a field is GOLOMB."""
+    layout = []
+    off = HEADER_BYTES
+    for spec, codec in zip(specs, codecs):
+        if spec.count is None or codec == Codec.GOLOMB:
+            return None
+        param = spec.width if codec == Codec.BITS else bits_needed(spec.universe) if codec == Codec.POSITIONS else 0
+        nbytes = _expected_nbytes(codec, param, spec.count)
+        off += SECTION_HEADER_BYTES
+        layout.append((off, codec, param, spec.count, nbytes))
+        off += nbytes
+    return layout, off
+
+
+def _decode_on_device(buf: torch.Tensor, specs: list, layout: list) -> list[torch.Tensor] | None:
+    """decode's device path for a message whose layout the specs fix (every count exact, no GOLOMB field).
+
+    Every field is decoded where the buffer is and every check is computed there: the checksum
+    (checksum64_tensor), the padding bits, the positions' order and range. What the host must compare comes back in
+    ONE small transfer: the 20-byte header, the computed checksum, the section headers and the check results (with
+    this thread's pending sender checks of device-path encodes). Returns the fields when every byte is the one the
+    specs imply and every check passed, else None: the caller then runs the host path, which says what is wrong.
+    """
+    flags: list[torch.Tensor] = []
+    out: list[torch.Tensor] = []
+    heads = []
+    for spec, (off, codec, param, count, nbytes) in zip(specs, layout):
+        data = buf[off : off + nbytes]
+        heads.append(buf[off - SECTION_HEADER_BYTES : off])
+        if codec in FLOAT_DTYPES:
+            out.append(data.clone().view(FLOAT_DTYPES[codec]))
+        elif codec == Codec.BITS:
+            out.append(_unpack(data, param, count, decoded_dtype(param), flags))
+        else:
+            pos = _unpack(data, param, count, torch.int64, flags)
+            flags.append(_positions_ok(pos, spec.universe))
+            out.append(pos)
+    pending = _take_pending()
+    flags.extend(f for f, _ in pending)
+    pieces = [buf[:HEADER_BYTES], checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8), *heads]
+    if flags:
+        pieces.append(torch.stack([f.reshape(()).to(torch.bool) for f in flags]).to(torch.uint8))
+    summary = bytes(torch.cat(pieces).cpu().numpy())  # the one read back
+    checks = summary[HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout) :]
+    if pending:
+        _raise_failed(pending, checks[len(checks) - len(pending) :])
+    body = layout[-1][0] + layout[-1][4] - HEADER_BYTES if layout else 0
+    expected = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12] + b"".join(
+        _SECTION.pack(int(codec), param, count, nbytes) for _, codec, param, count, nbytes in layout
+    )
+    got = summary[:12] + summary[HEADER_BYTES + 8 : HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout)]
+    if got != expected or summary[12:HEADER_BYTES] != summary[HEADER_BYTES : HEADER_BYTES + 8] or not all(checks):
+        return None
     return out
 
 
