@@ -400,7 +400,7 @@ def _mixed_message(seed: int):
 
 
 def _decode_with(path: str, monkeypatch, buf, specs):
-    monkeypatch.setenv("GRADCOMP_WIRE_DEVICE_PATH", "1" if path == "device" else "0")
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1" if path == "device" else "0")
     return decode(buf, specs)
 
 
@@ -409,9 +409,9 @@ def test_a_message_encoded_on_one_path_decodes_on_the_other(monkeypatch, encoder
     for seed in range(3):
         fields, fixed, variable = _mixed_message(seed)
         for specs in (fixed, variable):
-            monkeypatch.setenv("GRADCOMP_WIRE_DEVICE_PATH", "0")
+            monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "0")
             reference = encode(fields, specs)
-            monkeypatch.setenv("GRADCOMP_WIRE_DEVICE_PATH", "1" if encoder == "device" else "0")
+            monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1" if encoder == "device" else "0")
             buf = encode(fields, specs)
             assert torch.equal(buf, reference)  # the same bytes, header and checksum included
             out = _decode_with(decoder, monkeypatch, buf, specs)
@@ -464,7 +464,7 @@ def test_set_padding_bits_and_bad_positions_under_a_valid_checksum_are_rejected_
 
 
 def test_sender_checks_of_the_device_path_are_raised_at_the_next_read(monkeypatch):
-    monkeypatch.setenv("GRADCOMP_WIRE_DEVICE_PATH", "1")
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
     check_pending()  # nothing left over from other tests
     spec = [FieldSpec(Codec.BITS, count=3, width=3)]
     encode([torch.tensor([1, 9, 2])], spec)  # 9 does not fit 3 bits: not read back here

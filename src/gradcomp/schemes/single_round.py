@@ -35,7 +35,7 @@ from torch import Tensor
 from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, new_tally
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
-from gradcomp.finite import all_finite
+from gradcomp.finite import finite_flags
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.requests import Rounds
@@ -104,7 +104,8 @@ def aggregate_buffers(
     one worker's decoded message is in memory, not W of them (a dense message's codes decoded to int64 were 8
     bytes per entry, W of them 2·W fp32 gradients; BITS fields now decode to int16 up to 15 bits). Each slot's
     sum still adds the workers in rank order: the same sums, bit for bit. The finiteness check reads the sum
-    once (``all_finite``) instead of building |sum| and three d-sized masks (``torch.isfinite``). A compressor
+    once, all slots' sums in one read (``finite_flags``: one host synchronisation per exchange, not one per slot),
+    instead of building |sum| and three d-sized masks (``torch.isfinite``). A compressor
     with its own compact tally (``base.new_tally``: majority vote counts sign bits) adds the messages there
     instead.
     """
@@ -116,11 +117,13 @@ def aggregate_buffers(
     for buffer in buffers:
         _add_buffer(compressor, slots, buffer, step, totals)
     results = []
+    sums = [total for total in totals if not isinstance(total, Tally)]  # a compact count is finite by construction
+    finite = iter(finite_flags(sums))
     for i, (slot, total) in enumerate(zip(slots, totals)):
         if isinstance(total, Tally):  # a compact count (majority vote): finite by construction
             results.append(total.result(len(buffers)))
             continue
-        if all_finite(total):
+        if next(finite):
             results.append(compressor.aggregate(total, len(buffers)))
             continue
         # the sum of finite messages overflowed: add them divided by W instead (decoding the buffers again:

@@ -54,6 +54,8 @@ __all__ = [
     "pack_bool",
     "unpack_bool",
     "packed_nbytes",
+    "host_path",
+    "host_device",
 ]
 
 _MAX_WIDTH = 32
@@ -65,11 +67,16 @@ def host_path(t: torch.Tensor) -> bool:
     """Whether the wire code treats ``t`` as host memory (numpy, struct, compiled kernels, host CRCs).
 
     True for CPU tensors, False for device tensors, which take the torch path that reads nothing back
-    (docs/gpu.md). ``GRADCOMP_WIRE_DEVICE_PATH=1`` sends CPU tensors down the device path too: for tests
+    (docs/gpu.md). ``GRADCOMP_DEVICE_PATH=1`` sends CPU tensors down the device path too: for tests
     only (tests/test_sync_count.py counts what that path reads back; tests/test_wire_checksum.py decodes on one
     path what the other encoded), since the host path is the faster one on the CPU.
     """
-    return t.device.type == "cpu" and os.environ.get("GRADCOMP_WIRE_DEVICE_PATH") != "1"
+    return host_device(t.device)
+
+
+def host_device(device: torch.device) -> bool:
+    """:func:`host_path` for tensors on ``device``."""
+    return device.type == "cpu" and os.environ.get("GRADCOMP_DEVICE_PATH") != "1"
 
 
 def _check_width(width: object, exc: type[Exception] = ConfigError) -> int:

@@ -79,6 +79,7 @@ from gradcomp.wire.bits import (
     _unpack,
     bits_needed,
     decoded_dtype,
+    host_device,
     host_path,
     pack_bits,
     pack_bits_into,
@@ -250,7 +251,7 @@ def _encode_field(
     if t.dtype == torch.bool:
         raise ConfigError(f"{where}: positions must be an integer tensor, got dtype bool")
     pos = t.to(torch.int64)
-    _check_positions(pos, spec.universe, ConfigError, where, flags if codec == Codec.POSITIONS else None)
+    _check_positions(pos, spec.universe, ConfigError, where, flags)
     if codec == Codec.POSITIONS:
         width = bits_needed(spec.universe)
         return width, _pack(pos, width)
@@ -376,7 +377,7 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
     if fields:
         device = fields[0].device
     codecs = _check_specs(specs)
-    on_host = host_path(torch.empty(0, device=device))
+    on_host = host_device(device)
     flags: list = []  # the device path's deferred sender checks
     # Pass 1: checks, sizes, and the streams of the non-float codecs. plan: (codec, param, count, nbytes, tensor,
     # packed_later) where tensor is the detached field itself for float codecs (read once, in pass 2) and for BITS
@@ -468,24 +469,39 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
     POSITIONS and GOLOMB (they index); outputs live on the buffer's device. Raises WireError (only) for any
     malformed, truncated, oversized or corrupted buffer; ConfigError for invalid specs.
     """
+    return _decode(buf, specs, None)
+
+
+def _decode(buf: torch.Tensor, specs: Sequence[FieldSpec], on_host: bool | None) -> list[torch.Tensor]:
+    """:func:`decode`; ``on_host`` True forces the host path (the device path's diagnosis of a failed check)."""
     specs = list(specs)
     codecs = _check_specs(specs)
     buf = _as_uint8_buffer(buf)
     total = buf.numel()
+    if on_host is None:
+        on_host = host_path(buf)
     if total < HEADER_BYTES:
         raise WireError(f"truncated buffer: {total} bytes, shorter than the {HEADER_BYTES}-byte header")
-    if not host_path(buf):
+    if not on_host:
         fixed = _fixed_layout(specs, codecs)
         if fixed is not None and fixed[1] == total:
             got = _decode_on_device(buf, specs, fixed[0])
             if got is not None:
                 return got
-        # A message with variable counts (or one that failed a check): the whole buffer to the host in one transfer,
-        # and the host path below, which names what is wrong.
+        # A message with variable counts (or one that failed a check): the whole buffer and its checksum computed on
+        # the device go to the host in one transfer, and the host path below names what is wrong, if anything.
     # Headers are parsed from host memory with struct: on the CPU the buffer's own memory (no copy); on another
     # device the whole buffer, in one transfer (it used to be one more transfer, and a sync, per section header).
-    host = buf if host_path(buf) else to_host(buf)  # to_host: this thread's pinned staging buffer, used only here
-    mem = host.numpy()
+    if on_host:
+        host, computed = buf, None
+        mem = host.numpy()
+    else:
+        body_sum = checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8)
+        host = to_host(torch.cat([buf, body_sum]))  # this thread's pinned staging buffer, used only in this call
+        mem = host.numpy()
+        computed = int.from_bytes(bytes(mem[total:]), "little")
+        host = host[:total]
+    checks: list | None = None if on_host else []  # the device's data checks, read together at the end
     magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack_from(mem, 0)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r} (expected {MAGIC!r})")
@@ -513,7 +529,7 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
             f"oversized buffer: header says {body_length} body bytes, got {got} (trailing bytes, or the header's "
             "length field is corrupted)"
         )
-    if checksum64(host[HEADER_BYTES:]) != checksum:
+    if (checksum64(host[HEADER_BYTES:]) if computed is None else computed) != checksum:
         raise WireError("checksum mismatch: the message body is corrupted")
 
     out: list[torch.Tensor] = []
@@ -565,10 +581,13 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
             # reused or corrupt it when a decompressor works in place)
             out.append(data.clone().view(FLOAT_DTYPES[codec]))
         elif codec == Codec.BITS:
-            out.append(_unpack_checked(data, param, count, where, decoded_dtype(param)))
+            out.append(_unpack_checked(data, param, count, where, decoded_dtype(param), checks))
         elif codec == Codec.POSITIONS:
-            pos = _unpack_checked(data, param, count, where, torch.int64)  # indices
-            _check_positions(pos, spec.universe, WireError, where)
+            pos = _unpack_checked(data, param, count, where, torch.int64, checks)  # indices
+            if checks is None:
+                _check_positions(pos, spec.universe, WireError, where)
+            else:
+                checks.append(_positions_ok(pos, spec.universe))
             out.append(pos)
         else:
             try:
@@ -577,6 +596,8 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
                 raise WireError(f"{where}: {e}") from None
     if off != total:
         raise WireError(f"trailing bytes: {total - off} bytes after the last section")
+    if checks and not all(torch.stack([f.reshape(()).to(torch.bool) for f in checks]).tolist()):
+        return _decode(host.clone(), specs, True)  # a data check failed: the host path says which
     return out
 
 
@@ -624,7 +645,7 @@ def _decode_on_device(buf: torch.Tensor, specs: list, layout: list) -> list[torc
     pieces = [buf[:HEADER_BYTES], checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8), *heads]
     if flags:
         pieces.append(torch.stack([f.reshape(()).to(torch.bool) for f in flags]).to(torch.uint8))
-    summary = bytes(torch.cat(pieces).cpu().numpy())  # the one read back
+    summary = bytes(torch.cat(pieces).tolist())  # the one read back (tens of bytes, plus ten per section)
     checks = summary[HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout) :]
     if pending:
         _raise_failed(pending, checks[len(checks) - len(pending) :])
@@ -638,9 +659,11 @@ def _decode_on_device(buf: torch.Tensor, specs: list, layout: list) -> list[torc
     return out
 
 
-def _unpack_checked(data: torch.Tensor, width: int, count: int, where: str, dtype: torch.dtype) -> torch.Tensor:
+def _unpack_checked(
+    data: torch.Tensor, width: int, count: int, where: str, dtype: torch.dtype, flags: list | None = None
+) -> torch.Tensor:
     try:
-        return _unpack(data, width, count, dtype)
+        return _unpack(data, width, count, dtype, flags)
     except WireError as e:
         raise WireError(f"{where}: {e}") from None
 
