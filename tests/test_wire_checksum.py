@@ -475,3 +475,22 @@ def test_sender_checks_of_the_device_path_are_raised_at_the_next_read(monkeypatc
     with pytest.raises(ConfigError, match="increasing"):
         decode(good, spec)  # raised with the next device-path decode's one transfer
     assert decode(good, spec)[0].tolist() == [1, 2, 3]  # and only once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_checksum_on_the_device_and_messages_across_devices():
+    gen = torch.Generator().manual_seed(11)
+    for n in (0, 1, 63, 64, 65, 100_003, 3 * 2**20 + 5):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        got = checksum64_tensor(data.cuda())
+        assert got.is_cuda and _unsigned(got) == checksum64(data), n
+    for seed in range(2):
+        fields, fixed, variable = _mixed_message(seed)
+        for specs in (fixed, variable):
+            on_cpu = encode(fields, specs)
+            on_gpu = encode([f.cuda() for f in fields], specs)
+            assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), on_cpu)  # the same bytes, checksum included
+            for buf in (on_gpu.cpu(), on_cpu.cuda()):  # encoded on one side, decoded on the other
+                for got, sent in zip(decode(buf, specs), fields):
+                    assert torch.equal(got.cpu().to(sent.dtype), sent)
+    check_pending()
