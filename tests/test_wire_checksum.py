@@ -494,3 +494,35 @@ def test_cuda_checksum_on_the_device_and_messages_across_devices():
                 for got, sent in zip(decode(buf, specs), fields):
                     assert torch.equal(got.cpu().to(sent.dtype), sent)
     check_pending()
+
+
+def test_decodes_checked_together_raise_what_decode_raises(monkeypatch):
+    from gradcomp.schemes.single_round import aggregate_buffers
+    from gradcomp.wire.container import DeviceChecks
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    fields, fixed, _ = _mixed_message(6)
+    good = encode(fields, fixed)
+    bad = good.clone()
+    bad[HEADER_BYTES + 40] ^= 4  # a data bit: the checksum no longer matches
+    later = DeviceChecks()
+    for buf in (good, good):
+        decode(buf, fixed, later)
+    assert later.read([torch.tensor(True), torch.tensor(False)]) == [True, False]
+    decode(good, fixed, later)
+    decode(bad, fixed, later)  # nothing read yet: no error here
+    with pytest.raises(WireError, match="checksum mismatch"):
+        later.read()
+    # in an aggregation: the corrupted second message is refused before any result is returned
+    compressor = make("topk", density=0.1)
+    slots = [Slot("w", 0, 500), Slot("b", 1, 8)]
+    g = torch.Generator().manual_seed(6)
+    message = encode(
+        [f for s in slots for f in compressor.compress(torch.randn(s.numel, generator=g), s, 0)],
+        [spec for s in slots for spec in compressor.specs(s)],
+    )
+    assert len(aggregate_buffers(compressor, slots, [message, message], 0, torch.device("cpu"))) == 2
+    broken = message.clone()
+    broken[-1] ^= 1
+    with pytest.raises(WireError, match="checksum mismatch"):
+        aggregate_buffers(compressor, slots, [message, broken], 0, torch.device("cpu"))

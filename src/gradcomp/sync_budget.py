@@ -23,10 +23,15 @@ FIXED_SIZE = (
 )  # fmt: skip
 
 _FINITE = "1 finiteness check of the gradients (exchange.check_gradients; the DDP hook's per-bucket .item())"
-_AGG = "1 finiteness check of the aggregate sums (single_round, one read for all slots)"
-_DECODE = "1 read of the decode summary (header, checksum, section heads, check flags)"
+_READ = (
+    "1 read of every decoded message's checks (header, checksum, section heads, padding, positions) together with "
+    "the finiteness of the aggregate sums (wire.container.DeviceChecks, once per exchange whatever the world size)"
+)
+_AGG = "1 finiteness read of the aggregate sums (single_round)"
+_VARIABLE = "per message: 1 transfer of the whole message to the host and 1 read of its data checks"
 _NONZERO = "accumulation.largest: nonzero on the selection mask (2 per selection)"
 _GOLOMB = "Golomb encode/decode: gap check, stream length, positions of the unary codes (several per slot)"
+_PADDING = "sign._check_packed: the padding bits of the last sign byte (per slot with a partial byte)"
 
 # name: (aggregator, ddp, notes)
 _TABLE: dict[str, tuple[int, int, str]] = {
@@ -34,43 +39,36 @@ _TABLE: dict[str, tuple[int, int, str]] = {
     "fp16": (1, 1, _FINITE),
     "bf16": (1, 1, _FINITE),
     "randomblock": (1, 1, _FINITE),
-    "topk": (3, 3, f"{_FINITE}; {_AGG}; {_DECODE}"),
-    "signsgd": (3, 3, f"{_FINITE}; {_DECODE}; 1 padding check of the sign bytes (sign._check_packed)"),
-    "signum": (3, 3, f"{_FINITE}; {_DECODE}; 1 padding check of the sign bytes (sign._check_packed)"),
+    "topk": (2, 2, f"{_FINITE}; {_READ}"),
+    "signsgd": (3, 3, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
+    "signum": (3, 3, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
     "powersgd": (3, 3, f"{_FINITE}; 2 zero-column checks of Q (powersgd._prepare_q, one per group)"),
     "local_topk": (3, 3, f"{_FINITE}; {_NONZERO}"),
     "true_topk": (3, 3, f"{_FINITE}; {_NONZERO}"),
     "sketch": (6, 6, f"{_FINITE}; {_NONZERO} (x2); 1 boolean index (sketch.run)"),
-    "terngrad_shared": (6, 6, f"{_FINITE}; {_DECODE}; 4 finiteness checks of max|g| (terngrad._clip, per slot)"),
-    "cnat": (7, 7, f"{_FINITE}; {_AGG}; {_DECODE}; 4 finiteness checks of the input (natural.cnat_encode, per slot)"),
-    "qsgd": (7, 7, f"{_FINITE}; {_AGG}; {_DECODE}; 4 finiteness checks of the norm (per slot)"),
-    "natural_dithering": (7, 7, f"{_FINITE}; {_AGG}; {_DECODE}; 4 finiteness checks of the norm (per slot)"),
-    "random_dithering": (7, 7, f"{_FINITE}; {_AGG}; {_DECODE}; 4 finiteness checks of the norm (per slot)"),
-    "terngrad": (7, 7, f"{_FINITE}; {_AGG}; {_DECODE}; 4 finiteness checks of max|g| (terngrad._clip, per slot)"),
-    "efsignsgd": (
-        9, 9, f"{_FINITE}; {_AGG}; {_DECODE}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
-        "2 padding checks of the sign bytes",
-    ),
-    "onebit": (
-        9, 9, f"{_FINITE}; {_AGG}; {_DECODE}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
-        "2 padding checks of the sign bytes",
-    ),
-    "randomk": (
-        17, 17, f"{_FINITE}; sampling k distinct positions (sparse.sample_without_replacement: per slot and round, "
-        "1 count of the distinct draws and 2-3 boolean indexings)",
-    ),
-    "threshold": (
-        9, 9, f"{_FINITE}; {_AGG}; 4 nonzero (the selection, per slot); 1 size exchange (sizes.exchange_sizes); "
-        "1 transfer of the whole message to the host and 1 read of its data checks (decode of variable counts)",
-    ),
+    "terngrad_shared": (6, 6, f"{_FINITE}; 1 read of the decoded message's checks; 4 finiteness checks of max|g| "
+                        "(terngrad._clip, per slot)"),
+    "cnat": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the input (natural.cnat_encode, per slot)"),
+    "qsgd": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
+    "natural_dithering": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
+    "random_dithering": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
+    "terngrad": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of max|g| (terngrad._clip, per slot)"),
+    "efsignsgd": (8, 8, f"{_FINITE}; {_READ}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
+                  f"2 {_PADDING}"),
+    "onebit": (8, 8, f"{_FINITE}; {_READ}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
+               f"2 {_PADDING}"),
+    "randomk": (17, 17, f"{_FINITE}; sampling k distinct positions (sparse.sample_without_replacement: per slot and "
+                "round, 1 count of the distinct draws and 2-3 boolean indexings)"),
+    "threshold": (9, 9, f"{_FINITE}; {_AGG}; 4 nonzero (the selection, per slot); 1 size exchange "
+                  f"(sizes.exchange_sizes); {_VARIABLE}"),
     "lgc": (18, 18, f"{_FINITE}; {_NONZERO} (x2); {_GOLOMB}; 1 broadcast size (sizes.broadcast_buffer)"),
-    "sbc": (40, 40, f"{_FINITE}; {_AGG}; {_GOLOMB}; 1 size exchange; the decode of variable counts"),
-    "stc": (45, 45, f"{_FINITE}; {_AGG}; {_GOLOMB}; 4 counts of the kept entries (sbc.compress); 1 size exchange"),
-    "dgc": (
-        55, 55, f"{_FINITE}; {_AGG}; {_GOLOMB}; sampled threshold selection (dgc.select: counts and boolean indexing "
-        "per slot); momentum correction's boolean indexing (dgc._corrected); 1 size exchange",
-    ),
-}
+    "sbc": (40, 40, f"{_FINITE}; {_AGG}; {_GOLOMB}; 1 size exchange; {_VARIABLE}"),
+    "stc": (45, 45, f"{_FINITE}; {_AGG}; {_GOLOMB}; 4 counts of the kept entries (sbc.compress); 1 size exchange; "
+            f"{_VARIABLE}"),
+    "dgc": (55, 55, f"{_FINITE}; {_AGG}; {_GOLOMB}; sampled threshold selection (dgc.select: counts and boolean "
+            "indexing per slot); momentum correction's boolean indexing (dgc._corrected); 1 size exchange; "
+            f"{_VARIABLE}"),
+}  # fmt: skip
 
 BUDGETS: dict[str, dict[str, int]] = {name: {"aggregator": a, "ddp": d} for name, (a, d, _) in _TABLE.items()}
 NOTES: dict[str, str] = {name: note for name, (_, _, note) in _TABLE.items()}

@@ -100,6 +100,8 @@ __all__ = [
     "SECTION_HEADER_BYTES",
     "FORMAT_VERSION",
     "MAGIC",
+    "DeviceChecks",
+    "check_pending",
 ]
 
 MAGIC = b"GC"
@@ -461,18 +463,23 @@ def _expected_nbytes(codec: Codec, param: int, count: int) -> int | None:
     return None  # GOLOMB: variable
 
 
-def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
+def decode(buf: torch.Tensor, specs: Sequence[FieldSpec], later: DeviceChecks | None = None) -> list[torch.Tensor]:
     """Parse a buffer produced by :func:`encode` with the same ``specs``; returns one tensor per field.
 
     Output dtypes: float32 / float16 / bfloat16 for the float codecs; for BITS the narrowest signed integer
     that holds the width (``bits.decoded_dtype``: int16 up to 15 bits, int32 up to 31, int64 for 32); int64 for
     POSITIONS and GOLOMB (they index); outputs live on the buffer's device. Raises WireError (only) for any
     malformed, truncated, oversized or corrupted buffer; ConfigError for invalid specs.
+
+    ``later`` (a :class:`DeviceChecks`): a device buffer whose layout the specs fix is decoded without reading
+    anything back; its checks are read, with others, by ``later.read()``, which raises what decode would have.
     """
-    return _decode(buf, specs, None)
+    return _decode(buf, specs, None, later)
 
 
-def _decode(buf: torch.Tensor, specs: Sequence[FieldSpec], on_host: bool | None) -> list[torch.Tensor]:
+def _decode(
+    buf: torch.Tensor, specs: Sequence[FieldSpec], on_host: bool | None, later: DeviceChecks | None = None
+) -> list[torch.Tensor]:
     """:func:`decode`; ``on_host`` True forces the host path (the device path's diagnosis of a failed check)."""
     specs = list(specs)
     codecs = _check_specs(specs)
@@ -485,7 +492,7 @@ def _decode(buf: torch.Tensor, specs: Sequence[FieldSpec], on_host: bool | None)
     if not on_host:
         fixed = _fixed_layout(specs, codecs)
         if fixed is not None and fixed[1] == total:
-            got = _decode_on_device(buf, specs, fixed[0])
+            got = _decode_on_device(buf, specs, fixed[0], later)
             if got is not None:
                 return got
         # A message with variable counts (or one that failed a check): the whole buffer and its checksum computed on
@@ -617,7 +624,9 @@ def _fixed_layout(specs: list, codecs: list) -> tuple[list, int] | None:
     return layout, off
 
 
-def _decode_on_device(buf: torch.Tensor, specs: list, layout: list) -> list[torch.Tensor] | None:
+def _decode_on_device(
+    buf: torch.Tensor, specs: list, layout: list, later: DeviceChecks | None = None
+) -> list[torch.Tensor] | None:
     """decode's device path for a message whose layout the specs fix (every count exact, no GOLOMB field).
 
     Every field is decoded where the buffer is and every check is computed there: the checksum
@@ -625,6 +634,7 @@ def _decode_on_device(buf: torch.Tensor, specs: list, layout: list) -> list[torc
     ONE small transfer: the 20-byte header, the computed checksum, the section headers and the check results (with
     this thread's pending sender checks of device-path encodes). Returns the fields when every byte is the one the
     specs imply and every check passed, else None: the caller then runs the host path, which says what is wrong.
+    With ``later``, nothing is read: the summary joins ``later``, whose :meth:`DeviceChecks.read` checks it.
     """
     flags: list[torch.Tensor] = []
     out: list[torch.Tensor] = []
@@ -645,18 +655,56 @@ def _decode_on_device(buf: torch.Tensor, specs: list, layout: list) -> list[torc
     pieces = [buf[:HEADER_BYTES], checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8), *heads]
     if flags:
         pieces.append(torch.stack([f.reshape(()).to(torch.bool) for f in flags]).to(torch.uint8))
-    summary = bytes(torch.cat(pieces).tolist())  # the one read back (tens of bytes, plus ten per section)
-    checks = summary[HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout) :]
-    if pending:
-        _raise_failed(pending, checks[len(checks) - len(pending) :])
-    body = layout[-1][0] + layout[-1][4] - HEADER_BYTES if layout else 0
-    expected = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12] + b"".join(
-        _SECTION.pack(int(codec), param, count, nbytes) for _, codec, param, count, nbytes in layout
-    )
-    got = summary[:12] + summary[HEADER_BYTES + 8 : HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout)]
-    if got != expected or summary[12:HEADER_BYTES] != summary[HEADER_BYTES : HEADER_BYTES + 8] or not all(checks):
-        return None
-    return out
+    summary = torch.cat(pieces)
+
+    def passed(got: bytes) -> bool:
+        """Whether the summary's bytes ``got`` are those of a sound message (ConfigError for a failed sender check)."""
+        checks = got[HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout) :]
+        if pending:
+            _raise_failed(pending, checks[len(checks) - len(pending) :])
+        body = layout[-1][0] + layout[-1][4] - HEADER_BYTES if layout else 0
+        expected = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12] + b"".join(
+            _SECTION.pack(int(codec), param, count, nbytes) for _, codec, param, count, nbytes in layout
+        )
+        heads_got = got[:12] + got[HEADER_BYTES + 8 : HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout)]
+        return heads_got == expected and got[12:HEADER_BYTES] == got[HEADER_BYTES : HEADER_BYTES + 8] and all(checks)
+
+    if later is not None:
+        later._items.append((summary, passed, buf, specs))
+        return out
+    return out if passed(bytes(summary.tolist())) else None  # the one read back (tens of bytes, ten per section)
+
+
+class DeviceChecks:
+    """The checks of several device-path decodes, read back together: one host synchronisation for all of them.
+
+    ``decode(buf, specs, later=checks)`` of a fixed layout returns its fields at once and leaves its summary here;
+    :meth:`read` then reads every summary (and any bool tensors the caller adds) in one transfer and raises the
+    WireError the host path gives for the first message that failed. Until :meth:`read` has returned, the decoded
+    values must not leave the caller (the aggregation sums them into temporaries and reads before returning).
+    """
+
+    def __init__(self) -> None:
+        self._items: list = []
+
+    def read(self, extra: Sequence[torch.Tensor] = ()) -> list[bool]:
+        """Reads every pending summary and ``extra`` (bool tensors of one element), raises for a failed message,
+        returns the values of ``extra``."""
+        items, self._items = self._items, []
+        pieces = [summary for summary, _, _, _ in items]
+        if extra:
+            pieces.append(torch.stack([e.reshape(()).to(torch.bool) for e in extra]).to(torch.uint8))
+        if not pieces:
+            return []
+        got = bytes(torch.cat(pieces).tolist())
+        at = 0
+        for summary, passed, buf, specs in items:
+            n = summary.numel()
+            if not passed(got[at : at + n]):
+                decode(buf, specs)  # the host path names the fault
+                raise WireError("a message failed the device's checks but passed the host's")  # pragma: no cover
+            at += n
+        return [bool(b) for b in got[at:]]
 
 
 def _unpack_checked(
