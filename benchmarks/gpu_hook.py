@@ -116,7 +116,8 @@ def part_step(args) -> None:
             times[n].append((time.perf_counter() - began) / 5)
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     size = sum(p.numel() for p in base.parameters()) / 1e6
-    print(f"{_name()}: DDP step, world size 1 ({dist.get_backend()}), {size:.1f}M-parameter MLP, median of {args.rounds}")
+    print(f"{_name()}: DDP step, world size 1 ({dist.get_backend()}), {size:.1f}M-parameter MLP, "
+          f"median of {args.rounds}")
     for n in ["torch", "torch-fp16", *METHODS]:
         ref = "torch-fp16" if n == "fp16" else "torch"
         print(f"  {n:11s} {med[n]:7.2f} ms  x{med[n] / med[ref]:.3f} of {ref}")
@@ -199,8 +200,8 @@ def part_sync(args) -> None:
             state.close()
             total += n_agg + n_ddp
             b = BUDGETS[name]
-            print(f"  {name:18s} aggregator {n_agg:3d} (CPU count {b['aggregator']})  ddp {n_ddp:3d} (CPU count {b['ddp']})",
-                  flush=True)
+            print(f"  {name:18s} aggregator {n_agg:3d} (CPU count {b['aggregator']})  "
+                  f"ddp {n_ddp:3d} (CPU count {b['ddp']})", flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on to the next method
             print(f"  {name:18s} error {type(exc).__name__}: {exc}", flush=True)
     print(f"  total {total} (target 0)")

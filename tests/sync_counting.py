@@ -83,10 +83,8 @@ class SyncCounter:
         import traceback
 
         frames = [f for f in traceback.extract_stack()[:-2] if "sync_counting" not in f.filename]
-        site = next(
-            (f"{f.filename.split('/src/')[-1]}:{f.lineno} {f.name}" for f in reversed(frames) if "/gradcomp/" in f.filename),
-            "?",
-        )
+        ours = [f for f in reversed(frames) if "/gradcomp/" in f.filename]
+        site = f"{ours[0].filename.split('/src/')[-1]}:{ours[0].lineno} {ours[0].name}" if ours else "?"
         with self._lock:
             self.counts[kind] += 1
             self.sites.setdefault(kind, []).append(site)

@@ -103,7 +103,8 @@ def count_ddp_step(name: str, monkeypatch):
 
 def _check(kind: str, name: str, counter) -> None:
     budget = BUDGETS[name][kind]
-    assert counter.total <= budget, f"{name} ({kind}): {counter.total} would-be synchronisations > budget {budget}: {counter}"
+    total = counter.total
+    assert total <= budget, f"{name} ({kind}): {total} would-be synchronisations > budget {budget}: {counter}"
 
 
 @pytest.mark.parametrize("name", sorted(BUDGETS))
@@ -166,7 +167,8 @@ if __name__ == "__main__":  # python tests/test_sync_count.py [NAME ...]: the co
         try:
             agg = count_aggregator_step(name)
             ddp = count_ddp_step(name, mp)
-            print(f"{name:18s} aggregator {agg.total:3d}  ddp {ddp.total:3d}\n    agg: {agg}\n    ddp: {ddp}", flush=True)
+            print(f"{name:18s} aggregator {agg.total:3d}  ddp {ddp.total:3d}", flush=True)
+            print(f"    agg: {agg}\n    ddp: {ddp}", flush=True)
         except Exception as exc:  # noqa: BLE001
             print(f"{name:18s} error {type(exc).__name__}: {exc}", flush=True)
         finally:
