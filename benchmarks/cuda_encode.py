@@ -1,65 +1,95 @@
-"""Where the time of encoding and decoding a message on a CUDA device goes (docs/gpu.md).
+"""Encoding and decoding a message on a CUDA device, against a device copy of the same tensor (docs/gpu.md).
 
-The container's checksum is a CRC pair computed on the host (gradcomp.wire.checksum), so a message on a GPU
-crosses to the host once when encoded and once when decoded. For a 10M-element fp32 gradient on the current
-device, per compressor: compress, encode and decode (median of 7, synchronised), and beside them the parts:
-the device-to-host copy into pageable memory (what ``tensor.cpu()`` does), the same copy into pinned memory
-(what ``wire.checksum.to_host`` does), and the CRC pair over the host bytes.
+Since the device checksum (gradcomp.wire.checksum.checksum64_tensor) a message built on a GPU stays there: encode
+computes the checksum on the device and decode reads back one small summary (docs/wire.md). For a 10M-entry fp32
+gradient on the current device, per registered compressor (the methods that own their rounds send no framed
+message and are skipped): compress, encode and decode (median of 7, synchronised around each), the message size,
+and a device-to-device copy of the 40 MB input (``clone``) to compare with. Then, for ``none`` (a 40 MB fp32
+message): encode + decode against the copy (target <= 3x), the device checksum alone, and what the host path costs
+(a copy to pinned memory and the CRC pair of the wheels).
 
-    python benchmarks/cuda_encode.py [--size N]
+    python benchmarks/cuda_encode.py [--size N] [--only NAME ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
-from gradcomp import make, wire
-from gradcomp.compressors.base import Slot
-from gradcomp.wire.checksum import checksum64
+from gradcomp import available, make, wire
+from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.wire.checksum import checksum64, checksum64_tensor
+
+CPU = os.environ.get("GRADCOMP_BENCH_CPU") == "1"  # a smoke run of this script on the CPU (tiny; not a measurement)
+
+
+def _sync() -> None:
+    if not CPU:
+        torch.cuda.synchronize()
 
 
 def median_ms(fn, repeats: int = 7) -> float:
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        _sync()
         began = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - began)
     return sorted(times)[repeats // 2] * 1e3
 
 
-def measure(name: str, x: torch.Tensor) -> str:
+def measure(name: str, x: torch.Tensor, copy_ms: float) -> str:
     """One compressor's line of the report."""
     slot = Slot(name="x", index=0, numel=x.numel())
     compressor = make(name)
     fields, specs = compressor.compress(x, slot, 0), compressor.specs(slot)
     buf = wire.encode(fields, specs)
-    host = buf.cpu()
-    pinned = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+    encode = median_ms(lambda: wire.encode(fields, specs))
+    decode = median_ms(lambda: wire.decode(buf, specs))
     return (
-        f"{name:5s} {buf.numel() / 1e6:6.2f} MB  compress {median_ms(lambda: compressor.compress(x, slot, 1)):6.2f}"
-        f"  encode {median_ms(lambda: wire.encode(fields, specs)):6.2f}"
-        f"  decode {median_ms(lambda: wire.decode(buf, specs)):6.2f}"
-        f"  | to pageable host memory {median_ms(lambda: buf.cpu()):6.2f}"
-        f"  to pinned {median_ms(lambda: pinned.copy_(buf)):5.2f}"
-        f"  CRC pair on the host {median_ms(lambda: checksum64(host)):5.2f}"
+        f"{name:18s} {buf.numel() / 1e6:7.2f} MB  compress {median_ms(lambda: compressor.compress(x, slot, 1)):7.3f}"
+        f"  encode {encode:7.3f}  decode {decode:7.3f}  (encode + decode) / copy {(encode + decode) / copy_ms:7.1f}"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=10_000_000)
+    parser.add_argument("--size", type=int, default=10_000 if CPU else 10_000_000)
+    parser.add_argument("--only", nargs="*", help="these compressors only")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
-    x = torch.randn(args.size, device="cuda")
-    print(f"{torch.cuda.get_device_name()}, {args.size} fp32 values; times in ms")
-    for name in ("none", "fp16", "cnat", "topk"):
-        print(measure(name, x))
+    if not CPU and not torch.cuda.is_available():
+        print("benchmarks/cuda_encode.py: skipped, no CUDA device")
+        return
+    device = torch.device("cpu") if CPU else torch.device("cuda")
+    if CPU:
+        os.environ["GRADCOMP_DEVICE_PATH"] = "1"
+    x = torch.randn(args.size, device=device)
+    copy_ms = median_ms(lambda: x.clone())
+    name = "CPU (smoke run)" if CPU else torch.cuda.get_device_name()
+    print(f"{name}, {args.size} fp32 values ({4 * args.size / 1e6:.0f} MB); times in ms; device copy {copy_ms:.3f}")
+    names = args.only or [n for n in available() if isinstance(make(n), Compressor)]
+    for n in names:
+        try:
+            print(measure(n, x, copy_ms), flush=True)
+        except Exception as exc:  # noqa: BLE001 - report it and go on
+            print(f"{n:18s} error {type(exc).__name__}: {exc}", flush=True)
+    slot = Slot(name="x", index=0, numel=x.numel())
+    specs = make("none").specs(slot)
+    buf = wire.encode([x], specs)
+    both = median_ms(lambda: wire.encode([x], specs)) + median_ms(lambda: wire.decode(buf, specs))
+    body = buf[wire.HEADER_BYTES :]
+    pinned = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=not CPU)
+    host = buf.cpu()
+    print(
+        f"none, {buf.numel() / 1e6:.1f} MB: encode + decode {both:.3f} = {both / copy_ms:.2f} x the device copy "
+        f"(target <= 3); device checksum alone {median_ms(lambda: checksum64_tensor(body)):.3f}; host path: to "
+        f"pinned memory {median_ms(lambda: pinned.copy_(buf)):.3f} + CRC pair on the host "
+        f"{median_ms(lambda: checksum64(host)):.3f}"
+    )
 
 
 if __name__ == "__main__":

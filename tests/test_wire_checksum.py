@@ -330,3 +330,199 @@ def test_device_buffers_reach_the_host_through_one_reused_pinned_buffer():
     assert checksum64(big.cuda()) == checksum64(big)
     larger = torch.randint(0, 256, (5_000_000,), dtype=torch.uint8)
     assert torch.equal(to_host(larger.cuda()), larger)  # grown
+
+
+# ------------------------------------------------- the device formulation (torch operations), tested on the CPU
+
+from gradcomp.errors import ConfigError  # noqa: E402
+from gradcomp.wire import Codec, FieldSpec  # noqa: E402
+from gradcomp.wire.checksum import BLOCK_BYTES, checksum64_tensor  # noqa: E402
+from gradcomp.wire.container import check_pending  # noqa: E402
+
+
+def _unsigned(t: torch.Tensor) -> int:
+    return int(t) & (2**64 - 1)
+
+
+def test_the_torch_formulation_gives_the_host_checksum_for_every_size():
+    gen = torch.Generator().manual_seed(29)
+    sizes = [0, 1, 2, 3, 7, 8, 9, 31, 33, 1000, 4095, 4096, 4097, 65_537, 100_003, 3 * 2**20 + 5]
+    sizes += [k * BLOCK_BYTES + d for k in (1, 2, 3, 5, 64, 127) for d in (-1, 0, 1)]  # block boundaries
+    for n in sizes:
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        got = checksum64_tensor(data)
+        assert got.dtype == torch.int64 and got.shape == () and got.device == data.device
+        assert _unsigned(got) == checksum64(data), n
+    for fill in (0, 255):  # all zeros, all ones: the init / final-xor conventions
+        for n in (1, BLOCK_BYTES, 5 * BLOCK_BYTES + 3):
+            data = torch.full((n,), fill, dtype=torch.uint8)
+            assert _unsigned(checksum64_tensor(data)) == checksum64(data), (fill, n)
+    check = torch.tensor(list(b"123456789"), dtype=torch.uint8)
+    assert _unsigned(checksum64_tensor(check)) == 0xCBF43926 << 32 | 0xE3069283
+    view = torch.randint(0, 256, (2000,), dtype=torch.uint8, generator=gen)[3:1500:2]  # a strided view
+    assert _unsigned(checksum64_tensor(view)) == checksum64(view.contiguous())
+    with pytest.raises(WireError):
+        checksum64_tensor(view.to(torch.int32))
+
+
+def test_a_single_flipped_bit_changes_the_torch_checksum():
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (5 * BLOCK_BYTES + 7,), dtype=torch.uint8, generator=gen)
+    base = _unsigned(checksum64_tensor(data))
+    for bit in range(0, 8 * data.numel(), 13):
+        bad = data.clone()
+        bad[bit // 8] ^= 1 << (bit % 8)
+        assert _unsigned(checksum64_tensor(bad)) == checksum64(bad) != base
+
+
+def _mixed_message(seed: int):
+    """Fields of every codec, fixed counts (the device decode's one-transfer path) and variable ones."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randperm(5000, generator=g)[:300].sort().values
+    fields = [
+        torch.randn(1001, generator=g),
+        torch.randn(77, generator=g).half(),
+        torch.randn(64, generator=g).bfloat16(),
+        torch.randint(0, 8, (333,), generator=g),
+        pos,
+        torch.randint(0, 2**13, (10,), generator=g),
+    ]
+    fixed = [
+        FieldSpec(Codec.F32, count=1001),
+        FieldSpec(Codec.F16, count=77),
+        FieldSpec(Codec.BF16, count=64),
+        FieldSpec(Codec.BITS, count=333, width=3),
+        FieldSpec(Codec.POSITIONS, count=300, universe=5000),
+        FieldSpec(Codec.BITS, count=10, width=13),
+    ]
+    variable = fixed[:4] + [FieldSpec(Codec.GOLOMB, max_count=5000, universe=5000), fixed[5]]
+    return fields, fixed, variable
+
+
+def _decode_with(path: str, monkeypatch, buf, specs):
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1" if path == "device" else "0")
+    return decode(buf, specs)
+
+
+@pytest.mark.parametrize("encoder,decoder", [("device", "host"), ("host", "device"), ("device", "device")])
+def test_a_message_encoded_on_one_path_decodes_on_the_other(monkeypatch, encoder, decoder):
+    for seed in range(3):
+        fields, fixed, variable = _mixed_message(seed)
+        for specs in (fixed, variable):
+            monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "0")
+            reference = encode(fields, specs)
+            monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1" if encoder == "device" else "0")
+            buf = encode(fields, specs)
+            assert torch.equal(buf, reference)  # the same bytes, header and checksum included
+            out = _decode_with(decoder, monkeypatch, buf, specs)
+            for got, sent in zip(out, fields):
+                assert torch.equal(got.to(sent.dtype), sent)
+    check_pending()
+
+
+@pytest.mark.parametrize("specs_kind", ["fixed", "variable"])
+def test_the_device_decode_rejects_what_the_host_decode_rejects(monkeypatch, specs_kind):
+    fields, fixed, variable = _mixed_message(4)
+    specs = fixed if specs_kind == "fixed" else variable
+    buf = encode(fields, specs)
+    rng = random.Random(4)
+    cases = [(bit,) for bit in rng.sample(range(8 * buf.numel()), 60)]  # anywhere: header, section heads, data
+    cases += [tuple(rng.sample(range(8 * HEADER_BYTES, 8 * buf.numel()), 2)) for _ in range(40)]
+    for bits in cases:
+        bad = buf.clone()
+        for bit in bits:
+            bad[bit // 8] ^= 1 << (bit % 8)
+        messages = []
+        for path in ("host", "device"):
+            with pytest.raises(WireError) as err:
+                _decode_with(path, monkeypatch, bad, specs)
+            messages.append(str(err.value))
+        assert messages[0] == messages[1]  # the device path falls back to the host path's diagnosis
+
+
+def test_set_padding_bits_and_bad_positions_under_a_valid_checksum_are_rejected_on_the_device_path(monkeypatch):
+    from gradcomp.wire.checksum import checksum64 as host_checksum
+
+    fields, fixed, _ = _mixed_message(5)
+    buf = encode(fields, fixed)
+
+    def reframed(mutate):
+        bad = buf.clone()
+        mutate(bad)
+        body = bad[HEADER_BYTES:]
+        bad[12:20] = torch.tensor(list(host_checksum(body).to_bytes(8, "little")), dtype=torch.uint8)
+        return bad
+
+    bits_end = HEADER_BYTES + 4 * 10 + 4 * 1001 + 2 * 77 + 2 * 64 + (333 * 3 + 7) // 8  # the 3-bit section's end
+    padding = reframed(lambda b: b.__setitem__(bits_end - 1, int(b[bits_end - 1]) | 0x80))
+    with pytest.raises(WireError, match="padding"):
+        _decode_with("device", monkeypatch, padding, fixed)
+    pos_start = bits_end + 10
+    swapped = reframed(lambda b: b.__setitem__(pos_start, 0xFF))  # the first position jumps past the second
+    with pytest.raises(WireError, match="increasing|range"):
+        _decode_with("device", monkeypatch, swapped, fixed)
+
+
+def test_sender_checks_of_the_device_path_are_raised_at_the_next_read(monkeypatch):
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    check_pending()  # nothing left over from other tests
+    spec = [FieldSpec(Codec.BITS, count=3, width=3)]
+    encode([torch.tensor([1, 9, 2])], spec)  # 9 does not fit 3 bits: not read back here
+    with pytest.raises(ConfigError, match=r"2\*\*3"):
+        check_pending()
+    encode([torch.tensor([5, 3, 4])], [FieldSpec(Codec.POSITIONS, count=3, universe=10)])  # not increasing
+    good = encode([torch.tensor([1, 2, 3])], spec)
+    with pytest.raises(ConfigError, match="increasing"):
+        decode(good, spec)  # raised with the next device-path decode's one transfer
+    assert decode(good, spec)[0].tolist() == [1, 2, 3]  # and only once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_checksum_on_the_device_and_messages_across_devices():
+    gen = torch.Generator().manual_seed(11)
+    for n in (0, 1, 63, 64, 65, 100_003, 3 * 2**20 + 5):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        got = checksum64_tensor(data.cuda())
+        assert got.is_cuda and _unsigned(got) == checksum64(data), n
+    for seed in range(2):
+        fields, fixed, variable = _mixed_message(seed)
+        for specs in (fixed, variable):
+            on_cpu = encode(fields, specs)
+            on_gpu = encode([f.cuda() for f in fields], specs)
+            assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), on_cpu)  # the same bytes, checksum included
+            for buf in (on_gpu.cpu(), on_cpu.cuda()):  # encoded on one side, decoded on the other
+                for got, sent in zip(decode(buf, specs), fields):
+                    assert torch.equal(got.cpu().to(sent.dtype), sent)
+    check_pending()
+
+
+def test_decodes_checked_together_raise_what_decode_raises(monkeypatch):
+    from gradcomp.schemes.single_round import aggregate_buffers
+    from gradcomp.wire.container import DeviceChecks
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    fields, fixed, _ = _mixed_message(6)
+    good = encode(fields, fixed)
+    bad = good.clone()
+    bad[HEADER_BYTES + 40] ^= 4  # a data bit: the checksum no longer matches
+    later = DeviceChecks()
+    for buf in (good, good):
+        decode(buf, fixed, later)
+    assert later.read([torch.tensor(True), torch.tensor(False)]) == [True, False]
+    decode(good, fixed, later)
+    decode(bad, fixed, later)  # nothing read yet: no error here
+    with pytest.raises(WireError, match="checksum mismatch"):
+        later.read()
+    # in an aggregation: the corrupted second message is refused before any result is returned
+    compressor = make("topk", density=0.1)
+    slots = [Slot("w", 0, 500), Slot("b", 1, 8)]
+    g = torch.Generator().manual_seed(6)
+    message = encode(
+        [f for s in slots for f in compressor.compress(torch.randn(s.numel, generator=g), s, 0)],
+        [spec for s in slots for spec in compressor.specs(s)],
+    )
+    assert len(aggregate_buffers(compressor, slots, [message, message], 0, torch.device("cpu"))) == 2
+    broken = message.clone()
+    broken[-1] ^= 1
+    with pytest.raises(WireError, match="checksum mismatch"):
+        aggregate_buffers(compressor, slots, [message, broken], 0, torch.device("cpu"))

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot
 from gradcomp.wire import Codec, FieldSpec
+from gradcomp.wire.bits import host_path
 
 FP16_MAX = 65504.0
 BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -47,7 +48,7 @@ class _DenseCast(Compressor):
             # 4·d-byte tensor, whose first touch cost more than the cast) followed by the cast.
             if out.data_ptr() == flat.data_ptr():  # never clamp the caller's tensor in place
                 out = out.clone()
-            if out.device.type == "cpu" and out.numel():  # one read pass decides whether a write pass is needed
+            if host_path(out) and out.numel():  # one read pass decides whether a write pass is needed
                 low, high = torch.stack(torch.aminmax(out)).float().tolist()
                 if low >= -self.limit and high <= self.limit:  # (False for NaN: then clamped, as always)
                     return [out]

@@ -123,7 +123,7 @@ from gradcomp.compressors.base import (
 from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.wire import Codec, FieldSpec
-from gradcomp.wire.bits import decoded_dtype
+from gradcomp.wire.bits import decoded_dtype, host_path
 
 __all__ = ["NaturalCompression", "RandomDithering", "NaturalDithering", "TernGrad", "cnat_encode", "cnat_decode"]
 
@@ -147,7 +147,7 @@ _CHUNK = 1 << 17  # entries per step of the chunked CPU loops below (their scrat
 def _cpu_loop(flat: Tensor) -> bool:
     """Whether the chunked CPU loops below run (CPU tensors) or whole-tensor torch ops (any device; the same
     codes: tests switch the loops off to check the whole-tensor path on the CPU)."""
-    return flat.device.type == "cpu"
+    return host_path(flat)
 
 
 def _as_int64(value: int) -> int:
@@ -283,7 +283,7 @@ _LOOKUP_MAX_BITS = 16  # the ditherings' compiled decoder holds a float32 per po
 
 def _lookup_target(out: Tensor | None) -> bool:
     """Whether the compiled lookup decoder can write into ``out`` (None: it makes its own)."""
-    return out is None or (out.is_contiguous() and out.dtype == torch.float32 and out.device.type == "cpu")
+    return out is None or (out.is_contiguous() and out.dtype == torch.float32 and host_path(out))
 
 
 def _run_lookup(

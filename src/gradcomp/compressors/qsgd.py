@@ -69,6 +69,7 @@ from gradcomp.compressors.base import Fields, Slot
 from gradcomp.compressors.natural import RandomDithering
 from gradcomp.errors import ConfigError, WireError
 from gradcomp.wire import Codec, FieldSpec
+from gradcomp.wire.bits import host_path
 from gradcomp.wire.elias import elias_gamma_decode, elias_gamma_encode
 
 __all__ = ["QSGD", "CODINGS", "elias_max_bytes"]
@@ -168,7 +169,7 @@ class QSGD(RandomDithering):
         codes = codes.reshape(-1)
         if self._decode_compiled([norm, codes], out, add) is not None:  # the CPU: one compiled pass into out
             return
-        chunk = _DECODE_CHUNK if codes.device.type == "cpu" else _DEVICE_DECODE_CHUNK
+        chunk = _DECODE_CHUNK if host_path(codes) else _DEVICE_DECODE_CHUNK
         for start in range(0, slot.numel, chunk):
             piece = codes[start : start + chunk]
             part = Slot(slot.name, slot.index, piece.numel(), None)

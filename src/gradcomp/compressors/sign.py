@@ -116,6 +116,7 @@ from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot, Ta
 from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.wire import Codec, FieldSpec
+from gradcomp.wire.bits import host_path
 
 __all__ = ["EFSignSGD", "OneBit", "SignSGD", "Signum", "pack_signs", "packed_count", "unpack_signs"]
 
@@ -160,7 +161,7 @@ _KERNEL_FLOATS = (torch.float32, torch.float64)  # what the compiled kernel read
 def _numpy_path(flat: Tensor) -> bool:
     """Whether signs are packed by numpy (CPU, numpy float dtypes) or by torch ops (any device; the same bytes:
     tests switch the numpy path off to check the torch one on the CPU)."""
-    return flat.device.type == "cpu" and flat.dtype in _NUMPY_FLOATS
+    return host_path(flat) and flat.dtype in _NUMPY_FLOATS
 
 
 def _pack_piece(
@@ -274,7 +275,7 @@ def _rows(packed: Tensor) -> Tensor:
 
 def _kernel_for(packed: Tensor, out: Tensor):
     """The compiled sign kernels for ``out += / -= decoded`` on the CPU (contiguous float32 ``out``), or None."""
-    if packed.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
+    if not host_path(packed) or out.dtype != torch.float32 or not out.is_contiguous():
         return None
     return kernels.sign(out.numel())
 
@@ -353,7 +354,7 @@ class _Sign(Compressor):
             return
         table = _value_table(packed.device, positive, negative)
         groups = packed_count(min(slot.numel, _SUBTRACT_CHUNK))
-        if packed.device.type == "cpu":
+        if host_path(packed):
             scratch = workspace("subtract-signs", 8 * groups, torch.float32).view(groups, 8)
         else:
             scratch = torch.empty(groups, 8, dtype=torch.float32, device=packed.device)
@@ -431,7 +432,7 @@ def _compare_planes(planes: list[Tensor], k: int, words: int, device: torch.devi
 
 def _numpy_bits(t: Tensor) -> bool:
     """Whether bit masks are expanded by numpy (CPU) or by torch ops (any device; tests check both)."""
-    return t.device.type == "cpu"
+    return host_path(t)
 
 
 def _plus_minus(positive: Tensor, negative: Tensor, numel: int) -> Tensor:
@@ -593,7 +594,7 @@ def _signs_and_sums(
     packed = negatives = None
     if signs and not fused:
         packed, negatives = _pack(flat, count)
-    if flat.device.type == "cpu":
+    if host_path(flat):
         scratch = workspace("sign-sums", min(d, _CHUNK), torch.float32)
     else:
         scratch = torch.empty(min(d, _CHUNK), dtype=torch.float32, device=flat.device)

@@ -58,7 +58,7 @@ from gradcomp.compressors.base import (
 )
 from gradcomp.errors import ConfigError
 from gradcomp.wire import Codec, FieldSpec
-from gradcomp.wire.bits import bits_needed
+from gradcomp.wire.bits import bits_needed, host_device, host_path
 
 POSITION_CODECS = {"fixed": Codec.POSITIONS, "golomb": Codec.GOLOMB}
 
@@ -124,7 +124,7 @@ def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: tor
     """
     if 4 * k >= n:
         return torch.sort(torch.randperm(n, generator=gen, device=device)[:k]).values
-    marker = kernels.sample(n, k) if device.type == "cpu" else None
+    marker = kernels.sample(n, k) if host_device(device) else None
     if marker is not None:
         return _first_distinct_compiled(marker, n, k, gen)
     draws = torch.empty(0, dtype=torch.int64, device=device)
@@ -244,7 +244,7 @@ def _numpy_path(t: Tensor) -> bool:
 
     Both give the same results; tests switch the numpy path off to check the torch one on the CPU.
     """
-    return t.device.type == "cpu"
+    return host_path(t)
 
 
 def magnitude_candidates(flat: Tensor, tau: float, mode: str = "ge") -> Tensor:
@@ -356,7 +356,7 @@ def fast_topk_applies(flat: Tensor, k: int) -> bool:
     and k <= d / 64, where ``torch.topk`` on the CPU takes its slow partial-sort path (and returns its values in
     decreasing order, which sbc and stc rely on to reproduce their means bit for bit)."""
     d = flat.numel()
-    return flat.device.type == "cpu" and flat.dtype == torch.float32 and d >= FAST_MIN and 0 < 64 * k <= d
+    return host_path(flat) and flat.dtype == torch.float32 and d >= FAST_MIN and 0 < 64 * k <= d
 
 
 def topk_positions(flat: Tensor, k: int) -> Tensor:

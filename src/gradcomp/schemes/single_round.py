@@ -35,12 +35,13 @@ from torch import Tensor
 from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, accumulate, new_tally
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
-from gradcomp.finite import all_finite
+from gradcomp.finite import finite_flags
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.schemes.base import Scheme
 from gradcomp.transport.requests import Rounds
 from gradcomp.transport.sim import computed_once
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
+from gradcomp.wire.container import DeviceChecks
 from gradcomp.wire.bits import bits_needed, packed_nbytes
 
 TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")  # what SingleRound carries
@@ -90,9 +91,11 @@ def encode_slots(compressor: Compressor, slots: Sequence[Slot], messages: Sequen
     return encode([f for fields in messages for f in fields], [spec for s in slots for spec in compressor.specs(s)])
 
 
-def decode_slots(compressor: Compressor, slots: Sequence[Slot], buffer: Tensor) -> list[Fields]:
+def decode_slots(
+    compressor: Compressor, slots: Sequence[Slot], buffer: Tensor, later: DeviceChecks | None = None
+) -> list[Fields]:
     specs_per_slot = [compressor.specs(s) for s in slots]
-    fields = iter(decode(buffer, [spec for specs in specs_per_slot for spec in specs]))
+    fields = iter(decode(buffer, [spec for specs in specs_per_slot for spec in specs], later))
     return [[next(fields) for _ in specs] for specs in specs_per_slot]
 
 
@@ -104,8 +107,11 @@ def aggregate_buffers(
     One buffer is decoded at a time and added into every slot's running sum before the next is decoded, so
     one worker's decoded message is in memory, not W of them (a dense message's codes decoded to int64 were 8
     bytes per entry, W of them 2·W fp32 gradients; BITS fields now decode to int16 up to 15 bits). Each slot's
-    sum still adds the workers in rank order: the same sums, bit for bit. The finiteness check reads the sum
-    once (``all_finite``) instead of building |sum| and three d-sized masks (``torch.isfinite``). A compressor
+    sum still adds the workers in rank order: the same sums, bit for bit. The finiteness check reads each slot's
+    sum of sums (a finite one means a finite tensor; only one that overflowed is looked at entry by entry) instead
+    of building |sum| and three d-sized masks (``torch.isfinite``), and all slots' in one read, together with the
+    checks of every decoded device buffer (``wire.container.DeviceChecks``): one host synchronisation per exchange,
+    not one per slot and message. A compressor
     with its own compact tally (``base.new_tally``: majority vote counts sign bits) adds the messages there
     instead.
     """
@@ -114,14 +120,19 @@ def aggregate_buffers(
         torch.zeros(slot.numel, dtype=torch.float32, device=device) if tally is None else tally
         for slot, tally in zip(slots, tallies)
     ]
+    later = DeviceChecks()  # device buffers: every message's checks and the sums' finiteness read in one transfer
     for buffer in buffers:
-        _add_buffer(compressor, slots, buffer, step, totals)
+        _add_buffer(compressor, slots, buffer, step, totals, later)
     results = []
+    sums = [total for total in totals if not isinstance(total, Tally)]  # a compact count is finite by construction
+    quick = later.read([torch.isfinite(total.sum()) for total in sums])  # a finite sum: a finite tensor
+    closer = iter(finite_flags([t for t, ok in zip(sums, quick) if not ok]))  # a sum that overflowed: look closer
+    finite = iter([ok or next(closer) for ok in quick])
     for i, (slot, total) in enumerate(zip(slots, totals)):
         if isinstance(total, Tally):  # a compact count (majority vote): finite by construction
             results.append(total.result(len(buffers)))
             continue
-        if all_finite(total):
+        if next(finite):
             results.append(compressor.aggregate(total, len(buffers)))
             continue
         # the sum of finite messages overflowed: add them divided by W instead (decoding the buffers again:
@@ -138,12 +149,17 @@ def aggregate_buffers(
 
 
 def _add_buffer(
-    compressor: Compressor, slots: Sequence[Slot], buffer: Tensor, step: int, totals: list[Tensor | Tally]
+    compressor: Compressor,
+    slots: Sequence[Slot],
+    buffer: Tensor,
+    step: int,
+    totals: list[Tensor | Tally],
+    later: DeviceChecks | None = None,
 ) -> None:
     """Add one worker's decoded messages into the slots' sums (or tallies). A function of its own, so that
     nothing of the decoded message outlives it (a loop variable would keep the last slot's fields alive through
     the next buffer's decoding)."""
-    for slot, fields, total in zip(slots, decode_slots(compressor, slots, buffer), totals):
+    for slot, fields, total in zip(slots, decode_slots(compressor, slots, buffer, later), totals):
         if isinstance(total, Tally):
             total.add(fields)
         else:

@@ -45,6 +45,7 @@ class DistTransport(Transport):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        self._in_flight: list = []  # (start, end) CUDA events of NCCL collectives whose time is not booked yet
 
     @property
     def device(self) -> torch.device:
@@ -54,6 +55,8 @@ class DistTransport(Transport):
 
     def _timed(self, fn, *args):
         try:
+            if self.backend == "nccl":
+                return self._timed_on_stream(fn, *args)
             return super()._timed(fn, *args)
         except RuntimeError as exc:  # gloo / NCCL: a peer closed its connection, or the collective timed out
             raise WorkerLostError(
@@ -61,9 +64,33 @@ class DistTransport(Transport):
                 f"or did not answer within the process group's time-out ({exc})"
             ) from exc
 
-    def _sync(self) -> None:
-        if self.backend == "nccl":
-            torch.cuda.synchronize()
+    def _timed_on_stream(self, fn, *args):
+        """An NCCL collective, timed with CUDA events instead of a ``torch.cuda.synchronize()`` after it.
+
+        Ordering needs no synchronisation: a blocking (``async_op=False``) NCCL collective makes NCCL's stream wait
+        for the current stream before it starts and the current stream wait for NCCL's before anything queued after
+        it, so the result is ready for every later operation on the stream, and the host never waits. The time is
+        the stream time between two events recorded around the collective; it is added to ``counter.seconds`` once
+        both events have completed (checked without waiting, at each later collective, and by
+        :meth:`settle_timing`), so the seconds reported lag by the collectives still in flight.
+        """
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn(*args)
+        end.record()
+        self.counter.collectives += 1
+        self._in_flight.append((start, end))
+        while self._in_flight and self._in_flight[0][1].query():
+            first, last = self._in_flight.pop(0)
+            self.counter.seconds += first.elapsed_time(last) / 1000.0
+        return result
+
+    def settle_timing(self) -> None:
+        """Waits for the timing events of the collectives still in flight and books their seconds (a sync)."""
+        while self._in_flight:
+            first, last = self._in_flight.pop(0)
+            last.synchronize()
+            self.counter.seconds += first.elapsed_time(last) / 1000.0
 
     def _group_rank(self, rank: int) -> int:
         """torch.distributed's gather/broadcast take global ranks; translate a rank within our group."""

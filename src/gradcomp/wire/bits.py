@@ -35,6 +35,7 @@ works in uint8 there and is as fast. Big-endian hosts keep the torch path.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -53,11 +54,29 @@ __all__ = [
     "pack_bool",
     "unpack_bool",
     "packed_nbytes",
+    "host_path",
+    "host_device",
 ]
 
 _MAX_WIDTH = 32
 # Dtypes on which min/max are available; other integer dtypes (uint16/32/64) are widened to int64 first.
 _NATIVE_INT = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def host_path(t: torch.Tensor) -> bool:
+    """Whether the wire code treats ``t`` as host memory (numpy, struct, compiled kernels, host CRCs).
+
+    True for CPU tensors, False for device tensors, which take the torch path that reads nothing back
+    (docs/gpu.md). ``GRADCOMP_DEVICE_PATH=1`` sends CPU tensors down the device path too: for tests
+    only (tests/test_sync_count.py counts what that path reads back; tests/test_wire_checksum.py decodes on one
+    path what the other encoded), since the host path is the faster one on the CPU.
+    """
+    return host_device(t.device)
+
+
+def host_device(device: torch.device) -> bool:
+    """:func:`host_path` for tensors on ``device``."""
+    return device.type == "cpu" and os.environ.get("GRADCOMP_DEVICE_PATH") != "1"
 
 
 def _check_width(width: object, exc: type[Exception] = ConfigError) -> int:
@@ -118,7 +137,7 @@ _NUMPY_INT = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 def _chunked(values: torch.Tensor, width: int) -> bool:
     return (
-        values.device.type == "cpu"
+        host_path(values)
         and values.numel() > _SMALL
         and width <= _CHUNKED_MAX_WIDTH
         and values.dtype in _NUMPY_INT
@@ -142,7 +161,7 @@ def _swar_merge(words: np.ndarray, lane: int, shift: int, tmp: np.ndarray) -> No
 def _kernel_pack(values: torch.Tensor, width: int):
     """The compiled packer for ``values`` (gradcomp.kernels), or None: CPU, little-endian, a numpy integer dtype,
     a width with a kernel, and a large array or numba already loaded (``kernels.bitpack``)."""
-    if values.device.type != "cpu" or sys.byteorder != "little" or values.dtype not in _NUMPY_INT:
+    if not host_path(values) or sys.byteorder != "little" or values.dtype not in _NUMPY_INT:
         return None
     kernel = kernels.bitpack(width, values.numel())
     return None if kernel is None else kernel[0]
@@ -286,7 +305,7 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
     kernel = _kernel_pack(values, width)
     if kernel is not None:
         return _pack_kernel(values, width, False, kernel)
-    if n <= _SMALL and device.type == "cpu":
+    if n <= _SMALL and host_path(values):
         return _pack_small(values, width)
     if _chunked(values, width):
         return _pack_chunked(values, width, check=False)
@@ -378,24 +397,28 @@ def decoded_dtype(width: int) -> torch.dtype:
     return torch.int64
 
 
-def _unpack(buf: torch.Tensor, width: int, count: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _unpack(
+    buf: torch.Tensor, width: int, count: int, dtype: torch.dtype | None = None, flags: list | None = None
+) -> torch.Tensor:
     """Unpack ``count`` values (length already checked); checks padding. Returns ``dtype`` when given (int16,
     int32 or int64: the compiled kernels and the windowed path write it directly), else the work dtype, or
-    int64 from those two paths."""
+    int64 from those two paths. With ``flags`` (a list), the torch path does not read the padding check back: it
+    appends a bool tensor, true when the padding is clear, for the caller to read with its others."""
     device = buf.device
+    host = host_path(buf)
     wd = _work_dtype(width)
     if count == 0:
         return torch.empty(0, dtype=dtype or wd, device=device)
     if width == 8:
         return buf.to(dtype or wd)
     direct = dtype or torch.int64
-    kernel = kernels.bitpack(width, count) if device.type == "cpu" and sys.byteorder == "little" else None
+    kernel = kernels.bitpack(width, count) if host and sys.byteorder == "little" else None
     if kernel is not None:
         return _unpack_kernel(buf, width, count, kernel[1], direct)
-    if count <= _SMALL and device.type == "cpu":
+    if count <= _SMALL and host:
         out = _unpack_small(buf, width, count)
         return out if dtype is None else out.to(dtype)
-    if 8 < width <= _CHUNKED_MAX_WIDTH and device.type == "cpu" and sys.byteorder == "little":
+    if 8 < width <= _CHUNKED_MAX_WIDTH and host and sys.byteorder == "little":
         return _unpack_windows(buf, width, count, direct)
     groups = (count + 7) // 8
     b = buf
@@ -418,7 +441,9 @@ def _unpack(buf: torch.Tensor, width: int, count: int, dtype: torch.dtype | None
     out = torch.stack(cols, dim=1).reshape(-1)
     if groups * 8 != count:
         # Every bit after the last value lies in one of the padding value slots.
-        if bool(out[count:].any()):
+        if flags is not None:
+            flags.append(out[count:].any().logical_not())
+        elif bool(out[count:].any()):
             raise WireError(f"nonzero padding bits after {count} values of {width} bits")
         out = out[:count]
     return out if dtype is None else out.to(dtype)
@@ -433,11 +458,13 @@ def _as_uint8_buffer(buf: object) -> torch.Tensor:
     return buf.reshape(-1).contiguous()
 
 
-def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+def pack_bits(values: torch.Tensor, width: int, flags: list | None = None) -> torch.Tensor:
     """Pack non-negative integers into ``width`` bits each (LSB-first); returns a 1-D uint8 tensor.
 
     ``values`` may have any integer (or bool) dtype and shape; it is flattened. Raises ConfigError for a
-    width outside [1, 32], a non-integer tensor, or a value outside [0, 2**width).
+    width outside [1, 32], a non-integer tensor, or a value outside [0, 2**width). With ``flags`` (a list), a
+    range check on the torch path is not read back: ``(bool tensor, message)`` is appended for the caller to
+    read with its other checks and raise ConfigError(message) on false (wire.encode's device path).
     """
     width = _check_width(width)
     if not isinstance(values, torch.Tensor):
@@ -459,6 +486,10 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     if _chunked(v, width):
         return _pack_chunked(v, width, check=True)
     lo, hi = torch.aminmax(v)
+    if flags is not None:  # the device path: the range is checked later, with the caller's other checks
+        message = f"values must lie in [0, 2**{width}) to be packed with {width} bits"
+        flags.append(((lo >= 0) & (hi < (1 << width)), message))
+        return _pack(v, width)
     lo, hi = torch.stack([lo.to(torch.int64), hi.to(torch.int64)]).tolist()
     if lo < 0 or hi >= (1 << width):
         raise ConfigError(f"values must lie in [0, 2**{width}) to be packed with {width} bits, got range [{lo}, {hi}]")

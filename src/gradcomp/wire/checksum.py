@@ -46,11 +46,13 @@ against zlib's 7.0 ms. If the package's C extension cannot load,
 ``google_crc32c`` falls back to its pure-Python code (correct, slow, with a RuntimeWarning):
 ``CRC32C_IMPLEMENTATION`` says which one is in use.
 
-Device buffers (CUDA) are copied to the host first (one device-to-host copy of the body, :func:`to_host`,
-into pinned memory that each thread reuses: on an H100 a 40 MB body took 33 ms to reach pageable memory and
-0.8 ms to reach pinned memory); the old checksum computed its sum on the device and then synchronised anyway.
-The CRCs themselves then run on the host (7.6 to 9.7 ms for 40 MB on the H100 machine's CPU in three runs): on
-a GPU they are most of what encoding and decoding cost (docs/gpu.md). This is an integrity check against
+Device buffers. :func:`checksum64` of a CUDA buffer copies it to the host first (:func:`to_host`, into pinned
+memory that each thread reuses) and costs a synchronisation. The wire container does not use it for device
+buffers: :func:`checksum64_tensor` computes the same 64 bits with torch operations where the buffer is and returns
+them as a device tensor (the formulation and why it was chosen over a Triton kernel or another dependency:
+docs/wire.md), so a message built on a GPU never crosses to the host for its checksum, and a message encoded on
+either side decodes on the other. On the CPU the torch formulation is far slower than the wheels above (measured
+in docs/wire.md), which therefore keep computing the checksum of host buffers. This is an integrity check against
 corruption, not a cryptographic MAC.
 """
 
@@ -60,6 +62,7 @@ import threading
 import zlib
 
 import google_crc32c
+import numpy as np
 import torch
 
 try:  # Intel ISA-L's CRC-32: the same function as zlib's, about ten times faster (PCLMUL folding)
@@ -72,7 +75,15 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the s
 
 from gradcomp.wire.bits import _as_uint8_buffer
 
-__all__ = ["checksum64", "crc32c", "crc32", "to_host", "CRC32C_IMPLEMENTATION", "CRC32_IMPLEMENTATION"]
+__all__ = [
+    "checksum64",
+    "checksum64_tensor",
+    "crc32c",
+    "crc32",
+    "to_host",
+    "CRC32C_IMPLEMENTATION",
+    "CRC32_IMPLEMENTATION",
+]
 
 CRC32C_IMPLEMENTATION: str = google_crc32c.implementation  # "c" (hardware-accelerated) or "python"
 
@@ -129,3 +140,150 @@ def checksum64(buf: torch.Tensor) -> int:
     """
     data = _host_bytes(buf)
     return (_crc32(data) << 32) | google_crc32c.value(data)
+
+
+# ------------------------------------------------------------------ the same checksum in torch operations
+#
+# Used for buffers that are not on the CPU (see checksum64_tensor); works on any device, so CI checks it on CPU
+# tensors against the host CRCs above. The two CRCs are carried together in one int64 lane, CRC-32 in the high
+# 32 bits and CRC-32C in the low 32, exactly the layout of checksum64: both are linear over GF(2), so every
+# table below holds the pair of images of an input and one xor updates both.
+
+_POLY_C_REFLECTED = 0x82F63B78  # 0x1EDC6F41, bit-reversed (the CRCs read each byte LSB first)
+_POLY_I_REFLECTED = 0xEDB88320  # 0x04C11DB7, bit-reversed
+_MASK64 = (1 << 64) - 1
+BLOCK_BYTES = 64  # bytes per block whose CRC is one gather and a 6-level xor tree
+
+
+def _byte_table(poly: int) -> np.ndarray:
+    """The 256-entry table of a reflected CRC: the register after clocking byte v in from state 0."""
+    t = np.arange(256, dtype=np.uint64)
+    for _ in range(8):
+        t = (t >> np.uint64(1)) ^ np.where(t & np.uint64(1), np.uint64(poly), np.uint64(0))
+    return t
+
+
+_T_PAIR = (_byte_table(_POLY_I_REFLECTED) << np.uint64(32)) | _byte_table(_POLY_C_REFLECTED)
+_LOW8, _LOW32 = np.uint64(0xFF), np.uint64(0xFFFFFFFF)
+
+
+def _zero_byte(state: np.ndarray) -> np.ndarray:
+    """Both registers (CRC-32 high, CRC-32C low) after one zero byte: s -> T[s & 0xff] ^ (s >> 8), per half."""
+    lo, hi = state & _LOW32, state >> np.uint64(32)
+    lo = (_T_PAIR[(lo & _LOW8).astype(np.intp)] & _LOW32) ^ (lo >> np.uint64(8))
+    hi = (_T_PAIR[(hi & _LOW8).astype(np.intp)] >> np.uint64(32)) ^ (hi >> np.uint64(8))
+    return (hi << np.uint64(32)) | lo
+
+
+_BASIS = (np.arange(256, dtype=np.uint64)[None, :] << (np.uint64(8) * np.arange(8, dtype=np.uint64)[:, None]))
+
+
+def _apply(table: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """A GF(2)-linear map of 64-bit states given by its (8, 256) byte table: xor of the images of the bytes."""
+    out = np.zeros_like(state)
+    for b in range(8):
+        out ^= table[b, ((state >> np.uint64(8 * b)) & _LOW8).astype(np.intp)]
+    return out
+
+
+_shift_tables: list[np.ndarray] = [_zero_byte(_BASIS)]  # [j]: the map "2**j zero bytes" as an (8, 256) table
+
+
+def _shift_table(j: int) -> np.ndarray:
+    """The (8, 256) byte table of "append 2**j zero bytes" to both registers, by repeated squaring (cached)."""
+    while len(_shift_tables) <= j:
+        last = _shift_tables[-1]
+        _shift_tables.append(_apply(last, last))
+    return _shift_tables[j]
+
+
+def _affine_constant(n: int) -> int:
+    """What init and final xor add to the linear part for an n-byte body: shift_n(all ones) ^ all ones."""
+    state = np.array([_MASK64], dtype=np.uint64)
+    j = 0
+    while n >> j:
+        if n >> j & 1:
+            state = _apply(_shift_table(j), state)
+        j += 1
+    return int(state[0]) ^ _MASK64
+
+
+def _block_table() -> np.ndarray:
+    """(BLOCK_BYTES, 256): row i, column v = the pair of raw CRCs of a block holding v at byte i, zeros elsewhere."""
+    rows = [_T_PAIR]
+    for _ in range(BLOCK_BYTES - 1):
+        rows.append(_zero_byte(rows[-1]))
+    return np.stack(rows[::-1])  # the last byte of the block is followed by no zero byte
+
+
+_BLOCK_TABLE = _block_table()
+_device_tables: dict = {}  # (device, key) -> int64 tensor on that device
+
+
+def _on(device: torch.device, key, table: np.ndarray) -> torch.Tensor:
+    """A host table as an int64 tensor on ``device``, copied there once per process and kept."""
+    got = _device_tables.get((device, key))
+    if got is None:
+        got = torch.from_numpy(np.ascontiguousarray(table).view(np.int64).reshape(-1)).to(device)
+        _device_tables[(device, key)] = got
+    return got
+
+
+def _xor_columns(v: torch.Tensor) -> torch.Tensor:
+    """xor-reduce a (rows, 2**k) int64 tensor along its columns by a tree of halvings; returns (rows,)."""
+    while v.shape[1] > 1:
+        h = v.shape[1] // 2
+        v = torch.bitwise_xor(v[:, :h], v[:, h:])
+    return v[:, 0]
+
+
+def _byte_lanes(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    shifts = _device_tables.get((device, "shifts"))
+    if shifts is None:
+        shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=device)
+        _device_tables[(device, "shifts")] = shifts
+        _device_tables[(device, "lanes")] = torch.arange(0, 8 * 256, 256, dtype=torch.int64, device=device)
+    return shifts, _device_tables[(device, "lanes")]
+
+
+def checksum64_tensor(buf: torch.Tensor) -> torch.Tensor:
+    """:func:`checksum64` of a uint8 tensor computed with torch operations on its own device.
+
+    Returns an int64 tensor of shape () on ``buf``'s device whose 64 bits are those of ``checksum64(buf)``
+    (read as unsigned: ``int(t) & (2**64 - 1)``; its little-endian bytes are the header's checksum field).
+    Nothing is read back to the host. The formulation (docs/wire.md): the raw CRC (no init, no final xor) is
+    GF(2)-linear in the bytes, and leading zero bytes leave it at zero, so the body is zero-padded at the
+    front to whole blocks of BLOCK_BYTES; each block's raw CRC pair is one gather from a (BLOCK_BYTES, 256)
+    table (byte i of value v contributes the CRC of v followed by BLOCK_BYTES - 1 - i zero bytes) and a
+    6-level xor tree; adjacent block CRCs are then combined pairwise, level by level (a leading zero entry where
+    a level is odd), the left one advanced over the right one's bytes by the "2**j zero bytes" operator, itself
+    8 gathers from a 256-entry table per input byte of the 64-bit pair; finally the constant that init and
+    final xor contribute for this length (computed on the host from the length alone) is xored in.
+    """
+    buf = _as_uint8_buffer(buf)
+    device, n = buf.device, buf.numel()
+    const = _affine_constant(n)
+    const = const - (1 << 64) if const >> 63 else const  # as a signed int64
+    if n == 0:
+        return torch.tensor(const, dtype=torch.int64, device=device)
+    blocks = -(-n // BLOCK_BYTES)
+    pad = blocks * BLOCK_BYTES - n
+    index = torch.empty(blocks * BLOCK_BYTES, dtype=torch.int64, device=device)
+    if pad:
+        index[:pad] = 0  # a zero byte contributes nothing, wherever it is
+    index[pad:] = buf
+    index = index.view(blocks, BLOCK_BYTES)
+    index += torch.arange(0, BLOCK_BYTES * 256, 256, dtype=torch.int64, device=device)
+    table = _on(device, "block", _BLOCK_TABLE)
+    crcs = _xor_columns(table[index])  # (blocks,): each block's raw CRC pair
+    shifts, lanes = _byte_lanes(device)
+    j = BLOCK_BYTES.bit_length() - 1  # each entry covers 2**j bytes
+    while crcs.numel() > 1:
+        if crcs.numel() % 2:  # a leading all-zero group: raw CRC 0, and it changes nothing after it
+            crcs = torch.cat([crcs.new_zeros(1), crcs])
+        left, right = crcs[0::2], crcs[1::2]
+        step = _on(device, ("shift", j), _shift_table(j))
+        parts = step[((left[:, None] >> shifts) & 0xFF) + lanes]  # (m, 8): the images of the 8 bytes of left
+        crcs = torch.bitwise_xor(_xor_columns(parts), right)
+        j += 1
+    return torch.bitwise_xor(crcs[0], const)

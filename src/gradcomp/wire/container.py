@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,12 +79,14 @@ from gradcomp.wire.bits import (
     _unpack,
     bits_needed,
     decoded_dtype,
+    host_device,
+    host_path,
     pack_bits,
     pack_bits_into,
     packed_nbytes,
     packs_into,
 )
-from gradcomp.wire.checksum import checksum64, to_host
+from gradcomp.wire.checksum import checksum64, checksum64_tensor, to_host
 from gradcomp.wire.golomb import MAX_UNIVERSE, golomb_decode, golomb_encode, optimal_rice_parameter
 
 __all__ = [
@@ -97,6 +100,8 @@ __all__ = [
     "SECTION_HEADER_BYTES",
     "FORMAT_VERSION",
     "MAGIC",
+    "DeviceChecks",
+    "check_pending",
 ]
 
 MAGIC = b"GC"
@@ -207,7 +212,23 @@ def _golomb_b(spec: FieldSpec, count: int) -> int:
     return optimal_rice_parameter(count / spec.universe if spec.universe else 1.0)
 
 
-def _check_positions(pos: torch.Tensor, universe: int, exc: type[Exception], where: str) -> None:
+def _positions_ok(pos: torch.Tensor, universe: int) -> torch.Tensor:
+    """The position checks of :func:`_check_positions` as one bool tensor on the positions' device (not read)."""
+    if pos.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=pos.device)
+    ok = (pos[0] >= 0) & (pos[-1] < universe)
+    if pos.numel() > 1:
+        ok = ok & (pos[1:] > pos[:-1]).all()
+    return ok
+
+
+def _check_positions(
+    pos: torch.Tensor, universe: int, exc: type[Exception], where: str, flags: list | None = None
+) -> None:
+    if flags is not None:  # the device path: checked later with the caller's other checks (see encode)
+        message = f"{where}: positions must be strictly increasing in [0, {universe})"
+        flags.append((_positions_ok(pos, universe), message))
+        return
     if pos.numel() == 0:
         return
     if pos.numel() > 1 and bool((pos[1:] <= pos[:-1]).any()):
@@ -217,17 +238,22 @@ def _check_positions(pos: torch.Tensor, universe: int, exc: type[Exception], whe
         raise exc(f"{where}: positions must lie in [0, {universe}), got range [{lo}, {hi}]")
 
 
-def _encode_field(t: torch.Tensor, spec: FieldSpec, codec: Codec, i: int) -> tuple[int, torch.Tensor]:
-    """Returns (param, data bytes) for one BITS / POSITIONS / GOLOMB field (float fields: :func:`_put_float`)."""
+def _encode_field(
+    t: torch.Tensor, spec: FieldSpec, codec: Codec, i: int, flags: list | None = None
+) -> tuple[int, torch.Tensor]:
+    """Returns (param, data bytes) for one BITS / POSITIONS / GOLOMB field (float fields: :func:`_put_float`).
+
+    With ``flags`` (the device path), the range and order checks of BITS and POSITIONS fields are appended to it as
+    ``(bool tensor, message)`` instead of being read back (see :func:`encode`)."""
     where = f"field {i} ({codec.name})"
     if t.dtype.is_floating_point or t.dtype.is_complex:
         raise ConfigError(f"{where}: expected an integer tensor, got dtype {t.dtype}")
     if codec == Codec.BITS:
-        return spec.width, pack_bits(t, spec.width)
+        return spec.width, pack_bits(t, spec.width, flags)
     if t.dtype == torch.bool:
         raise ConfigError(f"{where}: positions must be an integer tensor, got dtype bool")
     pos = t.to(torch.int64)
-    _check_positions(pos, spec.universe, ConfigError, where)
+    _check_positions(pos, spec.universe, ConfigError, where, flags)
     if codec == Codec.POSITIONS:
         width = bits_needed(spec.universe)
         return width, _pack(pos, width)
@@ -273,18 +299,60 @@ def _raw_bytes(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> t
     return flat.view(torch.uint8)
 
 
-def _put_section_heads(out: torch.Tensor, heads: list[tuple[int, bytes]]) -> None:
-    """Writes the packed section headers ``(offset, 10 bytes)`` into ``out`` on a non-CPU device.
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without making the host wait: through pinned memory, asynchronously, on
+    CUDA (torch's pinned-memory allocator keeps the block until the copy is done); a plain copy elsewhere."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
-    All of them in one host-to-device transfer and one indexed write, instead of one transfer per section
-    (the CPU writes them with ``struct.pack_into`` into the tensor's memory as it goes).
+
+def _put_heads(out: torch.Tensor, heads: list[tuple[int, bytes]]) -> None:
+    """Writes byte strings ``(offset, bytes)`` (the header's first 12 bytes, the section headers) into ``out`` on
+    the device path: all of them in one host-to-device transfer and one indexed write, instead of one transfer per
+    section (the host path writes them with ``struct.pack_into`` into the tensor's memory as it goes).
     """
     if not heads:
         return
-    blob = torch.frombuffer(bytearray(b"".join(h for _, h in heads)), dtype=torch.uint8)
-    starts = torch.tensor([off for off, _ in heads], dtype=torch.int64)
-    index = (starts[:, None] + torch.arange(SECTION_HEADER_BYTES, dtype=torch.int64)).reshape(-1)
-    out[index.to(out.device)] = blob.to(out.device)
+    index = [off + k for off, h in heads for k in range(len(h))]
+    both = torch.tensor(index + list(b"".join(h for _, h in heads)), dtype=torch.int64)
+    both = _to_device(both, out.device)
+    out[both[: len(index)]] = both[len(index) :].to(torch.uint8)
+
+
+# The sender-side checks of device-path encodes (BITS ranges, POSITIONS order), not yet read: per thread, a list of
+# (bool tensor, message). They are read with the next device-path decode's one transfer in the same thread, or by
+# check_pending(), or when _PENDING_LIMIT of them have gathered; a false one raises ConfigError (the caller's bug).
+_pending = threading.local()
+_PENDING_LIMIT = 256
+
+
+def _defer(flags: list) -> None:
+    checks = getattr(_pending, "checks", None)
+    if checks is None:
+        checks = _pending.checks = []
+    checks.extend(flags)
+    if len(checks) >= _PENDING_LIMIT:
+        check_pending()
+
+
+def _take_pending() -> list:
+    checks = getattr(_pending, "checks", None) or []
+    _pending.checks = []
+    return checks
+
+
+def _raise_failed(checks: list, values) -> None:
+    for (_, message), ok in zip(checks, values):
+        if not ok:
+            raise ConfigError(f"a message encoded on the device: {message}")
+
+
+def check_pending() -> None:
+    """Reads this thread's outstanding device-path encode checks (one transfer) and raises ConfigError if one failed."""
+    checks = _take_pending()
+    if checks:
+        _raise_failed(checks, torch.stack([f for f, _ in checks]).cpu().tolist())
 
 
 def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.Tensor:
@@ -311,6 +379,8 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
     if fields:
         device = fields[0].device
     codecs = _check_specs(specs)
+    on_host = host_device(device)
+    flags: list = []  # the device path's deferred sender checks
     # Pass 1: checks, sizes, and the streams of the non-float codecs. plan: (codec, param, count, nbytes, tensor,
     # packed_later) where tensor is the detached field itself for float codecs (read once, in pass 2) and for BITS
     # fields that the compiled packer writes straight into the output in pass 2 (packed_later), else its data bytes.
@@ -337,11 +407,11 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
             if not t.dtype.is_floating_point:
                 raise ConfigError(f"field {i} ({codec.name}): expected a floating-point tensor, got dtype {t.dtype}")
             param, data, nbytes = 0, t, _expected_nbytes(codec, 0, n)
-        elif codec == Codec.BITS and device.type == "cpu" and packs_into(t, spec.width):
+        elif codec == Codec.BITS and on_host and packs_into(t, spec.width):
             later = True  # packed in pass 2 straight into the output by the compiled kernel (range-checked there)
             param, data, nbytes = spec.width, t, packed_nbytes(n, spec.width)
         else:
-            param, data = _encode_field(t.reshape(-1).to(device), spec, codec, i)
+            param, data = _encode_field(t.reshape(-1).to(device), spec, codec, i, None if on_host else flags)
             data = data.reshape(-1)
             nbytes = data.numel()
         if nbytes > _U32_MAX:
@@ -352,7 +422,7 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
         raise ConfigError(f"message body of {body_length} bytes does not fit the u32 length")
     # Pass 2: one allocation, every section written at its offset, then the checksum of the body in place.
     out = torch.empty(HEADER_BYTES + body_length, dtype=torch.uint8, device=device)
-    mem = out.numpy() if device.type == "cpu" else None  # the output's own memory, for struct and small copies
+    mem = out.numpy() if on_host else None  # the output's own memory, for struct and small copies
     heads: list[tuple[int, bytes]] = []  # section headers to write on other devices
     off = HEADER_BYTES
     for codec, param, n, nbytes, data, later in plan:
@@ -370,13 +440,16 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
         elif nbytes:
             out[off : off + nbytes].copy_(data)
         off += nbytes
-    _put_section_heads(out, heads)
-    checksum = checksum64(out[HEADER_BYTES:])
-    header = (MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, checksum)
     if mem is not None:
-        _HEADER.pack_into(mem, 0, *header)
-    else:
-        out[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(_HEADER.pack(*header)), dtype=torch.uint8))
+        _HEADER.pack_into(mem, 0, MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, checksum64(out[HEADER_BYTES:]))
+        return out
+    # The device path: nothing is read back. The header's first 12 bytes go with the section headers; the checksum is
+    # computed where the body is (checksum64_tensor) and written as the header's last 8 bytes (little-endian u64).
+    heads.insert(0, (0, _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, 0)[:12]))
+    _put_heads(out, heads)
+    out[12:HEADER_BYTES].copy_(checksum64_tensor(out[HEADER_BYTES:]).reshape(1).view(torch.uint8))
+    if flags:
+        _defer(flags)
     return out
 
 
@@ -390,25 +463,52 @@ def _expected_nbytes(codec: Codec, param: int, count: int) -> int | None:
     return None  # GOLOMB: variable
 
 
-def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
+def decode(buf: torch.Tensor, specs: Sequence[FieldSpec], later: DeviceChecks | None = None) -> list[torch.Tensor]:
     """Parse a buffer produced by :func:`encode` with the same ``specs``; returns one tensor per field.
 
     Output dtypes: float32 / float16 / bfloat16 for the float codecs; for BITS the narrowest signed integer
     that holds the width (``bits.decoded_dtype``: int16 up to 15 bits, int32 up to 31, int64 for 32); int64 for
     POSITIONS and GOLOMB (they index); outputs live on the buffer's device. Raises WireError (only) for any
     malformed, truncated, oversized or corrupted buffer; ConfigError for invalid specs.
+
+    ``later`` (a :class:`DeviceChecks`): a device buffer whose layout the specs fix is decoded without reading
+    anything back; its checks are read, with others, by ``later.read()``, which raises what decode would have.
     """
+    return _decode(buf, specs, None, later)
+
+
+def _decode(
+    buf: torch.Tensor, specs: Sequence[FieldSpec], on_host: bool | None, later: DeviceChecks | None = None
+) -> list[torch.Tensor]:
+    """:func:`decode`; ``on_host`` True forces the host path (the device path's diagnosis of a failed check)."""
     specs = list(specs)
     codecs = _check_specs(specs)
     buf = _as_uint8_buffer(buf)
     total = buf.numel()
+    if on_host is None:
+        on_host = host_path(buf)
     if total < HEADER_BYTES:
         raise WireError(f"truncated buffer: {total} bytes, shorter than the {HEADER_BYTES}-byte header")
+    if not on_host:
+        fixed = _fixed_layout(specs, codecs)
+        if fixed is not None and fixed[1] == total:
+            got = _decode_on_device(buf, specs, fixed[0], later)
+            if got is not None:
+                return got
+        # A message with variable counts (or one that failed a check): the whole buffer and its checksum computed on
+        # the device go to the host in one transfer, and the host path below names what is wrong, if anything.
     # Headers are parsed from host memory with struct: on the CPU the buffer's own memory (no copy); on another
-    # device the 20-byte header first, then, once the lengths are checked, the whole buffer in one transfer that
-    # the checksum needs anyway (it used to be one more transfer, and a sync, per section header).
-    host = buf if buf.device.type == "cpu" else None
-    mem = (host if host is not None else buf[:HEADER_BYTES].cpu()).numpy()
+    # device the whole buffer, in one transfer (it used to be one more transfer, and a sync, per section header).
+    if on_host:
+        host, computed = buf, None
+        mem = host.numpy()
+    else:
+        body_sum = checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8)
+        host = to_host(torch.cat([buf, body_sum]))  # this thread's pinned staging buffer, used only in this call
+        mem = host.numpy()
+        computed = int.from_bytes(bytes(mem[total:]), "little")
+        host = host[:total]
+    checks: list | None = None if on_host else []  # the device's data checks, read together at the end
     magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack_from(mem, 0)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r} (expected {MAGIC!r})")
@@ -436,10 +536,7 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
             f"oversized buffer: header says {body_length} body bytes, got {got} (trailing bytes, or the header's "
             "length field is corrupted)"
         )
-    if host is None:
-        host = to_host(buf)  # this thread's pinned staging buffer: used only within this call
-        mem = host.numpy()
-    if checksum64(host[HEADER_BYTES:]) != checksum:
+    if (checksum64(host[HEADER_BYTES:]) if computed is None else computed) != checksum:
         raise WireError("checksum mismatch: the message body is corrupted")
 
     out: list[torch.Tensor] = []
@@ -491,10 +588,13 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
             # reused or corrupt it when a decompressor works in place)
             out.append(data.clone().view(FLOAT_DTYPES[codec]))
         elif codec == Codec.BITS:
-            out.append(_unpack_checked(data, param, count, where, decoded_dtype(param)))
+            out.append(_unpack_checked(data, param, count, where, decoded_dtype(param), checks))
         elif codec == Codec.POSITIONS:
-            pos = _unpack_checked(data, param, count, where, torch.int64)  # indices
-            _check_positions(pos, spec.universe, WireError, where)
+            pos = _unpack_checked(data, param, count, where, torch.int64, checks)  # indices
+            if checks is None:
+                _check_positions(pos, spec.universe, WireError, where)
+            else:
+                checks.append(_positions_ok(pos, spec.universe))
             out.append(pos)
         else:
             try:
@@ -503,12 +603,115 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
                 raise WireError(f"{where}: {e}") from None
     if off != total:
         raise WireError(f"trailing bytes: {total - off} bytes after the last section")
+    if checks and not all(torch.stack([f.reshape(()).to(torch.bool) for f in checks]).tolist()):
+        return _decode(host.clone(), specs, True)  # a data check failed: the host path says which
     return out
 
 
-def _unpack_checked(data: torch.Tensor, width: int, count: int, where: str, dtype: torch.dtype) -> torch.Tensor:
+def _fixed_layout(specs: list, codecs: list) -> tuple[list, int] | None:
+    """Where every section's data lies when no field's size depends on the data: ``([(data offset, codec, param,
+    count, nbytes)], message length)``; None when a count is variable or a field is GOLOMB."""
+    layout = []
+    off = HEADER_BYTES
+    for spec, codec in zip(specs, codecs):
+        if spec.count is None or codec == Codec.GOLOMB:
+            return None
+        param = spec.width if codec == Codec.BITS else bits_needed(spec.universe) if codec == Codec.POSITIONS else 0
+        nbytes = _expected_nbytes(codec, param, spec.count)
+        off += SECTION_HEADER_BYTES
+        layout.append((off, codec, param, spec.count, nbytes))
+        off += nbytes
+    return layout, off
+
+
+def _decode_on_device(
+    buf: torch.Tensor, specs: list, layout: list, later: DeviceChecks | None = None
+) -> list[torch.Tensor] | None:
+    """decode's device path for a message whose layout the specs fix (every count exact, no GOLOMB field).
+
+    Every field is decoded where the buffer is and every check is computed there: the checksum
+    (checksum64_tensor), the padding bits, the positions' order and range. What the host must compare comes back in
+    ONE small transfer: the 20-byte header, the computed checksum, the section headers and the check results (with
+    this thread's pending sender checks of device-path encodes). Returns the fields when every byte is the one the
+    specs imply and every check passed, else None: the caller then runs the host path, which says what is wrong.
+    With ``later``, nothing is read: the summary joins ``later``, whose :meth:`DeviceChecks.read` checks it.
+    """
+    flags: list[torch.Tensor] = []
+    out: list[torch.Tensor] = []
+    heads = []
+    for spec, (off, codec, param, count, nbytes) in zip(specs, layout):
+        data = buf[off : off + nbytes]
+        heads.append(buf[off - SECTION_HEADER_BYTES : off])
+        if codec in FLOAT_DTYPES:
+            out.append(data.clone().view(FLOAT_DTYPES[codec]))
+        elif codec == Codec.BITS:
+            out.append(_unpack(data, param, count, decoded_dtype(param), flags))
+        else:
+            pos = _unpack(data, param, count, torch.int64, flags)
+            flags.append(_positions_ok(pos, spec.universe))
+            out.append(pos)
+    pending = _take_pending()
+    flags.extend(f for f, _ in pending)
+    pieces = [buf[:HEADER_BYTES], checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8), *heads]
+    if flags:
+        pieces.append(torch.stack([f.reshape(()).to(torch.bool) for f in flags]).to(torch.uint8))
+    summary = torch.cat(pieces)
+
+    def passed(got: bytes) -> bool:
+        """Whether the summary's bytes ``got`` are those of a sound message (ConfigError for a failed sender check)."""
+        checks = got[HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout) :]
+        if pending:
+            _raise_failed(pending, checks[len(checks) - len(pending) :])
+        body = layout[-1][0] + layout[-1][4] - HEADER_BYTES if layout else 0
+        expected = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12] + b"".join(
+            _SECTION.pack(int(codec), param, count, nbytes) for _, codec, param, count, nbytes in layout
+        )
+        heads_got = got[:12] + got[HEADER_BYTES + 8 : HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout)]
+        return heads_got == expected and got[12:HEADER_BYTES] == got[HEADER_BYTES : HEADER_BYTES + 8] and all(checks)
+
+    if later is not None:
+        later._items.append((summary, passed, buf, specs))
+        return out
+    return out if passed(bytes(summary.tolist())) else None  # the one read back (tens of bytes, ten per section)
+
+
+class DeviceChecks:
+    """The checks of several device-path decodes, read back together: one host synchronisation for all of them.
+
+    ``decode(buf, specs, later=checks)`` of a fixed layout returns its fields at once and leaves its summary here;
+    :meth:`read` then reads every summary (and any bool tensors the caller adds) in one transfer and raises the
+    WireError the host path gives for the first message that failed. Until :meth:`read` has returned, the decoded
+    values must not leave the caller (the aggregation sums them into temporaries and reads before returning).
+    """
+
+    def __init__(self) -> None:
+        self._items: list = []
+
+    def read(self, extra: Sequence[torch.Tensor] = ()) -> list[bool]:
+        """Reads every pending summary and ``extra`` (bool tensors of one element), raises for a failed message,
+        returns the values of ``extra``."""
+        items, self._items = self._items, []
+        pieces = [summary for summary, _, _, _ in items]
+        if extra:
+            pieces.append(torch.stack([e.reshape(()).to(torch.bool) for e in extra]).to(torch.uint8))
+        if not pieces:
+            return []
+        got = bytes(torch.cat(pieces).tolist())
+        at = 0
+        for summary, passed, buf, specs in items:
+            n = summary.numel()
+            if not passed(got[at : at + n]):
+                decode(buf, specs)  # the host path names the fault
+                raise WireError("a message failed the device's checks but passed the host's")  # pragma: no cover
+            at += n
+        return [bool(b) for b in got[at:]]
+
+
+def _unpack_checked(
+    data: torch.Tensor, width: int, count: int, where: str, dtype: torch.dtype, flags: list | None = None
+) -> torch.Tensor:
     try:
-        return _unpack(data, width, count, dtype)
+        return _unpack(data, width, count, dtype, flags)
     except WireError as e:
         raise WireError(f"{where}: {e}") from None
 

@@ -1,0 +1,226 @@
+"""On one CUDA GPU: gradcomp's DDP hook against torch DDP's step, the simulated cluster's compression cost, and the
+synchronisations a step makes (docs/gpu.md; run by scripts/gpu_check.sh).
+
+    python benchmarks/gpu_hook.py step   [--rounds 10]   # world size 1 over NCCL: DDP step times, ratios to torch's
+    python benchmarks/gpu_hook.py sim    [--workers 8]   # SimulatedCluster on one GPU: aggregator step per method
+    python benchmarks/gpu_hook.py sync                   # sync-debug warnings in one step, per fixed-size method
+
+``step``: one MLP of 16.8M parameters (four 2048x2048 layers, 67 MB of fp32 gradients, DDP's default 25 MB buckets),
+batch 256; variants torch DDP (no hook), torch DDP with torch's fp16_compress_hook, and gradcomp's hook with none,
+fp16, top-k 1 % with error feedback, PowerSGD and Signum. Every round times 5 consecutive steps of each variant in a
+new random order (median per step over the rounds); reported with its ratio to torch DDP's step, and fp16's to
+torch's fp16 hook (targets: <= 1.05 for both). ``sim``: ``--workers`` simulated workers on the GPU, each a
+GradientAggregator over the same MLP; the median step of rank 0 per method and its ratio to ``none``'s, which is the
+compression's cost (a simulated exchange moves tensors in device memory). ``sync``: the number of
+"called a synchronizing CUDA operation" warnings under ``torch.cuda.set_sync_debug_mode("warn")`` during one
+steady-state step of the aggregator and of the DDP hook (both threads), per fixed-size method (target: 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp.sync_budget import FIXED_SIZE
+
+METHODS = {
+    "none": {},
+    "fp16": {},
+    "topk": {"density": 0.01, "error_feedback": True},
+    "powersgd": {},
+    "signum": {},
+}
+
+
+# GRADCOMP_BENCH_CPU=1: the same code on the CPU over gloo, tiny and untimed in meaning (a check that the script
+# runs where no GPU is; scripts/gpu_check.sh does not use it)
+CPU = os.environ.get("GRADCOMP_BENCH_CPU") == "1"
+DEVICE = torch.device("cpu") if CPU else torch.device("cuda", 0)
+
+
+def _sync() -> None:
+    if not CPU:
+        torch.cuda.synchronize()
+
+
+def _name() -> str:
+    return "CPU (smoke run)" if CPU else torch.cuda.get_device_name()
+
+
+def mlp(width: int = 2048, depth: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10)) if depth else nn.Sequential()
+
+
+def _group() -> None:
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    kwargs = {} if CPU else {"device_id": DEVICE}
+    dist.init_process_group("gloo" if CPU else "nccl", init_method=f"file://{store}", rank=0, world_size=1, **kwargs)
+
+
+def _variant(name: str, base: nn.Module):
+    model = copy.deepcopy(base).to(DEVICE)
+    ddp = DDP(model, device_ids=None if CPU else [0])
+    state = None
+    if name == "torch-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        ddp.register_comm_hook(None, fp16_compress_hook)
+    elif name != "torch":
+        state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name, **METHODS[name]))
+    return ddp, state, torch.optim.SGD(ddp.parameters(), lr=1e-3)
+
+
+def _step(ddp, opt, x, y) -> None:
+    opt.zero_grad(set_to_none=False)
+    F.cross_entropy(ddp(x), y).backward()
+    opt.step()
+
+
+def part_step(args) -> None:
+    _group()
+    base = mlp(width=64) if CPU else mlp()
+    x, y = torch.randn(256, base[0].in_features, device=DEVICE), torch.randint(0, 10, (256,), device=DEVICE)
+    names = ["torch", "torch-fp16", *METHODS]
+    variants = {n: _variant(n, base) for n in names}
+    for ddp, _, opt in variants.values():
+        for _ in range(3):
+            _step(ddp, opt, x, y)
+    times = {n: [] for n in names}
+    for _ in range(args.rounds):
+        random.shuffle(names)
+        for n in names:
+            ddp, _, opt = variants[n]
+            _sync()
+            began = time.perf_counter()
+            for _ in range(5):
+                _step(ddp, opt, x, y)
+            _sync()
+            times[n].append((time.perf_counter() - began) / 5)
+    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+    size = sum(p.numel() for p in base.parameters()) / 1e6
+    print(f"{_name()}: DDP step, world size 1 ({dist.get_backend()}), {size:.1f}M-parameter MLP, "
+          f"median of {args.rounds}")
+    for n in ["torch", "torch-fp16", *METHODS]:
+        ref = "torch-fp16" if n == "fp16" else "torch"
+        print(f"  {n:11s} {med[n]:7.2f} ms  x{med[n] / med[ref]:.3f} of {ref}")
+    print(f"  targets: none <= 1.05 x torch ({med['none'] / med['torch']:.3f}); "
+          f"fp16 <= 1.05 x torch-fp16 ({med['fp16'] / med['torch-fp16']:.3f})")
+    for _, state, _ in variants.values():
+        if state is not None:
+            state.close()
+    dist.destroy_process_group()
+
+
+def part_sim(args) -> None:
+    from gradcomp.transport.sim import SimulatedCluster
+
+    print(f"SimulatedCluster of {args.workers} on one {_name()}: aggregator step (rank 0, median)")
+    base = mlp(width=64 if CPU else 1024)
+    results = {}
+    for name, params in METHODS.items():
+        def work(transport, name=name, params=params):
+            model = copy.deepcopy(base).to(DEVICE)
+            agg = gradcomp.GradientAggregator(model, gradcomp.make(name, **params), transport)
+            x = torch.randn(64, base[0].in_features, device=DEVICE)
+            y = torch.randint(0, 10, (64,), device=DEVICE)
+            times = []
+            for i in range(8):
+                model.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                _sync()
+                began = time.perf_counter()
+                agg.step()
+                _sync()
+                if i >= 2:
+                    times.append(time.perf_counter() - began)
+            return statistics.median(times) * 1e3
+
+        results[name] = SimulatedCluster(args.workers).run(work)[0]
+        print(f"  {name:9s} {results[name]:8.2f} ms  x{results[name] / results['none']:.2f} of none", flush=True)
+
+
+def _count_warnings(fn) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if not CPU:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            if not CPU:
+                torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def part_sync(args) -> None:
+    _group()
+    print("synchronisation warnings (torch.cuda.set_sync_debug_mode('warn')) in one steady-state step; "
+          "budget = gradcomp.sync_budget, counted on the CPU")
+    from gradcomp.sync_budget import BUDGETS
+
+    base = mlp(width=256, depth=3)
+    x, y = torch.randn(32, 256, device=DEVICE), torch.randint(0, 10, (32,), device=DEVICE)
+    total = 0
+    for name in args.only or FIXED_SIZE:
+        try:
+            model = copy.deepcopy(base).to(DEVICE)
+            agg = gradcomp.GradientAggregator(model, gradcomp.make(name))
+            for _ in range(2):
+                model.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                agg.step()
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            _sync()
+            n_agg = _count_warnings(agg.step)
+            ddp = DDP(copy.deepcopy(base).to(DEVICE), device_ids=None if CPU else [0])
+            state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name))
+            for _ in range(2):
+                F.cross_entropy(ddp(x), y).backward()
+            _sync()
+            n_ddp = _count_warnings(lambda: (F.cross_entropy(ddp(x), y).backward(), state.wait()))
+            state.close()
+            total += n_agg + n_ddp
+            b = BUDGETS[name]
+            print(f"  {name:18s} aggregator {n_agg:3d} (CPU count {b['aggregator']})  "
+                  f"ddp {n_ddp:3d} (CPU count {b['ddp']})", flush=True)
+        except Exception as exc:  # noqa: BLE001 - report and go on to the next method
+            print(f"  {name:18s} error {type(exc).__name__}: {exc}", flush=True)
+    print(f"  total {total} (target 0)")
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["step", "sim", "sync"])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--only", nargs="*", help="sync: these methods only (default: every fixed-size one)")
+    args = parser.parse_args(argv)
+    if not CPU and not torch.cuda.is_available():
+        print(f"benchmarks/gpu_hook.py {args.part}: skipped, no CUDA device")
+        return 0
+    {"step": part_step, "sim": part_sim, "sync": part_sync}[args.part](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

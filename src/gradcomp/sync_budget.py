@@ -1,0 +1,97 @@
+"""How many times a training step may make the host wait for a GPU, per method: the budget tests enforce.
+
+One steady-state step of a small model (three parameter tensors, four slots after DDP's bucketing: a 64x40 and a
+10x64 weight and two biases) at world size 1, counted on the CPU by tests/test_sync_count.py as described there;
+"aggregator" is ``GradientAggregator.step()``, "ddp" the backward pass with gradcomp's DDP hook (on the autograd
+thread and the hook's communication thread). Counts grow with the number of slots where a method synchronises
+per slot (the notes say where). docs/gpu.md shows the same numbers in a table that tests/test_sync_count.py checks
+against this module.
+
+``FIXED_SIZE`` are the methods whose messages have a size known from the configuration alone; the aim for them
+is zero. What each count is made of is in ``NOTES``; ``BEFORE`` is the same count at a703d48, before the device
+checksum and the device decode (measured the same way, except that a703d48 could not route CPU tensors through its
+device code, so its CPU-only branches were counted where a GPU would have run others: random-k's numpy rounds
+count fewer there than the torch rounds a GPU runs).
+"""
+
+from __future__ import annotations
+
+FIXED_SIZE = (
+    "none", "fp16", "bf16", "topk", "randomk", "randomblock", "powersgd", "signsgd", "signum", "efsignsgd",
+    "onebit", "cnat", "qsgd", "terngrad", "terngrad_shared", "natural_dithering", "random_dithering", "sketch",
+    "local_topk", "true_topk",
+)  # fmt: skip
+
+_FINITE = "1 finiteness check of the gradients (exchange.check_gradients; the DDP hook's per-bucket .item())"
+_READ = (
+    "1 read of every decoded message's checks (header, checksum, section heads, padding, positions) together with "
+    "the finiteness of the aggregate sums (wire.container.DeviceChecks, once per exchange whatever the world size)"
+)
+_AGG = "1 finiteness read of the aggregate sums (single_round)"
+_VARIABLE = "per message: 1 transfer of the whole message to the host and 1 read of its data checks"
+_NONZERO = "accumulation.largest: nonzero on the selection mask (2 per selection)"
+_GOLOMB = "Golomb encode/decode: gap check, stream length, positions of the unary codes (several per slot)"
+_PADDING = "sign._check_packed: the padding bits of the last sign byte (per slot with a partial byte)"
+
+# name: (aggregator, ddp, notes)
+_TABLE: dict[str, tuple[int, int, str]] = {
+    "none": (1, 1, _FINITE),
+    "fp16": (1, 1, _FINITE),
+    "bf16": (1, 1, _FINITE),
+    "randomblock": (1, 1, _FINITE),
+    "topk": (2, 2, f"{_FINITE}; {_READ}"),
+    "signsgd": (3, 3, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
+    "signum": (3, 3, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
+    "powersgd": (3, 3, f"{_FINITE}; 2 zero-column checks of Q (powersgd._prepare_q, one per group)"),
+    "local_topk": (3, 3, f"{_FINITE}; {_NONZERO}"),
+    "true_topk": (3, 3, f"{_FINITE}; {_NONZERO}"),
+    "sketch": (6, 6, f"{_FINITE}; {_NONZERO} (x2); 1 boolean index (sketch.run)"),
+    "terngrad_shared": (6, 6, f"{_FINITE}; 1 read of the decoded message's checks; 4 finiteness checks of max|g| "
+                        "(terngrad._clip, per slot)"),
+    "cnat": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the input (natural.cnat_encode, per slot)"),
+    "qsgd": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
+    "natural_dithering": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
+    "random_dithering": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
+    "terngrad": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of max|g| (terngrad._clip, per slot)"),
+    "efsignsgd": (8, 8, f"{_FINITE}; {_READ}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
+                  f"2 {_PADDING}"),
+    "onebit": (8, 8, f"{_FINITE}; {_READ}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
+               f"2 {_PADDING}"),
+    "randomk": (17, 17, f"{_FINITE}; sampling k distinct positions (sparse.sample_without_replacement: per slot and "
+                "round, 1 count of the distinct draws and 2-3 boolean indexings)"),
+    "threshold": (9, 9, f"{_FINITE}; {_AGG}; 4 nonzero (the selection, per slot); 1 size exchange "
+                  f"(sizes.exchange_sizes); {_VARIABLE}"),
+    "lgc": (18, 18, f"{_FINITE}; {_NONZERO} (x2); {_GOLOMB}; 1 broadcast size (sizes.broadcast_buffer)"),
+    "sbc": (40, 40, f"{_FINITE}; {_AGG}; {_GOLOMB}; 1 size exchange; {_VARIABLE}"),
+    "stc": (45, 45, f"{_FINITE}; {_AGG}; {_GOLOMB}; 4 counts of the kept entries (sbc.compress); 1 size exchange; "
+            f"{_VARIABLE}"),
+    "dgc": (55, 55, f"{_FINITE}; {_AGG}; {_GOLOMB}; sampled threshold selection (dgc.select: counts and boolean "
+            "indexing per slot); momentum correction's boolean indexing (dgc._corrected); 1 size exchange; "
+            f"{_VARIABLE}"),
+}  # fmt: skip
+
+BUDGETS: dict[str, dict[str, int]] = {name: {"aggregator": a, "ddp": d} for name, (a, d, _) in _TABLE.items()}
+NOTES: dict[str, str] = {name: note for name, (_, _, note) in _TABLE.items()}
+
+BEFORE: dict[str, tuple[int | None, int | None]] = {
+    "bf16": (5, 5), "cnat": (29, 29), "dgc": (84, 84), "efsignsgd": (35, 35), "fp16": (5, 5), "lgc": (None, None),
+    "local_topk": (3, 3), "natural_dithering": (33, 33), "none": (1, 1), "onebit": (35, 35), "powersgd": (3, 3),
+    "qsgd": (25, 25), "random_dithering": (33, 33), "randomblock": (1, 1), "randomk": (9, 9), "sbc": (72, 72),
+    "signsgd": (30, 30), "signum": (30, 30), "sketch": (6, 6), "stc": (92, 92), "terngrad": (33, 33),
+    "terngrad_shared": (25, 25), "threshold": (54, 54), "topk": (45, 45), "true_topk": (3, 3),
+}  # fmt: skip
+
+
+def markdown_table() -> str:
+    """The table of docs/gpu.md (tests/test_sync_count.py checks that the page shows these numbers)."""
+    lines = [
+        "| method | message size | aggregator step | DDP hook step | at a703d48 (aggregator / DDP) | what they are |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for name in sorted(_TABLE, key=lambda n: (n not in FIXED_SIZE, _TABLE[n][0], n)):
+        a, d, note = _TABLE[name]
+        before = BEFORE.get(name, (None, None))
+        was = "–" if before[0] is None else f"{before[0]} / {before[1]}"
+        kind = "fixed" if name in FIXED_SIZE else "variable"
+        lines.append(f"| `{name}` | {kind} | {a} | {d} | {was} | {note} |")
+    return "\n".join(lines)

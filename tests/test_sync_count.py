@@ -1,0 +1,176 @@
+"""Would-be GPU synchronisations in a training step, counted on the CPU, against each method's budget.
+
+For every registered method, one steady-state training step (after two warm-up steps) of the GradientAggregator
+and of the DDP hook (world size 1 over gloo, in this process) runs under :mod:`sync_counting`, which counts every
+operation that would make the host wait for a GPU (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
+``nonzero``, boolean indexing, ...) on every thread the step uses (the DDP hook's communication thread too). The
+test fails when a method's count exceeds its budget, the numbers of ``gradcomp.sync_budget`` (the table of
+docs/gpu.md, checked against it below). ``python tests/test_sync_count.py`` prints the counts and where they come
+from.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from sync_counting import count_on_this_thread, counting
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp.sync_budget import BUDGETS, FIXED_SIZE
+from gradcomp.train import ddp_hook
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = {"lgc": {"density": 0.05, "dense_steps": 1, "topk_steps": 1}}
+WARMUP = 2
+
+
+def _method(name: str):
+    return gradcomp.make(name, **PARAMS.get(name, {}))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(32, 40, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    if dist.is_initialized():  # pragma: no cover - another test left one
+        dist.destroy_process_group()
+    store = tmp_path_factory.mktemp("sync") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def device_paths(monkeypatch):
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")  # the wire's device path on CPU tensors
+    monkeypatch.setenv("GRADCOMP_KERNELS", "0")  # the torch code that runs on a GPU, not the numba kernels
+
+
+def count_aggregator_step(name: str):
+    model = _model()
+    aggregator = gradcomp.GradientAggregator(model, _method(name))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(WARMUP + 1):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if step == WARMUP:
+            with counting() as counter:
+                aggregator.step()
+        else:
+            aggregator.step()
+        opt.step()
+    return counter
+
+
+def count_ddp_step(name: str, monkeypatch):
+    monkeypatch.setattr(ddp_hook._CommThread, "_run", count_on_this_thread(ddp_hook._CommThread._run))
+    model = DDP(_model(), bucket_cap_mb=0.005)
+    state = gradcomp.register_ddp_hook(model, _method(name))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        for step in range(WARMUP + 1):
+            x, y = _batch(step)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            if step == WARMUP:
+                with counting() as counter:
+                    loss.backward()
+                    state.wait()
+            else:
+                loss.backward()
+            opt.step()
+    finally:
+        state.close()
+    return counter
+
+
+def _check(kind: str, name: str, counter) -> None:
+    budget = BUDGETS[name][kind]
+    total = counter.total
+    assert total <= budget, f"{name} ({kind}): {total} would-be synchronisations > budget {budget}: {counter}"
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_aggregator_step_stays_within_the_budget(name, group, device_paths):
+    _check("aggregator", name, count_aggregator_step(name))
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_ddp_hook_step_stays_within_the_budget(name, group, device_paths, monkeypatch):
+    _check("ddp", name, count_ddp_step(name, monkeypatch))
+
+
+def test_every_method_has_a_budget():
+    assert sorted(BUDGETS) == sorted(gradcomp.available())
+    assert set(FIXED_SIZE) <= set(BUDGETS)
+
+
+def test_the_counter_sees_every_kind_of_synchronisation(device_paths):
+    t = torch.arange(10.0)
+    with counting() as counter:
+        t.sum().item()
+        int(t[3])
+        bool((t > 3).any())
+        t.tolist()
+        t.numpy()
+        t.cpu()
+        t.to("cpu")
+        torch.nonzero(t > 4)
+        t[t > 5]
+        t.masked_select(t > 6)
+        torch.unique(t)
+        t[3:5].clone()  # not a synchronisation
+        t.to(torch.float16)  # nor is a cast
+    assert counter.counts == {
+        "item": 3, "tolist": 1, "numpy": 1, "cpu": 2, "nonzero": 1, "bool-index": 1, "masked_select": 1, "unique": 1,
+    }, counter
+
+
+def test_the_docs_table_is_the_budget():
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"\| `([a-z_0-9]+)` \| [^|]* \| (\d+) \| (\d+) \|", line)
+        if m:
+            rows[m.group(1)] = {"aggregator": int(m.group(2)), "ddp": int(m.group(3))}
+    assert rows == {name: {"aggregator": b["aggregator"], "ddp": b["ddp"]} for name, b in BUDGETS.items()}
+
+
+if __name__ == "__main__":  # python tests/test_sync_count.py [NAME ...]: the counts and their call sites
+    import os
+    import tempfile
+
+    import _pytest.monkeypatch
+
+    os.environ["GRADCOMP_DEVICE_PATH"] = "1"
+    os.environ["GRADCOMP_KERNELS"] = "0"
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+    for name in sys.argv[1:] or sorted(gradcomp.available()):
+        mp = _pytest.monkeypatch.MonkeyPatch()
+        try:
+            agg = count_aggregator_step(name)
+            ddp = count_ddp_step(name, mp)
+            print(f"{name:18s} aggregator {agg.total:3d}  ddp {ddp.total:3d}", flush=True)
+            print(f"    agg: {agg}\n    ddp: {ddp}", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"{name:18s} error {type(exc).__name__}: {exc}", flush=True)
+        finally:
+            mp.undo()
+    dist.destroy_process_group()
