@@ -29,7 +29,7 @@ ROOT = Path(gradcomp.__file__).parent
 # docs/architecture.md, "Layers").
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("allocator", "finite", "netmodel"),  # leaves beside errors: glibc's allocator, NaN checks, the α–β model
+    ("allocator", "finite", "netmodel", "sync_budget"),  # leaves: glibc's allocator, NaN checks, the α–β model, GPU sync budgets
     ("kernels",),  # compiled CPU kernels
     ("wire",),  # bits and bytes, the container
     ("state",),  # per-slot state and the momentum arithmetic (added on another branch; absent here)

@@ -22,7 +22,10 @@ FIXED_SIZE = (
     "local_topk", "true_topk",
 )  # fmt: skip
 
-_FINITE = "1 finiteness check of the gradients (exchange.check_gradients; the DDP hook's per-bucket .item())"
+_FINITE = (
+    "1 finiteness check of this worker's gradients (finite.finite_flags, on the DDP hook's communication thread) and "
+    "1 read of the agreed verdict that rode on the step's first message (exchange._marked)"
+)
 _READ = (
     "1 read of every decoded message's checks (header, checksum, section heads, padding, positions) together with "
     "the finiteness of the aggregate sums (wire.container.DeviceChecks, once per exchange whatever the world size)"
@@ -35,37 +38,37 @@ _PADDING = "sign._check_packed: the padding bits of the last sign byte (per slot
 
 # name: (aggregator, ddp, notes)
 _TABLE: dict[str, tuple[int, int, str]] = {
-    "none": (1, 1, _FINITE),
-    "fp16": (1, 1, _FINITE),
-    "bf16": (1, 1, _FINITE),
-    "randomblock": (1, 1, _FINITE),
-    "topk": (2, 2, f"{_FINITE}; {_READ}"),
-    "signsgd": (3, 3, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
-    "signum": (3, 3, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
-    "powersgd": (3, 3, f"{_FINITE}; 2 zero-column checks of Q (powersgd._prepare_q, one per group)"),
-    "local_topk": (3, 3, f"{_FINITE}; {_NONZERO}"),
-    "true_topk": (3, 3, f"{_FINITE}; {_NONZERO}"),
-    "sketch": (6, 6, f"{_FINITE}; {_NONZERO} (x2); 1 boolean index (sketch.run)"),
-    "terngrad_shared": (6, 6, f"{_FINITE}; 1 read of the decoded message's checks; 4 finiteness checks of max|g| "
+    "none": (2, 2, _FINITE),
+    "fp16": (2, 2, _FINITE),
+    "bf16": (2, 2, _FINITE),
+    "randomblock": (2, 2, _FINITE),
+    "topk": (3, 3, f"{_FINITE}; {_READ}"),
+    "signsgd": (4, 4, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
+    "signum": (4, 4, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
+    "powersgd": (4, 4, f"{_FINITE}; 2 zero-column checks of Q (powersgd._prepare_q, one per group)"),
+    "local_topk": (4, 4, f"{_FINITE}; {_NONZERO}"),
+    "true_topk": (4, 4, f"{_FINITE}; {_NONZERO}"),
+    "sketch": (7, 7, f"{_FINITE}; {_NONZERO} (x2); 1 boolean index (sketch.run)"),
+    "terngrad_shared": (7, 7, f"{_FINITE}; 1 read of the decoded message's checks; 4 finiteness checks of max|g| "
                         "(terngrad._clip, per slot)"),
-    "cnat": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the input (natural.cnat_encode, per slot)"),
-    "qsgd": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
-    "natural_dithering": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
-    "random_dithering": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
-    "terngrad": (6, 6, f"{_FINITE}; {_READ}; 4 finiteness checks of max|g| (terngrad._clip, per slot)"),
-    "efsignsgd": (8, 8, f"{_FINITE}; {_READ}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
+    "cnat": (7, 7, f"{_FINITE}; {_READ}; 4 finiteness checks of the input (natural.cnat_encode, per slot)"),
+    "qsgd": (7, 7, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
+    "natural_dithering": (7, 7, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
+    "random_dithering": (7, 7, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
+    "terngrad": (7, 7, f"{_FINITE}; {_READ}; 4 finiteness checks of max|g| (terngrad._clip, per slot)"),
+    "efsignsgd": (9, 9, f"{_FINITE}; {_READ}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
                   f"2 {_PADDING}"),
-    "onebit": (8, 8, f"{_FINITE}; {_READ}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
+    "onebit": (9, 9, f"{_FINITE}; {_READ}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
                f"2 {_PADDING}"),
-    "randomk": (17, 17, f"{_FINITE}; sampling k distinct positions (sparse.sample_without_replacement: per slot and "
+    "randomk": (18, 18, f"{_FINITE}; sampling k distinct positions (sparse.sample_without_replacement: per slot and "
                 "round, 1 count of the distinct draws and 2-3 boolean indexings)"),
-    "threshold": (9, 9, f"{_FINITE}; {_AGG}; 4 nonzero (the selection, per slot); 1 size exchange "
+    "threshold": (10, 10, f"{_FINITE}; {_AGG}; 4 nonzero (the selection, per slot); 1 size exchange "
                   f"(sizes.exchange_sizes); {_VARIABLE}"),
-    "lgc": (18, 18, f"{_FINITE}; {_NONZERO} (x2); {_GOLOMB}; 1 broadcast size (sizes.broadcast_buffer)"),
-    "sbc": (40, 40, f"{_FINITE}; {_AGG}; {_GOLOMB}; 1 size exchange; {_VARIABLE}"),
-    "stc": (45, 45, f"{_FINITE}; {_AGG}; {_GOLOMB}; 4 counts of the kept entries (sbc.compress); 1 size exchange; "
+    "lgc": (19, 19, f"{_FINITE}; {_NONZERO} (x2); {_GOLOMB}; 1 broadcast size (sizes.broadcast_buffer)"),
+    "sbc": (41, 41, f"{_FINITE}; {_AGG}; {_GOLOMB}; 1 size exchange; {_VARIABLE}"),
+    "stc": (46, 46, f"{_FINITE}; {_AGG}; {_GOLOMB}; 4 counts of the kept entries (sbc.compress); 1 size exchange; "
             f"{_VARIABLE}"),
-    "dgc": (55, 55, f"{_FINITE}; {_AGG}; {_GOLOMB}; sampled threshold selection (dgc.select: counts and boolean "
+    "dgc": (56, 56, f"{_FINITE}; {_AGG}; {_GOLOMB}; sampled threshold selection (dgc.select: counts and boolean "
             "indexing per slot); momentum correction's boolean indexing (dgc._corrected); 1 size exchange; "
             f"{_VARIABLE}"),
 }  # fmt: skip
