@@ -32,8 +32,9 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Slot, check_density, check_int, kept_count
-from gradcomp.errors import ConfigError
+from gradcomp.errors import ConfigError, WireError
 from gradcomp.schemes.base import Scheme
+from gradcomp.wire import Codec, FieldSpec
 
 
 class AccumulatingScheme(Scheme):
@@ -142,7 +143,8 @@ def largest(x: Tensor, n: int) -> Tensor:
 
     ``torch.topk`` makes no promise about *which* of equal values it returns, but the n-th largest value itself
     is well defined. So: every coordinate above it, then the lowest-indexed ones equal to it until there are n
-    (ascending order within each group). A stable sort would give the same set at 6–9× the time.
+    (ascending order within each group). A stable sort would give the same set at 6–9× the time. A NaN
+    counts as the largest magnitude (as in ``torch.topk``), so there are always n.
     """
     if n >= x.numel():
         return torch.arange(x.numel(), device=x.device)
@@ -150,7 +152,10 @@ def largest(x: Tensor, n: int) -> Tensor:
     threshold = torch.topk(magnitude, n, sorted=False).values.min()
     above = (magnitude > threshold).nonzero().flatten()
     ties = (magnitude == threshold).nonzero().flatten()[: n - above.numel()]
-    return torch.cat([above, ties])
+    chosen = torch.cat([above, ties])
+    if chosen.numel() < n:  # a NaN among the n largest (topk ranks it first) makes the threshold NaN
+        return largest(torch.nan_to_num(x, nan=float("inf")), n)
+    return chosen
 
 
 def offsets_of(sizes: Sequence[int]) -> list[int]:
@@ -159,3 +164,25 @@ def offsets_of(sizes: Sequence[int]) -> list[int]:
     for n in sizes:
         out.append(out[-1] + n)
     return out
+
+
+def floats_spec(count: int) -> FieldSpec:
+    """A section of ``count`` float32 values in a multi-round scheme's container message."""
+    return FieldSpec(Codec.F32, count=count)
+
+
+def indices_spec(count: int) -> FieldSpec:
+    """A section of ``count`` coordinates, 32 bits each: the int32 positions these schemes sent before their
+    messages were framed, in the same bytes (the order is the sender's, so no sorted-positions codec)."""
+    return FieldSpec(Codec.BITS, count=count, width=32)
+
+
+def split_indices(field: Tensor, counts: Sequence[int], bounds: Sequence[int], what: str) -> list[Tensor]:
+    """A decoded ``indices_spec`` field cut into parts of ``counts``, each checked to lie in [0, bound):
+    WireError otherwise, before any of them indexes a tensor."""
+    starts = offsets_of(counts)
+    parts = [field[starts[n] : starts[n + 1]] for n in range(len(counts))]
+    for n, (part, bound) in enumerate(zip(parts, bounds)):
+        if part.numel() and int(part.max()) >= bound:
+            raise WireError(f"{what}: part {n} holds coordinate {int(part.max())}, beyond its {bound}")
+    return parts
