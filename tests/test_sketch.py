@@ -444,8 +444,15 @@ def test_bad_state_raises_config_error():
         SketchedSGD().load_state_dict({"residuals": {}})
     with pytest.raises(ConfigError, match="key"):
         SketchedSGD().load_state_dict({"error": {"w": torch.zeros(3)}})
-    with pytest.raises(ConfigError, match="expected 10"):
+    with pytest.raises(ConfigError, match=r"expected \(10,\)"):
         SketchedSGD().load_state_dict({"momentum": {"w#10": torch.zeros(3)}})
+    scheme = SketchedSGD()
+    scheme.load_state_dict({"momentum": {"w#10": torch.ones(10)}})
+    with pytest.raises(ConfigError, match="float32"):  # refused as a whole: what was loaded before stays
+        scheme.load_state_dict({"momentum": {"v#4": torch.ones(4)}, "error": {"w#10": torch.ones(10).double()}})
+    state = scheme.state_dict()
+    assert set(state["momentum"]) == {"w#10"} and state["error"] == {}
+    assert torch.equal(state["momentum"]["w#10"], torch.ones(10))
     with pytest.raises(ConfigError, match="tensor"):
         SketchedSGD().load_state_dict({"momentum": {"w#10": [0.0] * 10}})
 

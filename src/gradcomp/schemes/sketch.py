@@ -104,6 +104,7 @@ from gradcomp.schemes.accumulation import (
     split_indices,
 )
 from gradcomp.schemes.requests import AllReduce, Rounds
+from gradcomp.state import slot_key
 from gradcomp.wire import decode, encode, encoded_size
 
 DEFAULT_COLS_PER_K = 10.0  # table columns per selected coordinate when cols is not given
@@ -226,7 +227,7 @@ class SketchedSGD(AccumulatingScheme):
         return 2 * d / cost if cost else 1.0
 
     def _sketch(self, slot: Slot, cols: int, device: torch.device) -> CountSketch:
-        key = (self.key(slot), slot.index, cols, device)
+        key = (slot_key(slot), slot.index, cols, device)
         cs = self._sketches.get(key)
         if cs is None:
             cs = self._sketches[key] = CountSketch(slot.numel, self.rows, cols, self.seed, slot.index, device)
@@ -276,11 +277,10 @@ class SketchedSGD(AccumulatingScheme):
             result[coords] = values.div(world)
             out.append(result)
             applied = coords[result[coords] != 0]  # a selected sum can be exactly 0: nothing went out there
-            us[i][applied] = 0.0
             if self.rounds == 2:
-                vs[i][applied] = 0.0  # type: ignore[index]
+                self.memory.sent(slot, applied)  # u, v = 0 there
             else:  # an estimate went out: the rest of the sum (or an overshoot) stays in the accumulation
-                vs[i][applied] -= result[applied]  # type: ignore[index]
+                self.memory.sent(slot, applied, result[applied])
         self.last_selection = {
             slots[i].name: (self._candidates.get(i, selected[i][0]), selected[i][0]) for i in squeezed
         }
@@ -390,7 +390,7 @@ class SketchedSGD(AccumulatingScheme):
 
     def retain(self, slots: Sequence[Slot]) -> None:
         super().retain(slots)
-        keep = {self.key(s) for s in slots}
+        keep = {slot_key(s) for s in slots}
         self._sketches = {k: v for k, v in self._sketches.items() if k[0] in keep}
 
 

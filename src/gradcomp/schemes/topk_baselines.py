@@ -77,8 +77,7 @@ class LocalTopK(AccumulatingScheme):
             for n, i in enumerate(dense, start=len(squeezed)):
                 out[i].add_(their_floats[value_starts[n] : value_starts[n + 1]])
         for i in squeezed:
-            us[i][mine[i]] = 0.0
-            vs[i][mine[i]] = 0.0  # type: ignore[index]
+            self.memory.sent(slots[i], mine[i])  # u, v = 0 at the coordinates this worker sent
         return [t.div_(self.world_size) for t in out]
 
 
@@ -105,6 +104,5 @@ class TrueTopK(AccumulatingScheme):
             result = torch.zeros(slot.numel, dtype=torch.float32, device=part.device)
             result[top] = part[top].div(self.world_size)
             out.append(result)
-            us[i][top] = 0.0
-            vs[i][top] = 0.0  # type: ignore[index]
+            self.memory.sent(slot, top)
         return out
