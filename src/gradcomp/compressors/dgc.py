@@ -334,18 +334,12 @@ class DGC(Compressor):
         return self.selector.specs(slot)
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        """Clipping, then momentum correction with masking (``state.Momentum``, as ``feedback.MomentumCorrection``
+        with ``masking=True`` computes it) around the selection: v − sent and the masking touch only the sent
+        positions (v[i] − v[i] at a sent position i, so Inf and NaN behave as before). The message's values are
+        copies (``index_select``), never views of v."""
         g = x.reshape(-1).to(torch.float32)
-        if self.clip is not None:
-            g = clip_norm(g, self.clip)
-        return self._corrected(g, slot, step)
-
-    def _corrected(self, g: Tensor, slot: Slot, step: int) -> Fields:
-        """Momentum correction with masking (``state.Momentum``, as ``feedback.MomentumCorrection`` with
-        ``masking=True`` computes it): u = m·u + g and v = v + u update the stored tensors in place, and since
-        the message is sparse, v − sent and the masking touch only the sent positions (v[i] − v[i] at a sent
-        position i, computed as such, so Inf and NaN behave as before; u zeroed where a nonzero value was sent).
-        The message's values are copies (``index_select``), never views of v."""
-        _, v = self.memory.step(slot, g)
+        _, v = self.memory.step(slot, clip_norm(g, self.clip) if self.clip is not None else g)
         try:
             fields = self.selector.compress(v, slot, step)
             self.memory.sent(slot, *fields, masking=True)
