@@ -39,6 +39,7 @@ Failure, exit status 1: any crash, or any silent corruption by a mutation of up 
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import inspect
 import itertools
@@ -66,6 +67,7 @@ from gradcomp.wire.bits import packed_nbytes
 from gradcomp.wire.checksum import checksum64
 
 DEFAULT_PER_DECODER = 100_000
+DEFAULT_PER_SCHEME = 10_000  # each replays a worker's whole step: slower than a decoder's
 KINDS = (
     "flip1",
     "flip2",
@@ -378,6 +380,8 @@ class Result:
     crashes: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    summed_only: list[str] = field(default_factory=list)  # scheme cases that send nothing but allreduces
+    unframed: dict[str, list[str]] = field(default_factory=dict)  # scheme cases that send raw, unframed messages
 
     def total(self, kinds: Iterable[str] | None = None, outcome: str | None = None, label: str | None = None) -> int:
         kinds = set(KINDS if kinds is None else kinds)
@@ -386,7 +390,7 @@ class Result:
 
     @property
     def failed(self) -> bool:
-        return self.total(outcome="crash") > 0 or self.total(MUST_NOT_BE_SILENT, "silent") > 0
+        return self.total(outcome="crash") > 0 or self.total(MUST_NOT_BE_SILENT, "silent") > 0 or bool(self.unframed)
 
 
 def fuzz_decoder(decoder: Decoder, per_decoder: int, seed: int, result: Result) -> None:
@@ -418,7 +422,10 @@ def run(
     seed: int = 0,
     only: Iterable[str] | None = None,
     log: Callable[[str], None] | None = None,
+    per_scheme: int | None = None,
 ) -> Result:
+    """Fuzz every compressor's decoder with ``per_decoder`` buffers, then every scheme case's messages with
+    ``per_scheme`` (default ``per_decoder``; 0: none)."""
     specs, skipped = decoder_specs()
     if only:
         wanted = set(only)
@@ -434,7 +441,231 @@ def run(
                 f"silent {sum(n for (_, o), n in c.items() if o == 'silent')}, "
                 f"crash {sum(n for (_, o), n in c.items() if o == 'crash')}"
             )
+    per_scheme = per_decoder if per_scheme is None else per_scheme
+    if per_scheme:
+        run_schemes(per_scheme, seed, result, only, log)
     return result
+
+
+# ------------------------------------------------------------------------------- the schemes' own messages
+
+# Methods that own their rounds (``Scheme``s) and the sharded topology: W workers run a few steps on the simulated
+# cluster and every result a worker receives is recorded; a message is a uint8 payload it received (an
+# all-gathered, gathered, all-to-all or broadcast buffer). A mutated copy of one message is fed to a fresh copy
+# of that worker's scheme, replaying its step with every other result as recorded: rejected (WireError), crash
+# (any other exception), same (the step's outputs bit for bit), silent (other outputs).
+SCHEME_WORLD = 2
+SCHEME_SLOTS = (
+    Slot("fuzz.a.weight", 0, 1200, (40, 30)),
+    Slot("fuzz.b.weight", 1, 1500, (30, 50)),
+    Slot("fuzz.b.bias", 2, 30, (30,)),
+)
+SCHEME_CASES = (  # (label, name, params, topology, steps)
+    ("sketch topology=ps", "sketch", {"k": 20, "min_size": 100, "cols": 40}, "ps", 2),
+    ("sketch rounds=1 topology=ps", "sketch", {"k": 20, "min_size": 100, "cols": 40, "rounds": 1}, "ps", 2),
+    ("sketch topology=allreduce", "sketch", {"k": 20, "min_size": 100, "cols": 40}, "allreduce", 1),
+    ("local_topk", "local_topk", {"k": 20, "min_size": 100}, "auto", 2),
+    ("true_topk", "true_topk", {"k": 20, "min_size": 100}, "auto", 1),
+    ("lgc variant=ring", "lgc", {"dense_steps": 1, "topk_steps": 1, "density": 0.05}, "auto", 3),
+    ("lgc variant=ps", "lgc", {"variant": "ps", "dense_steps": 1, "topk_steps": 1, "density": 0.05}, "auto", 3),
+    ("powersgd", "powersgd", {}, "auto", 2),
+    ("terngrad_shared", "terngrad_shared", {}, "auto", 2),
+    ("topk topology=sharded", "topk", {"density": 0.1, "error_feedback": False}, "sharded", 1),
+)
+
+
+@dataclass
+class SchemeStep:
+    """One worker's step as it ran: the scheme before it, its inputs, every result it received, its outputs."""
+
+    rank: int
+    step: int
+    before: Scheme
+    grads: list[torch.Tensor]
+    results: list
+    outputs: list[torch.Tensor]
+
+
+@dataclass
+class SchemeDecoder:
+    label: str
+    name: str
+    steps: list[SchemeStep] = field(default_factory=list)
+    messages: list[tuple[int, int, int | None, Message]] = field(default_factory=list)  # (step#, round, index, msg)
+    unframed: list[str] = field(default_factory=list)  # requests neither summed nor framed (must stay empty)
+
+
+def _clone(result):
+    if isinstance(result, torch.Tensor):
+        return result.clone()
+    if isinstance(result, list):
+        return [_clone(r) for r in result]
+    return result
+
+
+def _scheme_gradients(rank: int, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7919 * step + 31 * rank + 5)
+    return [torch.randn(s.numel, generator=gen) * (1 + s.index) for s in SCHEME_SLOTS]
+
+
+def _is_framed(t: torch.Tensor) -> bool:
+    return t.dtype == torch.uint8 and t.numel() >= HEADER_BYTES and bytes(t[:2].tolist()) == b"GC"
+
+
+def _sent(request, rank: int, world: int) -> list[torch.Tensor]:
+    """The messages a request sends that are not summed: none for an allreduce, a size round (control) or a
+    broadcast this worker receives; an all-to-all's W chunks; else its tensor."""
+    from gradcomp.transport.requests import AllReduce, AllToAll, Broadcast
+    from gradcomp.transport.base import CONTROL
+
+    if isinstance(request, AllReduce) or request.kind == CONTROL:
+        return []
+    if isinstance(request, Broadcast) and request.root != rank:
+        return []
+    if isinstance(request, AllToAll):
+        return list(request.tensor.reshape(world, -1).unbind(0))
+    return [request.tensor]
+
+
+def _framed_message(t: torch.Tensor, step: int) -> Message | None:
+    if not _is_framed(t):
+        return None
+    length = HEADER_BYTES + struct.unpack_from("<I", bytes(t[8:12].tolist()))[0]
+    raw = bytes(t[:length].tolist())  # without the padding of an equal-size collective
+    return Message(step, raw, [], _sections(raw))
+
+
+def build_scheme_decoder(label: str, name: str, params: dict, topology: str, steps: int) -> SchemeDecoder:
+    from gradcomp.transport.requests import AllToAll, execute
+    from gradcomp.train.exchange import build_scheme
+    from gradcomp.transport.sim import SimulatedCluster
+
+    decoder = SchemeDecoder(label, name)
+
+    def worker(transport) -> list[SchemeStep]:
+        scheme = build_scheme(registry.make(name, **params), topology=topology)
+        scheme.bind(transport.rank, transport.world_size)
+        done = []
+        for step in range(steps):
+            before, grads, results = copy.deepcopy(scheme), _scheme_gradients(transport.rank, step), []
+            rounds = scheme.run(list(SCHEME_SLOTS), grads, step)
+            try:
+                request = next(rounds)
+                while True:
+                    for t in _sent(request, transport.rank, transport.world_size):
+                        if not _is_framed(t):
+                            decoder.unframed.append(f"{type(request).__name__} of {t.dtype}")
+                    result = execute(transport, request)
+                    chunked = isinstance(request, AllToAll)
+                    results.append((_clone(result), chunked))
+                    request = rounds.send(result)
+            except StopIteration as finished:
+                outputs = [o.clone() for o in finished.value]
+            done.append(SchemeStep(transport.rank, step, before, grads, results, outputs))
+        return done
+
+    with SimulatedCluster(SCHEME_WORLD) as cluster:
+        for history in cluster.run(worker):
+            decoder.steps += history
+    for n, record in enumerate(decoder.steps):
+        for r, (result, chunked) in enumerate(record.results):
+            if chunked:
+                parts = list(result.reshape(SCHEME_WORLD, -1).unbind(0))
+            else:
+                parts = result if isinstance(result, list) else [result]
+            for i, t in enumerate(parts):
+                msg = _framed_message(t, record.step) if isinstance(t, torch.Tensor) else None
+                if msg is not None:
+                    decoder.messages.append((n, r, i if chunked or isinstance(result, list) else None, msg))
+    return decoder
+
+
+def _with_message(result, chunked: bool, index: int | None, buf: torch.Tensor):
+    """A copy of a recorded result with ``buf`` in place of its message ``index``. An all-to-all chunk keeps its
+    size, as the collective does: a shorter message is followed by zeros, a longer one cut."""
+    result = _clone(result)
+    if chunked:
+        chunks = result.view(SCHEME_WORLD, -1)
+        n = min(buf.numel(), chunks.shape[1])
+        chunks[index].zero_()
+        chunks[index, :n] = buf[:n]
+        return result
+    if index is None:
+        return buf
+    result[index] = buf
+    return result
+
+
+def replay(record: SchemeStep, round_: int, index: int | None, raw: bytes | bytearray) -> tuple[str, BaseException | None]:
+    """The worker's step again, with message ``raw`` in place of the one it received: an outcome of OUTCOMES."""
+    scheme = copy.deepcopy(record.before)
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+    try:
+        rounds = scheme.run(list(SCHEME_SLOTS), [g.clone() for g in record.grads], record.step)
+        next(rounds)
+        for r, (result, chunked) in enumerate(record.results):
+            rounds.send(_with_message(result, chunked, index, buf) if r == round_ else _clone(result))
+        return "crash", RuntimeError("the scheme asked for more rounds than it had")
+    except StopIteration as finished:
+        outputs = finished.value
+    except WireError as e:
+        return "rejected", e
+    except Exception as e:  # counting every other exception is the point
+        return "crash", e
+    same = len(outputs) == len(record.outputs) and all(
+        o.dtype == r.dtype and o.shape == r.shape and torch.equal(_bytes_of(o), _bytes_of(r))
+        for o, r in zip(outputs, record.outputs)
+    )
+    return ("same" if same else "silent"), None
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def fuzz_scheme(decoder: SchemeDecoder, per_decoder: int, seed: int, result: Result) -> None:
+    rng = random.Random(f"{seed}:{decoder.label}")
+    counts = result.counts.setdefault(decoder.label, Counter())
+    started = time.perf_counter()
+    for i in range(per_decoder):
+        kind = KINDS[i % len(KINDS)]
+        n, round_, index, msg = decoder.messages[rng.randrange(len(decoder.messages))]
+        for _ in range(20):
+            raw = mutate(kind, msg, rng)
+            if raw != msg.raw:
+                break
+        else:
+            counts[(kind, "unchanged")] += 1
+            continue
+        status, exc = replay(decoder.steps[n], round_, index, raw)
+        counts[(kind, status)] += 1
+        if status == "crash" and len(result.crashes) < 20:
+            result.crashes.append(f"{decoder.label} / {kind}: {type(exc).__name__}: {exc}")
+    result.seconds[decoder.label] = time.perf_counter() - started
+
+
+def run_schemes(per_decoder: int, seed: int, result: Result, only: Iterable[str] | None = None, log=None) -> None:
+    """Fuzz the messages of every case of SCHEME_CASES (``only``: names or labels) into ``result``; a case whose
+    every message is summed (an allreduce) goes to ``result.summed_only``, one that sends a message neither summed
+    nor framed to ``result.unframed``."""
+    wanted = set(only) if only else None
+    for label, name, params, topology, steps in SCHEME_CASES:
+        if wanted is not None and name not in wanted and label not in wanted:
+            continue
+        decoder = build_scheme_decoder(label, name, params, topology, steps)
+        if decoder.unframed:
+            result.unframed[label] = sorted(set(decoder.unframed))
+        if not decoder.messages:
+            result.summed_only.append(label)
+            continue
+        fuzz_scheme(decoder, per_decoder, seed, result)
+        if log:
+            c = result.counts[label]
+            log(
+                f"{label:<40} {per_decoder} buffers ({len(decoder.messages)} messages) in "
+                f"{result.seconds[label]:.1f} s: silent {sum(n for (_, o), n in c.items() if o == 'silent')}, "
+                f"crash {sum(n for (_, o), n in c.items() if o == 'crash')}"
+            )
 
 
 # ------------------------------------------------------------------------------------------- the report
@@ -468,7 +699,10 @@ def format_report(result: Result) -> str:
     lines.append(f"{'all':<14} {total:>9} " + " ".join(f"{c:>{w}}" for c, w in zip(cells, (9, 7, 7, 8, 6))))
     lines.append("")
     lines.append("late: a WireError from decompress/accumulate, not from decode; same: accepted, values unchanged")
-    lines.append(f"not fuzzed (they own their rounds and send no framed message): {', '.join(result.skipped) or '-'}")
+    lines.append(f"methods that own their rounds (fuzzed as schemes below, not as compressors): {', '.join(result.skipped) or '-'}")
+    lines.append(f"scheme cases that only sum (allreduce), nothing framed to fuzz: {', '.join(result.summed_only) or '-'}")
+    for label, what in result.unframed.items():
+        lines.append(f"  UNFRAMED: {label} sends {', '.join(what)} neither summed nor as a container message")
     crashes = result.total(outcome="crash")
     silent = result.total(MUST_NOT_BE_SILENT, "silent")
     lines.append(f"exceptions other than WireError: {crashes} (must be 0)")
@@ -524,6 +758,9 @@ def checksum_speed(sizes=(1 << 10, 1 << 20, 10 << 20), repeats: int = 7) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--per-decoder", type=int, default=DEFAULT_PER_DECODER, help="mutated buffers per decoder")
+    parser.add_argument(
+        "--per-scheme", type=int, default=DEFAULT_PER_SCHEME, help="mutated messages per scheme case (0: none)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", help="compressor names (or decoder labels) to fuzz; default all")
     parser.add_argument("--quiet", action="store_true", help="no progress line per decoder")
@@ -535,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         print(checksum_speed())
         return 0
     started = time.perf_counter()
-    result = run(args.per_decoder, args.seed, args.only, None if args.quiet else lambda s: print(s, flush=True))
+    log = None if args.quiet else lambda s: print(s, flush=True)
+    result = run(args.per_decoder, args.seed, args.only, log, per_scheme=args.per_scheme)
     print()
     print(format_report(result))
     print(f"{time.perf_counter() - started:.0f} s")

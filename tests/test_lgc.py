@@ -14,7 +14,13 @@ from gradcomp.compressors.base import Slot
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.lgc import LGC
 from gradcomp.train.exchange import GradientExchange
+from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES
 from gradcomp.wire.golomb import golomb_encode
+
+
+def framed(sections: int) -> int:
+    """Bytes a container message adds to its sections' data (every message LGC gathers or broadcasts)."""
+    return HEADER_BYTES + sections * SECTION_HEADER_BYTES
 
 SLOTS = [
     Slot("conv.weight", 0, 200, (8, 25)),
@@ -108,11 +114,13 @@ def test_top_k_stage_sends_the_leaders_positions_and_every_workers_values(varian
         keep[positions] = False
         assert torch.equal(residual[keep], acc[rank][keep])
         # bytes: the positions' Golomb stream down, the values allgathered, the dense layers allreduced
-        # the leader (a worker) uploads its positions once: booked as its upload, the others' download
-        coded = golomb_encode(positions, _layout(runs[0][1]).rice)[0].numel()
+        # the leader (a worker) uploads its positions once: booked as its upload, the others' download; the
+        # positions and the values are container messages of one section each
+        coded = golomb_encode(positions, _layout(runs[0][1]).rice)[0].numel() + framed(1)
         sent = coded if rank == leader else 0
-        assert history[0]["up"] == 4 * k + 4 * DENSE + sent
-        assert history[0]["down"] == coded - sent + 4 * k * (WORLD - 1) + 4 * DENSE
+        values = 4 * k + framed(1)
+        assert history[0]["up"] == values + 4 * DENSE + sent
+        assert history[0]["down"] == coded - sent + values * (WORLD - 1) + 4 * DENSE
         assert history[0]["control"] == 8  # the stream's length
     # step 1: the leader rotates to worker 1
     acc1 = [runs[r][0][0]["residual"] + torch.cat([grads(r, 1)[i] for i in (2, 3)]) for r in range(WORLD)]
@@ -137,6 +145,7 @@ def test_autoencoder_copies_stay_identical_and_replicas_agree(variant):
 
 
 DECODER_BYTES = 4 * (4 * 64 + 64 + 64 * 256 * 3 + 256 + 256 * 128 * 3 + 128 + 128 * 64 * 3 + 64 + 64 * 3 + 1)
+SYNC_BYTES = DECODER_BYTES + framed(1)  # a container message of one fp32 section
 
 
 def test_ring_stage_three_bytes_and_update():
@@ -144,12 +153,12 @@ def test_ring_stage_three_bytes_and_update():
     lay = _layout(runs[0][1])
     common = 4 + 4 * (lay.latent + DENSE)  # the scale (max-allreduce), the codes with the dense layers
     for step, leader in ((5, 1), (6, 2)):
-        coded = runs[3][0][step]["down"] - common - (DECODER_BYTES if step == 5 else 0)  # the leader's positions
+        coded = runs[3][0][step]["down"] - common - (SYNC_BYTES if step == 5 else 0)  # the leader's positions
         assert coded > 0
         for rank, (history, _) in enumerate(runs):
             h = history[step]
             # step 5, the first compressed step: rank 0's decoder to every worker, once (a peer broadcast)
-            sync = DECODER_BYTES if step == 5 else 0
+            sync = SYNC_BYTES if step == 5 else 0
             assert h["up"] == common + (coded if rank == leader else 0) + (sync if rank == 0 else 0)
             assert h["down"] == common + (0 if rank == leader else coded) + (0 if rank == 0 else sync)
             assert h["control"] == 8  # the positions' length
@@ -162,15 +171,15 @@ def test_ps_stage_three_bytes():
     lay = _layout(runs[0][1])
     n = lay.innovation
     assert n == 21
-    means = 4 * (lay.k + DENSE)  # the server's k means with the dense means: the server's downlink
+    means = 4 * (lay.k + DENSE) + framed(1)  # the server's k means with the dense means: the server's downlink
     for step, leader in ((5, 1), (6, 2)):
         message = runs[3][0][step]["down"] - means  # the leader's scale, code and positions
         assert message > 4 * (1 + lay.latent)
         for rank, (history, _) in enumerate(runs):
             h = history[step]
-            # up: the innovation (fp32 value, int32 index) with the dense layers; no decoder is sent (only the
-            # ring syncs one)
-            assert h["up"] == 8 * n + 4 * DENSE + (message if rank == leader else 0)
+            # up: the innovation (fp32 value, 32-bit index) with the dense layers, a container of 3 sections; no
+            # decoder is sent (only the ring syncs one)
+            assert h["up"] == 8 * n + 4 * DENSE + framed(3) + (message if rank == leader else 0)
             assert h["down"] == means + (0 if rank == leader else message)
 
 

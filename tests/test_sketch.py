@@ -13,6 +13,12 @@ from gradcomp.compressors.countsketch import CountSketch
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.sketch import SketchedSGD
 from gradcomp.train.exchange import GradientExchange, build_scheme
+from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES
+
+
+def framed(sections: int) -> int:
+    """Bytes a container message adds to its sections' data (the parameter server's messages are framed)."""
+    return HEADER_BYTES + sections * SECTION_HEADER_BYTES
 
 WORLD = 4
 
@@ -323,8 +329,9 @@ def test_every_coordinate_a_candidate_sends_v_instead_of_a_sketch(topology):
     if topology == "allreduce":
         up = down = 4 * (1500 + rows * cols + 30) + 4 * p * k
         collectives = 2
-    else:  # no candidates are broadcast for w: k values and positions come down, as for a
-        up, down = 4 * (1500 + rows * cols + 30) + 4 * p * k, 4 * p * k + 4 * 30 + 8 * 2 * k
+    else:  # no candidates are broadcast for w: k values and positions come down, as for a; four framed messages
+        up = 4 * (1500 + rows * cols + 30) + 4 * p * k + 2 * framed(1)
+        down = 4 * p * k + 4 * 30 + 8 * 2 * k + framed(1) + framed(2)
         collectives = 4
     for rank in range(3):
         for step in range(4):
@@ -339,7 +346,7 @@ def test_every_coordinate_a_candidate_sends_v_instead_of_a_sketch(topology):
             if topology == "allreduce":
                 assert counts == true[rank][step][3] == (1, 1, 4 * 1530, 4 * 1530)
             else:
-                assert counts[0] == 2 and counts[2:] == (4 * 1530, 4 * 30 + 8 * k)
+                assert counts[0] == 2 and counts[2:] == (4 * 1530 + framed(1), 4 * 30 + 8 * k + framed(2))
             assert torch.equal(only_w[rank][step][0][0], out[0])
 
 
@@ -437,8 +444,15 @@ def test_bad_state_raises_config_error():
         SketchedSGD().load_state_dict({"residuals": {}})
     with pytest.raises(ConfigError, match="key"):
         SketchedSGD().load_state_dict({"error": {"w": torch.zeros(3)}})
-    with pytest.raises(ConfigError, match="expected 10"):
+    with pytest.raises(ConfigError, match=r"expected \(10,\)"):
         SketchedSGD().load_state_dict({"momentum": {"w#10": torch.zeros(3)}})
+    scheme = SketchedSGD()
+    scheme.load_state_dict({"momentum": {"w#10": torch.ones(10)}})
+    with pytest.raises(ConfigError, match="float32"):  # refused as a whole: what was loaded before stays
+        scheme.load_state_dict({"momentum": {"v#4": torch.ones(4)}, "error": {"w#10": torch.ones(10).double()}})
+    state = scheme.state_dict()
+    assert set(state["momentum"]) == {"w#10"} and state["error"] == {}
+    assert torch.equal(state["momentum"]["w#10"], torch.ones(10))
     with pytest.raises(ConfigError, match="tensor"):
         SketchedSGD().load_state_dict({"momentum": {"w#10": [0.0] * 10}})
 
@@ -519,8 +533,8 @@ def test_parameter_server_selects_like_the_allreduce_and_counts_its_bytes(rounds
     ps = run_cluster(WORLD, make("ps"), slots, _ps_grads, range(3))
     ar = run_cluster(WORLD, make("auto"), slots, _ps_grads, range(3))
     sketch, dense = 2 * rows * cols, 50
-    up = 4 * (sketch + dense) + (4 * 2 * p * k if rounds == 2 else 0)
-    down = 4 * dense + 8 * 2 * k + (4 * 2 * p * k if rounds == 2 else 0)
+    up = 4 * (sketch + dense) + framed(1) + (4 * 2 * p * k + framed(1) if rounds == 2 else 0)
+    down = 4 * dense + 8 * 2 * k + framed(2) + (4 * 2 * p * k + framed(1) if rounds == 2 else 0)
     collectives = 4 if rounds == 2 else 2
     for step in range(3):
         ref_out, ref_sel, _, _ = ar[0][step]

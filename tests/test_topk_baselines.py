@@ -11,6 +11,7 @@ from gradcomp.errors import ConfigError
 from gradcomp.schemes.sketch import SketchedSGD
 from gradcomp.schemes.topk_baselines import LocalTopK, TrueTopK
 from gradcomp.train.exchange import GradientExchange
+from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES
 
 SLOTS = [Slot("w", 0, 3000), Slot("m", 1, 2000, (20, 100)), Slot("bias", 2, 40)]
 
@@ -86,7 +87,8 @@ def test_local_topk_sums_every_workers_own_top_k_and_each_clears_its_own():
 def test_local_topk_sends_k_pairs_and_receives_every_other_workers(world):
     k = 25
     runs = run_cluster(world, lambda: LocalTopK(k=k), range(2))
-    message = 8 * 2 * k + 4 * 40  # (int32, fp32) per kept coordinate of 2 compressed slots, the bias dense
+    # (32-bit coordinate, fp32) per kept coordinate of 2 compressed slots, the bias dense; a container of 2 sections
+    message = 8 * 2 * k + 4 * 40 + HEADER_BYTES + 2 * SECTION_HEADER_BYTES
     for history in runs:
         for _, _, counts in history:
             assert counts == (1, message, (world - 1) * message)
@@ -154,3 +156,13 @@ def test_registered_own_momentum_and_refuse_bad_parameters(name):
 
     with gradcomp.SimulatedCluster(1) as cluster:
         assert cluster.run(worker) == [0]  # refused before anything was sent
+
+
+def test_largest_takes_n_coordinates_even_when_a_value_is_nan():
+    """A NaN (a corrupted sum the checksum could not see: a faulty sender) counts as the largest, as in
+    torch.topk; before, the NaN threshold selected fewer than n and the parameter server's message failed."""
+    from gradcomp.schemes.accumulation import largest
+
+    x = torch.tensor([1.0, float("nan"), 3.0, -2.0, 0.5])
+    assert largest(x, 2).tolist() == [1, 2]
+    assert largest(torch.tensor([2.0, 1.0, 2.0]), 2).tolist() == [0, 2]  # ties by the lower index, no NaN

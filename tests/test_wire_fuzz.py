@@ -33,7 +33,7 @@ fuzz_wire = _load_script()
 
 
 def test_every_decoder_sees_only_wire_errors_and_no_silent_bit_flips():
-    result = fuzz_wire.run(per_decoder=300, seed=1)
+    result = fuzz_wire.run(per_decoder=300, seed=1, per_scheme=0)
     report = fuzz_wire.format_report(result)
     assert result.total(outcome="crash") == 0, report
     assert result.total(fuzz_wire.MUST_NOT_BE_SILENT, "silent") == 0, report
@@ -55,8 +55,48 @@ def test_every_decoder_sees_only_wire_errors_and_no_silent_bit_flips():
         assert result.total([kind], "rejected") == tried, kind
 
 
+def test_every_schemes_messages_are_summed_or_containers_that_reject_every_mutation():
+    """Each method that owns its rounds (and the sharded topology) runs on 2 simulated workers; every message a
+    worker receives that is not an allreduce is a container, and a mutated copy replayed into the worker's step
+    raises WireError: no other exception, no silent change of the step's outputs by up to two flipped bits."""
+    result = fuzz_wire.Result()
+    fuzz_wire.run_schemes(48, 1, result)
+    report = fuzz_wire.format_report(result)
+    assert result.unframed == {}, report  # every message sent is summed (an allreduce) or a container
+    assert result.total(outcome="crash") == 0, report
+    assert result.total(fuzz_wire.MUST_NOT_BE_SILENT, "silent") == 0, report
+    assert not result.failed and report.endswith("OK")
+    assert sorted(result.summed_only) == ["powersgd", "sketch topology=allreduce", "true_topk"]
+    fuzzed = {label.split(" ")[0] for label in result.counts}
+    assert fuzzed == {"sketch", "local_topk", "lgc", "terngrad_shared", "topk"}
+    schemes = {n for n in registry.available() if issubclass(registry.compressor_class(n), Scheme)}
+    assert schemes <= fuzzed | {label.split(" ")[0] for label in result.summed_only}
+    for label in ("sketch topology=ps", "sketch rounds=1 topology=ps", "lgc variant=ring", "lgc variant=ps"):
+        assert label in result.counts
+    # everything but a recomputed checksum over changed data, and bytes appended past a known length, is rejected
+    for kind in fuzz_wire.KINDS:
+        if kind not in ("payload+crc", "extend"):
+            tried = result.total([kind]) - result.total([kind], "unchanged")
+            assert tried > 0 and result.total([kind], "rejected") == tried, kind
+
+
+def test_control_scheme_indices_unchecked_are_found(monkeypatch):
+    """Without the range check of the coordinates it received, local top-k crashes on a valid container whose
+    coordinates were changed (and its checksum recomputed): the check is what turns that into a WireError."""
+    import gradcomp.schemes.topk_baselines as topk_baselines
+
+    def unchecked(field, counts, bounds, what):
+        starts = topk_baselines.offsets_of(counts)
+        return [field[starts[n] : starts[n + 1]] for n in range(len(counts))]
+
+    monkeypatch.setattr(topk_baselines, "split_indices", unchecked)
+    result = fuzz_wire.Result()
+    fuzz_wire.run_schemes(240, 2, result, only=["local_topk"])
+    assert result.total(outcome="crash") > 0 and result.failed
+
+
 def test_main_prints_the_table_and_exit_status(capsys):
-    assert fuzz_wire.main(["--per-decoder", "24", "--only", "threshold", "--quiet"]) == 0
+    assert fuzz_wire.main(["--per-decoder", "24", "--per-scheme", "0", "--only", "threshold", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "threshold positions=golomb" in out and "flip2-word" in out and "\nOK\n" in out
 

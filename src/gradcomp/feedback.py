@@ -62,10 +62,10 @@ from gradcomp.compressors.base import (
     compress_sum,
     new_tally,
     sent_entries,
-    subtract_at,
     subtract_sent,
 )
 from gradcomp.errors import ConfigError
+from gradcomp.compressors.state import Momentum, SlotState
 from gradcomp.wire import FieldSpec
 
 # ------------------------------------------------------------------------------ in-place buffers
@@ -83,16 +83,6 @@ def _detached(fields: Fields, buffer: Tensor) -> Fields:
         return fields
     storage = buffer.untyped_storage().data_ptr()
     return [f.clone() if f.numel() and f.untyped_storage().data_ptr() == storage else f for f in fields]
-
-
-def _owned(state: Tensor | None, flat: Tensor) -> Tensor | None:
-    """The stored buffer ready to update in place for input ``flat`` (a flat float32 contiguous tensor on
-    ``flat``'s device), or None when there is none. A buffer restored elsewhere is moved once, then kept."""
-    if state is None:
-        return None
-    if state.device != flat.device or state.dtype != torch.float32 or state.dim() != 1 or not state.is_contiguous():
-        state = state.to(device=flat.device, dtype=torch.float32).reshape(-1).contiguous()
-    return state
 
 
 def _fresh_copy(flat: Tensor, x: Tensor) -> Tensor:
@@ -135,10 +125,6 @@ class _FeedbackWrapper(Compressor):
     def specs(self, slot: Slot) -> list[FieldSpec]:
         return self.inner.specs(slot)
 
-    @staticmethod
-    def _key(slot: Slot) -> str:
-        return f"{slot.name}#{slot.numel}"
-
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         return self.inner.decompress(fields, slot, step)
 
@@ -151,6 +137,18 @@ class _FeedbackWrapper(Compressor):
     def new_tally(self, slot: Slot, device: torch.device) -> Tally | None:
         return new_tally(self.inner, slot, device)  # messages, decoding and aggregation are the inner's
 
+    # the per-slot state (``self.state``, a SlotState) beside the inner compressor's
+    def retain(self, slots: list[Slot]) -> None:
+        self.state.retain(slots)
+        self.inner.retain(slots)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.state.state_dict(), "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict({k: v for k, v in state.items() if k != "inner"})  # checked: unchanged if bad
+        self.inner.load_state_dict(state.get("inner", {}))
+
 
 class ErrorFeedback(_FeedbackWrapper):
     """Error feedback around ``inner``: one residual buffer per slot, updated in place (module docstring)."""
@@ -160,20 +158,21 @@ class ErrorFeedback(_FeedbackWrapper):
     def __init__(self, inner: Compressor):
         super().__init__(inner, "error feedback")
         self.owns_momentum = inner.owns_momentum
-        self.residuals: dict[str, Tensor] = {}
+        self.state = SlotState("error-feedback", ["residuals"])
+
+    residuals = property(lambda self: self.state["residuals"], doc="the residual per slot key (``name#numel``)")
 
     def params(self) -> dict[str, Any]:
         return {**self.inner.params(), "error_feedback": True}
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         """a = x + r, m = C(a), r = a - D(m), all in the slot's one residual buffer (module docstring)."""
-        key = self._key(slot)
         flat = _float32_flat(x)
-        residual = _owned(self.residuals.get(key), flat)
+        residual = self.state.get("residuals", slot, flat)
         first = residual is None
         if first:
             residual = _fresh_copy(flat, x)  # a = x: a buffer of our own, never the caller's tensor
-        self.residuals[key] = residual
+        self.state.put("residuals", slot, residual)
         try:
             # a = x + r (the operands in the reference's order), added in place, chunk by chunk where the
             # compressor reads its input in chunks; then m = C(a)
@@ -182,27 +181,9 @@ class ErrorFeedback(_FeedbackWrapper):
             fields = _detached(sent, residual)
             subtract_sent(self.inner, fields, slot, step, residual)  # r = a - D(m)
         except BaseException:
-            del self.residuals[key]  # it holds x + r by now: a defined state is a fresh start, not a half step
+            self.state.drop(slot)  # it holds x + r by now: a defined state is a fresh start, not a half step
             raise
         return fields
-
-    def retain(self, slots: list[Slot]) -> None:
-        keep = {self._key(s) for s in slots}
-        self.residuals = {k: v for k, v in self.residuals.items() if k in keep}
-        self.inner.retain(slots)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
-            "inner": self.inner.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        unknown = set(state) - {"residuals", "inner"}
-        if unknown:
-            raise ConfigError(f"unexpected error-feedback state keys {sorted(unknown)}")
-        self.residuals = {k: v.detach().clone() for k, v in state.get("residuals", {}).items()}
-        self.inner.load_state_dict(state.get("inner", {}))
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.inner!r})"
@@ -236,13 +217,15 @@ class MomentumCorrection(_FeedbackWrapper):
         super().__init__(inner, "momentum correction")
         if inner.owns_momentum:
             raise ConfigError(f"{inner.name!r} applies momentum itself: it takes no momentum correction")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ConfigError(f"momentum must be a number in [0, 1), got {momentum!r}")
         if not isinstance(masking, bool):
             raise ConfigError(f"masking must be true or false, got {masking!r}")
-        self.momentum, self.masking = float(momentum), masking
-        self.velocity: dict[str, Tensor] = {}
-        self.accumulated: dict[str, Tensor] = {}
+        self.masking = masking
+        self.memory = Momentum(momentum, self.policy.replace("_", "-"))
+        self.state = self.memory.state
+
+    momentum = property(lambda self: self.memory.momentum)
+    velocity = property(lambda self: self.state["velocity"], doc="u per slot key (``name#numel``)")
+    accumulated = property(lambda self: self.state["accumulated"], doc="v per slot key (``name#numel``)")
 
     @property
     def policy(self) -> str:
@@ -252,55 +235,23 @@ class MomentumCorrection(_FeedbackWrapper):
         return {**self.inner.params(), "feedback": self.policy, "feedback_momentum": self.momentum}
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        """The update rule of the class docstring on the slot's u and v buffers, in place (as ``ErrorFeedback``
-        does: the same arithmetic, no d-sized temporary for a sparse or sign message; the masking of a sparse
-        message touches its k positions only)."""
-        key = self._key(slot)
-        g = _float32_flat(x)
-        u = _owned(self.velocity.get(key), g)
-        u = g.clone() if u is None else u.mul_(self.momentum).add_(g)
-        v = _owned(self.accumulated.get(key), g)
-        v = u.clone() if v is None else v.add_(u)
-        self.velocity[key], self.accumulated[key] = u, v
+        """The update rule of the class docstring on the slot's u and v buffers, in place (``state.Momentum``:
+        no d-sized temporary for a sparse or sign message; the masking of a sparse message touches its k
+        positions only)."""
+        _, v = self.memory.step(slot, _float32_flat(x))
         try:
             fields = _detached(self.inner.compress(v, slot, step), v)  # a field may be a view of what it compressed
             sparse = sent_entries(self.inner, fields, slot, step)
             if sparse is not None:
-                positions, values = sparse
-                if self.masking:
-                    u.index_fill_(0, positions[values != 0], 0.0)  # sent != 0 (NaN included)
-                subtract_at(v, positions, values)
+                self.memory.sent(slot, *sparse, masking=self.masking)
             elif self.masking:
-                sent = self.inner.decompress(fields, slot, step)
-                u.masked_fill_(sent != 0, 0.0)
-                v.sub_(sent)
+                self.memory.sent_dense(slot, self.inner.decompress(fields, slot, step))
             else:
                 subtract_sent(self.inner, fields, slot, step, v)
         except BaseException:
-            del self.velocity[key], self.accumulated[key]  # half updated: start the slot afresh (as ErrorFeedback)
+            self.state.drop(slot)  # half updated: start the slot afresh (as ErrorFeedback)
             raise
         return fields
-
-    def retain(self, slots: list[Slot]) -> None:
-        keep = {self._key(s) for s in slots}
-        self.velocity = {k: v for k, v in self.velocity.items() if k in keep}
-        self.accumulated = {k: v for k, v in self.accumulated.items() if k in keep}
-        self.inner.retain(slots)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "velocity": {k: v.detach().clone() for k, v in self.velocity.items()},
-            "accumulated": {k: v.detach().clone() for k, v in self.accumulated.items()},
-            "inner": self.inner.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        unknown = set(state) - {"velocity", "accumulated", "inner"}
-        if unknown:
-            raise ConfigError(f"unexpected momentum-correction state keys {sorted(unknown)}")
-        self.velocity = {k: v.detach().clone() for k, v in state.get("velocity", {}).items()}
-        self.accumulated = {k: v.detach().clone() for k, v in state.get("accumulated", {}).items()}
-        self.inner.load_state_dict(state.get("inner", {}))
 
     def __repr__(self) -> str:
         return f"MomentumCorrection({self.inner!r}, momentum={self.momentum}, masking={self.masking})"

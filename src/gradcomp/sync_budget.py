@@ -46,7 +46,8 @@ _TABLE: dict[str, tuple[int, int, str]] = {
     "signsgd": (4, 4, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
     "signum": (4, 4, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
     "powersgd": (4, 4, f"{_FINITE}; 2 zero-column checks of Q (powersgd._prepare_q, one per group)"),
-    "local_topk": (4, 4, f"{_FINITE}; {_NONZERO}"),
+    "local_topk": (6, 6, f"{_FINITE}; {_NONZERO}; 1 read of the gathered container's checks; 1 range check of the "
+                   "received coordinates (accumulation.split_indices)"),
     "true_topk": (4, 4, f"{_FINITE}; {_NONZERO}"),
     "sketch": (7, 7, f"{_FINITE}; {_NONZERO} (x2); 1 boolean index (sketch.run)"),
     "terngrad_shared": (7, 7, f"{_FINITE}; 1 read of the decoded message's checks; 4 finiteness checks of max|g| "
@@ -64,7 +65,8 @@ _TABLE: dict[str, tuple[int, int, str]] = {
                 "round, 1 count of the distinct draws and 2-3 boolean indexings)"),
     "threshold": (10, 10, f"{_FINITE}; {_AGG}; 4 nonzero (the selection, per slot); 1 size exchange "
                   f"(sizes.exchange_sizes); {_VARIABLE}"),
-    "lgc": (19, 19, f"{_FINITE}; {_NONZERO} (x2); {_GOLOMB}; 1 broadcast size (sizes.broadcast_buffer)"),
+    "lgc": (20, 20, f"{_FINITE}; 1 read of a gathered container's checks; {_NONZERO} (x2); {_GOLOMB}; 1 broadcast "
+            "size (sizes.broadcast_buffer)"),
     "sbc": (41, 41, f"{_FINITE}; {_AGG}; {_GOLOMB}; 1 size exchange; {_VARIABLE}"),
     "stc": (46, 46, f"{_FINITE}; {_AGG}; {_GOLOMB}; 4 counts of the kept entries (sbc.compress); 1 size exchange; "
             f"{_VARIABLE}"),

@@ -14,8 +14,8 @@ exchange index ``step`` it does, in this order:
    worker's share of the global norm if all N gradients were i.i.d. Gaussian). A compressor is not told N,
    so ``clip`` is used exactly as given, on every worker: to follow the paper pass the global threshold
    times N^(-1/2) (e.g. ``clip=2.5`` for a global 5 on 4 workers).
-2. **Momentum correction and momentum factor masking**, reused from :class:`gradcomp.feedback.
-   MomentumCorrection` (``masking=True``), which this compressor wraps around its selector::
+2. **Momentum correction and momentum factor masking**, the arithmetic of :class:`gradcomp.compressors.state.Momentum`
+   that :class:`gradcomp.feedback.MomentumCorrection` (``masking=True``) uses too::
 
        u = m·u + g          velocity (m = ``momentum``)
        v = v + u            accumulated velocity: what this worker would like to send
@@ -26,9 +26,8 @@ exchange index ``step`` it does, in this order:
    u and v start at 0 (the first step sends from v = u = g) and are float32, keyed by the slot's name and
    size (checkpointed by ``state_dict``; dropped by ``retain``). Masking resets the momentum of whatever is
    sent: at density 1 (everything sent every step) u is always 0 and ``dgc`` is SGD without momentum.
-   ``DGC`` computes these steps itself, in place on the wrapper's u and v (``DGC._corrected``: the same
-   arithmetic; v − sent and the masking touch only the sent positions), instead of the wrapper's dense
-   v + u, decompressed message and v − sent.
+   v − sent and the masking touch only the sent positions (the message is sparse): no dense decompressed
+   message is built.
 3. **Selection by a sampled threshold** (the paper's "sampling to reduce top-k selection time": top-k on a
    0.1 %–1 % sample to estimate the threshold, then, if far more than expected pass it, a precise
    threshold from the already selected gradients). With p the step's density (step 4), d = slot size and
@@ -113,7 +112,7 @@ from gradcomp.compressors.sparse import (
     sample_rank,
 )
 from gradcomp.errors import ConfigError
-from gradcomp.feedback import MomentumCorrection
+from gradcomp.compressors.state import Momentum
 from gradcomp.wire import Codec, FieldSpec
 
 __all__ = [
@@ -305,12 +304,12 @@ class DGC(Compressor):
         )
         self.clip = _check_clip(clip)
         self.selector = selector
-        self.feedback = MomentumCorrection(selector, momentum=momentum, masking=True)  # checks momentum
+        self.memory = Momentum(momentum, "dgc")  # checks momentum
 
     density = property(lambda self: self.selector.density)
-    momentum = property(lambda self: self.feedback.momentum)
-    velocity = property(lambda self: self.feedback.velocity, doc="u per slot key (``name#numel``)")
-    accumulated = property(lambda self: self.feedback.accumulated, doc="v per slot key (``name#numel``)")
+    momentum = property(lambda self: self.memory.momentum)
+    velocity = property(lambda self: self.memory.state["velocity"], doc="u per slot key (``name#numel``)")
+    accumulated = property(lambda self: self.memory.state["accumulated"], doc="v per slot key (``name#numel``)")
 
     def density_at(self, step: int) -> float:
         """The density used at exchange ``step`` (the warm-up schedule)."""
@@ -330,39 +329,24 @@ class DGC(Compressor):
 
     def bind_worker(self, worker: int) -> None:
         super().bind_worker(worker)
-        self.feedback.bind_worker(worker)
+        self.selector.bind_worker(worker)
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
         return self.selector.specs(slot)
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        """Clipping, then momentum correction with masking (``state.Momentum``, as ``feedback.MomentumCorrection``
+        with ``masking=True`` computes it) around the selection: v − sent and the masking touch only the sent
+        positions (v[i] − v[i] at a sent position i, so Inf and NaN behave as before). The message's values are
+        copies (``index_select``), never views of v."""
         g = x.reshape(-1).to(torch.float32)
-        if self.clip is not None:
-            g = clip_norm(g, self.clip)
-        return self._corrected(g, slot, step)
-
-    def _corrected(self, g: Tensor, slot: Slot, step: int) -> Fields:
-        """``self.feedback.compress(g, slot, step)`` (momentum correction with masking), computed in place.
-
-        The same arithmetic on the same state (``self.feedback``'s u and v, so ``state_dict`` is unchanged):
-        u = m·u + g and v = v + u update the stored tensors in place, and since the message is sparse,
-        v − sent and the masking touch only the sent positions: v − sent is v where nothing was sent and
-        v[i] − v[i] at a sent position i (computed as such, so Inf and NaN behave as before), and u is zeroed
-        where a nonzero value was sent. No d-sized temporary: ``MomentumCorrection`` builds v + u, the dense
-        decompressed message, its mask and v − sent, four fresh d-sized tensors per step. The message's values
-        are copies (``index_select``), never views of v.
-        """
-        feedback = self.feedback
-        key = feedback._key(slot)
-        u = feedback.velocity.get(key)
-        u = g.clone() if u is None else u.mul_(feedback.momentum).add_(g)
-        v = feedback.accumulated.get(key)
-        v = u.clone() if v is None else v.add_(u)
-        fields = self.selector.compress(v, slot, step)
-        positions, values = fields
-        u.index_fill_(0, positions[values != 0], 0.0)  # momentum factor masking: sent != 0
-        v.index_copy_(0, positions, values - values)  # v − sent at the sent positions
-        feedback.velocity[key], feedback.accumulated[key] = u, v
+        _, v = self.memory.step(slot, clip_norm(g, self.clip) if self.clip is not None else g)
+        try:
+            fields = self.selector.compress(v, slot, step)
+            self.memory.sent(slot, *fields, masking=True)
+        except BaseException:
+            self.memory.state.drop(slot)  # half updated: start the slot afresh (as MomentumCorrection)
+            raise
         return fields
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
@@ -372,10 +356,10 @@ class DGC(Compressor):
         self.selector.accumulate(fields, slot, step, out)
 
     def retain(self, slots: list[Slot]) -> None:
-        self.feedback.retain(slots)
+        self.memory.state.retain(slots)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.feedback.state_dict()
+        return self.memory.state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.feedback.load_state_dict(state)
+        self.memory.state.load_state_dict(state)

@@ -13,8 +13,9 @@ coordinates are chosen and summed:
 - ``local_topk`` (``gradcomp.schemes.topk_baselines``): each worker's own k largest, gathered;
 - ``true_topk``: the k largest of the dense sum of all workers' v (an oracle that needs a dense allreduce).
 
-This module holds what they share: parameter checks (``k`` or ``density``, ``momentum``, ``min_size``), the
-per-slot k, the u and v tensors with their state dict, and the tie-breaking selection ``largest``.
+This module holds what they share: parameter checks (``k`` or ``density``, ``min_size``), the per-slot k,
+the tie-breaking selection ``largest`` and the sections of their container messages. The u and v tensors,
+their arithmetic and their state dict are ``gradcomp.compressors.state.Momentum`` (shared with DGC's momentum correction).
 
 A slot of fewer than ``min_size`` coordinates (a bias, a norm's scale: well under 1 % of a model) is not
 compressed: it keeps momentum u ← ρ·u + g and sends u dense in the method's first round, so it gets exactly
@@ -32,8 +33,10 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Slot, check_density, check_int, kept_count
-from gradcomp.errors import ConfigError
+from gradcomp.errors import ConfigError, WireError
 from gradcomp.schemes.base import Scheme
+from gradcomp.compressors.state import Momentum
+from gradcomp.wire import Codec, FieldSpec
 
 
 class AccumulatingScheme(Scheme):
@@ -46,12 +49,10 @@ class AccumulatingScheme(Scheme):
             raise ConfigError("give k or density, not both")
         self.k = None if k is None else check_int("k", k, minimum=1)
         self.density = None if k is not None else check_density(0.01 if density is None else density)
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (0.0 <= momentum < 1.0):
-            raise ConfigError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        self.momentum = float(momentum)
         self.min_size = check_int("min_size", min_size, minimum=0)
-        self._u: dict[str, Tensor] = {}
-        self._v: dict[str, Tensor] = {}
+        self.memory = Momentum(momentum, self.name, fields=("momentum", "error"))  # u and v per slot
+
+    momentum = property(lambda self: self.memory.momentum)
 
     def params(self) -> dict[str, Any]:
         return {"k": self.k, "density": self.density, "momentum": self.momentum, "min_size": self.min_size}
@@ -77,64 +78,21 @@ class AccumulatingScheme(Scheme):
 
     # -- state ----------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def key(slot: Slot) -> str:
-        return f"{slot.name}#{slot.numel}"
-
-    def _state(self, store: dict[str, Tensor], slot: Slot, device: torch.device) -> Tensor:
-        key = self.key(slot)
-        t = store.get(key)
-        if t is None:
-            t = store[key] = torch.zeros(slot.numel, dtype=torch.float32, device=device)
-        elif t.device != device:
-            t = store[key] = t.to(device)
-        return t
-
     def accumulate(self, slots: Sequence[Slot], tensors: Sequence[Tensor], ks: Sequence[int]):
         """Update u (every slot) and v (compressed slots, k > 0) with this step's gradients; returns (us, vs)."""
         if len(slots) != len(tensors):
             raise ConfigError(f"{len(slots)} slots but {len(tensors)} tensors")
-        us: list[Tensor] = []
-        vs: list[Tensor | None] = []
-        for slot, g, k in zip(slots, tensors, ks):
-            u = self._state(self._u, slot, g.device)
-            u.mul_(self.momentum).add_(g.reshape(-1).to(torch.float32))
-            us.append(u)
-            if k:
-                vs.append(self._state(self._v, slot, g.device).add_(u))
-            else:
-                vs.append(None)
-        return us, vs
+        steps = [self.memory.step(slot, g.reshape(-1).to(torch.float32), bool(k)) for slot, g, k in zip(slots, tensors, ks)]
+        return [u for u, _ in steps], [v for _, v in steps]
 
     def retain(self, slots: Sequence[Slot]) -> None:
-        keep = {self.key(s) for s in slots}
-        self._u = {k: v for k, v in self._u.items() if k in keep}
-        self._v = {k: v for k, v in self._v.items() if k in keep}
+        self.memory.state.retain(slots)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "momentum": {k: v.detach().clone() for k, v in self._u.items()},
-            "error": {k: v.detach().clone() for k, v in self._v.items()},
-        }
+        return self.memory.state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        unknown = set(state) - {"momentum", "error"}
-        if unknown:
-            raise ConfigError(f"unexpected {self.name} state keys {sorted(unknown)}")
-        loaded = {}
-        for part in ("momentum", "error"):
-            tensors = dict(state.get(part, {}))
-            for key, value in tensors.items():
-                if not isinstance(key, str) or not isinstance(value, Tensor):
-                    raise ConfigError(f"{self.name} state {part!r}: {key!r} must map a slot key to a tensor")
-                try:
-                    numel = int(key.rsplit("#", 1)[1])
-                except (IndexError, ValueError):
-                    raise ConfigError(f"bad {self.name} state key {key!r} (expected '<slot name>#<d>')") from None
-                if value.numel() != numel:
-                    raise ConfigError(f"{self.name} state {key!r}: {value.numel()} values, expected {numel}")
-            loaded[part] = {k: v.detach().to(torch.float32).reshape(-1).clone() for k, v in tensors.items()}
-        self._u, self._v = loaded["momentum"], loaded["error"]
+        self.memory.state.load_state_dict(state)
 
 
 def largest(x: Tensor, n: int) -> Tensor:
@@ -142,7 +100,8 @@ def largest(x: Tensor, n: int) -> Tensor:
 
     ``torch.topk`` makes no promise about *which* of equal values it returns, but the n-th largest value itself
     is well defined. So: every coordinate above it, then the lowest-indexed ones equal to it until there are n
-    (ascending order within each group). A stable sort would give the same set at 6–9× the time.
+    (ascending order within each group). A stable sort would give the same set at 6–9× the time. A NaN
+    counts as the largest magnitude (as in ``torch.topk``), so there are always n.
     """
     if n >= x.numel():
         return torch.arange(x.numel(), device=x.device)
@@ -150,7 +109,10 @@ def largest(x: Tensor, n: int) -> Tensor:
     threshold = torch.topk(magnitude, n, sorted=False).values.min()
     above = (magnitude > threshold).nonzero().flatten()
     ties = (magnitude == threshold).nonzero().flatten()[: n - above.numel()]
-    return torch.cat([above, ties])
+    chosen = torch.cat([above, ties])
+    if chosen.numel() < n:  # a NaN among the n largest (topk ranks it first) makes the threshold NaN
+        return largest(torch.nan_to_num(x, nan=float("inf")), n)
+    return chosen
 
 
 def offsets_of(sizes: Sequence[int]) -> list[int]:
@@ -159,3 +121,25 @@ def offsets_of(sizes: Sequence[int]) -> list[int]:
     for n in sizes:
         out.append(out[-1] + n)
     return out
+
+
+def floats_spec(count: int) -> FieldSpec:
+    """A section of ``count`` float32 values in a multi-round scheme's container message."""
+    return FieldSpec(Codec.F32, count=count)
+
+
+def indices_spec(count: int) -> FieldSpec:
+    """A section of ``count`` coordinates, 32 bits each: the int32 positions these schemes sent before their
+    messages were framed, in the same bytes (the order is the sender's, so no sorted-positions codec)."""
+    return FieldSpec(Codec.BITS, count=count, width=32)
+
+
+def split_indices(field: Tensor, counts: Sequence[int], bounds: Sequence[int], what: str) -> list[Tensor]:
+    """A decoded ``indices_spec`` field cut into parts of ``counts``, each checked to lie in [0, bound):
+    WireError otherwise, before any of them indexes a tensor."""
+    starts = offsets_of(counts)
+    parts = [field[starts[n] : starts[n + 1]] for n in range(len(counts))]
+    for n, (part, bound) in enumerate(zip(parts, bounds)):
+        if part.numel() and int(part.max()) >= bound:
+            raise WireError(f"{what}: part {n} holds coordinate {int(part.max())}, beyond its {bound}")
+    return parts

@@ -50,7 +50,7 @@ Three stages, by step:
    ``variant=ps`` (the server is rank ``root``, 0): the leader broadcasts one message — its scale s_ℓ, its
    code z_ℓ, and the Golomb-coded positions; every worker i predicts its own values from the leader's code
    with decoder i, p_i = s_ℓ·D_i(z_ℓ), and sends its **innovation**: the k' = ⌈innovation·k⌉ largest entries
-   of a[P] − p_i (int32 index into P, fp32 value) with its dense layers, gathered at the server; the server
+   of a[P] − p_i (32-bit index into P, fp32 value) with its dense layers, gathered at the server; the server
    rebuilds each worker's values as p_i plus its innovation, averages them, and broadcasts the k means (fp32;
    the positions are known) with the dense means. Residual: a with a[P] replaced by what the innovation left
    out. The autoencoder has one decoder per worker (the server's per-node decoders); every worker holds all
@@ -68,6 +68,11 @@ Choices where the paper is silent, and why:
   by an allreduce, so that all codes share it).
 - **Stage 2 is an allgather in both variants**, so that every worker has the training data; the
   parameter-server variant's stage 3 is a true gather/broadcast through the server.
+- **Messages**: whatever is not summed by an allreduce (the positions, stage 2's values, the decoder sync, the
+  leader's message, the innovations, the server's means) is a container message (``gradcomp.wire``:
+  checksummed, every section checked against what the receiver expects; positions a Golomb section, the
+  innovation's indices 32-bit sections checked against k), which adds 20 bytes and 10 per section to each; the
+  ps variant's rounds 2 and 3 are ``protocols.parameter_server``.
 - **Error feedback of what the code does not carry** (ring: own reconstruction error; ps: what the
   innovation left out), so that the compression error is sent later, as top-k's error feedback does.
 
@@ -92,12 +97,13 @@ from torch import Tensor
 
 from gradcomp.compressors.base import Slot, check_bool, check_density, check_int, kept_count
 from gradcomp.errors import ConfigError
-from gradcomp.protocols.sizes import broadcast_buffer
-from gradcomp.schemes.accumulation import largest, offsets_of
+from gradcomp.protocols import allgather_buffers, broadcast_buffer, parameter_server
+from gradcomp.schemes.accumulation import floats_spec, indices_spec, largest, offsets_of, split_indices
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.lgc_autoencoder import AutoencoderTrainer, latent_size, padded_length
-from gradcomp.transport.requests import AllGather, AllReduce, Broadcast, Gather, Rounds
-from gradcomp.wire.golomb import golomb_decode, golomb_encode, optimal_rice_parameter
+from gradcomp.transport.requests import AllReduce, Rounds
+from gradcomp.wire import Codec, FieldSpec, decode, encode, encoded_size
+from gradcomp.wire.golomb import optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")
 STATE_KEYS = {"residual", "autoencoder", "synced"}
@@ -314,9 +320,10 @@ class LGC(Scheme):
 
         if stage == 2:
             positions = yield from self._positions(layout, acc, leader)
-            values = acc[positions]
-            gathered = yield AllGather(values)
-            batch = torch.stack(gathered)  # (W, k): the same on every worker
+            specs = [floats_spec(layout.k)]
+            gathered = yield from allgather_buffers(self.rank, encode([acc[positions]], specs),
+                                                    [encoded_size(specs)] * world)  # fmt: skip
+            batch = torch.stack([decode(b, specs)[0] for b in gathered])  # (W, k): the same on every worker
             update = batch.mean(0)
             dense_mean = (yield AllReduce(dense, inplace=True)).div_(world) if dense.numel() else dense
             acc[positions] = 0.0
@@ -359,19 +366,25 @@ class LGC(Scheme):
 
     def _sync(self, layout: Layout, trainer: AutoencoderTrainer) -> Rounds:
         """Ring, at the first compressed step: rank 0's decoder to every worker (a peer broadcast of one fp32
-        vector of known size), so that every replica decodes the same summed code with the same decoder whatever
+        section of known size), so that every replica decodes the same summed code with the same decoder whatever
         rounding each worker's training had (thread counts, CUDA). The encoders need not agree: each encodes its
         own values and the codes are summed. The ps variant needs no sync (see the module docstring)."""
-        weights = yield Broadcast(trainer.decoder_weights(0), 0, peer=True)
-        trainer.load_decoder_weights(0, weights)
+        weights = trainer.decoder_weights(0)
+        specs = [floats_spec(weights.numel())]
+        message = encode([weights], specs) if self.rank == 0 else None
+        message = yield from broadcast_buffer(message, 0, weights.device, encoded_size(specs), peer=True)
+        trainer.load_decoder_weights(0, decode(message, specs)[0])
 
     def _positions(self, layout: Layout, acc: Tensor, leader: int) -> Rounds:
         """The leader's top-k positions, Golomb–Rice coded and broadcast (length first); sorted int64."""
-        payload = None
-        if self.rank == leader:
-            payload, _ = golomb_encode(largest(acc, layout.k).sort().values, layout.rice)
-        payload = yield from broadcast_buffer(payload, leader, acc.device, peer=True)
-        return golomb_decode(payload, layout.rice, layout.k, layout.d).to(acc.device)
+        specs = [self._positions_spec(layout)]
+        message = encode([largest(acc, layout.k).sort().values], specs) if self.rank == leader else None
+        message = yield from broadcast_buffer(message, leader, acc.device, peer=True)
+        return decode(message, specs)[0].to(acc.device)
+
+    @staticmethod
+    def _positions_spec(layout: Layout) -> FieldSpec:
+        return FieldSpec(Codec.GOLOMB, count=layout.k, universe=layout.d, golomb_b=layout.rice)
 
     def _ring(self, layout: Layout, acc: Tensor, dense: Tensor, leader: int, trainer: AutoencoderTrainer) -> Rounds:
         world, k = self.world_size, layout.k
@@ -389,47 +402,47 @@ class LGC(Scheme):
     def _ps(self, layout: Layout, acc: Tensor, dense: Tensor, leader: int, trainer: AutoencoderTrainer) -> Rounds:
         world, k, device = self.world_size, layout.k, acc.device
         # round 1: the leader's scale, code and positions, to every worker
+        lead_specs = [floats_spec(1 + layout.latent), self._positions_spec(layout)]
         message = None
         if self.rank == leader:
             chosen = largest(acc, k).sort().values
             lead_values = acc[chosen]
             lead_scale = lead_values.pow(2).mean().sqrt().clamp_min(1e-30).reshape(1)
             lead_code = trainer.encode(_pad((lead_values / lead_scale).unsqueeze(0), layout.length)).reshape(-1)
-            coded, _ = golomb_encode(chosen, layout.rice)
-            message = torch.cat([torch.cat([lead_scale, lead_code]).view(torch.uint8), coded])
+            message = encode([torch.cat([lead_scale, lead_code]), chosen], lead_specs)
         message = yield from broadcast_buffer(message, leader, device, peer=True)
-        head = 4 * (1 + layout.latent)
-        floats = message[:head].view(torch.float32)
+        floats, positions = decode(message, lead_specs)
         lead_scale, lead_code = floats[0], floats[1:].unsqueeze(0)
-        positions = golomb_decode(message[head:], layout.rice, k, layout.d).to(device)
+        positions = positions.to(device)
 
-        # round 2: every worker's innovation (and its dense layers) to the server
+        # round 2: every worker's innovation (and its dense layers) to the server, which sends back the means at
+        # the positions and of the dense layers (round 3)
         values = acc[positions]
         predicted = trainer.decode(lead_code, self.rank)[0, :k].mul(lead_scale)
         missing = values - predicted
         picked = largest(missing, layout.innovation)
-        innovation = torch.cat([missing[picked].view(torch.uint8), picked.to(torch.int32).view(torch.uint8),
-                                dense.view(torch.uint8)])  # fmt: skip
-        gathered = yield Gather(innovation, self.root)
+        n = layout.innovation
+        up = [floats_spec(n), indices_spec(n), floats_spec(dense.numel())]
+        down = [floats_spec(k + dense.numel())]
 
-        # round 3: the server's means at the positions, and of the dense layers
-        n, size = layout.innovation, k + dense.numel()
-        if self.rank == self.root:
-            total = torch.zeros(size, dtype=torch.float32, device=device)
-            for w, received in enumerate(gathered):  # rank order
+        def serve(buffers: list[Tensor]) -> Tensor:
+            total = torch.zeros(k + dense.numel(), dtype=torch.float32, device=device)
+            for w, received in enumerate(buffers):  # rank order
+                their_values, their_index, their_dense = decode(received, up)
+                (their_index,) = split_indices(their_index, [n], [k], "lgc innovation")
                 rebuilt = trainer.decode(lead_code, w)[0, :k].mul(lead_scale)
-                their_values = received[: 4 * n].view(torch.float32)
-                their_index = received[4 * n : 8 * n].view(torch.int32).to(torch.int64)
                 rebuilt.index_add_(0, their_index, their_values)
                 total[:k].add_(rebuilt)
-                total[k:].add_(received[8 * n :].view(torch.float32))
-            down = total.div_(world)
-        else:
-            down = torch.empty(size, dtype=torch.float32, device=device)
-        down = yield Broadcast(down, self.root)
+                total[k:].add_(their_dense)
+            return encode([total.div_(world)], down)
+
+        mine = encode([missing[picked], picked, dense], up)
+        means = yield from parameter_server(self.rank, mine, serve, self.root, [encoded_size(up)] * world,
+                                            encoded_size(down))  # fmt: skip
+        (means,) = decode(means, down)
         carried = predicted.clone()
         carried[picked] += missing[picked]
-        return positions, down[:k], down[k:], carried
+        return positions, means[:k], means[k:], carried
 
     # -- state ----------------------------------------------------------------------------------------------------
 

@@ -74,9 +74,9 @@ uncompressed baseline's learning rate schedule). The error feedback re-sends, at
 low-rank update left out of the gradient — it is fed before the learning rate, so the lr scales it like
 any gradient; the method has no learning-rate parameter of its own.
 
-State (``state_dict``): the Q of every compressed matrix and, with error feedback, its error, keyed by
-``"<slot name>#<n>x<m>"`` (name and matrix shape: a slot whose shape changes starts fresh, like the
-error-feedback wrapper's residuals). Randomness is derived from (seed, step, index) and needs no state, so
+State (``state_dict``, a ``gradcomp.compressors.state.SlotState``): the Q of every compressed matrix and, with error
+feedback, its error, keyed by slot (``"<slot name>#<d>"``); a loaded Q must be (m, r) for an m that divides d
+and this rank, an error d elements. Randomness is derived from (seed, step, index) and needs no state, so
 a loaded checkpoint continues bit for bit like the uninterrupted run.
 """
 
@@ -95,6 +95,7 @@ from gradcomp.compressors.base import Slot, check_bool, check_int, shared_genera
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
 from gradcomp.transport.requests import AllReduce, Rounds
+from gradcomp.compressors.state import SlotState
 
 _TINY = torch.finfo(torch.float32).tiny  # a column whose norm is at most this counts as zero
 
@@ -147,7 +148,6 @@ class _Group:
     m: int
     r: int
     members: list[int]  # positions in the plan's slots
-    keys: list[str]
     p_offset: int  # in the round-1 buffer
     q_offset: int  # in the round-2 buffer
     out_offset: int  # in the flat output
@@ -198,8 +198,8 @@ class PowerSGD(Scheme):
         self.error_feedback = check_bool("error_feedback", error_feedback)
         self.seed = check_int("seed", seed, minimum=0)
         self.batch_same_shape = check_bool("batch_same_shape", batch_same_shape)
-        self._q: dict[str, Tensor] = {}  # key → (m, r), a view into a plan's stacked Q's
-        self._e: dict[str, Tensor] = {}  # key → (n, m), a view into a plan's stacked errors
+        # per slot: "q" (m, r) and "error" (n, m), views into a plan's stacked Q's and errors
+        self.state = SlotState("powersgd", ["q", "error"], check=self._fits)
         self._plans: dict[tuple[tuple[Slot, ...], torch.device], _Plan] = {}
         self._used_plans: set[tuple[tuple[Slot, ...], torch.device]] = set()  # since the last retain()
         self._warned_shapeless = False
@@ -231,10 +231,6 @@ class PowerSGD(Scheme):
         for slot in slots:
             if slot.shape is not None and math.prod(slot.shape) != slot.numel:
                 raise ConfigError(f"{slot.name}: shape {tuple(slot.shape)} does not hold {slot.numel} elements")
-
-    @staticmethod
-    def _key(slot: Slot, n: int, m: int) -> str:
-        return f"{slot.name}#{n}x{m}"
 
     # -- the rounds ---------------------------------------------------------------------------------------------
 
@@ -345,7 +341,7 @@ class PowerSGD(Scheme):
             q_state = torch.zeros(batch, m, r, dtype=torch.float32, device=device)
             error = torch.zeros(batch, n, m, dtype=torch.float32, device=device) if self.error_feedback else None
             g = _Group(
-                n=n, m=m, r=r, members=members, keys=[self._key(slots[i], n, m) for i in members],
+                n=n, m=m, r=r, members=members,
                 p_offset=p_size, q_offset=q_size, out_offset=out_size,
                 m_buf=torch.empty(batch, n, m, dtype=torch.float32, device=device), q_state=q_state, error=error,
             )
@@ -373,29 +369,31 @@ class PowerSGD(Scheme):
     def _adopt(self, plan: _Plan, step: int) -> None:
         """Make the plan's buffers hold the current state (loaded, or kept by another plan) or a fresh one."""
         for g in plan.groups:
-            for b, key in enumerate(g.keys):
-                view = g.q_views[b]
-                held = self._q.get(key)
-                if held is not view:
-                    if held is None:
-                        view.copy_(self._fresh_q(plan.slots[g.members[b]], g.m, g.r, step))
-                    else:
-                        view.copy_(held)
-                    self._q[key] = view
+            for b, i in enumerate(g.members):
+                slot = plan.slots[i]
+                self._hold("q", slot, g.q_views[b], lambda: self._fresh_q(slot, g.m, g.r, step))
                 if g.error is not None:
-                    view = g.e_views[b]
-                    held = self._e.get(key)
-                    if held is not view:
-                        if held is None:
-                            view.zero_()
-                        else:
-                            view.copy_(held)
-                        self._e[key] = view
+                    self._hold("error", slot, g.e_views[b], None)
+
+    def _hold(self, field: str, slot: Slot, view: Tensor, fresh) -> None:
+        """Put the slot's state of ``field`` into ``view`` (a plan's buffer) and keep the view as the state."""
+        held = self.state.get(field, slot)
+        if held is view:
+            return
+        if held is not None and held.shape == view.shape:
+            view.copy_(held)
+        elif fresh is None:
+            view.zero_()
+        else:  # none yet, or one of another matrix shape of the same size (the slot was viewed otherwise)
+            view.copy_(fresh())
+        self.state.put(field, slot, view)
 
     def retain(self, slots: Sequence[Slot]) -> None:
-        keep = {self._key(s, *shape) for s in slots if (shape := matrix_shape(s)) is not None}
-        self._q = {k: v for k, v in self._q.items() if k in keep}
-        self._e = {k: v for k, v in self._e.items() if k in keep}
+        self.state.retain(slots)
+        for s in slots:  # the same name and size as another shape: another matrix, start afresh
+            q, shape = self.state.get("q", s), matrix_shape(s)
+            if q is not None and (shape is None or q.shape[0] != shape[1]):
+                self.state.drop(s)
         wanted = set(slots)
         # a plan (buffers for one slot list, e.g. one DDP bucket) survives only if it was used since the last
         # retain: DDP's single first-pass bucket holds live slots but never comes back after the rebuild
@@ -404,45 +402,25 @@ class PowerSGD(Scheme):
         self._used_plans = set()
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "q": {k: v.detach().clone() for k, v in self._q.items()},
-            "error": {k: v.detach().clone() for k, v in self._e.items()},
-        }
+        return self.state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        unknown = set(state) - {"q", "error"}
-        if unknown:
-            raise ConfigError(f"unexpected powersgd state keys {sorted(unknown)}")
-        qs, errors = dict(state.get("q", {})), dict(state.get("error", {}))
-        for what, tensors in (("q", qs), ("error", errors)):
-            bad = sorted(k for k, v in tensors.items() if not isinstance(k, str) or not isinstance(v, Tensor))
-            if bad:
-                raise ConfigError(f"powersgd state {what!r}: {bad} must map slot keys to tensors")
-        if errors and not self.error_feedback:
+        if isinstance(state, dict) and state.get("error") and not self.error_feedback:
             raise ConfigError("the checkpoint holds PowerSGD errors but this PowerSGD runs without error feedback")
-        for key, q in qs.items():
-            n, m = _parse_key(key)
-            r = min(self.matrix_rank, n, m)
-            if tuple(q.shape) != (m, r):
-                raise ConfigError(
-                    f"powersgd state {key!r}: Q has shape {tuple(q.shape)}, expected ({m}, {r}) for rank "
-                    f"{self.matrix_rank} (was the checkpoint made with another rank?)"
-                )
-        for key, e in errors.items():
-            n, m = _parse_key(key)
-            if tuple(e.shape) != (n, m):
-                raise ConfigError(f"powersgd state {key!r}: error has shape {tuple(e.shape)}, expected ({n}, {m})")
-        self._q = {k: v.detach().to(torch.float32).clone() for k, v in qs.items()}
-        self._e = {k: v.detach().to(torch.float32).clone() for k, v in errors.items()}
+        self.state.load_state_dict(state)
 
-
-def _parse_key(key: str) -> tuple[int, int]:
-    try:
-        _, shape = key.rsplit("#", 1)
-        n, m = shape.split("x")
-        return int(n), int(m)
-    except (ValueError, AttributeError):
-        raise ConfigError(f"bad powersgd state key {key!r} (expected '<slot name>#<n>x<m>')") from None
+    def _fits(self, field: str, key: str, numel: int, t: Tensor) -> str | None:
+        """The shape check of a loaded Q (m, r) or error (n, m) of a slot of ``numel`` elements."""
+        if t.dim() != 2 or t.shape[0] == 0 or numel % t.shape[0 if field == "q" else 1]:
+            return f"shape {tuple(t.shape)}, which is no Q or error of a matrix of {numel} elements"
+        if field == "error":
+            return None if t.numel() == numel else f"shape {tuple(t.shape)}, expected {numel} elements"
+        m = t.shape[0]
+        r = min(self.matrix_rank, numel // m, m)
+        if t.shape[1] != r:
+            return (f"shape {tuple(t.shape)}, expected ({m}, {r}) for rank {self.matrix_rank} (was the checkpoint "
+                    "made with another rank?)")  # fmt: skip
+        return None
 
 
 def _view(flat: Tensor, offset: int, shape: tuple[int, ...]) -> Tensor:

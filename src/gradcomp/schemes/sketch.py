@@ -37,11 +37,13 @@ round 2, and a step with no other compressed slot has no round 2 (then it costs 
 Topologies. ``allreduce`` (the default): two allreduces per step, whatever the number of slots (one when no
 slot is sketched, or with ``rounds=1``); a worker hands 4·(Σ r·c over sketched slots + Σ d over whole and dense
 slots) bytes to round 1 and 4·Σ P·k over sketched slots to round 2, and receives as much. ``ps`` (``--topology
-ps``; the paper's server): the root gathers round 1 and sums it (in rank order), broadcasts the sketched slots'
-candidates' positions (int32), gathers the workers' exact values there, and broadcasts the result: the dense
-slots' sums and, per compressed slot, k float32 values and k int32 positions. Up per worker: 4·(sketch + whole
-+ dense + P·k) bytes; down: 4·P·k + 4·dense + 8·k (P·k over sketched slots). ``rounds=1`` over ps sends no
-candidates: one gather, one broadcast.
+ps``; the paper's server, through ``protocols.parameter_server``): the root gathers round 1 and sums it (in
+rank order), broadcasts the sketched slots' candidates' coordinates (32 bits each), gathers the workers' exact
+values there, and broadcasts the result: the dense slots' sums and, per compressed slot, k float32 values and k
+coordinates. Up per worker: 4·(sketch + whole + dense + P·k) bytes; down: 4·P·k + 4·dense + 8·k (P·k over
+sketched slots); each of these messages is a container (``gradcomp.wire``: checksummed, every section checked
+against the sizes the receiver expects, coordinates against their slot's size), which adds 20 bytes and 10 per
+section (one or two). ``rounds=1`` over ps sends no candidates: one gather, one broadcast.
 
 Choices (each a parameter):
 
@@ -91,8 +93,18 @@ from torch import Tensor
 from gradcomp.compressors.base import Slot, check_int
 from gradcomp.compressors.countsketch import CountSketch
 from gradcomp.errors import ConfigError
-from gradcomp.schemes.accumulation import AccumulatingScheme, largest, offsets_of
-from gradcomp.transport.requests import AllReduce, Broadcast, Gather, Rounds
+from gradcomp.protocols import parameter_server
+from gradcomp.schemes.accumulation import (
+    AccumulatingScheme,
+    floats_spec,
+    indices_spec,
+    largest,
+    offsets_of,
+    split_indices,
+)
+from gradcomp.transport.requests import AllReduce, Rounds
+from gradcomp.compressors.state import slot_key
+from gradcomp.wire import decode, encode, encoded_size
 
 DEFAULT_COLS_PER_K = 10.0  # table columns per selected coordinate when cols is not given
 
@@ -213,7 +225,7 @@ class SketchedSGD(AccumulatingScheme):
         return 2 * d / cost if cost else 1.0
 
     def _sketch(self, slot: Slot, cols: int, device: torch.device) -> CountSketch:
-        key = (self.key(slot), slot.index, cols, device)
+        key = (slot_key(slot), slot.index, cols, device)
         cs = self._sketches.get(key)
         if cs is None:
             cs = self._sketches[key] = CountSketch(slot.numel, self.rows, cols, self.seed, slot.index, device)
@@ -263,11 +275,10 @@ class SketchedSGD(AccumulatingScheme):
             result[coords] = values.div(world)
             out.append(result)
             applied = coords[result[coords] != 0]  # a selected sum can be exactly 0: nothing went out there
-            us[i][applied] = 0.0
             if self.rounds == 2:
-                vs[i][applied] = 0.0  # type: ignore[index]
+                self.memory.sent(slot, applied)  # u, v = 0 there
             else:  # an estimate went out: the rest of the sum (or an overshoot) stays in the accumulation
-                vs[i][applied] -= result[applied]  # type: ignore[index]
+                self.memory.sent(slot, applied, result[applied])
         self.last_selection = {
             slots[i].name: (self._candidates.get(i, selected[i][0]), selected[i][0]) for i in squeezed
         }
@@ -315,75 +326,69 @@ class SketchedSGD(AccumulatingScheme):
         return selected
 
     def _select_ps(self, slots, plans, vs, sketches, buf, offsets) -> Rounds:
-        """A parameter server at ``root``: it sums the sketches, sends the candidates, sums their exact values,
-        and sends the k coordinates and values (int32 positions, float32 sums) with the dense slots' sums."""
-        device = buf.device
+        """A parameter server at ``root`` (``protocols.parameter_server``, once or twice): it sums the round-1
+        messages and, with two rounds, sends the sketched slots' candidates and sums their exact values; its
+        last message holds the dense slots' sums and, per compressed slot, the k float32 values and coordinates.
+        Every message is a container (``gradcomp.wire``) of float32 and 32-bit coordinate sections."""
+        device, world = buf.device, self.world_size
         squeezed = [i for i, p in enumerate(plans) if p.compressed]
-        sketched = [i for i in squeezed if not plans[i].whole]  # the slots that need round 2
+        sketched = [i for i in squeezed if not plans[i].whole] if self.rounds == 2 else []  # need round 2
         dense = [i for i, p in enumerate(plans) if not p.compressed]
-        is_root = self.rank == self.root
-        gathered = yield Gather(buf, self.root)
-        self._candidates = {}
-        chosen: dict[int, tuple[Tensor, Tensor]] = {}
-        for i in squeezed:
-            if plans[i].whole:
-                self._candidates[i] = torch.arange(slots[i].numel, device=device)
-        if is_root:
-            summed = _sum_in_rank_order(gathered)
+        self._candidates = {i: torch.arange(slots[i].numel, device=device) for i in squeezed if plans[i].whole}
+        chosen: dict[int, tuple[Tensor, Tensor]] = {}  # the server's, per compressed slot
+        summed: list[Tensor] = []
+        n_k = sum(plans[i].k for i in squeezed)
+        last = [floats_spec(sum(slots[i].numel for i in dense) + n_k), indices_spec(n_k)]
+
+        def result() -> Tensor:  # the server's last message
+            floats = torch.cat([summed[0][offsets[i] : offsets[i + 1]] for i in dense] + [chosen[i][1] for i in squeezed])
+            return encode([floats, torch.cat([chosen[i][0] for i in squeezed] + [_no_ints(device)])], last)
+
+        def sketches_in(buffers: list[Tensor]) -> Tensor:
+            summed.append(_sum_in_rank_order([decode(b, up)[0] for b in buffers]))
             for i in squeezed:
-                part = summed[offsets[i] : offsets[i + 1]]
-                if plans[i].whole:
-                    chosen[i] = self._whole(plans[i], part)
-                else:
-                    chosen[i] = self._candidates_of(sketches, i, plans[i], part)
-        if self.rounds == 2 and sketched:
-            lengths = [plans[i].candidates for i in sketched]
-            starts = offsets_of(lengths)
-            if is_root:
-                flat = torch.cat([chosen[i][0] for i in sketched]).to(torch.int32)
-            else:
-                flat = torch.empty(starts[-1], dtype=torch.int32, device=device)
-            flat = yield Broadcast(flat, self.root)
+                part = summed[0][offsets[i] : offsets[i + 1]]
+                chosen[i] = self._whole(plans[i], part) if plans[i].whole else self._candidates_of(sketches, i, plans[i], part)
+            return encode([torch.cat([chosen[i][0] for i in sketched])], candidates) if sketched else result()
+
+        def values_in(buffers: list[Tensor]) -> Tensor:
+            exact = _sum_in_rank_order([decode(b, values_specs)[0] for b in buffers])
             for n, i in enumerate(sketched):
-                self._candidates[i] = flat[starts[n] : starts[n + 1]].to(torch.int64)
+                vals = exact[starts[n] : starts[n + 1]]
+                top = largest(vals, plans[i].k)
+                chosen[i] = (self._candidates[i][top], vals[top])
+            return result()
+
+        up = [floats_spec(buf.numel())]
+        lengths = [plans[i].candidates for i in sketched]
+        starts = offsets_of(lengths)
+        candidates, values_specs = [indices_spec(starts[-1])], [floats_spec(starts[-1])]
+        down = last if not sketched else candidates
+        message = yield from parameter_server(self.rank, encode([buf], up), sketches_in, self.root,
+                                              [encoded_size(up)] * world, encoded_size(down))  # fmt: skip
+        if sketched:
+            (flat,) = decode(message, candidates)
+            parts = split_indices(flat, lengths, [slots[i].numel for i in sketched], "sketch candidates")
+            self._candidates.update(zip(sketched, parts))
             values = torch.cat([vs[i][self._candidates[i]] for i in sketched])
-            gathered = yield Gather(values, self.root)
-            if is_root:
-                exact = _sum_in_rank_order(gathered)
-                for n, i in enumerate(sketched):
-                    vals = exact[starts[n] : starts[n + 1]]
-                    top = largest(vals, plans[i].k)
-                    chosen[i] = (self._candidates[i][top], vals[top])
-        # downstream: float32 [dense sums | k values per compressed slot], then int32 [k positions per slot]
-        n_float = sum(slots[i].numel for i in dense) + sum(plans[i].k for i in squeezed)
-        n_int = sum(plans[i].k for i in squeezed)
-        if is_root:
-            floats = torch.cat([summed[offsets[i] : offsets[i + 1]] for i in dense] + [chosen[i][1] for i in squeezed])
-            ints = torch.cat([chosen[i][0] for i in squeezed]).to(torch.int32) if squeezed else _no_ints(device)
-            message = torch.cat([floats.view(torch.uint8), ints.view(torch.uint8)])
-        else:
-            message = torch.empty(4 * (n_float + n_int), dtype=torch.uint8, device=device)
-        message = yield Broadcast(message, self.root)
-        floats = message[: 4 * n_float].view(torch.float32)
-        ints = message[4 * n_float :].view(torch.int32).to(torch.int64)
+            message = yield from parameter_server(self.rank, encode([values], values_specs), values_in, self.root,
+                                                  [encoded_size(values_specs)] * world, encoded_size(last))  # fmt: skip
+        floats, ints = decode(message, last)
+        coords = split_indices(ints, [plans[i].k for i in squeezed], [slots[i].numel for i in squeezed], "sketch result")
+        starts = offsets_of([slots[i].numel for i in dense] + [plans[i].k for i in squeezed])
+        parts = [floats[starts[n] : starts[n + 1]] for n in range(len(starts) - 1)]
         selected: list[Any] = [None] * len(slots)
-        pos = 0
-        for i in dense:
-            selected[i] = floats[pos : pos + slots[i].numel]
-            pos += slots[i].numel
-        ipos = 0
-        for i in squeezed:
-            k = plans[i].k
-            selected[i] = (ints[ipos : ipos + k], floats[pos : pos + k])
-            pos += k
-            ipos += k
+        for i, part in zip(dense, parts):
+            selected[i] = part
+        for i, c, part in zip(squeezed, coords, parts[len(dense) :]):
+            selected[i] = (c, part)
         return selected
 
     # -- state ----------------------------------------------------------------------------------------------------
 
     def retain(self, slots: Sequence[Slot]) -> None:
         super().retain(slots)
-        keep = {self.key(s) for s in slots}
+        keep = {slot_key(s) for s in slots}
         self._sketches = {k: v for k, v in self._sketches.items() if k[0] in keep}
 
 
@@ -395,4 +400,4 @@ def _sum_in_rank_order(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def _no_ints(device: torch.device) -> Tensor:
-    return torch.empty(0, dtype=torch.int32, device=device)
+    return torch.empty(0, dtype=torch.int64, device=device)

@@ -4,11 +4,12 @@ Ivkin et al. (NeurIPS 2019) compare sketched SGD (``gradcomp.schemes.sketch``) w
 coordinates of the same worker state (u ← ρ·u + g, v ← v + u; ``gradcomp.schemes.accumulation``):
 
 ``local_topk``
-    Every worker sends its own k largest |v| as (int32 position, float32 value) pairs; one allgather of one
-    fixed-size buffer per step (every worker's k is the same, so no size exchange and no padding); every
-    worker sums the W sparse vectors in rank order and divides by W. A worker zeroes u and v at the
-    coordinates *it* sent. Up per worker: 8·Σk (+ 4·dense) bytes; down: (W − 1) times that — the union of
-    the workers' selections grows with W, which is what sketched SGD avoids.
+    Every worker sends its own k largest |v| as (32-bit coordinate, float32 value) pairs in one container
+    message (``gradcomp.wire``: checksummed and checked on receipt, coordinates against their slot's size); one
+    allgather of one fixed-size buffer per step (every worker's k is the same, so no size exchange and no
+    padding); every worker sums the W sparse vectors in rank order and divides by W. A worker zeroes u and v
+    at the coordinates *it* sent. Up per worker: 8·Σk (+ 4·dense) bytes, plus 40 of framing; down: (W − 1)
+    times that — the union of the workers' selections grows with W, which is what sketched SGD avoids.
 
 ``true_topk``
     The k largest coordinates of Σ_workers v, i.e. what sketched SGD approximates. It is an **oracle**: it
@@ -30,8 +31,17 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Slot
-from gradcomp.schemes.accumulation import AccumulatingScheme, largest, offsets_of
-from gradcomp.transport.requests import AllGather, AllReduce, Rounds
+from gradcomp.protocols import allgather_buffers
+from gradcomp.schemes.accumulation import (
+    AccumulatingScheme,
+    floats_spec,
+    indices_spec,
+    largest,
+    offsets_of,
+    split_indices,
+)
+from gradcomp.transport.requests import AllReduce, Rounds
+from gradcomp.wire import decode, encode, encoded_size
 
 
 class LocalTopK(AccumulatingScheme):
@@ -46,27 +56,26 @@ class LocalTopK(AccumulatingScheme):
         squeezed = [i for i, k in enumerate(ks) if k]
         dense = [i for i, k in enumerate(ks) if not k]
 
-        # message: float32 [k values per compressed slot | dense slots' u], then int32 [k positions per slot]
+        # message: a container of float32 [k values per compressed slot | dense slots' u], 32-bit [k coordinates]
         mine: dict[int, Tensor] = {i: largest(vs[i], ks[i]) for i in squeezed}  # type: ignore[arg-type]
         floats = torch.cat([vs[i][mine[i]] for i in squeezed] + [us[i] for i in dense])  # type: ignore[index]
-        ints = torch.cat([mine[i] for i in squeezed]).to(torch.int32) if squeezed else floats.new_empty(0).int()
-        message = torch.cat([floats.view(torch.uint8), ints.view(torch.uint8)])
-        gathered = yield AllGather(message)
+        ints = torch.cat([mine[i] for i in squeezed] + [floats.new_empty(0, dtype=torch.int64)])
+        specs = [floats_spec(floats.numel()), indices_spec(ints.numel())]
+        gathered = yield from allgather_buffers(self.rank, encode([floats, ints], specs),
+                                                [encoded_size(specs)] * self.world_size)  # fmt: skip
 
-        n_float = floats.numel()
         value_starts = offsets_of([ks[i] for i in squeezed] + [slots[i].numel for i in dense])
         out: list[Tensor] = [torch.zeros(s.numel, dtype=torch.float32, device=device) for s in slots]
         for received in gathered:  # rank order: the same sums on every worker
-            their_floats = received[: 4 * n_float].view(torch.float32)
-            their_ints = received[4 * n_float :].view(torch.int32).to(torch.int64)
+            their_floats, their_ints = decode(received, specs)
+            coords = split_indices(their_ints, [ks[i] for i in squeezed], [slots[i].numel for i in squeezed],
+                                   "local_topk message")  # fmt: skip
             for n, i in enumerate(squeezed):
-                lo, hi = value_starts[n], value_starts[n + 1]
-                out[i].index_add_(0, their_ints[lo:hi], their_floats[lo:hi])
+                out[i].index_add_(0, coords[n], their_floats[value_starts[n] : value_starts[n + 1]])
             for n, i in enumerate(dense, start=len(squeezed)):
                 out[i].add_(their_floats[value_starts[n] : value_starts[n + 1]])
         for i in squeezed:
-            us[i][mine[i]] = 0.0
-            vs[i][mine[i]] = 0.0  # type: ignore[index]
+            self.memory.sent(slots[i], mine[i])  # u, v = 0 at the coordinates this worker sent
         return [t.div_(self.world_size) for t in out]
 
 
@@ -92,6 +101,5 @@ class TrueTopK(AccumulatingScheme):
             result = torch.zeros(slot.numel, dtype=torch.float32, device=part.device)
             result[top] = part[top].div(self.world_size)
             out.append(result)
-            us[i][top] = 0.0
-            vs[i][top] = 0.0  # type: ignore[index]
+            self.memory.sent(slot, top)
         return out

@@ -1,0 +1,161 @@
+"""Per-slot state: one store for the tensors a method keeps between steps, and the momentum arithmetic.
+
+``SlotState`` holds named fields ("residuals", "velocity", "q", ...), each a tensor per slot, and writes once
+what every stateful method needs: lookup (moved to the gradient's device once, then kept), ``retain`` (drop
+the slots no longer exchanged), ``state_dict`` (detached copies) and ``load_state_dict``, which checks every
+field, key, dtype and shape first and changes nothing unless all of them are right.
+
+Keyed one way: by ``slot_key(slot)`` = ``"<slot name>#<number of elements>"``. The name, because it is what
+identifies a tensor on every worker and across runs (a checkpoint is resumed by parameter name; an index
+would move to another tensor when a parameter is added in front, and a DDP bucket's index says nothing of its
+content); the size, because the same name can hold another tensor (a flattened DDP bucket after DDP rebuilds
+its buckets): a slot whose size changed starts afresh instead of meeting a tensor of another shape, and
+``load_state_dict`` can check a tensor's size before its slot is ever seen.
+
+``Momentum`` is the worker momentum with error accumulation that DGC's momentum correction
+(``feedback.MomentumCorrection``, ``compressors.dgc``) and the sketched-SGD paper's methods
+(``schemes.accumulation``) share, in place on a ``SlotState`` (no d-sized temporary per step):
+
+    u ← m·u + g          velocity (u = g at a slot's first step)
+    v ← v + u            accumulated velocity: what the worker would like to send (v = u at first)
+    after sending:       v ← v − sent at the sent coordinates; u ← 0 where a nonzero value went out
+                         (momentum factor masking)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradcomp.compressors.base import Slot, subtract_at
+from gradcomp.errors import ConfigError
+
+
+def slot_key(slot: Slot) -> str:
+    """The key of a slot's state: ``"<name>#<numel>"`` (the module docstring says why)."""
+    return f"{slot.name}#{slot.numel}"
+
+
+def key_numel(key: object) -> int | None:
+    """The number of elements a key names, or None when it is not a ``slot_key``."""
+    try:
+        n = int(key.rsplit("#", 1)[1]) if isinstance(key, str) else -1
+    except (IndexError, ValueError):
+        return None
+    return n if n >= 0 else None
+
+
+def flat_of_numel(field: str, key: str, numel: int, t: Tensor) -> str | None:
+    """The default shape check of a loaded tensor: flat, the slot's size; else the reason it does not fit."""
+    return None if tuple(t.shape) == (numel,) else f"shape {tuple(t.shape)}, expected ({numel},)"
+
+
+class SlotState:
+    """Per-slot float32 tensors of one method, in named ``fields``, keyed by ``slot_key``; ``owner`` names the
+    method in errors, ``check`` (field, key, numel, tensor) → reason or None is the shape a loaded tensor must
+    have (flat, the slot's size, unless the method keeps another: PowerSGD's Q)."""
+
+    def __init__(self, owner: str, fields: Iterable[str], check: Callable[..., str | None] = flat_of_numel):
+        self.owner, self._check = owner, check
+        self._fields: dict[str, dict[str, Tensor]] = {name: {} for name in fields}
+
+    def __getitem__(self, field: str) -> dict[str, Tensor]:
+        """A field's tensors by key (to read; change them through ``put`` / ``drop``)."""
+        return self._fields[field]
+
+    def get(self, field: str, slot: Slot, like: Tensor | None = None) -> Tensor | None:
+        """The slot's tensor, or None. With ``like`` (a flat float32 tensor): ready to be updated in place next
+        to it, a tensor restored elsewhere being moved to its device, flat, contiguous, once and kept so."""
+        key = slot_key(slot)
+        t = self._fields[field].get(key)
+        if t is not None and like is not None:
+            if t.device != like.device or t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous():
+                t = self._fields[field][key] = t.to(device=like.device, dtype=torch.float32).reshape(-1).contiguous()
+        return t
+
+    def put(self, field: str, slot: Slot, t: Tensor) -> Tensor:
+        self._fields[field][slot_key(slot)] = t
+        return t
+
+    def drop(self, slot: Slot) -> None:
+        """Forget every field of the slot (a step that failed half way starts the slot afresh)."""
+        for tensors in self._fields.values():
+            tensors.pop(slot_key(slot), None)
+
+    def retain(self, slots: Sequence[Slot]) -> None:
+        """Keep only the state of ``slots`` (the slots still exchanged)."""
+        keep = {slot_key(s) for s in slots}
+        self._fields = {name: {k: v for k, v in ts.items() if k in keep} for name, ts in self._fields.items()}
+
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        return {name: {k: v.detach().clone() for k, v in ts.items()} for name, ts in self._fields.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Copies of ``state``'s tensors, after checking all of it: ConfigError, and nothing changed, for an
+        unknown field, a key that is not a slot key, a value that is not a float32 tensor of the right shape."""
+        unknown = set(state) - set(self._fields) if isinstance(state, dict) else {"<not a dict>"}
+        if unknown:
+            raise ConfigError(f"unexpected {self.owner} state keys {sorted(map(str, unknown))}")
+        for name in self._fields:
+            tensors = state.get(name, {})
+            if not isinstance(tensors, dict):
+                raise ConfigError(f"{self.owner} state {name!r} must map slot keys to tensors")
+            for key, t in tensors.items():
+                numel = key_numel(key)
+                if numel is None:
+                    raise ConfigError(f"bad {self.owner} state key {key!r} in {name!r} (expected '<slot name>#<d>')")
+                if not isinstance(t, Tensor):
+                    raise ConfigError(f"{self.owner} state {name!r} must map slot keys to tensors; {key!r} does not")
+                if t.dtype != torch.float32:
+                    raise ConfigError(f"{self.owner} state {name!r}: {key!r} is {t.dtype}, expected torch.float32")
+                reason = self._check(name, key, numel, t)
+                if reason is not None:
+                    raise ConfigError(f"{self.owner} state {name!r}: {key!r} has {reason}")
+        self._fields = {name: {k: t.detach().clone() for k, t in state.get(name, {}).items()} for name in self._fields}
+
+
+def check_momentum(momentum: object) -> float:
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ConfigError(f"momentum must be a number in [0, 1), got {momentum!r}")
+    return float(momentum)
+
+
+class Momentum:
+    """Worker momentum with error accumulation (the module docstring's arithmetic) on ``self.state``, a
+    ``SlotState`` whose two fields (the names of u and v in the state dict) are ``fields``."""
+
+    def __init__(self, momentum: float, owner: str, fields: tuple[str, str] = ("velocity", "accumulated")):
+        self.momentum = check_momentum(momentum)
+        self.u_field, self.v_field = fields
+        self.state = SlotState(owner, fields)
+
+    def step(self, slot: Slot, g: Tensor, accumulate: bool = True) -> tuple[Tensor, Tensor | None]:
+        """u ← m·u + g and, with ``accumulate``, v ← v + u, in place; returns (u, v or None). ``g``: flat
+        float32. A slot that only keeps momentum (sent dense, every coordinate every step) has no v."""
+        u = self.state.get(self.u_field, slot, g)
+        u = self.state.put(self.u_field, slot, g.clone() if u is None else u.mul_(self.momentum).add_(g))
+        if not accumulate:
+            return u, None
+        v = self.state.get(self.v_field, slot, g)
+        return u, self.state.put(self.v_field, slot, u.clone() if v is None else v.add_(u))
+
+    def sent(self, slot: Slot, positions: Tensor, values: Tensor | None = None, masking: bool = True) -> None:
+        """What went out at ``positions`` (distinct) leaves: v ← v − values there, and u ← 0 where a value is
+        nonzero (with ``masking``). ``values`` None: all of v went out there; v and u are zeroed."""
+        u, v = self.state.get(self.u_field, slot), self.state.get(self.v_field, slot)
+        if values is None:
+            u[positions] = 0.0
+            v[positions] = 0.0
+            return
+        if masking:
+            u.index_fill_(0, positions[values != 0], 0.0)  # sent != 0 (NaN included)
+        subtract_at(v, positions, values)
+
+    def sent_dense(self, slot: Slot, sent: Tensor, masking: bool = True) -> None:
+        """The same for a dense message ``sent`` (its decompression): v ← v − sent, u ← 0 where sent ≠ 0."""
+        if masking:
+            self.state.get(self.u_field, slot).masked_fill_(sent != 0, 0.0)
+        self.state.get(self.v_field, slot).sub_(sent)
