@@ -174,8 +174,8 @@ def test_device_section_header_writer():
     """The non-CPU path writes all section headers with one indexed write; it is plain torch, so check it here."""
     out = torch.zeros(60, dtype=torch.uint8)
     heads = [(20, struct.pack("<BBII", 1, 0, 3, 12)), (42, struct.pack("<BBII", 4, 7, 9, 8))]
-    container._put_section_heads(out, heads)
+    container._put_heads(out, heads)
     raw = as_bytes(out)
     assert raw[20:30] == heads[0][1] and raw[42:52] == heads[1][1]
     assert raw[:20] == bytes(20) and raw[30:42] == bytes(12) and raw[52:] == bytes(8)
-    container._put_section_heads(out, [])  # no sections: nothing to write
+    container._put_heads(out, [])  # no sections: nothing to write
