@@ -335,22 +335,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradcomp: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C; or Interrupted: the launcher stopped its workers on a signal
-        _close_progress_bars()
-        print(f"gradcomp: {str(exc) or 'interrupted (Ctrl-C)'}", file=sys.stderr)
+        # a bar of this process is closed (its line ended); a spawned worker's bar is left mid-line: start a new one
+        start = "\n" if not _close_progress_bars() and not getattr(args, "no_progress", True) else ""
+        print(f"{start}gradcomp: {str(exc) or 'interrupted (Ctrl-C)'}", file=sys.stderr)
         return getattr(exc, "exit_code", 130)
 
 
-def _close_progress_bars() -> None:
-    """Close the progress bars an interrupted command left open, before its last line.
+def _close_progress_bars() -> int:
+    """Close the progress bars of this process that an interrupted command left open; how many there were.
 
-    A bar left open is closed when the interpreter exits, which redraws it under the message.
+    A bar left open is closed when the interpreter exits, which redraws it under the command's last line.
     """
     if "tqdm" not in sys.modules:
-        return
+        return 0
     from tqdm import tqdm
 
-    for bar in list(getattr(tqdm, "_instances", ())):
+    bars = list(getattr(tqdm, "_instances", ()))
+    for bar in bars:
         bar.close()
+    return len(bars)
 
 
 def run() -> None:
