@@ -10,7 +10,7 @@ import sys
 from gradcomp import errors
 from gradcomp.allocator import keep_freed_memory
 from gradcomp.errors import CommunicationError, ConfigError, GradcompError
-from gradcomp.experiments.runner import DEFAULT_TIMEOUT_S
+from gradcomp.experiments.runner import DEFAULT_TIMEOUT_S, launched_by_torchrun
 from gradcomp.registry import parse_param_strings
 
 
@@ -63,16 +63,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-steps", type=int, default=None, metavar="N",
                    help="exchange the weight update every N local steps (communication delay) instead of "
                         "the gradient every step; N = 1 sends each step's update, momentum included")
-    p.add_argument("--epochs", type=float, default=1.0, help="passes over the training set")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
-    p.add_argument("--batch-size", type=int, default=32, help="per worker")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, >= 0")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay, >= 0")
-    p.add_argument("--dataset", default="mnist", help="mnist, digits (needs scikit-learn) or synthetic")
-    p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
-    p.add_argument("--model", default="cnn", help="cnn, mlp or convnet (1.2M parameters on MNIST)")
+    add_training_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data order")
+    p.add_argument("--seeds", default=None, metavar="S,S,...",
+                   help="run once per seed (e.g. 0,1,2) and report mean ± std beside the per-seed values "
+                        "(replaces --seed)")
     p.add_argument("--simulate", action="store_true", help="run the workers as a simulated cluster in-process")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: gloo; cuda: NCCL")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
@@ -103,6 +98,112 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "(for torchrun --max-restarts)")
 
 
+def add_training_options(p: argparse.ArgumentParser, *, epochs: float | None = 1.0) -> None:
+    """The model, data and optimizer options shared by ``train``, ``sweep`` and ``race``.
+
+    Defaults that depend on the model are None here and filled in by :func:`resolve_training_defaults`.
+    """
+    if epochs is not None:
+        p.add_argument("--epochs", type=float, default=epochs, help="passes over the training set")
+        p.add_argument("--steps", type=int, default=None,
+                       help="stop after this many steps (overrides --epochs; default for the transformer: "
+                            f"{TRANSFORMER_DEFAULTS['steps']})")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"per worker (default 32; {TRANSFORMER_DEFAULTS['batch_size']} windows for the transformer)")
+    p.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
+                   help="default: sgd, adamw for the transformer")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default 0.05 for sgd, {TRANSFORMER_DEFAULTS['lr']:g} for adamw)")
+    p.add_argument("--momentum", type=float, default=None, help="SGD momentum, >= 0 (default 0.9; SGD only)")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="SGD: L2 added to the gradient; AdamW: decoupled weight decay; >= 0")
+    p.add_argument("--beta1", type=float, default=None, help="AdamW's first-moment decay (default 0.9)")
+    p.add_argument("--beta2", type=float, default=None, help="AdamW's second-moment decay (default 0.999)")
+    p.add_argument("--eps", type=float, default=None, help="AdamW's epsilon (default 1e-8)")
+    p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine", "step"],
+                   help="learning rate after the warm-up: constant, cosine (to 0 at the last step), step "
+                        "(x --lr-gamma every --lr-step-size steps); default constant, cosine for the transformer")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help=f"linear warm-up steps (default 0; for the transformer 10 %% of the steps, at most "
+                        f"{TRANSFORMER_DEFAULTS['warmup_steps']})")
+    p.add_argument("--lr-step-size", type=int, default=None, metavar="N", help="with --lr-schedule step")
+    p.add_argument("--lr-gamma", type=float, default=0.1, help="with --lr-schedule step: the factor every N steps")
+    p.add_argument("--dataset", default=None,
+                   help="mnist, digits (needs scikit-learn), synthetic, or pystdlib (text: the Python standard "
+                        "library's source; the default for the transformer)")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="directory with MNIST-format IDX files (mnist), or of *.py files (pystdlib)")
+    p.add_argument("--model", default="cnn",
+                   help="cnn, mlp, convnet (1.2M parameters on MNIST), resnet (ResNet-20 with BatchNorm), "
+                        "transformer (byte-level language model, 1.3M parameters) or transformer_tiny")
+    p.add_argument("--context", type=int, default=None, metavar="BYTES",
+                   help="the transformer's context (default 128)")
+
+
+# what `--model transformer` (and transformer_tiny) runs with unless told otherwise: sized so that one 4-worker
+# run takes about 10 minutes on a 2-core machine (docs/workloads.md)
+TRANSFORMER_DEFAULTS = {"steps": 300, "batch_size": 16, "optimizer": "adamw", "lr": 2e-3, "lr_schedule": "cosine",
+                        "warmup_steps": 30, "context": 128}
+
+
+def resolve_training_defaults(args: argparse.Namespace) -> dict:
+    """TrainConfig keyword arguments from the shared training options, with the model's defaults filled in."""
+    from gradcomp.experiments.models import TEXT_MODELS
+
+    text = isinstance(args.model, str) and args.model.strip().lower() in TEXT_MODELS
+    d = TRANSFORMER_DEFAULTS if text else {"batch_size": 32, "optimizer": "sgd", "lr_schedule": "constant",
+                                           "warmup_steps": 0, "context": 128}
+    optimizer = args.optimizer or d["optimizer"]
+    if optimizer == "adamw" and args.momentum is not None:
+        raise ConfigError("--momentum is SGD's; AdamW's first-moment decay is --beta1")
+    if optimizer != "adamw" and any(v is not None for v in (args.beta1, args.beta2, args.eps)):
+        raise ConfigError("--beta1 / --beta2 / --eps are AdamW's: give --optimizer adamw")
+    out = {
+        "batch_size": args.batch_size if args.batch_size is not None else d["batch_size"],
+        "optimizer": optimizer,
+        "lr": args.lr if args.lr is not None else (0.05 if optimizer == "sgd" else TRANSFORMER_DEFAULTS["lr"]),
+        "momentum": (0.9 if args.momentum is None else args.momentum) if optimizer == "sgd" else 0.0,
+        "weight_decay": args.weight_decay,
+        "betas": (0.9 if args.beta1 is None else args.beta1, 0.999 if args.beta2 is None else args.beta2),
+        "eps": 1e-8 if args.eps is None else args.eps,
+        "lr_schedule": args.lr_schedule or d["lr_schedule"],
+        "warmup_steps": d["warmup_steps"] if args.warmup_steps is None else args.warmup_steps,
+        "lr_step_size": args.lr_step_size,
+        "lr_gamma": args.lr_gamma,
+        "dataset": args.dataset or ("pystdlib" if text else "mnist"),
+        "data_root": args.data,
+        "model": args.model,
+        "context": d["context"] if args.context is None else args.context,
+    }
+    if hasattr(args, "steps"):
+        out["steps"] = args.steps if (args.steps is not None or not text) else TRANSFORMER_DEFAULTS["steps"]
+        out["epochs"] = args.epochs
+        if text and args.warmup_steps is None and out["steps"] is not None:  # the default warm-up: 10 % of the steps
+            out["warmup_steps"] = min(d["warmup_steps"], out["steps"] // 10)
+    return out
+
+
+def parse_seeds(text: str, option: str = "--seeds") -> list[int]:
+    """A comma-separated list of distinct seeds (integers in [0, 2**64)); ConfigError otherwise."""
+    seeds = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            seed = int(part)
+        except ValueError:
+            raise ConfigError(f"{option} takes comma-separated whole numbers, e.g. 0,1,2; got {part!r}") from None
+        if not 0 <= seed < 2**64:
+            raise ConfigError(f"{option}: a seed must be in [0, 2**64), got {seed}")
+        if seed in seeds:
+            raise ConfigError(f"{option}: seed {seed} is given twice; each seed runs once")
+        seeds.append(seed)
+    if not seeds:
+        raise ConfigError(f"{option} needs at least one seed, got {text!r}")
+    return seeds
+
+
 def _train(args: argparse.Namespace) -> int:
     from gradcomp.experiments.launch import launch
     from gradcomp.experiments.report import check_output_file
@@ -112,6 +213,10 @@ def _train(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json")  # now, not after the whole training
     if args.checkpoint_keep is not None and args.checkpoint is None:
         raise ConfigError("--checkpoint-keep needs --checkpoint DIR: without it no checkpoint is written")
+    seeds = None if args.seeds is None else parse_seeds(args.seeds)
+    if seeds is not None and (args.checkpoint or args.resume or args.resume_if_present or args.save):
+        raise ConfigError("--seeds runs several trainings: it cannot take --checkpoint, --resume or --save "
+                          "(run one --seed at a time for those)")
     cfg = TrainConfig(
         compressor=args.compressor,
         params=parse_param_strings(args.param),
@@ -124,16 +229,8 @@ def _train(args: argparse.Namespace) -> int:
         server_error_feedback=not args.no_server_error_feedback,
         workers=args.workers,
         local_steps=args.local_steps,
-        epochs=args.epochs,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        dataset=args.dataset,
-        data_root=args.data,
-        model=args.model,
-        seed=args.seed,
+        **resolve_training_defaults(args),
+        seed=args.seed if seeds is None else seeds[0],
         simulate=args.simulate,
         device=args.device,
         eval_every=args.eval_every,
@@ -158,12 +255,27 @@ def _train(args: argparse.Namespace) -> int:
         from gradcomp.experiments.checkpoint import check_before_launch
 
         check_before_launch(cfg)  # options, and a resumed checkpoint's configuration, before any worker starts
-    result = launch(cfg)
-    if result is None:  # a non-zero torchrun rank
-        return 0
-    from gradcomp.experiments.report import format_summary
+    if seeds is not None and len(seeds) > 1:
+        import dataclasses
 
-    print(format_summary(result))
+        from gradcomp.experiments.report import aggregate_seeds, format_seeds
+
+        if launched_by_torchrun():
+            raise ConfigError("--seeds with several seeds runs one training after another: not under torchrun")
+        runs = []
+        for seed in seeds:
+            print(f"gradcomp: seed {seed} ({len(runs) + 1}/{len(seeds)})", file=sys.stderr, flush=True)
+            run_cfg = dataclasses.replace(cfg, seed=seed)
+            runs.append(launch(run_cfg))
+        result = aggregate_seeds(runs)
+        print(format_seeds(result))
+    else:
+        result = launch(cfg)
+        if result is None:  # a non-zero torchrun rank
+            return 0
+        from gradcomp.experiments.report import format_summary
+
+        print(format_summary(result))
     if args.json:
         try:
             with open(args.json, "w") as f:
