@@ -10,6 +10,7 @@ import sys
 from gradcomp import errors
 from gradcomp.allocator import keep_freed_memory
 from gradcomp.errors import CommunicationError, ConfigError, GradcompError
+from gradcomp.experiments.report import parse_seeds
 from gradcomp.experiments.runner import DEFAULT_TIMEOUT_S, launched_by_torchrun
 from gradcomp.registry import parse_param_strings
 
@@ -181,27 +182,6 @@ def resolve_training_defaults(args: argparse.Namespace) -> dict:
         if text and args.warmup_steps is None and out["steps"] is not None:  # the default warm-up: 10 % of the steps
             out["warmup_steps"] = min(d["warmup_steps"], out["steps"] // 10)
     return out
-
-
-def parse_seeds(text: str, option: str = "--seeds") -> list[int]:
-    """A comma-separated list of distinct seeds (integers in [0, 2**64)); ConfigError otherwise."""
-    seeds = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            seed = int(part)
-        except ValueError:
-            raise ConfigError(f"{option} takes comma-separated whole numbers, e.g. 0,1,2; got {part!r}") from None
-        if not 0 <= seed < 2**64:
-            raise ConfigError(f"{option}: a seed must be in [0, 2**64), got {seed}")
-        if seed in seeds:
-            raise ConfigError(f"{option}: seed {seed} is given twice; each seed runs once")
-        seeds.append(seed)
-    if not seeds:
-        raise ConfigError(f"{option} needs at least one seed, got {text!r}")
-    return seeds
 
 
 def _train(args: argparse.Namespace) -> int:

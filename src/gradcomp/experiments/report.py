@@ -181,3 +181,24 @@ def format_seeds(r: dict[str, Any]) -> str:
                      f"  [{per}]")
     lines.append(f"    replicas identical in every run: {'yes' if r['replicas_identical'] else 'NO'}")
     return "\n".join(lines)
+
+
+def parse_seeds(text: str, option: str = "--seeds") -> list[int]:
+    """A comma-separated list of distinct seeds (integers in [0, 2**64)); ConfigError otherwise."""
+    seeds = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            seed = int(part)
+        except ValueError:
+            raise ConfigError(f"{option} takes comma-separated whole numbers, e.g. 0,1,2; got {part!r}") from None
+        if not 0 <= seed < 2**64:
+            raise ConfigError(f"{option}: a seed must be in [0, 2**64), got {seed}")
+        if seed in seeds:
+            raise ConfigError(f"{option}: seed {seed} is given twice; each seed runs once")
+        seeds.append(seed)
+    if not seeds:
+        raise ConfigError(f"{option} needs at least one seed, got {text!r}")
+    return seeds
