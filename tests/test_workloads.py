@@ -298,3 +298,37 @@ def test_train_with_seeds_reports_each_seed_and_mean_std(tmp_path, capsys):
     assert len({x["parameter_digest"] for x in r["runs"]}) == 3  # three different trainings
     text = capsys.readouterr().out
     assert "over seeds 0, 1, 2" in text and f"{100 * accs[1]:.2f}" in text
+
+
+# -- race: a target loss for the language model, and several seeds ----------------------------------------------
+
+
+def test_race_checks_the_target_kind_before_anything_starts():
+    from gradcomp.experiments import race
+
+    text = race.Options(methods=[race.parse_method("none")], hosts=2, link="none", model="transformer_tiny",
+                        dataset="pystdlib", steps=4, train_extra={"optimizer": "adamw", "momentum": 0.0,
+                                                                  "context": 32}, momentum=0.0)
+    with pytest.raises(ConfigError, match="--target-loss"):
+        race.plan(text, log=lambda _: None)
+    image = race.Options(methods=[race.parse_method("none")], hosts=2, link="none", model="mlp",
+                         dataset="synthetic", target_loss=2.0)
+    with pytest.raises(ConfigError, match="applies to a language model"):
+        race.plan(image, log=lambda _: None)
+
+
+def test_race_times_a_loss_target_lower_is_better_and_summarises_seeds():
+    from gradcomp.experiments import race
+
+    curve = [[10, 1.0, 5.0], [20, 2.0, 3.1], [30, 3.0, 2.9], [40, 4.0, 3.0]]
+    assert race.first_reaching(curve, 3.0, lower=True) == (30, 3.0)
+    assert race.first_reaching(curve, 3.0) == (10, 1.0)  # an accuracy target would take the first point
+    runs = [{"summary": {"lower_is_better": True, "effective_target": 3.0},
+             "methods": [{"label": "a", "time_to_target_s": t, "final_accuracy": f}]}
+            for t, f in ((1.0, 2.5), (3.0, 2.7), (None, 3.2))]
+    s = race.seeds_summary(runs, [0, 1, 2])
+    row = s["methods"][0]
+    assert row["time_to_target_s"] == [1.0, 3.0, None]
+    assert row["time_mean_std"] == pytest.approx((2.0, math.sqrt(2.0)))
+    assert row["final_mean_std"] == pytest.approx(mean_std([2.5, 2.7, 3.2]))
+    assert "2 of 3 reached" in s["table"] and "1, 3, –" in s["table"]

@@ -176,11 +176,12 @@ def resolve_training_defaults(args: argparse.Namespace) -> dict:
         "model": args.model,
         "context": d["context"] if args.context is None else args.context,
     }
-    if hasattr(args, "steps"):
+    if hasattr(args, "epochs"):
         out["steps"] = args.steps if (args.steps is not None or not text) else TRANSFORMER_DEFAULTS["steps"]
         out["epochs"] = args.epochs
-        if text and args.warmup_steps is None and out["steps"] is not None:  # the default warm-up: 10 % of the steps
-            out["warmup_steps"] = min(d["warmup_steps"], out["steps"] // 10)
+    steps = out.get("steps", getattr(args, "steps", None))
+    if text and args.warmup_steps is None and steps is not None:  # the default warm-up: 10 % of the steps
+        out["warmup_steps"] = min(d["warmup_steps"], steps // 10)
     return out
 
 

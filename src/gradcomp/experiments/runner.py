@@ -244,7 +244,7 @@ class TrainConfig:
                     "SGD with that momentum); under AdamW the optimizer would apply Adam's moments on top of it, "
                     "an update no paper defines: use --optimizer sgd with it, or a method without its own "
                     "momentum (e.g. signsgd with error feedback) with AdamW")
-        elif self.betas != (0.9, 0.999) or self.eps != 1e-8:
+        elif tuple(self.betas) != (0.9, 0.999) or self.eps != 1e-8:
             raise ConfigError("--beta1 / --beta2 / --eps are AdamW's: give --optimizer adamw")
 
     def lr_at(self, step: int, total: int) -> float:
