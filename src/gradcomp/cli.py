@@ -11,7 +11,12 @@ from gradcomp import errors
 from gradcomp.allocator import keep_freed_memory
 from gradcomp.errors import CommunicationError, ConfigError, GradcompError
 from gradcomp.experiments.report import parse_seeds
-from gradcomp.experiments.runner import DEFAULT_TIMEOUT_S, launched_by_torchrun
+from gradcomp.experiments.runner import (
+    DEFAULT_TIMEOUT_S,
+    add_training_options,
+    launched_by_torchrun,
+    resolve_training_defaults,
+)
 from gradcomp.registry import parse_param_strings
 
 
@@ -97,92 +102,6 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume-if-present", action="store_true",
                    help="resume from the --checkpoint directory when it holds a checkpoint, else start fresh "
                         "(for torchrun --max-restarts)")
-
-
-def add_training_options(p: argparse.ArgumentParser, *, epochs: float | None = 1.0) -> None:
-    """The model, data and optimizer options shared by ``train``, ``sweep`` and ``race``.
-
-    Defaults that depend on the model are None here and filled in by :func:`resolve_training_defaults`.
-    """
-    if epochs is not None:
-        p.add_argument("--epochs", type=float, default=epochs, help="passes over the training set")
-        p.add_argument("--steps", type=int, default=None,
-                       help="stop after this many steps (overrides --epochs; default for the transformer: "
-                            f"{TRANSFORMER_DEFAULTS['steps']})")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help=f"per worker (default 32; {TRANSFORMER_DEFAULTS['batch_size']} windows for the transformer)")
-    p.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
-                   help="default: sgd, adamw for the transformer")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"peak learning rate (default 0.05 for sgd, {TRANSFORMER_DEFAULTS['lr']:g} for adamw)")
-    p.add_argument("--momentum", type=float, default=None, help="SGD momentum, >= 0 (default 0.9; SGD only)")
-    p.add_argument("--weight-decay", type=float, default=0.0,
-                   help="SGD: L2 added to the gradient; AdamW: decoupled weight decay; >= 0")
-    p.add_argument("--beta1", type=float, default=None, help="AdamW's first-moment decay (default 0.9)")
-    p.add_argument("--beta2", type=float, default=None, help="AdamW's second-moment decay (default 0.999)")
-    p.add_argument("--eps", type=float, default=None, help="AdamW's epsilon (default 1e-8)")
-    p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine", "step"],
-                   help="learning rate after the warm-up: constant, cosine (to 0 at the last step), step "
-                        "(x --lr-gamma every --lr-step-size steps); default constant, cosine for the transformer")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help=f"linear warm-up steps (default 0; for the transformer 10 %% of the steps, at most "
-                        f"{TRANSFORMER_DEFAULTS['warmup_steps']})")
-    p.add_argument("--lr-step-size", type=int, default=None, metavar="N", help="with --lr-schedule step")
-    p.add_argument("--lr-gamma", type=float, default=0.1, help="with --lr-schedule step: the factor every N steps")
-    p.add_argument("--dataset", default=None,
-                   help="mnist, digits (needs scikit-learn), synthetic, or pystdlib (text: the Python standard "
-                        "library's source; the default for the transformer)")
-    p.add_argument("--data", default=None, metavar="DIR",
-                   help="directory with MNIST-format IDX files (mnist), or of *.py files (pystdlib)")
-    p.add_argument("--model", default="cnn",
-                   help="cnn, mlp, convnet (1.2M parameters on MNIST), resnet (ResNet-20 with BatchNorm), "
-                        "transformer (byte-level language model, 1.3M parameters) or transformer_tiny")
-    p.add_argument("--context", type=int, default=None, metavar="BYTES",
-                   help="the transformer's context (default 128)")
-
-
-# what `--model transformer` (and transformer_tiny) runs with unless told otherwise: sized so that one 4-worker
-# run takes about 10 minutes on a 2-core machine (docs/workloads.md)
-TRANSFORMER_DEFAULTS = {"steps": 300, "batch_size": 16, "optimizer": "adamw", "lr": 2e-3, "lr_schedule": "cosine",
-                        "warmup_steps": 30, "context": 128}
-
-
-def resolve_training_defaults(args: argparse.Namespace) -> dict:
-    """TrainConfig keyword arguments from the shared training options, with the model's defaults filled in."""
-    from gradcomp.experiments.models import TEXT_MODELS
-
-    text = isinstance(args.model, str) and args.model.strip().lower() in TEXT_MODELS
-    d = TRANSFORMER_DEFAULTS if text else {"batch_size": 32, "optimizer": "sgd", "lr_schedule": "constant",
-                                           "warmup_steps": 0, "context": 128}
-    optimizer = args.optimizer or d["optimizer"]
-    if optimizer == "adamw" and args.momentum is not None:
-        raise ConfigError("--momentum is SGD's; AdamW's first-moment decay is --beta1")
-    if optimizer != "adamw" and any(v is not None for v in (args.beta1, args.beta2, args.eps)):
-        raise ConfigError("--beta1 / --beta2 / --eps are AdamW's: give --optimizer adamw")
-    out = {
-        "batch_size": args.batch_size if args.batch_size is not None else d["batch_size"],
-        "optimizer": optimizer,
-        "lr": args.lr if args.lr is not None else (0.05 if optimizer == "sgd" else TRANSFORMER_DEFAULTS["lr"]),
-        "momentum": (0.9 if args.momentum is None else args.momentum) if optimizer == "sgd" else 0.0,
-        "weight_decay": args.weight_decay,
-        "betas": (0.9 if args.beta1 is None else args.beta1, 0.999 if args.beta2 is None else args.beta2),
-        "eps": 1e-8 if args.eps is None else args.eps,
-        "lr_schedule": args.lr_schedule or d["lr_schedule"],
-        "warmup_steps": d["warmup_steps"] if args.warmup_steps is None else args.warmup_steps,
-        "lr_step_size": args.lr_step_size,
-        "lr_gamma": args.lr_gamma,
-        "dataset": args.dataset or ("pystdlib" if text else "mnist"),
-        "data_root": args.data,
-        "model": args.model,
-        "context": d["context"] if args.context is None else args.context,
-    }
-    if hasattr(args, "epochs"):
-        out["steps"] = args.steps if (args.steps is not None or not text) else TRANSFORMER_DEFAULTS["steps"]
-        out["epochs"] = args.epochs
-    steps = out.get("steps", getattr(args, "steps", None))
-    if text and args.warmup_steps is None and steps is not None:  # the default warm-up: 10 % of the steps
-        out["warmup_steps"] = min(d["warmup_steps"], steps // 10)
-    return out
 
 
 def _train(args: argparse.Namespace) -> int:

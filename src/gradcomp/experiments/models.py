@@ -15,11 +15,12 @@ from torch import Tensor, nn
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.data import Dataset
 
-__all__ = ["MLP", "MODEL_NAMES", "MnistConvNet", "ResNet", "SmallCNN", "TEXT_MODELS", "TransformerLM", "build_model"]
+__all__ = ["ALL_MODELS", "MLP", "MODEL_NAMES", "MnistConvNet", "ResNet", "SmallCNN", "TEXT_MODELS", "TransformerLM", "build_model"]
 
-MODEL_NAMES: tuple[str, ...] = ("cnn", "mlp", "convnet", "resnet", "transformer", "transformer_tiny")
-# the models that read text (dataset pystdlib) rather than images
+# the image classifiers, and the language models that read text (dataset pystdlib)
+MODEL_NAMES: tuple[str, ...] = ("cnn", "mlp", "convnet", "resnet")
 TEXT_MODELS: tuple[str, ...] = ("transformer", "transformer_tiny")
+ALL_MODELS: tuple[str, ...] = MODEL_NAMES + TEXT_MODELS
 # (layers, width, heads) of the named transformers: "transformer" is the workload (about 1.3M parameters with a
 # context of 128), "transformer_tiny" the smallest useful one, for tests and smoke runs
 TRANSFORMER_SIZES: dict[str, tuple[int, int, int]] = {"transformer": (4, 160, 5), "transformer_tiny": (2, 32, 2)}
@@ -245,7 +246,7 @@ class ResNet(nn.Module):
 
 
 def build_model(name: str, dataset: Dataset, seed: int) -> nn.Module:
-    """Build model ``name`` (one of MODEL_NAMES) sized for ``dataset``, initialized from ``seed`` alone.
+    """Build model ``name`` (one of ALL_MODELS) sized for ``dataset``, initialized from ``seed`` alone.
 
     The model is created on the CPU inside ``torch.random.fork_rng`` with the CPU generator seeded by
     ``seed``, so the same seed gives bit-identical parameters on every worker and the caller's global RNG
@@ -254,8 +255,8 @@ def build_model(name: str, dataset: Dataset, seed: int) -> nn.Module:
     if not isinstance(name, str):
         raise ConfigError(f"model name must be a string, got {type(name).__name__}")
     key = name.strip().lower()
-    if key not in MODEL_NAMES:
-        raise ConfigError(f"unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}")
+    if key not in ALL_MODELS:
+        raise ConfigError(f"unknown model {name!r}; valid names: {', '.join(ALL_MODELS)}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ConfigError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     text = getattr(dataset, "context", None) is not None

@@ -950,7 +950,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-netns", action="store_true",
                    help="with --link none: plain local processes on 127.0.0.1 instead of namespaces")
     p.add_argument("--steps", type=int, default=500, help="training steps of every method")
-    from gradcomp.cli import add_training_options
+    from gradcomp.experiments.runner import add_training_options
 
     add_training_options(p, epochs=None)
     p.set_defaults(model="convnet")
@@ -979,7 +979,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else "")
               + (f"; work directories: {', '.join(dirs)}" if dirs else ""))
         return 0
-    from gradcomp.cli import resolve_training_defaults
+    from gradcomp.experiments.runner import resolve_training_defaults
     from gradcomp.experiments.report import parse_seeds
 
     train = resolve_training_defaults(args)

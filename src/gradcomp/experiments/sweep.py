@@ -319,7 +319,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/sweep", metavar="DIR")
     p.add_argument("--real", action="store_true", help="spawn real gloo workers instead of the simulated cluster")
     p.add_argument("--workers", type=int, default=4)
-    from gradcomp.cli import add_training_options
+    from gradcomp.experiments.runner import add_training_options
 
     add_training_options(p)
     p.add_argument("--bandwidth", default=None, metavar="RATE")
@@ -331,7 +331,7 @@ def main(args: argparse.Namespace) -> int:
     unknown = sorted(set(args.schemes) - set(SCHEMES))
     if unknown:
         raise ConfigError(f"unknown scheme(s) {unknown}; the sweep knows {list(SCHEMES)}")
-    from gradcomp.cli import resolve_training_defaults
+    from gradcomp.experiments.runner import resolve_training_defaults
     from gradcomp.experiments.report import parse_seeds
 
     args.densities = _floats(args.densities, "--densities")
