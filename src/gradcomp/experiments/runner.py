@@ -576,7 +576,11 @@ def run_worker(
 
         ddp_options = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
         # buffers (BatchNorm) are broadcast below through the hook's transport, so that their bytes are counted
-        trained = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, **ddp_options)
+        import inspect
+
+        no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
+                   inspect.signature(nn.parallel.DistributedDataParallel).parameters else "broadcast_buffers")
+        trained = nn.parallel.DistributedDataParallel(model, **{no_sync: False}, **ddp_options)
         register = register_hook or register_ddp_hook
         hook = register(trained, compressor, topology=cfg.topology, server_compressor=server)
         exchange, transport, aggregator = hook.exchange, hook.transport, hook
