@@ -48,7 +48,7 @@ TRANSFORMER_ROWS = [
      ["--compressor", "none", "--optimizer", "sgd", "--lr", SGD_LR]),
     ("dgc", f"DGC 0.1 %, clipping 0.5 (SGD lr {SGD_LR})", ["--compressor", "dgc", "--param", "clip=0.5",
                                                            "--optimizer", "sgd", "--lr", SGD_LR]),
-    ("signum", f"Signum, majority vote (SGD lr 1e-3)", ["--compressor", "signum", "--optimizer", "sgd", "--lr",
+    ("signum", "Signum, majority vote (SGD lr 1e-3)", ["--compressor", "signum", "--optimizer", "sgd", "--lr",
                                                         "0.001"]),
     ("sketch", f"sketched SGD, x4 setting (SGD lr {SGD_LR})",
      ["--compressor", "sketch", "--param", "density=0.01", "--param", "rows=1", "--param", "cols_per_k=18",
