@@ -86,10 +86,13 @@ def read(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(out: str, python: str, only: str | None) -> None:
+def run(out: str, python: str, only: str | None, keys: list[str] | None = None) -> None:
     path = os.path.join(out, "results.jsonl")
     done = {(r["key"], r["seed"]) for r in read(path)}
-    for table, key, label, args, seed in plan():
+    jobs = plan()
+    if keys:  # these rows only, in the order given, every seed of one row before the next row
+        jobs = sorted((j for j in jobs if j[1] in keys), key=lambda j: (keys.index(j[1]), j[4]))
+    for table, key, label, args, seed in jobs:
         if (key, seed) in done or (only and table != only):
             continue
         with tempfile.TemporaryDirectory() as tmp:
@@ -162,10 +165,15 @@ def main() -> int:
     p.add_argument("--render", action="store_true", help="only write OUT/table.md from the results so far")
     p.add_argument("--only", choices=["transformer", "mnist"], default=None)
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--keys", default=None, help="comma-separated row keys to run, in this order (e.g. fp32,topk_ef)")
     args = p.parse_args()
+    keys = [k.strip() for k in args.keys.split(",")] if args.keys else None
+    known = {j[1] for j in plan()}
+    if keys and set(keys) - known:
+        p.error(f"unknown row keys {sorted(set(keys) - known)}; known: {sorted(known)}")
     os.makedirs(args.out, exist_ok=True)
     if not args.render:
-        run(args.out, args.python, args.only)
+        run(args.out, args.python, args.only, keys)
     print(render(args.out))
     return 0
 
