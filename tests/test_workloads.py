@@ -331,3 +331,15 @@ def test_race_times_a_loss_target_lower_is_better_and_summarises_seeds():
     assert row["time_mean_std"] == pytest.approx((2.0, math.sqrt(2.0)))
     assert row["final_mean_std"] == pytest.approx(mean_std([2.5, 2.7, 3.2]))
     assert "2 of 3 reached" in s["table"] and "1, 3, –" in s["table"]
+
+
+def test_curves_reads_a_seeds_result_as_mean_and_std(tmp_path, capsys):
+    out = tmp_path / "seeds.json"
+    assert main(["train", *TINY_LM, "--steps", "4", "--eval-every", "2", "--seeds", "0,1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    at4 = [dict(x["val_loss_curve"])[4] for x in r["runs"]]
+    capsys.readouterr()
+    assert main(["curves", f"{out}=lm", "--target-loss", "20"]) == 0
+    text = capsys.readouterr().out
+    mean, std = mean_std(at4)
+    assert "| lm | 4 | 2 |" in text and f"| 4 | {mean:.4f} ± {std:.4f} |" in text
