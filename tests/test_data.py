@@ -333,7 +333,7 @@ def test_model_classes_and_build_model_errors() -> None:
         MLP(0)
     ds = fake_dataset((1, 8, 8))
     with pytest.raises(ConfigError) as info:
-        build_model("resnet", ds, 0)
+        build_model("vgg", ds, 0)  # (resnet is a model now)
     assert all(name in str(info.value) for name in MODEL_NAMES)
     with pytest.raises(ConfigError):
         build_model("cnn", ds, -1)

@@ -10,7 +10,13 @@ import sys
 from gradcomp import errors
 from gradcomp.allocator import keep_freed_memory
 from gradcomp.errors import CommunicationError, ConfigError, GradcompError
-from gradcomp.experiments.runner import DEFAULT_TIMEOUT_S
+from gradcomp.experiments.report import parse_seeds
+from gradcomp.experiments.runner import (
+    DEFAULT_TIMEOUT_S,
+    add_training_options,
+    launched_by_torchrun,
+    resolve_training_defaults,
+)
 from gradcomp.registry import parse_param_strings
 
 
@@ -65,16 +71,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-steps", type=int, default=None, metavar="N",
                    help="exchange the weight update every N local steps (communication delay) instead of "
                         "the gradient every step; N = 1 sends each step's update, momentum included")
-    p.add_argument("--epochs", type=float, default=1.0, help="passes over the training set")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
-    p.add_argument("--batch-size", type=int, default=32, help="per worker")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, >= 0")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay, >= 0")
-    p.add_argument("--dataset", default="mnist", help="mnist, digits (needs scikit-learn) or synthetic")
-    p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
-    p.add_argument("--model", default="cnn", help="cnn, mlp or convnet (1.2M parameters on MNIST)")
+    add_training_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data order")
+    p.add_argument("--seeds", default=None, metavar="S,S,...",
+                   help="run once per seed (e.g. 0,1,2) and report mean ± std beside the per-seed values "
+                        "(replaces --seed)")
     p.add_argument("--simulate", action="store_true", help="run the workers as a simulated cluster in-process")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: gloo; cuda: NCCL")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
@@ -114,6 +115,10 @@ def _train(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json")  # now, not after the whole training
     if args.checkpoint_keep is not None and args.checkpoint is None:
         raise ConfigError("--checkpoint-keep needs --checkpoint DIR: without it no checkpoint is written")
+    seeds = None if args.seeds is None else parse_seeds(args.seeds)
+    if seeds is not None and (args.checkpoint or args.resume or args.resume_if_present or args.save):
+        raise ConfigError("--seeds runs several trainings: it cannot take --checkpoint, --resume or --save "
+                          "(run one --seed at a time for those)")
     cfg = TrainConfig(
         compressor=args.compressor,
         params=parse_param_strings(args.param),
@@ -126,16 +131,8 @@ def _train(args: argparse.Namespace) -> int:
         server_error_feedback=not args.no_server_error_feedback,
         workers=args.workers,
         local_steps=args.local_steps,
-        epochs=args.epochs,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        dataset=args.dataset,
-        data_root=args.data,
-        model=args.model,
-        seed=args.seed,
+        **resolve_training_defaults(args),
+        seed=args.seed if seeds is None else seeds[0],
         simulate=args.simulate,
         device=args.device,
         eval_every=args.eval_every,
@@ -161,19 +158,27 @@ def _train(args: argparse.Namespace) -> int:
         from gradcomp.experiments.checkpoint import check_before_launch
 
         check_before_launch(cfg)  # options, and a resumed checkpoint's configuration, before any worker starts
-    try:
-        result = launch(cfg)
-    except (GradcompError, CommunicationError) as exc:
-        from gradcomp.experiments.checkpoint import CheckpointError, resume_hint
+    if seeds is not None and len(seeds) > 1:
+        import dataclasses
 
-        if not isinstance(exc, (ConfigError, CheckpointError)) and exc.args:  # a failure during training
-            exc.args = (f"{exc.args[0]}{resume_hint(cfg)}", *exc.args[1:])
-        raise
-    if result is None:  # a non-zero torchrun rank
-        return 0
-    from gradcomp.experiments.report import format_summary
+        from gradcomp.experiments.report import aggregate_seeds, format_seeds
 
-    print(format_summary(result))
+        if launched_by_torchrun():
+            raise ConfigError("--seeds with several seeds runs one training after another: not under torchrun")
+        runs = []
+        for seed in seeds:
+            print(f"gradcomp: seed {seed} ({len(runs) + 1}/{len(seeds)})", file=sys.stderr, flush=True)
+            run_cfg = dataclasses.replace(cfg, seed=seed)
+            runs.append(launch(run_cfg))
+        result = aggregate_seeds(runs)
+        print(format_seeds(result))
+    else:
+        result = _launch_naming_the_checkpoint(cfg)
+        if result is None:  # a non-zero torchrun rank
+            return 0
+        from gradcomp.experiments.report import format_summary
+
+        print(format_summary(result))
     if args.json:
         try:
             with open(args.json, "w") as f:
@@ -181,6 +186,18 @@ def _train(args: argparse.Namespace) -> int:
         except OSError as exc:  # checked before the run, but the folder may have gone since
             raise GradcompError(f"--json {args.json}: cannot write the result ({exc.strerror})") from None
     return 0
+
+
+def _launch_naming_the_checkpoint(cfg):
+    """``launch(cfg)``; a failure during training says which intact checkpoint to ``--resume`` from, if any."""
+    from gradcomp.experiments.checkpoint import CheckpointError, resume_hint
+
+    try:
+        return launch(cfg)
+    except (GradcompError, CommunicationError) as exc:
+        if not isinstance(exc, (ConfigError, CheckpointError)) and exc.args:
+            exc.args = (f"{exc.args[0]}{resume_hint(cfg)}", *exc.args[1:])
+        raise
 
 
 def _add_list(sub: argparse._SubParsersAction) -> None:

@@ -150,6 +150,12 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict[str, str]:
         "lr": repr(float(cfg.lr)),
         "momentum": repr(float(cfg.momentum)),
         "weight decay": repr(float(cfg.weight_decay)),
+        # recorded only when not SGD at a constant rate, so checkpoints written before these options still match
+        **({"optimizer": f"{cfg.optimizer} betas={tuple(cfg.betas)} eps={cfg.eps!r}" if cfg.optimizer == "adamw"
+            else cfg.optimizer,
+            "lr schedule": f"{cfg.lr_schedule} warmup={cfg.warmup_steps} step={cfg.lr_step_size} gamma={cfg.lr_gamma!r}",
+            "context": str(cfg.context)}
+           if (cfg.optimizer, cfg.lr_schedule, cfg.warmup_steps) != ("sgd", "constant", 0) else {}),
     }
 
 

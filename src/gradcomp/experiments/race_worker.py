@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from gradcomp import allocator
 from gradcomp.experiments import runner
-from gradcomp.experiments.data import Dataset, evaluate, load_dataset
+from gradcomp.experiments.data import Dataset, TextDataset, evaluate, evaluate_text
 from gradcomp.experiments.models import build_model
 from gradcomp.experiments.netns import read_wire_counters
 from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, make_optimizer
@@ -173,12 +173,20 @@ class RaceClock:
         self.eval_s += spent
         self.curve.append([step + 1, now, accuracy])
         if self.verbose:
-            print(f"  {self.label}: step {step + 1}/{self.total}  {now:7.1f} s  test accuracy {100 * accuracy:.2f} %"
-                  f"  (evaluation {spent:.1f} s, off the clock)", file=sys.stderr, flush=True)
+            print(f"  {self.label}: step {step + 1}/{self.total}  {now:7.1f} s  "
+                  + (f"validation {accuracy:.4f} bits/byte" if isinstance(self.data, TextDataset)
+                     else f"test accuracy {100 * accuracy:.2f} %")
+                  + f"  (evaluation {spent:.1f} s, off the clock)", file=sys.stderr, flush=True)
 
     def evaluate(self, model: torch.nn.Module) -> float:
-        """Accuracy of the full test set: each worker evaluates its share, the counts are summed."""
+        """Accuracy of the full test set: each worker evaluates its share, the counts are summed. For a language
+        model: the validation loss in bits per byte, each worker's share weighted by its byte count."""
         x, y = self.data.test_x[self.test], self.data.test_y[self.test]
+        if isinstance(self.data, TextDataset):
+            bits = evaluate_text(model, x, y, batch_size=self.eval_batch)[1] * y.numel() if x.shape[0] else 0.0
+            sums = torch.tensor([bits, float(y.numel())], dtype=torch.float64, device=self.device)
+            dist.all_reduce(sums)
+            return float(sums[0] / sums[1])
         correct = round(evaluate(model, x, y, batch_size=self.eval_batch) * x.shape[0]) if x.shape[0] else 0
         counts = torch.tensor([correct, x.shape[0]], dtype=torch.int64, device=self.device)  # NCCL: on the GPU
         dist.all_reduce(counts)
@@ -271,7 +279,7 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
     else:
         device = torch.device("cpu")
     _join(job, rank, world, cfg.timeout_s, device)
-    data = load_dataset(cfg.dataset, cfg.data_root)
+    data = cfg.load_data()
     compute = compute_only(cfg, data, rank, device, job["compute_steps"])
     total = Batches(data, cfg, rank).total_steps()
     memory = MemoryPeaks(device)
@@ -288,7 +296,8 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
     stats, wire = clocked_run_worker(cfg, device, clock, register, ifname if job["netns"] else None)
     curve = list(clock.curve)
     if rank == 0:
-        curve.append([total, clock.step_end[-1], stats["test_accuracy"]])
+        final = stats["val_bits_per_byte"] if isinstance(data, TextDataset) else stats["test_accuracy"]
+        curve.append([total, clock.step_end[-1], final])
     durations = [b - a for a, b in zip([0.0] + clock.step_end[:-1], clock.step_end)]
     return {
         "rank": rank,

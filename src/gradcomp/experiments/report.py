@@ -66,7 +66,8 @@ def format_summary(r: dict[str, Any]) -> str:
     rows = [
         ("compressor", name),
         ("workers / steps", f"{r['workers']} ({r['backend']}) / {r['steps']} ({r['epochs']:.2f} epochs)"),
-        ("test accuracy", f"{100 * r['test_accuracy']:.2f} %"),
+        ("test accuracy", f"{100 * r['test_accuracy']:.2f} %"
+         + (" (next byte, validation)" if r.get("val_bits_per_byte") is not None else "")),
         ("bits up / worker", f"{human_bits(up)}  ({ratio(up)})"),
         ("bits down / worker", f"{human_bits(down)}  ({ratio(down)})"),
         ("fp32 would send", f"{human_bits(dense)} up per worker"),
@@ -87,6 +88,19 @@ def format_summary(r: dict[str, Any]) -> str:
             f"{r['modelled_communicate_s']:.3g} s of communication at {human_bits(net['bandwidth_bps'])}/s, "
             f"{1e6 * net['latency_s']:g} us latency (alpha-beta model of the measured collectives)",
         ))
+    if r.get("val_bits_per_byte") is not None:
+        corpus = r.get("corpus") or {}
+        rows.insert(3, ("validation loss", f"{r['val_bits_per_byte']:.4f} bits/byte (perplexity "
+                                           f"{r['val_perplexity']:.3f} per byte)"))
+        if corpus:
+            rows.insert(4, ("corpus", f"{corpus['corpus']} (Python {corpus['python_version']}): "
+                                      f"{corpus['train_bytes']:,} training / {corpus['validation_bytes']:,} validation "
+                                      f"bytes, sha256 {corpus['corpus_sha256'][:12]}…"))
+    if r.get("num_buffer_elements"):
+        rows.insert(-1, ("buffers / worker", f"{human_bits(r['buffer_bits_up_per_worker'])} up, "
+                                             f"{human_bits(r['buffer_bits_down_per_worker'])} down "
+                                             f"({r['num_buffer_elements']:,} BatchNorm buffer values broadcast from "
+                                             "rank 0 each step; not in the gradient bits above)"))
     if r.get("paper_compression"):
         factor = f"x{r['paper_compression']:,.1f} (as the method's paper counts it; see its docs)"
         rows.insert(5, ("paper's factor", factor))
@@ -106,3 +120,86 @@ def format_summary(r: dict[str, Any]) -> str:
         rows.insert(5, ("server in / out", f"{human_bits(r['server_bits_in'])} / {human_bits(r['server_bits_out'])}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+# -- several seeds -----------------------------------------------------------------------------------------------
+
+# the per-run numbers that --seeds reports as mean ± std (when every run has them)
+SEED_METRICS: tuple[str, ...] = (
+    "test_accuracy", "val_bits_per_byte", "final_loss", "bits_up_per_worker", "bits_down_per_worker",
+    "buffer_bits_up_per_worker", "buffer_bits_down_per_worker", "wall_time_s",
+)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n − 1 in the denominator; 0.0 for a single value)."""
+    if not values:
+        raise ConfigError("mean_std needs at least one value")
+    n = len(values)
+    mean = sum(values) / n
+    if n == 1:
+        return mean, 0.0
+    return mean, (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+
+
+def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result for the same training over several seeds: the first run's fields, plus ``seeds``, ``per_seed``
+    (each run's metric values) and ``mean`` / ``std`` (sample standard deviation) of every metric."""
+    if not runs:
+        raise ConfigError("no runs to aggregate")
+    seeds = [r["seed"] for r in runs]
+    out = dict(runs[0])
+    out["seeds"] = seeds
+    out["per_seed"] = {}
+    out["mean"], out["std"] = {}, {}
+    for key in SEED_METRICS:
+        values = [r.get(key) for r in runs]
+        if any(v is None for v in values):
+            continue
+        out["per_seed"][key] = values
+        out["mean"][key], out["std"][key] = mean_std([float(v) for v in values])
+    out["replicas_identical"] = all(r["replicas_identical"] for r in runs)
+    out["runs"] = runs
+    return out
+
+
+def format_seeds(r: dict[str, Any]) -> str:
+    """The first seed's summary, then every metric as mean ± std with the per-seed values."""
+    first = {**r["runs"][0]}
+    lines = [format_summary(first), "", f"  over seeds {', '.join(str(s) for s in r['seeds'])} "
+             "(mean ± sample std; per-seed values in brackets):"]
+    fmt = {"test_accuracy": ("test accuracy %", 100, ".2f"), "val_bits_per_byte": ("validation bits/byte", 1, ".4f"),
+           "final_loss": ("final training loss", 1, ".4f"), "bits_up_per_worker": ("Mbit up / worker", 1e-6, ".3f"),
+           "bits_down_per_worker": ("Mbit down / worker", 1e-6, ".3f"),
+           "buffer_bits_up_per_worker": ("buffer Mbit up / worker", 1e-6, ".3f"),
+           "buffer_bits_down_per_worker": ("buffer Mbit down / worker", 1e-6, ".3f"),
+           "wall_time_s": ("wall s", 1, ".1f")}
+    for key, (label, scale, spec) in fmt.items():
+        if key not in r["mean"] or (key.startswith("buffer") and not r["mean"][key]):
+            continue
+        per = ", ".join(format(scale * v, spec) for v in r["per_seed"][key])
+        lines.append(f"    {label}: {format(scale * r['mean'][key], spec)} ± {format(scale * r['std'][key], spec)}"
+                     f"  [{per}]")
+    lines.append(f"    replicas identical in every run: {'yes' if r['replicas_identical'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def parse_seeds(text: str, option: str = "--seeds") -> list[int]:
+    """A comma-separated list of distinct seeds (integers in [0, 2**64)); ConfigError otherwise."""
+    seeds = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            seed = int(part)
+        except ValueError:
+            raise ConfigError(f"{option} takes comma-separated whole numbers, e.g. 0,1,2; got {part!r}") from None
+        if not 0 <= seed < 2**64:
+            raise ConfigError(f"{option}: a seed must be in [0, 2**64), got {seed}")
+        if seed in seeds:
+            raise ConfigError(f"{option}: seed {seed} is given twice; each seed runs once")
+        seeds.append(seed)
+    if not seeds:
+        raise ConfigError(f"{option} needs at least one seed, got {text!r}")
+    return seeds

@@ -19,6 +19,7 @@ counted by the transport, the time split, and the test accuracy of the (identica
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import math
@@ -33,8 +34,8 @@ from torch import nn
 
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.checkpoint import WorkerCheckpoints
-from gradcomp.experiments.data import Dataset, evaluate, load_dataset, shard_indices
-from gradcomp.experiments.models import build_model
+from gradcomp.experiments.data import Dataset, TextDataset, evaluate, evaluate_text, load_dataset, shard_indices
+from gradcomp.experiments.models import TEXT_MODELS, build_model
 from gradcomp.experiments.report import human_bits
 from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
 from gradcomp.registry import make
@@ -49,6 +50,9 @@ from gradcomp.transport.sim import SimulatedCluster
 # test set while the others wait for the next step, a worker importing torch on a busy machine); 120 s leaves a
 # wide margin for that and still reports a stuck worker within two minutes.
 DEFAULT_TIMEOUT_S = 120.0
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
 
 
 def launched_by_torchrun() -> bool:
@@ -91,8 +95,18 @@ class TrainConfig:
     steps: int | None = None
     batch_size: int = 32
     lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
+    momentum: float = 0.9  # SGD's; AdamW has none (its first moment is beta1)
+    weight_decay: float = 0.0  # SGD: L2 added to the gradient; AdamW: decoupled decay of the weights
+    optimizer: str = "sgd"  # sgd or adamw
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's
+    eps: float = 1e-8  # AdamW's
+    # the learning rate at each step: lr · warm-up · schedule (lr_at); a pure function of the step, so a resumed
+    # run needs no scheduler state
+    lr_schedule: str = "constant"  # constant, cosine (to 0 at the last step) or step (x lr_gamma every lr_step_size)
+    warmup_steps: int = 0  # linear warm-up from lr/warmup_steps to lr over the first warmup_steps steps
+    lr_step_size: int | None = None
+    lr_gamma: float = 0.1
+    context: int = 128  # the window of a language model, in bytes (text datasets only)
     # True when the method applies momentum itself (set by hand_momentum_to_method): weight decay is then added
     # to each gradient before the exchange, so it goes through the method's momentum and error accumulation as
     # in SGD with momentum, instead of being added by the optimizer after the exchange
@@ -123,6 +137,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Everything that can be checked before a worker starts; raises ConfigError."""
+        self._check_optimizer()
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.local_steps is not None and self.local_steps < 1:
@@ -189,7 +204,7 @@ class TrainConfig:
         scheme = build_scheme(compressor, topology=self.topology, server_compressor=server)
         self.network()
         # per-tensor limits (k larger than a layer, ...) checked on the real model's slots, before any worker
-        data = load_dataset(self.dataset, self.data_root)
+        data = self.load_data()
         share = data.train_x.shape[0] // self.workers
         if self.batch_size > share:
             raise ConfigError(
@@ -206,6 +221,66 @@ class TrainConfig:
             return check_fsdp_method(compressor, model, self.workers)
         scheme.bind(0, self.workers)  # a sharded scheme checks shards, which depend on W
         scheme.check_slots(GradientAggregator.slots_for(list(model.named_parameters()), self.granularity))
+
+    def load_data(self) -> Dataset:
+        return load_dataset(self.dataset, self.data_root, context=self.context)
+
+    def _check_optimizer(self) -> None:
+        """The optimizer and its learning-rate schedule: names, numbers, and the methods AdamW cannot take."""
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"unknown --lr-schedule {self.lr_schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be a whole number >= 0, got {self.warmup_steps!r}")
+        if self.steps is not None and self.warmup_steps >= self.steps:
+            raise ConfigError(f"--warmup-steps {self.warmup_steps} leaves no step of the {self.steps} to train at "
+                              "the full learning rate: give fewer warm-up steps or more --steps")
+        if self.lr_schedule == "step":
+            if self.lr_step_size is None:
+                raise ConfigError("--lr-schedule step needs --lr-step-size N (multiply the learning rate by "
+                                  "--lr-gamma every N steps)")
+        if self.lr_step_size is not None:
+            if self.lr_schedule != "step":
+                raise ConfigError(f"--lr-step-size applies to --lr-schedule step, not {self.lr_schedule}")
+            if isinstance(self.lr_step_size, bool) or not isinstance(self.lr_step_size, int) or self.lr_step_size < 1:
+                raise ConfigError(f"--lr-step-size must be a whole number >= 1, got {self.lr_step_size!r}")
+        if not (math.isfinite(self.lr_gamma) and 0 < self.lr_gamma <= 1):
+            raise ConfigError(f"--lr-gamma must be in (0, 1], got {self.lr_gamma}")
+        if self.optimizer == "adamw":
+            b1, b2 = self.betas
+            if not all(math.isfinite(b) and 0 <= b < 1 for b in (b1, b2)):
+                raise ConfigError(f"AdamW's betas must be in [0, 1), got {b1}, {b2}")
+            if not (math.isfinite(self.eps) and self.eps > 0):
+                raise ConfigError(f"--eps must be > 0, got {self.eps}")
+            if self.momentum != 0:
+                raise ConfigError("--momentum is SGD's; AdamW's first-moment decay is --beta1")
+            if self.feedback in ("momentum_correction", "momentum_masking"):
+                raise ConfigError(
+                    f"--feedback {self.feedback} takes the optimizer's momentum into the worker (DGC), and AdamW "
+                    "has no momentum to hand over: use --optimizer sgd, or --feedback residual with AdamW")
+            compressor, _ = self.build_compressors()
+            if getattr(compressor, "owns_momentum", False):
+                raise ConfigError(
+                    f"{self.compressor} applies momentum on the worker before compressing (its paper's update is "
+                    "SGD with that momentum); under AdamW the optimizer would apply Adam's moments on top of it, "
+                    "an update no paper defines: use --optimizer sgd with it, or a method without its own "
+                    "momentum (e.g. signsgd with error feedback) with AdamW")
+        elif tuple(self.betas) != (0.9, 0.999) or self.eps != 1e-8:
+            raise ConfigError("--beta1 / --beta2 / --eps are AdamW's: give --optimizer adamw")
+
+    def lr_at(self, step: int, total: int) -> float:
+        """The learning rate of 0-based ``step`` of ``total``: lr · linear warm-up · the schedule's factor."""
+        factor = 1.0
+        if step < self.warmup_steps:
+            factor = (step + 1) / self.warmup_steps
+        after = max(0, step - self.warmup_steps)
+        if self.lr_schedule == "cosine":
+            span = max(1, total - self.warmup_steps)
+            factor *= 0.5 * (1 + math.cos(math.pi * min(after, span) / span))
+        elif self.lr_schedule == "step":
+            factor *= self.lr_gamma ** (after // self.lr_step_size)
+        return self.lr * factor
 
     def _check_gpus(self) -> None:
         """NCCL gives every worker process a GPU of its own: refuse a run that would put two on one GPU.
@@ -345,8 +420,44 @@ class Batches:
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":  # decoupled weight decay; the gradient it sees is the exchanged one
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay)
     weight_decay = 0.0 if cfg.weight_decay_in_gradient else cfg.weight_decay  # else added twice
     return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=weight_decay)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def synced_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The buffers that must agree across replicas (BatchNorm's running statistics and batch counts)."""
+    return [b for b in model.buffers()]
+
+
+def broadcast_buffers(buffers: list[torch.Tensor], transport: Transport) -> tuple[int, int]:
+    """Make every replica's buffers rank 0's, as DDP does before each forward; returns (bytes up, bytes down).
+
+    Each dtype's buffers travel as one flat tensor through ``transport.broadcast`` (a worker sending to its
+    peers), so the bytes are counted by the transport like every other message; the difference of the
+    counter before and after is what the buffers cost, reported apart from the gradient bytes.
+    """
+    if not buffers:
+        return 0, 0
+    before_up, before_down = transport.counter.bytes_up, transport.counter.bytes_down
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in buffers:
+        by_dtype.setdefault(b.dtype, []).append(b)
+    for group in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in group])
+        flat = transport.broadcast(flat, root=0, peer=True)
+        offset = 0
+        for b in group:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+    return transport.counter.bytes_up - before_up, transport.counter.bytes_down - before_down
 
 
 def add_weight_decay_to_gradients(model: nn.Module, weight_decay: float) -> list:
@@ -363,11 +474,37 @@ def add_weight_decay_to_gradients(model: nn.Module, weight_decay: float) -> list
     return handles
 
 
+def loss_of(output: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy: per image for a classifier's (B, classes), per byte for a language model's (B, T, vocab)."""
+    if output.dim() == 3:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), yb.reshape(-1).long())
+    return F.cross_entropy(output, yb)
+
+
 def compute_gradients(model: nn.Module, xb, yb) -> float:
     model.zero_grad(set_to_none=False)
-    loss = F.cross_entropy(model(xb), yb)
+    loss = loss_of(model(xb), yb)
     loss.backward()
     return float(loss.detach())
+
+
+def evaluation(model: nn.Module, data: Dataset) -> dict[str, float]:
+    """The final (or periodic) evaluation: test accuracy, and for a language model validation bits per byte."""
+    if isinstance(data, TextDataset):
+        accuracy, bits = evaluate_text(model, data.test_x, data.test_y)
+        return {"accuracy": accuracy, "bits_per_byte": bits}
+    return {"accuracy": evaluate(model, data.test_x, data.test_y)}
+
+
+def buffer_digest(model: nn.Module) -> str | None:
+    """A short hash of every buffer's exact bytes (None for a model without buffers)."""
+    buffers = list(model.buffers())
+    if not buffers:
+        return None
+    h = hashlib.sha256()
+    for b in buffers:
+        h.update(b.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def parameter_digest(model: nn.Module) -> str:
@@ -417,12 +554,16 @@ class Curves:
         self.eval_every = cfg.eval_every
         self.loss: list[tuple[int, float]] = []
         self.accuracy: list[tuple[int, float]] = []
+        self.val_loss: list[tuple[int, float]] = []  # language models: validation bits per byte
 
     def record(self, step: int, loss: float, model: nn.Module, data: Dataset, evaluate_now: bool) -> None:
         if step % self.every == 0:
             self.loss.append((step, loss))
         if evaluate_now and self.eval_every and (step + 1) % self.eval_every == 0:
-            self.accuracy.append((step + 1, evaluate(model, data.test_x, data.test_y)))
+            result = evaluation(model, data)
+            self.accuracy.append((step + 1, result["accuracy"]))
+            if "bits_per_byte" in result:
+                self.val_loss.append((step + 1, result["bits_per_byte"]))
 
 
 def run_worker(
@@ -441,9 +582,11 @@ def run_worker(
     broadcast of the parameters, the hook, a resumed checkpoint) and before the first step; ``after_step(step,
     model)`` at the end of every step (both: ``gradcomp race``'s clock, wire counters and evaluation).
     """
-    data = load_dataset(cfg.dataset, cfg.data_root)
+    data = cfg.load_data()
     model = build_model(cfg.model, data, cfg.seed).to(device)
     optimizer = make_optimizer(model, cfg)
+    buffers = synced_buffers(model)
+    buffer_up = buffer_down = 0
     if cfg.weight_decay_in_gradient:
         add_weight_decay_to_gradients(model, cfg.weight_decay)
     compressor, server = cfg.build_compressors()
@@ -453,7 +596,12 @@ def run_worker(
         from gradcomp.train.ddp_hook import register_ddp_hook
 
         ddp_options = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
-        trained = nn.parallel.DistributedDataParallel(model, **ddp_options)
+        # buffers (BatchNorm) are broadcast below through the hook's transport, so that their bytes are counted
+        import inspect
+
+        no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
+                   inspect.signature(nn.parallel.DistributedDataParallel).parameters else "broadcast_buffers")
+        trained = nn.parallel.DistributedDataParallel(model, **{no_sync: False}, **ddp_options)
         register = register_hook or register_ddp_hook
         hook = register(trained, compressor, topology=cfg.topology, server_compressor=server)
         exchange, transport, aggregator = hook.exchange, hook.transport, hook
@@ -481,6 +629,10 @@ def run_worker(
         checkpoints.crash_if_asked(step)  # GRADCOMP_CRASH_AT_STEP (tests, scripts/torchrun_restart.sh)
         started = time.perf_counter()
         xb, yb = batches.get(step, device)
+        if buffers:  # rank 0's buffers on every replica before the forward pass, as DDP does
+            up, down = broadcast_buffers(buffers, transport)
+            buffer_up, buffer_down = buffer_up + up, buffer_down + down
+        set_lr(optimizer, cfg.lr_at(step, total))
         loss = compute_gradients(trained, xb, yb)  # with --ddp, backward also runs the hook's exchanges
         compute_s += time.perf_counter() - started
         if delayed is None and hook is None:
@@ -497,11 +649,15 @@ def run_worker(
             after_step(step, model)
     if delayed is not None:
         delayed.sync()  # a last, shorter round so the replicas end identical
+    if buffers:  # the last step's running statistics too, so the replicas end identical
+        up, down = broadcast_buffers(buffers, transport)
+        buffer_up, buffer_down = buffer_up + up, buffer_down + down
     progress.close()
     if hook is not None:
         hook.close()
     if lead and cfg.save_path:
         save_checkpoint(cfg, model, aggregator)
+    final = evaluation(model, data) if lead else {}
     return {
         "rank": transport.rank,
         "steps": total,
@@ -512,9 +668,16 @@ def run_worker(
         "communicate_s": exchange.communicate_s,
         "counter": transport.counter.as_dict(),
         "digest": parameter_digest(model),
+        "buffer_digest": buffer_digest(model),
+        "buffer_bytes_up": buffer_up,
+        "buffer_bytes_down": buffer_down,
+        "num_buffer_elements": sum(b.numel() for b in buffers),
         "resumed_from_step": checkpoints.resumed_from,
         "final_loss": loss,
-        "test_accuracy": evaluate(model, data.test_x, data.test_y) if lead else None,
+        "test_accuracy": final.get("accuracy"),
+        "val_bits_per_byte": final.get("bits_per_byte"),
+        "val_loss_curve": curves.val_loss,
+        "corpus": data.describe() if isinstance(data, TextDataset) else None,
         "loss_curve": curves.loss,
         "accuracy_curve": curves.accuracy,
         "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -543,7 +706,7 @@ def run_simulated(cfg: TrainConfig, device: torch.device | None = None) -> dict[
     """
     device = device or torch.device("cpu")
     started = time.perf_counter()
-    load_dataset(cfg.dataset, cfg.data_root)  # parse once; the workers share the cached tensors
+    cfg.load_data()  # parse once; the workers share the cached tensors
     threads = torch.get_num_threads()
     # the intra-op thread count of a spawned worker: float reductions (conv backward) then round alike and
     # the simulated run gives the same model as the spawned one, bit for bit where the protocol allows
@@ -571,8 +734,11 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
     counters = [ByteCounter(**s["counter"]) for s in stats]
     num_parameters = lead["num_parameters"]
     steps = lead["steps"]
-    bits_up = [8 * c.bytes_up for c in counters]
-    bits_down = [8 * c.bytes_down for c in counters]
+    # gradient (or update) bits: what the transport counted, less the buffers' broadcast (reported apart)
+    buffer_up = [8 * s.get("buffer_bytes_up", 0) for s in stats]
+    buffer_down = [8 * s.get("buffer_bytes_down", 0) for s in stats]
+    bits_up = [8 * c.bytes_up - b for c, b in zip(counters, buffer_up)]
+    bits_down = [8 * c.bytes_down - b for c, b in zip(counters, buffer_down)]
     dense_bits = 32 * num_parameters * steps  # fp32 allreduce hands the transport 4 bytes per parameter
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     up, down = mean(bits_up), mean(bits_down)
@@ -594,6 +760,12 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "batch_size": cfg.batch_size,
         "lr": cfg.lr,
         "momentum": cfg.momentum,
+        "optimizer": cfg.optimizer,
+        "weight_decay": cfg.weight_decay,
+        **({"betas": list(cfg.betas), "eps": cfg.eps} if cfg.optimizer == "adamw" else {}),
+        "lr_schedule": cfg.lr_schedule,
+        "warmup_steps": cfg.warmup_steps,
+        **({"lr_step_size": cfg.lr_step_size, "lr_gamma": cfg.lr_gamma} if cfg.lr_schedule == "step" else {}),
         "dataset": cfg.dataset,
         "model": cfg.model,
         "num_parameters": num_parameters,
@@ -601,6 +773,12 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "backend": backend,
         "simulate": cfg.simulate,
         "test_accuracy": lead["test_accuracy"],
+        "val_bits_per_byte": lead.get("val_bits_per_byte"),
+        "val_perplexity": None if lead.get("val_bits_per_byte") is None else 2 ** lead["val_bits_per_byte"],
+        "corpus": lead.get("corpus"),
+        "buffer_bits_up_per_worker": mean(buffer_up),
+        "buffer_bits_down_per_worker": mean(buffer_down),
+        "num_buffer_elements": lead.get("num_buffer_elements", 0),
         "final_loss": lead["final_loss"],
         "bits_up_per_worker": up,
         "bits_down_per_worker": down,
@@ -621,11 +799,12 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "compress_s": mean([s["compress_s"] for s in stats]),
         "communicate_s": mean([s["communicate_s"] for s in stats]),
         **_modelled_network(cfg, counters, workers),
-        "replicas_identical": len({s["digest"] for s in stats}) == 1,
+        "replicas_identical": len({(s["digest"], s.get("buffer_digest")) for s in stats}) == 1,
         "parameter_digest": lead["digest"],
         "resumed_from_step": lead.get("resumed_from_step"),
         "loss_curve": lead["loss_curve"],
         "accuracy_curve": lead["accuracy_curve"],
+        "val_loss_curve": lead.get("val_loss_curve", []),
         "torch_version": torch.__version__,
     }
 
@@ -640,3 +819,90 @@ def _modelled_network(cfg: TrainConfig, counters: list[ByteCounter], workers: in
         "network": {"bandwidth_bps": network.bandwidth_bps, "latency_s": network.latency_s},
         "modelled_communicate_s": sum(seconds) / len(seconds),
     }
+
+
+# -- the command-line options shared by train, sweep and race ------------------------------------------------
+
+
+def add_training_options(p: argparse.ArgumentParser, *, epochs: float | None = 1.0) -> None:
+    """The model, data and optimizer options shared by ``train``, ``sweep`` and ``race``.
+
+    Defaults that depend on the model are None here and filled in by :func:`resolve_training_defaults`.
+    """
+    if epochs is not None:
+        p.add_argument("--epochs", type=float, default=epochs, help="passes over the training set")
+        p.add_argument("--steps", type=int, default=None,
+                       help="stop after this many steps (overrides --epochs; default for the transformer: "
+                            f"{TRANSFORMER_DEFAULTS['steps']})")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"per worker (default: 32) for images; {TRANSFORMER_DEFAULTS['batch_size']} windows for the transformer")
+    p.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
+                   help="default: sgd, adamw for the transformer")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default: 0.05) with sgd; {TRANSFORMER_DEFAULTS['lr']:g} with adamw")
+    p.add_argument("--momentum", type=float, default=None, help="SGD momentum, >= 0 (default: 0.9); SGD only")
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="SGD: L2 added to the gradient; AdamW: decoupled weight decay; >= 0")
+    p.add_argument("--beta1", type=float, default=None, help="AdamW's first-moment decay (default 0.9)")
+    p.add_argument("--beta2", type=float, default=None, help="AdamW's second-moment decay (default 0.999)")
+    p.add_argument("--eps", type=float, default=None, help="AdamW's epsilon (default 1e-8)")
+    p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine", "step"],
+                   help="learning rate after the warm-up: constant, cosine (to 0 at the last step), step "
+                        "(x --lr-gamma every --lr-step-size steps); default constant, cosine for the transformer")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help=f"linear warm-up steps (default 0; for the transformer 10 %% of the steps, at most "
+                        f"{TRANSFORMER_DEFAULTS['warmup_steps']})")
+    p.add_argument("--lr-step-size", type=int, default=None, metavar="N", help="with --lr-schedule step")
+    p.add_argument("--lr-gamma", type=float, default=0.1, help="with --lr-schedule step: the factor every N steps")
+    p.add_argument("--dataset", default=None,
+                   help="mnist, digits (needs scikit-learn), synthetic, or pystdlib (text: the Python standard "
+                        "library's source; the default for the transformer)")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="directory with MNIST-format IDX files (mnist), or of *.py files (pystdlib)")
+    p.add_argument("--model", default="cnn",
+                   help="cnn, mlp, convnet (1.2M parameters on MNIST), resnet (ResNet-20 with BatchNorm), "
+                        "transformer (byte-level language model, 1.3M parameters) or transformer_tiny")
+    p.add_argument("--context", type=int, default=None, metavar="BYTES",
+                   help="the transformer's context (default 128)")
+
+
+# what `--model transformer` (and transformer_tiny) runs with unless told otherwise: sized so that one 4-worker
+# run takes about 10 minutes on a 2-core machine (docs/workloads.md)
+TRANSFORMER_DEFAULTS = {"steps": 300, "batch_size": 16, "optimizer": "adamw", "lr": 2e-3, "lr_schedule": "cosine",
+                        "warmup_steps": 30, "context": 128}
+
+
+def resolve_training_defaults(args: argparse.Namespace) -> dict:
+    """TrainConfig keyword arguments from the shared training options, with the model's defaults filled in."""
+    text = isinstance(args.model, str) and args.model.strip().lower() in TEXT_MODELS
+    d = TRANSFORMER_DEFAULTS if text else {"batch_size": 32, "optimizer": "sgd", "lr_schedule": "constant",
+                                           "warmup_steps": 0, "context": 128}
+    optimizer = args.optimizer or d["optimizer"]
+    if optimizer == "adamw" and args.momentum is not None:
+        raise ConfigError("--momentum is SGD's; AdamW's first-moment decay is --beta1")
+    if optimizer != "adamw" and any(v is not None for v in (args.beta1, args.beta2, args.eps)):
+        raise ConfigError("--beta1 / --beta2 / --eps are AdamW's: give --optimizer adamw")
+    out = {
+        "batch_size": args.batch_size if args.batch_size is not None else d["batch_size"],
+        "optimizer": optimizer,
+        "lr": args.lr if args.lr is not None else (0.05 if optimizer == "sgd" else TRANSFORMER_DEFAULTS["lr"]),
+        "momentum": (0.9 if args.momentum is None else args.momentum) if optimizer == "sgd" else 0.0,
+        "weight_decay": args.weight_decay,
+        "betas": (0.9 if args.beta1 is None else args.beta1, 0.999 if args.beta2 is None else args.beta2),
+        "eps": 1e-8 if args.eps is None else args.eps,
+        "lr_schedule": args.lr_schedule or d["lr_schedule"],
+        "warmup_steps": d["warmup_steps"] if args.warmup_steps is None else args.warmup_steps,
+        "lr_step_size": args.lr_step_size,
+        "lr_gamma": args.lr_gamma,
+        "dataset": args.dataset or ("pystdlib" if text else "mnist"),
+        "data_root": args.data,
+        "model": args.model,
+        "context": d["context"] if args.context is None else args.context,
+    }
+    if hasattr(args, "epochs"):
+        out["steps"] = args.steps if (args.steps is not None or not text) else TRANSFORMER_DEFAULTS["steps"]
+        out["epochs"] = args.epochs
+    steps = out.get("steps", getattr(args, "steps", None))
+    if text and args.warmup_steps is None and steps is not None:  # the default warm-up: 10 % of the steps
+        out["warmup_steps"] = min(d["warmup_steps"], steps // 10)
+    return out

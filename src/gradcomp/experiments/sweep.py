@@ -27,6 +27,7 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import math
 import os
 import re
 import sys
@@ -36,7 +37,6 @@ from typing import Any
 import torch
 
 from gradcomp.errors import ConfigError, NonFiniteGradientError
-from gradcomp.experiments.data import load_dataset
 from gradcomp.experiments.launch import WorkerFailedError, launch
 from gradcomp.experiments.models import build_model
 from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, run_simulated
@@ -64,7 +64,7 @@ def calibrate_threshold(base: TrainConfig, density: float) -> float:
 
     |g| > τ is an elementwise test, so the threshold scheme selects the same entries at both granularities.
     """
-    data = load_dataset(base.dataset, base.data_root)
+    data = base.load_data()
     model = build_model(base.model, data, base.seed)
     xb, yb = Batches(data, base, 0).get(0, torch.device("cpu"))
     compute_gradients(model, xb, yb)
@@ -73,12 +73,13 @@ def calibrate_threshold(base: TrainConfig, density: float) -> float:
     return float(magnitudes.kthvalue(rank).values)
 
 
-def cell_config(base: TrainConfig, cell: dict[str, Any]) -> TrainConfig:
+def cell_config(base: TrainConfig, cell: dict[str, Any], calibrate: bool = True) -> TrainConfig:
+    """The cell's training configuration (``calibrate=False``: a placeholder threshold, for checking only)."""
     scheme, density = cell["scheme"], cell["density"]
     if scheme == BASELINE:
         params = {}
     elif scheme == "threshold":
-        params = {"threshold": calibrate_threshold(base, density)}
+        params = {"threshold": calibrate_threshold(base, density) if calibrate else 1.0}
     else:
         params = {"density": density}
     cfg = dataclasses.replace(
@@ -152,7 +153,9 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         groups[(row["scheme"], row["density"], row["granularity"], memory_of(row))].append(row)
     modelled = any("modelled_communicate_s" in row["result"] for rs in groups.values() for row in rs)
-    head = ["scheme", "density", "granularity", "memory", "seeds", "test acc. %", "bits up / worker", "× fewer",
+    text_model = any(row["result"].get("val_bits_per_byte") is not None for rs in groups.values() for row in rs)
+    metric = "val. bits/byte (mean ± std [per seed])" if text_model else "test acc. % (mean ± std [per seed])"
+    head = ["scheme", "density", "granularity", "memory", "seeds", metric, "bits up / worker", "× fewer",
             "compute s", "compress s", "communicate s"] + (["modelled comm. s"] if modelled else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = sorted(groups.items(), key=lambda kv: (kv[0][0] != BASELINE, kv[0][0], -kv[0][1], kv[0][2],
@@ -189,8 +192,15 @@ def _accuracy_text(finished: list[dict], lost: list[dict]) -> str:
     note = f"diverged{where}" if not finished else f"{len(lost)} diverged{where}"
     if not finished:
         return note
-    accs = [100 * r["test_accuracy"] for r in finished]
-    text = f"{sum(accs) / len(accs):.2f}" + (f" ± {(max(accs) - min(accs)) / 2:.2f}" if len(accs) > 1 else "")
+    from gradcomp.experiments.report import mean_std
+
+    text_model = finished[0].get("val_bits_per_byte") is not None
+    values = [r["val_bits_per_byte"] if text_model else 100 * r["test_accuracy"] for r in finished]
+    spec = ".4f" if text_model else ".2f"
+    mean, std = mean_std(values)
+    text = format(mean, spec)
+    if len(values) > 1:  # mean ± sample standard deviation, then every seed's value
+        text += f" ± {format(std, spec)} [{', '.join(format(v, spec) for v in values)}]"
     return text + (f" ({note})" if lost else "")
 
 
@@ -263,8 +273,37 @@ def render_plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
     return paths
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def _floats(text: str, option: str) -> list[float]:
+    values = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise ConfigError(f"{option} takes comma-separated numbers, e.g. 0.1,0.01; got {part.strip()!r}") from None
+    if not values:
+        raise ConfigError(f"{option} needs at least one value, got {text!r}")
+    return values
+
+
+def check_values(args: argparse.Namespace) -> None:
+    """Every value of the grid, before the first cell runs (a bad one found later would leave partial results)."""
+    from gradcomp.train.aggregator import GRANULARITIES
+
+    for d in args.densities:
+        if not (math.isfinite(d) and 0 < d <= 1):
+            raise ConfigError(f"--densities are fractions in (0, 1], got {d:g}")
+    for option, values in (("--densities", args.densities), ("--granularities", args.granularities),
+                           ("--memory", args.memory), ("--schemes", args.schemes)):
+        twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+        if twice:
+            raise ConfigError(f"{option}: {', '.join(map(str, twice))} given twice; each value runs once")
+    bad = [g for g in args.granularities if g not in GRANULARITIES]
+    if bad:
+        raise ConfigError(f"--granularities takes {', '.join(GRANULARITIES)}; got {', '.join(bad)}")
+    if not args.granularities:
+        raise ConfigError("--granularities needs at least one of " + ", ".join(GRANULARITIES))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -274,20 +313,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", default="on,off",
                    help="comma-separated: off, on (error feedback), momentum_correction, momentum_masking "
                         "(DGC's worker-side momentum; the optimizer's momentum moves into the policy)")
-    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--seeds", default="0,1", help="comma-separated, distinct; the table shows mean ± std and each seed")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="skip the uncompressed (fp32) reference cell run once per seed")
     p.add_argument("--out", default="runs/sweep", metavar="DIR")
     p.add_argument("--real", action="store_true", help="spawn real gloo workers instead of the simulated cluster")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--epochs", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--dataset", default="mnist", help="mnist, digits (needs scikit-learn) or synthetic")
-    p.add_argument("--data", default=None, metavar="DIR")
-    p.add_argument("--model", default="cnn", help="cnn, mlp or convnet (1.2M parameters on MNIST)")
+    from gradcomp.experiments.runner import add_training_options
+
+    add_training_options(p)
     p.add_argument("--bandwidth", default=None, metavar="RATE")
     p.add_argument("--latency", default="0", metavar="TIME")
 
@@ -297,15 +331,21 @@ def main(args: argparse.Namespace) -> int:
     unknown = sorted(set(args.schemes) - set(SCHEMES))
     if unknown:
         raise ConfigError(f"unknown scheme(s) {unknown}; the sweep knows {list(SCHEMES)}")
-    args.densities = _floats(args.densities)
+    from gradcomp.experiments.runner import resolve_training_defaults
+    from gradcomp.experiments.report import parse_seeds
+
+    args.densities = _floats(args.densities, "--densities")
     args.granularities = [g.strip() for g in args.granularities.split(",") if g.strip()]
     args.memory = [m.strip() for m in args.memory.split(",") if m.strip()]
     if set(args.memory) - set(MEMORY):
         raise ConfigError(f"--memory takes a comma-separated list of {', '.join(MEMORY)}; got {args.memory}")
-    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    base = TrainConfig(workers=args.workers, epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
-                       lr=args.lr, momentum=args.momentum, dataset=args.dataset, data_root=args.data,
-                       model=args.model, bandwidth=args.bandwidth, latency=args.latency, progress=False)
+    args.seeds = parse_seeds(args.seeds)
+    check_values(args)
+    base = TrainConfig(workers=args.workers, **resolve_training_defaults(args), bandwidth=args.bandwidth,
+                       latency=args.latency, progress=False)
+    for cell in grid(args):  # every cell's configuration, before the first one trains
+        checked = cell_config(base, cell, calibrate=False)
+        checked.validate()
     from gradcomp.experiments.report import make_output_dir
 
     make_output_dir(args.out, "--out")  # a ConfigError now, not a traceback
@@ -322,7 +362,9 @@ def main(args: argparse.Namespace) -> int:
         if diverged(row):
             print(f"[{i}/{len(todo)}] {cell_key(cell)}: {r['error']}", flush=True)
         else:
-            print(f"[{i}/{len(todo)}] {cell_key(cell)}: {100 * r['test_accuracy']:.2f} %, "
+            metric = (f"{r['val_bits_per_byte']:.4f} bits/byte" if r.get("val_bits_per_byte") is not None
+                      else f"{100 * r['test_accuracy']:.2f} %")
+            print(f"[{i}/{len(todo)}] {cell_key(cell)}: {metric}, "
                   f"x{r['compression_ratio_up']:.1f} fewer bits up", flush=True)
         _render(path, args.out)
     if not _render(path, args.out):

@@ -1,0 +1,182 @@
+"""The workloads tables: every method family on the Transformer (and the MNIST default job), 3 seeds each.
+
+Runs one `gradcomp train` per (row, seed) — 4 gloo workers, equal steps (the model's defaults) — and appends
+each result as one JSON line to OUT/results.jsonl as soon as it finishes, so an interrupted script keeps what
+it has and a second start skips the (row, seed) pairs already there. Order: the fp32 reference for all seeds
+first, then every row for seed 0, then seed 1, then seed 2, so that whatever finishes is the most useful part.
+Then ``--render`` writes OUT/table.md (mean ± sample std over the seeds that finished, and the per-seed values).
+
+    nice -n 10 python scripts/workloads_table.py --out runs/workloads            # run (resumes)
+    python scripts/workloads_table.py --out runs/workloads --render               # the tables only
+
+Methods that apply momentum themselves (DGC's momentum correction, sketched SGD, Signum) refuse AdamW (the
+Transformer's optimizer), so on the Transformer they run with SGD + momentum 0.9 at ``SGD_LR`` (not tuned),
+beside an fp32 reference with the same SGD; their rows say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+SEEDS = (0, 1, 2)
+SGD_LR = "0.1"  # the Transformer with SGD + momentum 0.9, for the methods that own momentum (not tuned)
+
+# (key, label, arguments): the best documented configuration of each family (docs/all_methods.md)
+TRANSFORMER_ROWS = [
+    ("fp32", "uncompressed fp32 allreduce (AdamW)", ["--compressor", "none"]),
+    ("topk_ef", "top-k 1 %, error feedback", ["--compressor", "topk", "--param", "density=0.01", "--error-feedback"]),
+    ("powersgd", "PowerSGD rank 2", ["--compressor", "powersgd", "--param", "rank=2"]),
+    ("efsignsgd", "EF-signSGD (sign family without worker momentum)", ["--compressor", "efsignsgd"]),
+    ("sbc", "SBC 1 %, 4 local steps", ["--compressor", "sbc", "--param", "density=0.01", "--local-steps", "4"]),
+    ("localsgd", "local SGD (local AdamW), 16 local steps", ["--compressor", "none", "--local-steps", "16"]),
+    ("randomk_ef", "random-k 1 %, error feedback", ["--compressor", "randomk", "--param", "density=0.01",
+                                                    "--error-feedback"]),
+    ("randomblock_ef", "random-block 1 %, error feedback", ["--compressor", "randomblock", "--param",
+                                                            "density=0.01", "--error-feedback"]),
+    ("cnat", "natural compression (C_nat)", ["--compressor", "cnat"]),
+    ("qsgd", "QSGD", ["--compressor", "qsgd"]),
+    ("natural_dithering", "natural dithering", ["--compressor", "natural_dithering"]),
+    ("terngrad", "TernGrad", ["--compressor", "terngrad"]),
+    ("lgc", "LGC ring, 20 dense + 100 top-k steps, 0.1 %", ["--compressor", "lgc", "--param", "dense_steps=20",
+                                                            "--param", "topk_steps=100"]),
+    ("fp32_sgd", f"uncompressed fp32 allreduce (SGD lr {SGD_LR}, momentum 0.9)",
+     ["--compressor", "none", "--optimizer", "sgd", "--lr", SGD_LR]),
+    ("dgc", f"DGC 0.1 %, clipping 0.5 (SGD lr {SGD_LR})", ["--compressor", "dgc", "--param", "clip=0.5",
+                                                           "--optimizer", "sgd", "--lr", SGD_LR]),
+    ("signum", "Signum, majority vote (SGD lr 1e-3)", ["--compressor", "signum", "--optimizer", "sgd", "--lr",
+                                                        "0.001"]),
+    ("sketch", f"sketched SGD, x4 setting (SGD lr {SGD_LR})",
+     ["--compressor", "sketch", "--param", "density=0.01", "--param", "rows=1", "--param", "cols_per_k=18",
+      "--param", "candidates=4", "--optimizer", "sgd", "--lr", SGD_LR]),
+]
+# the MNIST default job (SmallCNN, one epoch, SGD 0.05 / 0.9): the rows of docs/all_methods.md's head
+MNIST_ROWS = [
+    ("mnist_fp32", "uncompressed fp32 allreduce", ["--compressor", "none"]),
+    ("mnist_topk_ef", "top-k 1 %, error feedback", ["--compressor", "topk", "--param", "density=0.01",
+                                                    "--error-feedback"]),
+    ("mnist_sbc", "SBC 1 %, 4 local steps", ["--compressor", "sbc", "--param", "density=0.01", "--local-steps", "4"]),
+    ("mnist_powersgd", "PowerSGD rank 2", ["--compressor", "powersgd", "--param", "rank=2"]),
+    ("mnist_signum", "Signum, majority vote, lr 1e-3", ["--compressor", "signum", "--lr", "0.001"]),
+    ("mnist_dgc", "DGC 0.1 %, local clipping 0.5", ["--compressor", "dgc", "--param", "clip=0.5"]),
+    ("mnist_qsgd", "QSGD", ["--compressor", "qsgd"]),
+    ("mnist_localsgd", "local SGD, 16 local steps", ["--compressor", "none", "--local-steps", "16"]),
+]
+
+
+def plan() -> list[tuple[str, str, list[str], int, str]]:
+    jobs = []
+    for table, rows, base in (("transformer", TRANSFORMER_ROWS, ["--model", "transformer", "--eval-every", "50"]),
+                              ("mnist", MNIST_ROWS, [])):
+        ref, rest = rows[0], rows[1:]
+        jobs += [(table, ref[0], ref[1], base + ref[2], s) for s in SEEDS]
+        for seed in SEEDS:
+            jobs += [(table, key, label, base + args, seed) for key, label, args in rest]
+    return [(t, k, label, args, s) for t, k, label, args, s in jobs]
+
+
+def read(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run(out: str, python: str, only: str | None, keys: list[str] | None = None) -> None:
+    path = os.path.join(out, "results.jsonl")
+    done = {(r["key"], r["seed"]) for r in read(path)}
+    jobs = plan()
+    if keys:  # these rows only, in the order given, every seed of one row before the next row
+        jobs = sorted((j for j in jobs if j[1] in keys), key=lambda j: (keys.index(j[1]), j[4]))
+    for table, key, label, args, seed in jobs:
+        if (key, seed) in done or (only and table != only):
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            result = os.path.join(tmp, "result.json")
+            cmd = [python, "-m", "gradcomp.cli", "train", "--no-progress", "--seed", str(seed), "--json", result,
+                   *args]
+            print(f"workloads_table: {table} {key} seed {seed}: {' '.join(cmd[2:])}", flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            row = {"table": table, "key": key, "label": label, "seed": seed, "command": " ".join(cmd[3:]),
+                   "returncode": proc.returncode}
+            if proc.returncode == 0:
+                with open(result) as f:
+                    row["result"] = json.load(f)
+            else:
+                row["error"] = (proc.stderr or proc.stdout)[-2000:]
+            print(f"  -> rc {proc.returncode}", flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        render(out)
+
+
+def _ms(values: list[float]) -> str:
+    n = len(values)
+    mean = sum(values) / n
+    if n == 1:
+        return f"{mean:.4g} (1 seed)"
+    std = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+    return f"{mean:.4g} ± {std:.2g}"
+
+
+def render(out: str) -> str:
+    rows = read(os.path.join(out, "results.jsonl"))
+    text = []
+    for table, spec in (("transformer", TRANSFORMER_ROWS), ("mnist", MNIST_ROWS)):
+        metric = "val_bits_per_byte" if table == "transformer" else "test_accuracy"
+        name = "validation bits/byte" if table == "transformer" else "test accuracy %"
+        scale = 1 if table == "transformer" else 100
+        ref = [r for r in rows if r["key"] == spec[0][0] and "result" in r]
+        dense = ref[0]["result"]["dense_bits_per_worker"] if ref else None
+        text += [f"### {table}", "",
+                 f"| method | seeds finished | {name}: mean ± std | per seed | Mbit up / worker | Mbit down / worker "
+                 "| × fewer up / down than fp32 |", "|---|---|---|---|---|---|---|"]
+        for key, label, _ in spec:
+            got = sorted((r for r in rows if r["key"] == key), key=lambda r: r["seed"])
+            ok = [r for r in got if "result" in r]
+            if not got:
+                text.append(f"| {label} | 0 (not run) | – | – | – | – | – |")
+                continue
+            if not ok:
+                text.append(f"| {label} | 0 (failed: {got[0]['error'].strip().splitlines()[-1][:80]}) "
+                            "| – | – | – | – | – |")
+                continue
+            values = [scale * r["result"][metric] for r in ok]
+            up = ok[0]["result"]["bits_up_per_worker"]
+            down = ok[0]["result"]["bits_down_per_worker"]
+            ratio = f"{dense / up:.1f} / {dense / down:.1f}" if dense and up and down else "–"
+            per = ", ".join(f"s{r['seed']}: {scale * r['result'][metric]:.4g}" for r in ok)
+            text.append(f"| {label} | {len(ok)} | {_ms(values)} | {per} | {up / 1e6:,.1f} | {down / 1e6:,.1f} "
+                        f"| {ratio} |")
+        text.append("")
+    body = "\n".join(text)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(body)
+    return body
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/workloads")
+    p.add_argument("--render", action="store_true", help="only write OUT/table.md from the results so far")
+    p.add_argument("--only", choices=["transformer", "mnist"], default=None)
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--keys", default=None, help="comma-separated row keys to run, in this order (e.g. fp32,topk_ef)")
+    args = p.parse_args()
+    keys = [k.strip() for k in args.keys.split(",")] if args.keys else None
+    known = {j[1] for j in plan()}
+    if keys and set(keys) - known:
+        p.error(f"unknown row keys {sorted(set(keys) - known)}; known: {sorted(known)}")
+    os.makedirs(args.out, exist_ok=True)
+    if not args.render:
+        run(args.out, args.python, args.only, keys)
+    print(render(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
