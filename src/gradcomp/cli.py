@@ -191,6 +191,7 @@ def _train(args: argparse.Namespace) -> int:
 def _launch_naming_the_checkpoint(cfg):
     """``launch(cfg)``; a failure during training says which intact checkpoint to ``--resume`` from, if any."""
     from gradcomp.experiments.checkpoint import CheckpointError, resume_hint
+    from gradcomp.experiments.launch import launch
 
     try:
         return launch(cfg)
