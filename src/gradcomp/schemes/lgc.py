@@ -1,7 +1,7 @@
 """Learned Gradient Compression: an autoencoder trained during training, parameter-server and ring variants.
 
 Abrahamyan, Chen, Bekoulis, Deligiannis, "Learned Gradient Compression for Distributed Deep Learning", IEEE
-TNNLS 2021 (arXiv:2103.08870); SPEC.md section 3.
+TNNLS 2021 (arXiv:2103.08870).
 
     gradcomp.make("lgc", variant="ring", dense_steps=100, topk_steps=200, density=0.001)
     gradcomp train --model convnet --compressor lgc --param variant=ps

@@ -1,6 +1,6 @@
 """The autoencoder of Learned Gradient Compression (Abrahamyan et al. 2021), and how it is trained.
 
-Architecture (SPEC.md section 3's sketch): the encoder maps a vector of L values (L a multiple of 16; callers
+Architecture (gradcomp's): the encoder maps a vector of L values (L a multiple of 16; callers
 pad with zeros) to a latent code of ``latent_channels`` × L/16 floats:
 
     Conv1d(1→64, k3, s2) → LeakyReLU → Conv1d(64→128, k3, s2) → LeakyReLU → Conv1d(128→256, k3, s2) → LeakyReLU

@@ -33,11 +33,9 @@ Choices made where the paper is silent (each a parameter where it matters):
   tensor uncompressed in one dense allreduce and accumulate no error. Torch's hook recommends deferring
   compression (its default is 1000, its docstring example 10), epfml's library defaults to 100 steps: the
   first, large and fast-changing gradients are the ones a rank-r approximation hurts most. The paper
-  compresses from the first step, and with error feedback that measured no worse here: on the default job
-  (MNIST, SmallCNN, 4 workers, one epoch of 468 steps) rank 2 reached 98.46 % with ``start_iter=0`` and
-  98.30 % with 10 (fp32: 98.36 %), while 10 dense steps cost as many bytes as ~450 compressed ones
-  (215,370 against 4,800 floats a step) and halved the measured ratio (×23 instead of ×45). Raise it for a
-  model whose first steps are fragile. The step is the exchange's step argument, so a resumed run knows
+  compresses from the first step, and with error feedback that measured no worse on the default job, while a
+  few dense steps cost as many bytes as hundreds of compressed ones (docs/methods/powersgd.md has the runs).
+  Raise it for a model whose first steps are fragile. The step is the exchange's step argument, so a resumed run knows
   where it is without a counter of its own.
 - **Orthogonalisation**: classical Gram–Schmidt with one reorthogonalisation pass per column ("twice is
   enough"), batched over matrices of the same shape, for every rank. Why not QR (epfml's library, and

@@ -1,7 +1,7 @@
 """Sketched SGD: count sketches of the accumulated momentum, then the exact values of the heavy candidates.
 
 Ivkin, Rothchild, Ullah, Braverman, Stoica, Arora, "Communication-efficient Distributed SGD with Sketching",
-NeurIPS 2019 (arXiv:1903.04488); the variant of SPEC.md section 5.
+NeurIPS 2019 (arXiv:1903.04488): the two-round variant with worker momentum, below.
 
     gradcomp.make("sketch", density=0.01)
     gradcomp train --compressor sketch --param density=0.01 [--topology ps]
