@@ -45,24 +45,18 @@ from typing import Any
 import torch
 
 from gradcomp.errors import ConfigError
+from gradcomp.experiments import race
 from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
 
-# the race's default methods (experiments/race.py) with torch's DDP baselines as the gradcomp method that sends
-# the same messages, plus cheap ones: bf16, signsgd, terngrad
+BASELINE_EQUIVALENTS = {"torch-fp32": "none", "torch-fp16": "fp16"}
+# the race's default methods (experiments/race.py, read from there so the two never drift apart) with torch's DDP
+# baselines as the gradcomp method that sends the same messages (torch's PowerSGD hook has none: the race's
+# powersgd:rank=2 stands for it), plus cheap ones: bf16, terngrad
 DEFAULT_METHODS = (
-    "none",
-    "fp16",
+    *(BASELINE_EQUIVALENTS.get(m, m) for m in race.DEFAULT_METHODS if not m.startswith("torch-powersgd")),
     "bf16",
-    "topk:density=0.01,feedback=momentum_masking",
-    "cnat:topology=sharded,server=cnat",
-    "sbc:density=0.01",
-    "qsgd",
-    "powersgd:rank=2",
-    "signum",
-    "efsignsgd",
     "terngrad",
 )
-BASELINE_EQUIVALENTS = {"torch-fp32": "none", "torch-fp16": "fp16"}
 FP32 = "none"
 WARMUP_STEPS = 2
 TIMED_STEPS = 3
@@ -102,8 +96,6 @@ class PlanMethod:
 
 def parse_method(text: str) -> PlanMethod:
     """``NAME[:KEY=VALUE,...]`` as ``gradcomp race --method`` takes it; ConfigError for an unknown method."""
-    from gradcomp.experiments import race
-
     m = race.parse_method(text)
     note = ""
     if m.baseline is not None:
