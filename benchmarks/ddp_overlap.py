@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.compressors.base import Slot
-from gradcomp.experiments.launch import join_group, rendezvous_store
+from gradcomp.experiments.run.launch import join_group, rendezvous_store
 from gradcomp.train.exchange import GradientExchange, check_gradients
 from gradcomp.transport.dist import DistTransport
 

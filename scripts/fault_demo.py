@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.experiments.launch import join_group, rendezvous_store
+from gradcomp.experiments.run.launch import join_group, rendezvous_store
 
 STEPS = 4
 

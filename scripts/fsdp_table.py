@@ -20,8 +20,8 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-from gradcomp.experiments.launch import join_group, rendezvous_store
-from gradcomp.experiments.runner import TrainConfig
+from gradcomp.experiments.run.launch import join_group, rendezvous_store
+from gradcomp.experiments.run.runner import TrainConfig
 
 METHODS = {  # name: (compressor, params, error feedback, lr[, momentum]); lr 0.05, momentum 0.9 = the default job's
     "fsdp": (None, {}, None, 0.05),
@@ -43,7 +43,7 @@ METHODS = {  # name: (compressor, params, error feedback, lr[, momentum]); lr 0.
 def _worker(rank: int, world: int, port: int, jobs: list, out: str) -> None:
     torch.set_num_threads(1)
     join_group("gloo", port, rank, world, timeout_s=300)
-    from gradcomp.experiments.fsdp_run import run_fsdp_worker
+    from gradcomp.experiments.run.fsdp_run import run_fsdp_worker
     from gradcomp.transport.dist import DistTransport
 
     transport = DistTransport()

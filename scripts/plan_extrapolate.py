@@ -39,7 +39,7 @@ import os
 import sys
 from pathlib import Path
 
-from gradcomp.experiments import plan
+from gradcomp.experiments.study import plan
 from gradcomp.netmodel import NetworkModel
 
 ROOT = Path(__file__).resolve().parents[1]

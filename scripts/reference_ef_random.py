@@ -21,9 +21,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gradcomp.experiments.data import load_dataset
-from gradcomp.experiments.models import build_model
-from gradcomp.experiments.runner import Batches, TrainConfig, evaluate
+from gradcomp.experiments.run.data import load_dataset
+from gradcomp.experiments.run.models import build_model
+from gradcomp.experiments.run.runner import Batches, TrainConfig, evaluate
 
 
 def select(scheme: str, d: int, k: int, gen: torch.Generator) -> torch.Tensor:

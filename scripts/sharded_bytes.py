@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 import gradcomp
 from gradcomp import GradientExchange, SimulatedCluster
-from gradcomp.experiments.data import load_dataset
-from gradcomp.experiments.models import build_model
+from gradcomp.experiments.run.data import load_dataset
+from gradcomp.experiments.run.models import build_model
 from gradcomp.train.aggregator import GradientAggregator
 
 METHODS = {

@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from gradcomp.experiments import runner
-from gradcomp.experiments.launch import launch
-from gradcomp.experiments.runner import TrainConfig
+from gradcomp.experiments.run import runner
+from gradcomp.experiments.run.launch import launch
+from gradcomp.experiments.run.runner import TrainConfig
 from gradcomp.registry import parse_param_strings
 
 METHODS = ("sketch", "local_topk", "true_topk", "none")

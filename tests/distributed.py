@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gradcomp.experiments.launch import join_group, rendezvous_store
+from gradcomp.experiments.run.launch import join_group, rendezvous_store
 
 
 def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple, teardown: bool = True) -> None:

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import gradcomp
-from gradcomp.experiments.data import load_dataset, shard_indices
-from gradcomp.experiments.models import build_model
+from gradcomp.experiments.run.data import load_dataset, shard_indices
+from gradcomp.experiments.run.models import build_model
 
 STEPS = 50
 WORLD = 4

@@ -14,7 +14,7 @@ from gradcomp.cli import main as cli_main
 from gradcomp.compressors.base import Slot
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
-from gradcomp.experiments import bench
+from gradcomp.experiments.bench import bench
 
 N = 20_000
 
@@ -134,7 +134,7 @@ def test_model_input_is_the_smallcnn_gradient():
 
 
 def test_model_input_falls_back_to_synthetic_without_mnist(monkeypatch):
-    from gradcomp.experiments import data
+    from gradcomp.experiments.run import data
 
     real = data.load_dataset
 
@@ -165,7 +165,7 @@ def test_receiver_is_a_separate_instance(monkeypatch):
 
 
 def test_position_bits_are_measured_beside_the_entropy_minimum():
-    from gradcomp.experiments.bench import position_bits
+    from gradcomp.experiments.bench.bench import position_bits
 
     d = 200_000
     positions = torch.sort(torch.randperm(d, generator=torch.Generator().manual_seed(0))[:2000]).values

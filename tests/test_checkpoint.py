@@ -13,9 +13,9 @@ import pytest
 
 from gradcomp.cli import main
 from gradcomp.errors import ConfigError
-from gradcomp.experiments import checkpoint
-from gradcomp.experiments.checkpoint import CRASH_ENV, CheckpointError, find_checkpoint
-from gradcomp.experiments.runner import TrainConfig, run_simulated, worker_threads
+from gradcomp.experiments.run import checkpoint
+from gradcomp.experiments.run.checkpoint import CRASH_ENV, CheckpointError, find_checkpoint
+from gradcomp.experiments.run.runner import TrainConfig, run_simulated, worker_threads
 
 SMALL = ["--dataset", "synthetic", "--model", "mlp", "--no-progress", "--eval-every", "2"]
 TOPK = ["--compressor", "topk", "--param", "density=0.05", "--error-feedback"]

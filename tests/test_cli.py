@@ -87,7 +87,7 @@ def test_train_as_launched_by_torchrun(tmp_path):
     import subprocess
     import sys
 
-    from gradcomp.experiments.launch import free_port
+    from gradcomp.experiments.run.launch import free_port
 
     out = tmp_path / "run.json"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -159,7 +159,7 @@ def _summary(bits_up: float, dense: float) -> dict:
 
 
 def test_the_summary_says_more_when_a_run_sent_more_than_fp32():
-    from gradcomp.experiments.report import format_summary
+    from gradcomp.experiments.run.report import format_summary
 
     text = format_summary(_summary(bits_up=2.5e6, dense=1e6))
     assert "x2.5 more than fp32" in text and "fewer" not in text.split("bits down")[0]
@@ -168,7 +168,7 @@ def test_the_summary_says_more_when_a_run_sent_more_than_fp32():
 
 
 def test_the_summary_says_its_times_are_per_worker_means():
-    from gradcomp.experiments.report import format_summary
+    from gradcomp.experiments.run.report import format_summary
 
     times = "compute 1.0 s, compress 0.1 s, communicate 0.2 s per worker (mean); wall 2.0 s"
     assert times + "\n" in format_summary(_summary(bits_up=1e6, dense=1e6)) + "\n"

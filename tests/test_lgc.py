@@ -441,8 +441,8 @@ def _ddp_worker(rank, world_size):
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from gradcomp.experiments.data import load_dataset, shard_indices
-    from gradcomp.experiments.models import build_model
+    from gradcomp.experiments.run.data import load_dataset, shard_indices
+    from gradcomp.experiments.run.models import build_model
 
     data = load_dataset("synthetic")
     rows = shard_indices(data.num_train, rank, world_size, epoch=0, seed=0)

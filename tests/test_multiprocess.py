@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from distributed import run_workers
 
 import gradcomp
-from gradcomp.experiments.data import load_dataset, shard_indices
-from gradcomp.experiments.models import build_model
+from gradcomp.experiments.run.data import load_dataset, shard_indices
+from gradcomp.experiments.run.models import build_model
 from gradcomp.transport.dist import DistTransport
 
 STEPS = 50

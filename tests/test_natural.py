@@ -345,8 +345,8 @@ def test_cnat_second_moment_on_adversarial():
 
 
 def model_gradient() -> torch.Tensor:
-    from gradcomp.experiments.data import load_dataset
-    from gradcomp.experiments.models import SmallCNN
+    from gradcomp.experiments.run.data import load_dataset
+    from gradcomp.experiments.run.models import SmallCNN
 
     torch.manual_seed(0)
     data = load_dataset("synthetic")

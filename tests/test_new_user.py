@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from gradcomp.cli import main
-from gradcomp.experiments import checkpoint, launch
-from gradcomp.experiments.checkpoint import CRASH_ENV
-from gradcomp.experiments.runner import TrainConfig
+from gradcomp.experiments.run import checkpoint, launch
+from gradcomp.experiments.run.checkpoint import CRASH_ENV
+from gradcomp.experiments.run.runner import TrainConfig
 
 SMALL = ["--dataset", "synthetic", "--model", "mlp", "--no-progress"]
 TOPK = ["--compressor", "topk", "--param", "density=0.05", "--error-feedback"]
@@ -70,7 +70,7 @@ def test_a_failure_during_training_names_the_checkpoint_to_resume_from(tmp_path,
 
 
 def test_a_worker_error_is_shown_without_its_module_path():
-    line = "gradcomp.experiments.checkpoint.CheckpointError: checkpoint file x is truncated"
+    line = "gradcomp.experiments.run.checkpoint.CheckpointError: checkpoint file x is truncated"
     assert launch._GRADCOMP_ERROR_PATH.sub("", line) == "CheckpointError: checkpoint file x is truncated"
     assert launch._GRADCOMP_ERROR_PATH.sub("", "ValueError: gradcomp.x") == "ValueError: gradcomp.x"
 

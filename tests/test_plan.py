@@ -9,8 +9,8 @@ import pytest
 
 import gradcomp
 from gradcomp.cli import main
-from gradcomp.experiments import plan
-from gradcomp.experiments.runner import run_simulated
+from gradcomp.experiments.study import plan
+from gradcomp.experiments.run.runner import run_simulated
 from gradcomp.netmodel import NetworkModel
 
 TINY = [(128, 64), (128,), (10, 128), (10,)]  # the mlp on the synthetic dataset

@@ -16,8 +16,8 @@ from distributed import run_workers
 import gradcomp
 from gradcomp.compressors.base import Slot
 from gradcomp.errors import ConfigError
-from gradcomp.experiments.data import load_dataset, shard_indices
-from gradcomp.experiments.models import build_model
+from gradcomp.experiments.run.data import load_dataset, shard_indices
+from gradcomp.experiments.run.models import build_model
 from gradcomp.schemes.powersgd import PowerSGD, orthogonalise_
 from gradcomp.train.exchange import GradientExchange
 from gradcomp.transport.requests import execute

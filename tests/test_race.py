@@ -17,7 +17,7 @@ import pytest
 
 from gradcomp import cli
 from gradcomp.errors import ConfigError
-from gradcomp.experiments import netns, race
+from gradcomp.experiments.race import netns, race
 
 NEEDS_NETNS = pytest.mark.skipif(
     netns.missing_tools(shaped=True) is not None,
@@ -366,7 +366,7 @@ def test_tiny_race_as_local_processes(tmp_path, no_leftovers):
 def test_failed_method_is_reported_and_the_race_goes_on(tmp_path, monkeypatch, no_leftovers):
     """A worker that fails (a k larger than a layer, which the parent's check would have refused) is reported,
     its log is kept, and the next method runs."""
-    from gradcomp.experiments.runner import TrainConfig
+    from gradcomp.experiments.run.runner import TrainConfig
 
     monkeypatch.setattr(TrainConfig, "validate", lambda self: None)  # let the bad method reach the workers
     out = tmp_path / "out"
@@ -381,7 +381,7 @@ def test_failed_method_is_reported_and_the_race_goes_on(tmp_path, monkeypatch, n
 
 
 def test_torch_powersgd_refuses_a_second_bucket():
-    from gradcomp.experiments.torch_baselines import _powersgd_one_bucket
+    from gradcomp.experiments.race.torch_baselines import _powersgd_one_bucket
 
     class Bucket:
         def index(self):

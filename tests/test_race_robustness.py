@@ -19,7 +19,7 @@ from test_race import NEEDS_NETNS, no_leftovers  # noqa: F401 (a fixture, used b
 
 from gradcomp import cli
 from gradcomp.errors import ConfigError
-from gradcomp.experiments import netns, race
+from gradcomp.experiments.race import netns, race
 
 
 def _args(out, *extra, link="none"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomp.experiments import race_worker
+from gradcomp.experiments.race import race_worker
 
 
 @pytest.fixture
@@ -25,14 +25,14 @@ def one_process_group(tmp_path):
 
 
 def _cfg(**kw):
-    from gradcomp.experiments.runner import TrainConfig
+    from gradcomp.experiments.run.runner import TrainConfig
 
     return TrainConfig(workers=1, steps=2, batch_size=8, dataset="synthetic", model="mlp", progress=False, **kw)
 
 
 def test_the_clock_starts_after_ddp_s_set_up(monkeypatch, one_process_group):
     """DDP's constructor (with its parameter broadcast) is set-up, off the clock as for ddp=off methods."""
-    from gradcomp.experiments.data import load_dataset
+    from gradcomp.experiments.run.data import load_dataset
 
     plain = torch.nn.parallel.DistributedDataParallel.__init__
 
@@ -52,7 +52,7 @@ def test_the_clock_starts_after_ddp_s_set_up(monkeypatch, one_process_group):
 
 
 def test_warm_up_steps_run_even_without_compute_only_steps(monkeypatch, one_process_group):
-    from gradcomp.experiments.data import load_dataset
+    from gradcomp.experiments.run.data import load_dataset
 
     calls = []
     real = race_worker.compute_gradients

@@ -11,8 +11,8 @@ from distributed import run_workers
 
 import gradcomp
 from gradcomp.compressors.sbc import SparseBinary, SparseTernary
-from gradcomp.experiments.data import load_dataset, shard_indices
-from gradcomp.experiments.models import build_model
+from gradcomp.experiments.run.data import load_dataset, shard_indices
+from gradcomp.experiments.run.models import build_model
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES, decode, encode, optimal_rice_parameter
 

@@ -75,7 +75,7 @@ def test_a_diverging_real_worker_is_recorded_too(tmp_path, capsys):
 
 
 def test_table_of_a_resumed_sweep_with_mixed_pricing_and_unknown_divergence_steps():
-    from gradcomp.experiments.sweep import render_table
+    from gradcomp.experiments.study.sweep import render_table
 
     def row(seed, **result):
         finished = {"test_accuracy": 0.9, "bits_up_per_worker": 1e6, "compression_ratio_up": 10.0,
@@ -93,7 +93,7 @@ def test_table_of_a_resumed_sweep_with_mixed_pricing_and_unknown_divergence_step
 
 
 def test_without_matplotlib_the_sweep_says_it_wrote_no_plots(tmp_path, capsys, monkeypatch):
-    from gradcomp.experiments import sweep
+    from gradcomp.experiments.study import sweep
 
     monkeypatch.setattr(sweep, "render_plots", lambda rows, out_dir: [])  # as when matplotlib cannot be imported
     monkeypatch.setattr(sweep, "matplotlib_missing", lambda: True)

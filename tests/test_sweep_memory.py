@@ -8,8 +8,8 @@ import pytest
 
 from gradcomp.cli import main
 from gradcomp.errors import ConfigError
-from gradcomp.experiments.runner import TrainConfig
-from gradcomp.experiments.sweep import cell_config, cell_key, memory_of, render_table
+from gradcomp.experiments.run.runner import TrainConfig
+from gradcomp.experiments.study.sweep import cell_config, cell_key, memory_of, render_table
 
 
 def test_a_momentum_policy_cell_moves_the_optimizers_momentum_into_the_policy():
@@ -41,7 +41,7 @@ def test_an_unknown_memory_is_refused_before_any_cell_runs(tmp_path):
     with pytest.raises(ConfigError, match="momentum_masking"):
         import argparse
 
-        from gradcomp.experiments import sweep
+        from gradcomp.experiments.study import sweep
 
         p = argparse.ArgumentParser()
         sweep.add_arguments(p)

@@ -13,8 +13,8 @@ import torch
 from distributed import run_workers
 from torch import nn
 
-from gradcomp.experiments.launch import launch
-from gradcomp.experiments.runner import TrainConfig, add_weight_decay_to_gradients, make_optimizer
+from gradcomp.experiments.run.launch import launch
+from gradcomp.experiments.run.runner import TrainConfig, add_weight_decay_to_gradients, make_optimizer
 
 
 @pytest.mark.parametrize(

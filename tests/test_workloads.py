@@ -12,12 +12,12 @@ import torch
 
 from gradcomp.cli import main
 from gradcomp.errors import ConfigError
-from gradcomp.experiments import checkpoint
-from gradcomp.experiments.checkpoint import CRASH_ENV
-from gradcomp.experiments.data import TextDataset, corpus_files, load_dataset, split_files, stdlib_dir
-from gradcomp.experiments.models import ResNet, TransformerLM, build_model
-from gradcomp.experiments.report import aggregate_seeds, mean_std, parse_seeds
-from gradcomp.experiments.runner import TrainConfig
+from gradcomp.experiments.run import checkpoint
+from gradcomp.experiments.run.checkpoint import CRASH_ENV
+from gradcomp.experiments.run.data import TextDataset, corpus_files, load_dataset, split_files, stdlib_dir
+from gradcomp.experiments.run.models import ResNet, TransformerLM, build_model
+from gradcomp.experiments.run.report import aggregate_seeds, mean_std, parse_seeds
+from gradcomp.experiments.run.runner import TrainConfig
 
 TINY_LM = ["--model", "transformer_tiny", "--context", "32", "--no-progress", "--simulate", "--workers", "2"]
 
@@ -143,7 +143,7 @@ def test_batchnorm_buffers_stay_identical_across_gloo_workers_and_are_counted_ap
 
 
 def test_batchnorm_buffers_differ_between_replicas_without_the_broadcast(monkeypatch, tmp_path):
-    from gradcomp.experiments import runner
+    from gradcomp.experiments.run import runner
 
     out = tmp_path / "resnet.json"
     args = ["train", "--model", "resnet", "--dataset", "synthetic", "--workers", "2", "--steps", "2",
@@ -170,7 +170,7 @@ def test_learning_rate_schedules_at_given_steps():
 
 
 def test_adamw_takes_its_hyper_parameters_and_the_optimizer_runs_at_the_scheduled_rate(tmp_path):
-    from gradcomp.experiments.runner import make_optimizer, set_lr
+    from gradcomp.experiments.run.runner import make_optimizer, set_lr
 
     cfg = TrainConfig(optimizer="adamw", momentum=0.0, lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     model = torch.nn.Linear(3, 1)
@@ -239,7 +239,7 @@ def test_adamw_state_is_needed_for_the_bit_exact_resume(tmp_path, monkeypatch, c
     (["--seeds", "1,1"], "seed 1 is given twice"),
 ])  # fmt: skip
 def test_bad_workload_options_are_refused_before_any_worker_starts(argv, message, capsys, monkeypatch):
-    from gradcomp.experiments import launch
+    from gradcomp.experiments.run import launch
 
     monkeypatch.setattr(launch, "launch", lambda cfg: pytest.fail("a worker was started"))
     capsys.readouterr()
@@ -303,7 +303,7 @@ def test_train_with_seeds_reports_each_seed_and_mean_std(tmp_path, capsys):
 
 
 def test_race_checks_the_target_kind_before_anything_starts():
-    from gradcomp.experiments import race
+    from gradcomp.experiments.race import race
 
     text = race.Options(methods=[race.parse_method("none")], hosts=2, link="none", model="transformer_tiny",
                         dataset="pystdlib", steps=4, train_extra={"optimizer": "adamw", "momentum": 0.0,
@@ -317,7 +317,7 @@ def test_race_checks_the_target_kind_before_anything_starts():
 
 
 def test_race_times_a_loss_target_lower_is_better_and_summarises_seeds():
-    from gradcomp.experiments import race
+    from gradcomp.experiments.race import race
 
     curve = [[10, 1.0, 5.0], [20, 2.0, 3.1], [30, 3.0, 2.9], [40, 4.0, 3.0]]
     assert race.first_reaching(curve, 3.0, lower=True) == (30, 3.0)

@@ -10,8 +10,8 @@ import sys
 from gradcomp import errors
 from gradcomp.allocator import keep_freed_memory
 from gradcomp.errors import CommunicationError, ConfigError, GradcompError
-from gradcomp.experiments.report import parse_seeds
-from gradcomp.experiments.runner import (
+from gradcomp.experiments.run.report import parse_seeds
+from gradcomp.experiments.run.runner import (
     DEFAULT_TIMEOUT_S,
     add_training_options,
     launched_by_torchrun,
@@ -107,9 +107,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from gradcomp.experiments.launch import launch
-    from gradcomp.experiments.report import check_output_file
-    from gradcomp.experiments.runner import TrainConfig
+    from gradcomp.experiments.run.launch import launch
+    from gradcomp.experiments.run.report import check_output_file
+    from gradcomp.experiments.run.runner import TrainConfig
 
     if args.json:
         check_output_file(args.json, "--json")  # now, not after the whole training
@@ -155,13 +155,13 @@ def _train(args: argparse.Namespace) -> int:
     if note:
         print(f"gradcomp: {note}", file=sys.stderr)
     if args.checkpoint or args.resume or args.resume_if_present or args.checkpoint_every is not None:
-        from gradcomp.experiments.checkpoint import check_before_launch
+        from gradcomp.experiments.run.checkpoint import check_before_launch
 
         check_before_launch(cfg)  # options, and a resumed checkpoint's configuration, before any worker starts
     if seeds is not None and len(seeds) > 1:
         import dataclasses
 
-        from gradcomp.experiments.report import aggregate_seeds, format_seeds
+        from gradcomp.experiments.run.report import aggregate_seeds, format_seeds
 
         if launched_by_torchrun():
             raise ConfigError("--seeds with several seeds runs one training after another: not under torchrun")
@@ -176,7 +176,7 @@ def _train(args: argparse.Namespace) -> int:
         result = _launch_naming_the_checkpoint(cfg)
         if result is None:  # a non-zero torchrun rank
             return 0
-        from gradcomp.experiments.report import format_summary
+        from gradcomp.experiments.run.report import format_summary
 
         print(format_summary(result))
     if args.json:
@@ -190,8 +190,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _launch_naming_the_checkpoint(cfg):
     """``launch(cfg)``; a failure during training says which intact checkpoint to ``--resume`` from, if any."""
-    from gradcomp.experiments.checkpoint import CheckpointError, resume_hint
-    from gradcomp.experiments.launch import launch
+    from gradcomp.experiments.run.checkpoint import CheckpointError, resume_hint
+    from gradcomp.experiments.run.launch import launch
 
     try:
         return launch(cfg)
@@ -242,64 +242,64 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from gradcomp.experiments import bench
+    from gradcomp.experiments.bench import bench
 
     bench.add_arguments(sub.add_parser("bench", help="throughput and bits per element of every compressor"))
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
-    from gradcomp.experiments import sweep
+    from gradcomp.experiments.study import sweep
 
     sweep.add_arguments(sub.add_parser("sweep", help="grid of sparsification schemes; table and plots; resumes"))
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from gradcomp.experiments import sweep
+    from gradcomp.experiments.study import sweep
 
     return sweep.main(args)
 
 
 def _add_curves(sub: argparse._SubParsersAction) -> None:
-    from gradcomp.experiments import curves
+    from gradcomp.experiments.study import curves
 
     curves.add_arguments(sub.add_parser("curves", help="accuracy curves of finished runs: table and plot"))
 
 
 def _curves(args: argparse.Namespace) -> int:
-    from gradcomp.experiments import curves
+    from gradcomp.experiments.study import curves
 
     return curves.main(args)
 
 
 def _add_race(sub: argparse._SubParsersAction) -> None:
-    from gradcomp.experiments import race
+    from gradcomp.experiments.race import race
 
     race.add_arguments(sub.add_parser("race", help="time to accuracy of several methods over emulated slow links"))
 
 
 def _race(args: argparse.Namespace) -> int:
-    from gradcomp.experiments import race
+    from gradcomp.experiments.race import race
 
     return race.main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from gradcomp.experiments import bench
+    from gradcomp.experiments.bench import bench
 
     return bench.main(args)
 
 
-# -- plan: which method is fastest on a given network (gradcomp.experiments.plan) ----------------------------
+# -- plan: which method is fastest on a given network (gradcomp.experiments.study.plan) ----------------------------
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from gradcomp.experiments import plan
+    from gradcomp.experiments.study import plan
 
     plan.add_arguments(sub.add_parser("plan", help="predict each method's step time on a network; recommend one"))
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from gradcomp.experiments import plan
+    from gradcomp.experiments.study import plan
 
     return plan.main(args)
 
@@ -384,7 +384,7 @@ def run() -> None:
     """
     import os
 
-    from gradcomp.experiments.launch import launched_by_torchrun
+    from gradcomp.experiments.run.launch import launched_by_torchrun
 
     # The command's own process keeps freed memory for reuse (allocator.py); the workers it starts apply the
     # same setting themselves, unless GRADCOMP_KEEP_FREED_MEMORY=0. Not in main(): a caller of main() in its

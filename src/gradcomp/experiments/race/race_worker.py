@@ -1,6 +1,6 @@
 """One worker of ``gradcomp race``, started on its host.
 
-``[ip netns exec NS] python -m gradcomp.experiments.race_worker JOB.json``: the environment carries
+``[ip netns exec NS] python -m gradcomp.experiments.race.race_worker JOB.json``: the environment carries
 torch.distributed's usual variables (MASTER_ADDR = host 0's address, MASTER_PORT, RANK, WORLD_SIZE,
 LOCAL_RANK: the host's index, its GPU with CUDA), GLOO_SOCKET_IFNAME (the host's veth) and NCCL's settings that
 keep NCCL on that veth (``race._nccl_over_the_link``). ``MASTER_PORT=0`` (plain local processes)
@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import allocator
-from gradcomp.experiments import runner
-from gradcomp.experiments.data import Dataset, TextDataset, evaluate, evaluate_text
-from gradcomp.experiments.models import build_model
-from gradcomp.experiments.netns import read_wire_counters
-from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, make_optimizer
+from gradcomp.experiments.run import runner
+from gradcomp.experiments.run.data import Dataset, TextDataset, evaluate, evaluate_text
+from gradcomp.experiments.run.models import build_model
+from gradcomp.experiments.race.netns import read_wire_counters
+from gradcomp.experiments.run.runner import Batches, TrainConfig, compute_gradients, make_optimizer
 from gradcomp.transport.dist import DistTransport, bind_device
 
 _PR_SET_PDEATHSIG = 1
@@ -287,7 +287,7 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
                       verbose=rank == 0 and job.get("verbose", True), label=job["label"])
     register = None
     if job.get("baseline"):
-        from gradcomp.experiments.torch_baselines import torch_hook_registrar
+        from gradcomp.experiments.race.torch_baselines import torch_hook_registrar
 
         register = torch_hook_registrar(job["baseline"], job["baseline_params"])
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradcomp.experiments.data import evaluate, load_dataset
-from gradcomp.experiments.models import build_model
+from gradcomp.experiments.run.data import evaluate, load_dataset
+from gradcomp.experiments.run.models import build_model
 from gradcomp.transport.base import Transport
 
 
@@ -63,7 +63,7 @@ def run_fsdp_worker(cfg: Any, transport: Transport, device: torch.device, *, com
     and the residual's bytes). ``compress=False``: FSDP's own reduce-scatter (the baseline of docs/fsdp.md;
     no bytes are counted then)."""
     from gradcomp.transport.base import ByteCounter
-    from gradcomp.experiments.runner import (
+    from gradcomp.experiments.run.runner import (
         Batches, Curves, Progress, compute_gradients, make_optimizer, parameter_digest,
     )
     from gradcomp.train.fsdp import compress_fsdp

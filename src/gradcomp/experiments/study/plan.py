@@ -1,6 +1,6 @@
 """`gradcomp plan`: which method gives the shortest training step on a given network, predicted before training.
 
-For a model (``--model NAME``, any name ``experiments/models.py`` builds) or a list of parameter shapes
+For a model (``--model NAME``, any name ``experiments/run/models.py`` builds) or a list of parameter shapes
 (``--shapes FILE``, a JSON list such as ``[[1024, 3072], [3072]]``), W workers and a link, the planner
 
 1. **measures the exact traffic** of every method: it runs real steps of the method's scheme (its compressor,
@@ -45,11 +45,11 @@ from typing import Any
 import torch
 
 from gradcomp.errors import ConfigError
-from gradcomp.experiments import race
+from gradcomp.experiments.race import race
 from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
 
 BASELINE_EQUIVALENTS = {"torch-fp32": "none", "torch-fp16": "fp16"}
-# the race's default methods (experiments/race.py, read from there so the two never drift apart) with torch's DDP
+# the race's default methods (experiments/race/race.py, read from there so the two never drift apart) with torch's DDP
 # baselines as the gradcomp method that sends the same messages (torch's PowerSGD hook has none: the race's
 # powersgd:rank=2 stands for it), plus cheap ones: bf16, terngrad
 DEFAULT_METHODS = (
@@ -83,7 +83,7 @@ class PlanMethod:
 
     def config(self):
         """A TrainConfig holding this method's settings (what ``build_compressors`` needs)."""
-        from gradcomp.experiments.runner import TrainConfig
+        from gradcomp.experiments.run.runner import TrainConfig
 
         return TrainConfig(
             compressor=self.compressor, params=dict(self.params), feedback=self.feedback, topology=self.topology,
@@ -215,7 +215,7 @@ def _source_digest() -> str:
     """A digest of gradcomp's Python source: an edited compressor is a new version for the cache."""
     global _SOURCE_DIGEST
     if _SOURCE_DIGEST is None:
-        root = Path(__file__).resolve().parents[1]
+        root = Path(__file__).resolve().parents[2]  # the gradcomp package
         h = hashlib.sha256()
         for path in sorted(root.rglob("*.py")):
             if path.name == "plan.py":
@@ -312,9 +312,9 @@ def measure_method(
 def measure_compute(model: str, dataset: str, data_root: str | None, batch_size: int, device: str,
                     seed: int = 0, repeats: int = COMPUTE_REPEATS) -> dict[str, Any]:
     """Forward + backward of ``model`` on one batch of ``dataset`` (median of ``repeats`` after one warm-up)."""
-    from gradcomp.experiments.data import load_dataset
-    from gradcomp.experiments.models import build_model
-    from gradcomp.experiments.runner import compute_gradients
+    from gradcomp.experiments.run.data import load_dataset
+    from gradcomp.experiments.run.models import build_model
+    from gradcomp.experiments.run.runner import compute_gradients
 
     data = load_dataset(dataset, data_root)
     net = build_model(model, data, seed).to(device)
@@ -355,8 +355,8 @@ def check_memory(numel: int, workers: int, device: str) -> None:
 
 def model_shapes(model: str, dataset: str, data_root: str | None, seed: int = 0) -> list[tuple[int, ...]]:
     """The shapes of the trainable parameters of ``model`` built for ``dataset``; ConfigError for an unknown name."""
-    from gradcomp.experiments.data import load_dataset
-    from gradcomp.experiments.models import build_model
+    from gradcomp.experiments.run.data import load_dataset
+    from gradcomp.experiments.run.models import build_model
 
     net = build_model(model, load_dataset(dataset, data_root), seed)
     return [tuple(p.shape) for p in net.parameters() if p.requires_grad]
@@ -671,7 +671,7 @@ def main(args: argparse.Namespace) -> int:
     import sys
 
     if args.json:
-        from gradcomp.experiments.report import check_output_file
+        from gradcomp.experiments.run.report import check_output_file
 
         check_output_file(args.json, "--json")
     opts = options_from_args(args)

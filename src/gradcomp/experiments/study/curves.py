@@ -57,7 +57,7 @@ def is_text(result: dict[str, Any]) -> bool:
 def curve_band(result: dict[str, Any]) -> list[tuple[int, float, float]]:
     """(step, mean, std) of the run's metric curve: accuracy, or bits per byte for a language model. A ``--seeds``
     result is averaged over its seeds at the steps every seed recorded (std: sample, 0 for one seed)."""
-    from gradcomp.experiments.report import mean_std
+    from gradcomp.experiments.run.report import mean_std
 
     key = "val_loss_curve" if is_text(result) else "accuracy_curve"
     runs = result.get("runs") or [result]
@@ -87,7 +87,7 @@ def render_markdown(runs: list[tuple[str, dict[str, Any]]], targets: list[float]
         firsts = [first_reaching(curve, t, lower_is_better=text) for t in targets]
         key = "val_bits_per_byte" if text else "test_accuracy"
         finals = [x[key] for x in (r.get("runs") or [r])]
-        from gradcomp.experiments.report import mean_std
+        from gradcomp.experiments.run.report import mean_std
 
         lines.append(f"| {label} | {r['steps']} | {seeds} | {_value(text, *mean_std(finals), seeds)} | "
                      + " | ".join("–" if s is None else f"step {s}" for s in firsts) + " |")
@@ -151,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
     if any(not 0 < t <= 1 for t in targets):
         raise ConfigError(f"--targets are accuracies in (0, 1], got {targets}")
     if args.out:  # before anything is printed: the table without the plot asked for is no success
-        from gradcomp.experiments.report import check_output_file
+        from gradcomp.experiments.run.report import check_output_file
 
         check_output_file(args.out, "--out")
         try:

@@ -365,8 +365,8 @@ def model_gradient(device: torch.device | str = "cpu") -> tuple[Tensor, str]:
     """
     from torch import nn
 
-    from gradcomp.experiments.data import iterate_batches, load_dataset, shard_indices
-    from gradcomp.experiments.models import build_model
+    from gradcomp.experiments.run.data import iterate_batches, load_dataset, shard_indices
+    from gradcomp.experiments.run.models import build_model
 
     note = ""
     try:
@@ -1191,7 +1191,7 @@ def main(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be positive, got {args.threads}")
     if args.json:
-        from gradcomp.experiments.report import check_output_file
+        from gradcomp.experiments.run.report import check_output_file
 
         check_output_file(args.json, "--json")  # now, not after the whole benchmark
     if args.threads is not None:

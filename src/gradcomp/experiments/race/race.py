@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradcomp.errors import ConfigError, GradcompError
-from gradcomp.experiments import netns
-from gradcomp.experiments import torch_baselines as tb
+from gradcomp.experiments.race import netns
+from gradcomp.experiments.race import torch_baselines as tb
 from gradcomp.registry import parse_param_strings
 
 DEFAULT_METHODS = (
@@ -251,7 +251,7 @@ def make_network(opts: Options, log=print):
 
 
 def _base_config(opts: Options):
-    from gradcomp.experiments.runner import TrainConfig
+    from gradcomp.experiments.run.runner import TrainConfig
 
     return TrainConfig(
         workers=opts.hosts, steps=opts.steps, batch_size=opts.batch_size, lr=opts.lr, momentum=opts.momentum,
@@ -262,7 +262,7 @@ def _base_config(opts: Options):
 
 
 def is_text(opts: Options) -> bool:
-    from gradcomp.experiments.models import TEXT_MODELS
+    from gradcomp.experiments.run.models import TEXT_MODELS
 
     return opts.model.strip().lower() in TEXT_MODELS
 
@@ -274,7 +274,7 @@ def goal(opts: Options) -> float:
 
 def plan(opts: Options, log=print) -> tuple[list[Any], int]:
     """Every method's TrainConfig, checked before anything starts; and the model's parameter count."""
-    from gradcomp.experiments.models import build_model
+    from gradcomp.experiments.run.models import build_model
 
     if not opts.methods:
         raise ConfigError("no method to race")
@@ -375,7 +375,7 @@ def _last_line(path: str) -> str:
 
 def run_method(network, method: Method, cfg, opts: Options, workdir: str, index: int, log=print) -> dict[str, Any]:
     """Start one worker per host, relay rank 0's progress lines, collect the W result files."""
-    from gradcomp.experiments.runner import worker_threads
+    from gradcomp.experiments.run.runner import worker_threads
 
     jobdir = os.path.join(workdir, f"{index:02d}")
     os.makedirs(jobdir)
@@ -414,7 +414,7 @@ def run_method(network, method: Method, cfg, opts: Options, workdir: str, index:
                 OMP_NUM_THREADS=str(threads),
                 **_nccl_over_the_link(host.ifname),
             )
-            argv = host.command([sys.executable, "-m", "gradcomp.experiments.race_worker", job_path])
+            argv = host.command([sys.executable, "-m", "gradcomp.experiments.race.race_worker", job_path])
             with open(log_path, "w") as out:
                 # own session: Ctrl-C reaches the race, which stops its workers itself
                 procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -478,7 +478,7 @@ def first_reaching(curve: list[list[float]], target: float, lower: bool = False)
 
 
 def _text_model(name: str) -> bool:
-    from gradcomp.experiments.models import TEXT_MODELS
+    from gradcomp.experiments.run.models import TEXT_MODELS
 
     return name.strip().lower() in TEXT_MODELS
 
@@ -743,7 +743,7 @@ def render_plot(records: list[dict[str, Any]], summary: dict[str, Any], path: st
 
 def code_version() -> dict[str, Any] | None:
     """The git commit of the gradcomp source that the workers import, and its modified files, if it is a checkout."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the gradcomp package
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the gradcomp package
     try:
         commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         status = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", "."], capture_output=True,
@@ -950,7 +950,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-netns", action="store_true",
                    help="with --link none: plain local processes on 127.0.0.1 instead of namespaces")
     p.add_argument("--steps", type=int, default=500, help="training steps of every method")
-    from gradcomp.experiments.runner import add_training_options
+    from gradcomp.experiments.run.runner import add_training_options
 
     add_training_options(p, epochs=None)
     p.set_defaults(model="convnet")
@@ -979,8 +979,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else "")
               + (f"; work directories: {', '.join(dirs)}" if dirs else ""))
         return 0
-    from gradcomp.experiments.runner import resolve_training_defaults
-    from gradcomp.experiments.report import parse_seeds
+    from gradcomp.experiments.run.runner import resolve_training_defaults
+    from gradcomp.experiments.run.report import parse_seeds
 
     train = resolve_training_defaults(args)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
@@ -1039,7 +1039,7 @@ def race_seeds(opts: Options, seeds: list[int], log) -> int:
 def seeds_summary(results: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
     """Per method: time to target and final value for every seed, and their mean ± sample std (over the seeds
     that reached the target; the others are counted)."""
-    from gradcomp.experiments.report import mean_std
+    from gradcomp.experiments.run.report import mean_std
 
     lower = results[0]["summary"].get("lower_is_better", False)
     labels = [r["label"] for r in results[0]["methods"]]

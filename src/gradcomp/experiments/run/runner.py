@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradcomp.errors import ConfigError
-from gradcomp.experiments.checkpoint import WorkerCheckpoints
-from gradcomp.experiments.data import Dataset, TextDataset, evaluate, evaluate_text, load_dataset, shard_indices
-from gradcomp.experiments.models import TEXT_MODELS, build_model
-from gradcomp.experiments.report import human_bits
+from gradcomp.experiments.run.checkpoint import WorkerCheckpoints
+from gradcomp.experiments.run.data import Dataset, TextDataset, evaluate, evaluate_text, load_dataset, shard_indices
+from gradcomp.experiments.run.models import TEXT_MODELS, build_model
+from gradcomp.experiments.run.report import human_bits
 from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
 from gradcomp.registry import make
 from gradcomp.train.aggregator import GRANULARITIES, GradientAggregator
@@ -125,8 +125,8 @@ class TrainConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     ddp: bool = False  # train a DistributedDataParallel model with gradcomp's communication hook
     bucket_cap_mb: float | None = None  # DDP's bucket size (None: DDP's default, 25 MB)
-    fsdp: bool = False  # train an FSDP2 model whose reduce-scatter is compressed (experiments/fsdp_run.py)
-    # resumable checkpoints (gradcomp.experiments.checkpoint): every rank's state into checkpoint_dir every
+    fsdp: bool = False  # train an FSDP2 model whose reduce-scatter is compressed (experiments/run/fsdp_run.py)
+    # resumable checkpoints (gradcomp.experiments.run.checkpoint): every rank's state into checkpoint_dir every
     # checkpoint_every steps and after the last one; resume_dir (or, with resume_if_present, checkpoint_dir
     # when it holds one) is loaded on every rank before training
     checkpoint_dir: str | None = None
@@ -169,7 +169,7 @@ class TrainConfig:
                 f"--latency {self.latency} prices messages only together with a bandwidth: give --bandwidth too"
             )
         if self.save_path is not None:
-            from gradcomp.experiments.report import check_output_file
+            from gradcomp.experiments.run.report import check_output_file
 
             check_output_file(self.save_path, "--save")  # rank 0 writes it only after training
         if self.granularity not in GRANULARITIES:
@@ -212,7 +212,7 @@ class TrainConfig:
                 f"{data.train_x.shape[0]} examples of {self.dataset} over {self.workers} workers are {share} each"
             )
         model = build_model(self.model, data, self.seed)
-        if self.fsdp:  # FSDP2 with a compressed reduce-scatter (experiments/fsdp_run.py, docs/fsdp.md)
+        if self.fsdp:  # FSDP2 with a compressed reduce-scatter (experiments/run/fsdp_run.py, docs/fsdp.md)
             from gradcomp.train.fsdp import check_fsdp_method
 
             for refused, message in FSDP_REFUSALS:
@@ -520,7 +520,7 @@ def save_checkpoint(cfg: TrainConfig, model: nn.Module, aggregator: GradientAggr
     """``--save``: the trained model with the lead worker's compressor state (residuals) and the run's configuration.
 
     An export of the final model, not a resumable checkpoint (no optimizer state, one rank): resumable
-    checkpoints are ``--checkpoint DIR`` (gradcomp.experiments.checkpoint).
+    checkpoints are ``--checkpoint DIR`` (gradcomp.experiments.run.checkpoint).
     """
     torch.save(
         {"model": model.state_dict(), "aggregator": aggregator.state_dict(), "config": dataclasses.asdict(cfg)},

@@ -72,8 +72,8 @@ if TYPE_CHECKING:
     from gradcomp.transport.base import Transport
 
 # runner imports this module, so its types are not imported back (tests/test_imports.py: no circles at all)
-TrainConfig = Any  # a gradcomp.experiments.runner.TrainConfig
-Curves = Any  # a gradcomp.experiments.runner.Curves
+TrainConfig = Any  # a gradcomp.experiments.run.runner.TrainConfig
+Curves = Any  # a gradcomp.experiments.run.runner.Curves
 
 FORMAT = 1
 LATEST = "latest"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradcomp.errors import ConfigError
-from gradcomp.experiments.data import Dataset
+from gradcomp.experiments.run.data import Dataset
 
 __all__ = ["ALL_MODELS", "MLP", "MODEL_NAMES", "MnistConvNet", "ResNet", "SmallCNN", "TEXT_MODELS", "TransformerLM", "build_model"]
 

@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 
 from gradcomp.allocator import keep_freed_memory
 from gradcomp.errors import GradcompError, Interrupted, WorkerLostError
-from gradcomp.experiments.runner import (
+from gradcomp.experiments.run.runner import (
     TrainConfig,
     launched_by_torchrun,
     run_simulated,
@@ -120,7 +120,7 @@ def _train_in_group(cfg: TrainConfig, device: torch.device, started: float) -> d
     """Runs inside an initialised process group; rank 0 returns the summary."""
     transport = DistTransport()
     if cfg.fsdp:  # FSDP2 with a compressed reduce-scatter: its own loop, which uses the runner's helpers
-        from gradcomp.experiments.fsdp_run import run_fsdp_worker
+        from gradcomp.experiments.run.fsdp_run import run_fsdp_worker
 
         stats = run_fsdp_worker(cfg, transport, device)
     else:
@@ -248,7 +248,7 @@ def _wait_for(context: mp.ProcessContext, cfg: TrainConfig, store: dist.TCPStore
             return
 
 
-# "gradcomp.experiments.checkpoint.CheckpointError: ..." -> "CheckpointError: ...": the user's words, not a module path
+# "gradcomp.experiments.run.checkpoint.CheckpointError: ..." -> "CheckpointError: ...": the user's words, not a module path
 _GRADCOMP_ERROR_PATH = re.compile(r"^gradcomp(?:\.\w+)*\.(?=\w+Error: )")
 
 

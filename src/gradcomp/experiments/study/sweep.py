@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from gradcomp.errors import ConfigError, NonFiniteGradientError
-from gradcomp.experiments.launch import WorkerFailedError, launch
-from gradcomp.experiments.models import build_model
-from gradcomp.experiments.runner import Batches, TrainConfig, compute_gradients, run_simulated
+from gradcomp.experiments.run.launch import WorkerFailedError, launch
+from gradcomp.experiments.run.models import build_model
+from gradcomp.experiments.run.runner import Batches, TrainConfig, compute_gradients, run_simulated
 
 SCHEMES = ("topk", "randomk", "randomblock", "threshold")
 BASELINE = "none"  # uncompressed fp32 allreduce: one cell per seed, the reference every table and plot shows
@@ -192,7 +192,7 @@ def _accuracy_text(finished: list[dict], lost: list[dict]) -> str:
     note = f"diverged{where}" if not finished else f"{len(lost)} diverged{where}"
     if not finished:
         return note
-    from gradcomp.experiments.report import mean_std
+    from gradcomp.experiments.run.report import mean_std
 
     text_model = finished[0].get("val_bits_per_byte") is not None
     values = [r["val_bits_per_byte"] if text_model else 100 * r["test_accuracy"] for r in finished]
@@ -319,7 +319,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/sweep", metavar="DIR")
     p.add_argument("--real", action="store_true", help="spawn real gloo workers instead of the simulated cluster")
     p.add_argument("--workers", type=int, default=4)
-    from gradcomp.experiments.runner import add_training_options
+    from gradcomp.experiments.run.runner import add_training_options
 
     add_training_options(p)
     p.add_argument("--bandwidth", default=None, metavar="RATE")
@@ -331,8 +331,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = sorted(set(args.schemes) - set(SCHEMES))
     if unknown:
         raise ConfigError(f"unknown scheme(s) {unknown}; the sweep knows {list(SCHEMES)}")
-    from gradcomp.experiments.runner import resolve_training_defaults
-    from gradcomp.experiments.report import parse_seeds
+    from gradcomp.experiments.run.runner import resolve_training_defaults
+    from gradcomp.experiments.run.report import parse_seeds
 
     args.densities = _floats(args.densities, "--densities")
     args.granularities = [g.strip() for g in args.granularities.split(",") if g.strip()]
@@ -346,7 +346,7 @@ def main(args: argparse.Namespace) -> int:
     for cell in grid(args):  # every cell's configuration, before the first one trains
         checked = cell_config(base, cell, calibrate=False)
         checked.validate()
-    from gradcomp.experiments.report import make_output_dir
+    from gradcomp.experiments.run.report import make_output_dir
 
     make_output_dir(args.out, "--out")  # a ConfigError now, not a traceback
     path = os.path.join(args.out, "results.jsonl")

@@ -1,0 +1,1 @@
+"""`gradcomp race`: time to accuracy on an emulated slow network (race), its worker process (race_worker), the network namespaces and shaped links (netns), and torch's own DDP baselines (torch_baselines)."""

@@ -1,0 +1,1 @@
+"""One training run: the loop (runner), its workers (launch: spawn, torchrun, the simulated cluster), data, models, resumable checkpoints (checkpoint), the FSDP2 loop (fsdp_run) and the result summary (report)."""
