@@ -1,6 +1,5 @@
 """Mixed precision with GradientAggregator (docs/ddp.md, Errors): bf16 autocast works, fp16 GradScaler not yet."""
 
-import pytest
 import torch
 from torch import nn
 

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from gradcomp.cli import main
 from gradcomp.experiments.run import checkpoint, launch
