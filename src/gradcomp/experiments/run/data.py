@@ -446,6 +446,15 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1000) -> 
     _check_int("batch_size", batch_size, 1)
     if x.dim() == 0 or y.dim() != 1 or x.shape[0] != y.shape[0]:
         raise ConfigError(f"x must be Nx... and y of length N, got {tuple(x.shape)} and {tuple(y.shape)}")
+    correct = 0
+    for xb, yb in _batches_in_eval_mode(model, x, y, batch_size):
+        correct += int((model(xb).argmax(dim=1) == yb).sum())
+    return correct / int(x.shape[0])
+
+
+def _batches_in_eval_mode(model: nn.Module, x: Tensor, y: Tensor, batch_size: int):
+    """(x, y) in batches on the device of the model's parameters, with the model in eval mode under
+    ``torch.no_grad()`` while the caller uses them; its training mode is restored afterwards."""
     n = int(x.shape[0])
     if n == 0:
         raise ConfigError("cannot evaluate on an empty set")
@@ -453,16 +462,12 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1000) -> 
     device = param.device if param is not None else x.device
     was_training = model.training
     model.eval()
-    correct = 0
     try:
         with torch.no_grad():
             for start in range(0, n, batch_size):
-                xb = x[start : start + batch_size].to(device)
-                yb = y[start : start + batch_size].to(device)
-                correct += int((model(xb).argmax(dim=1) == yb).sum())
+                yield x[start : start + batch_size].to(device), y[start : start + batch_size].to(device)
     finally:
         model.train(was_training)
-    return correct / n
 
 
 # ------------------------------------------------------------------------------------------ text corpus
@@ -592,24 +597,12 @@ def evaluate_text(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 32) 
 
     Runs in eval mode under ``torch.no_grad()`` and restores the model's training mode afterwards.
     """
-    n = int(x.shape[0])
-    if n == 0:
-        raise ConfigError("cannot evaluate on an empty set")
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else x.device
-    was_training = model.training
-    model.eval()
     nats, correct, count = 0.0, 0, 0
-    try:
-        with torch.no_grad():
-            for start in range(0, n, batch_size):
-                xb = x[start : start + batch_size].to(device)
-                yb = y[start : start + batch_size].to(device).long()
-                logits = model(xb)
-                nats += float(torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]).float(), yb.reshape(-1), reduction="sum"))
-                correct += int((logits.argmax(dim=-1) == yb).sum())
-                count += yb.numel()
-    finally:
-        model.train(was_training)
+    for xb, yb in _batches_in_eval_mode(model, x, y, batch_size):
+        yb = yb.long()
+        logits = model(xb)
+        nats += float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), yb.reshape(-1), reduction="sum"))
+        correct += int((logits.argmax(dim=-1) == yb).sum())
+        count += yb.numel()
     return correct / count, nats / count / math.log(2)
