@@ -57,3 +57,14 @@ def run_workers(fn, world_size: int, *args, timeout: float = 240.0, teardown: bo
             else:
                 results.append(None)  # the worker left without a result (tests of vanishing workers)
         return results
+
+
+def same(a, b) -> bool:
+    """Nested state dicts equal, tensors bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b

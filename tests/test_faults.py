@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_workers
+from distributed import run_workers, same
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -27,17 +27,6 @@ METHODS = {
     "none": lambda: gradcomp.make("none"),
 }
 TOPOLOGY = {"topk-ef-ps": "ps"}
-
-
-def same(a, b) -> bool:
-    """Nested state dicts equal, tensors bit for bit."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return a == b
 
 
 def _net() -> nn.Module:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_workers
+from distributed import run_workers, same
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -25,16 +25,6 @@ METHODS = {
     "signum": lambda: gradcomp.make("signum"),
     "none": lambda: gradcomp.make("none"),
 }
-
-
-def same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return a == b
 
 
 def _net() -> nn.Module:
