@@ -9,8 +9,8 @@ import pytest
 
 import gradcomp
 from gradcomp.cli import main
+from gradcomp.experiments.run.runner import run_simulated, worker_threads
 from gradcomp.experiments.study import plan
-from gradcomp.experiments.run.runner import run_simulated
 from gradcomp.netmodel import NetworkModel
 
 TINY = [(128, 64), (128,), (10, 128), (10,)]  # the mlp on the synthetic dataset
@@ -119,6 +119,7 @@ def test_cache_hit_and_miss(tmp_path, monkeypatch):
     ({"latency": "-1ms"}, "latency must"),
     ({"workers": 1}, "workers must be an integer >= 2"),
     ({"compute_ms": -1.0}, "compute-ms"),
+    ({"colocated": 0}, "colocated must be an integer >= 1"),
 ])
 def test_bad_input_is_refused_before_measuring(change, message, monkeypatch, tmp_path):
     def never(*args, **kwargs):
@@ -130,6 +131,34 @@ def test_bad_input_is_refused_before_measuring(change, message, monkeypatch, tmp
                             cache_dir=str(tmp_path))
     with pytest.raises(gradcomp.ConfigError, match=message):
         plan.run_plan(dataclasses.replace(opts, **change))
+
+
+def test_colocated_workers_are_measured_at_once_in_their_own_processes(tmp_path):
+    """--colocated N times compute and compression in N processes at once; the traffic is the same bytes."""
+    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, link="1gbit", methods=["topk:density=0.05"],
+                            cache_dir=str(tmp_path), batch_size=8)
+    alone, shared = plan.run_plan(opts), plan.run_plan(dataclasses.replace(opts, colocated=2))
+    assert shared["cache"]["misses"] == 2  # colocated measurements are not the cached single-worker ones
+    assert shared["colocated"] == 2 and alone["colocated"] == 1
+    for a, b in zip(alone["rows"], shared["rows"]):
+        assert (a["bits_up"], a["bits_down"], a["calls"]) == (b["bits_up"], b["bits_down"], b["calls"])
+        assert b["compress_s"] > 0 and b["compute_s"] > 0
+    assert "2 workers at once" in plan.format_text(shared) and "2 at once" in shared["compute_from"]
+    each = plan.colocated(plan.measure_compute, 2, "mlp", "synthetic", None, 8, "cpu", 0)
+    assert len(each) == 2 and all(m["threads"] == worker_threads(2) for m in each)
+    # a measurement that fails in a colocated process is raised here, with the child's traceback
+    with pytest.raises(RuntimeError, match="unknown model"):
+        plan.colocated(plan.measure_compute, 2, "no-such-model", "synthetic", None, 8, "cpu", 0)
+
+
+def test_merge_colocated_takes_each_workers_median_and_keeps_the_traffic():
+    def copy(*seconds):
+        return {"workers": [[{"compress_s": s, "bytes_up": 7, "ops": {"all_reduce": [1, 7]}} for s in seconds]]}
+
+    merged = plan.merge_colocated([copy(1.0, 5.0), copy(3.0, 4.0), copy(2.0, 9.0)])
+    assert [s["compress_s"] for s in merged["workers"][0]] == [2.0, 5.0]
+    assert all(s["bytes_up"] == 7 and s["ops"] == {"all_reduce": [1, 7]} for s in merged["workers"][0])
+    assert merged["colocated"] == 3
 
 
 def test_a_plan_too_large_for_memory_is_refused_before_measuring(monkeypatch, tmp_path):

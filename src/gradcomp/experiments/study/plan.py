@@ -61,7 +61,7 @@ FP32 = "none"
 WARMUP_STEPS = 2
 TIMED_STEPS = 3
 COMPUTE_REPEATS = 5
-CACHE_FORMAT = 1  # bump when measure_method or measure_compute change what they measure
+CACHE_FORMAT = 2  # bump when measure_method or measure_compute change what they measure
 SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
 
 
@@ -156,6 +156,7 @@ class PlanOptions:
     device: str = "cpu"
     methods: Sequence[str] = DEFAULT_METHODS
     compute_ms: float | None = None
+    colocated: int = 1
     cache: bool = True
     cache_dir: str | None = None
     seed: int = 0
@@ -171,6 +172,10 @@ class PlanOptions:
             raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.compute_ms is not None and not (math.isfinite(self.compute_ms) and self.compute_ms >= 0):
             raise ConfigError(f"--compute-ms must be a number >= 0, got {self.compute_ms}")
+        if isinstance(self.colocated, bool) or not isinstance(self.colocated, int) or self.colocated < 1:
+            raise ConfigError(f"--colocated must be an integer >= 1, got {self.colocated!r}")
+        if self.colocated > 1 and self.device != "cpu":
+            raise ConfigError("--colocated shares this machine's CPU cores between workers: it needs --device cpu")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -309,6 +314,73 @@ def measure_method(
     return {"workers": per_worker}
 
 
+def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any) -> list[dict[str, Any]]:
+    """``measure(*args)`` in ``n`` processes at once: what it costs when ``n`` workers share this machine's cores.
+
+    On a real cluster each worker has its machine to itself; where ``n`` workers share one (``gradcomp race``'s
+    emulated hosts, several ranks per node) they compress at the same time on the same cores, and one worker's
+    compression takes longer than the same work timed alone with every core. Each process gets the torch threads
+    a spawned worker of ``n`` gets (``runner.worker_threads``), and a barrier releases them together, so the
+    timings include exactly that contention. Returns the ``n`` results.
+    """
+    if n == 1:
+        return [measure(*args)]
+    import multiprocessing
+    import queue
+
+    from gradcomp.experiments.run.runner import worker_threads
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_colocated_worker, args=(barrier, results, worker_threads(n), measure, args),
+                         daemon=True) for _ in range(n)]
+    try:
+        for proc in procs:
+            proc.start()
+        out: list[dict[str, Any]] = []
+        while len(out) < n:
+            try:
+                ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a colocated measuring process died (exit code {dead[0]})") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"a colocated measuring process failed:\n{value}")
+            out.append(value)
+        return out
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+
+
+def _colocated_worker(barrier, results, threads: int, measure: Callable[..., dict[str, Any]], args: tuple) -> None:
+    import traceback
+
+    try:
+        torch.set_num_threads(threads)
+        barrier.wait(timeout=600)
+        results.put((True, measure(*args)))
+    except BaseException:  # the parent raises it with the traceback
+        barrier.abort()
+        results.put((False, traceback.format_exc()))
+
+
+def merge_colocated(measurements: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``measure_method`` result from colocated copies: the traffic is the same in each (seeded), and each
+    worker's per-step compression time is the median over the copies."""
+    first = measurements[0]
+    workers = []
+    for rank, steps in enumerate(first["workers"]):
+        workers.append([{**step, "compress_s": statistics.median(m["workers"][rank][i]["compress_s"]
+                                                                  for m in measurements)}
+                        for i, step in enumerate(steps)])
+    return {**first, "workers": workers, "colocated": len(measurements)}
+
+
 def measure_compute(model: str, dataset: str, data_root: str | None, batch_size: int, device: str,
                     seed: int = 0, repeats: int = COMPUTE_REPEATS) -> dict[str, Any]:
     """Forward + backward of ``model`` on one batch of ``dataset`` (median of ``repeats`` after one warm-up)."""
@@ -329,7 +401,7 @@ def measure_compute(model: str, dataset: str, data_root: str | None, batch_size:
             torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - started)
-    return {"compute_s": statistics.median(times), "repeats": repeats}
+    return {"compute_s": statistics.median(times), "repeats": repeats, "threads": torch.get_num_threads()}
 
 
 BYTES_PER_ENTRY_PER_WORKER = 24  # a simulated worker's parameter, gradient, residual, aggregate, message, decoding
@@ -524,9 +596,14 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
         log(f"measuring forward + backward of {opts.model} (batch {opts.batch_size})")
         key = {"what": "compute", "machine": machine, "model": opts.model, "dataset": opts.dataset,
                "batch_size": opts.batch_size, "device": opts.device, "seed": opts.seed}
-        compute_s = cache.get_or_measure(key, lambda: measure_compute(
-            opts.model, opts.dataset, opts.data_root, opts.batch_size, opts.device, opts.seed))["compute_s"]
+        if opts.colocated > 1:
+            key["colocated"] = opts.colocated
+        compute_s = cache.get_or_measure(key, lambda: {"compute_s": statistics.median(
+            m["compute_s"] for m in colocated(measure_compute, opts.colocated, opts.model, opts.dataset,
+                                              opts.data_root, opts.batch_size, opts.device, opts.seed))})["compute_s"]
         compute_from = f"measured: forward + backward, batch {opts.batch_size}"
+        if opts.colocated > 1:
+            compute_from += f", {opts.colocated} at once"
     else:
         compute_s, compute_from = 0.0, "not included (--shapes without --compute-ms)"
     rows = []
@@ -535,8 +612,10 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
         key = {"what": "method", "machine": machine, "shapes": shape_key, "workers": opts.workers,
                "device": opts.device, "seed": opts.seed, "method": method.key(),
                "steps": [WARMUP_STEPS, TIMED_STEPS]}
-        measured = cache.get_or_measure(
-            key, lambda m=method: measure_method(m, shapes, opts.workers, opts.device, opts.seed))
+        if opts.colocated > 1:
+            key["colocated"] = opts.colocated
+        measured = cache.get_or_measure(key, lambda m=method: merge_colocated(colocated(
+            measure_method, opts.colocated, m, shapes, opts.workers, opts.device, opts.seed)))
         traffic = Traffic.from_measurement(measured)
         rows.append(price(method.label, method.compressor, traffic, network, opts.workers, compute_s, method.note))
     return {
@@ -546,6 +625,7 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
         "workers": opts.workers,
         "network": {"bandwidth_bps": network.bandwidth_bps, "latency_s": network.latency_s},
         "device": opts.device,
+        "colocated": opts.colocated,
         "machine": machine,
         "compute_s": compute_s,
         "compute_from": compute_from,
@@ -603,9 +683,16 @@ def _title(plan: dict[str, Any]) -> str:
             f"device {plan['device']}")
 
 
+def _sharing(plan: dict[str, Any]) -> str:
+    n = plan.get("colocated", 1)
+    if n == 1:
+        return f"{plan['machine']['threads']} threads, one worker at a time"
+    return f"{n} workers at once sharing its {os.cpu_count()} cores"
+
+
 def _footer(plan: dict[str, Any]) -> list[str]:
     lines = [f"compute: {1e3 * plan['compute_s']:.2f} ms ({plan['compute_from']}); compression measured on "
-             f"{plan['machine']['gpu'] or plan['machine']['cpu']} ({plan['machine']['threads']} threads); "
+             f"{plan['machine']['gpu'] or plan['machine']['cpu']} ({_sharing(plan)}); "
              "communication priced by the latency-bandwidth model on the collectives each method really issued"]
     notes = sorted({(r["label"], r["note"]) for r in plan["rows"] if r["note"]})
     lines += [f"* {label}: {note}" for label, note in notes]
@@ -650,6 +737,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
     p.add_argument("--batch-size", type=int, default=32, help="per worker, for the measured compute")
     p.add_argument("--compute-ms", type=float, default=None, help="forward + backward per step instead of measuring")
+    p.add_argument("--colocated", type=int, default=1, metavar="N",
+                   help="workers that share this machine's cores, as gradcomp race's emulated hosts do: compute and "
+                        "compression are timed in N processes at once (default 1: each worker has a machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="measure again instead of reusing cached measurements")
     p.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON")
@@ -663,7 +753,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         shapes=shapes, shapes_source=args.shapes, dataset=args.dataset, data_root=args.data,
         batch_size=args.batch_size, workers=args.workers, link=args.link, latency=args.latency,
         device=args.device, methods=args.methods or DEFAULT_METHODS, compute_ms=args.compute_ms,
-        cache=not args.no_cache, seed=args.seed,
+        colocated=args.colocated, cache=not args.no_cache, seed=args.seed,
     )
 
 
