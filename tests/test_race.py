@@ -342,6 +342,11 @@ def test_tiny_race_writes_table_and_json(tmp_path, capsys, no_leftovers):
     if in_netns:  # fp32's allreduce of the MLP's gradient crosses each host's veth
         assert rec["torch-fp32"]["wire_tx_bytes_per_step"] > 4 * result["methods"][0]["num_parameters"] / 2
     assert result["summary"]["fp32_ideal_s"] is not None
+    # a message's fixed cost, measured on the link: a 2-host ring all-reduce is 2 messages
+    summary = result["summary"]
+    assert all(m["tiny_allreduce_s"] > 0 for m in result["methods"])
+    assert summary["message_latency_s"] == pytest.approx(summary["tiny_allreduce_s"] / 2)
+    assert "per message of its ring (`gradcomp plan --latency`)" in result["table"]
     try:
         import matplotlib  # noqa: F401
 

@@ -61,3 +61,11 @@ def test_warm_up_steps_run_even_without_compute_only_steps(monkeypatch, one_proc
     assert race_worker.compute_only(_cfg(), data, 0, torch.device("cpu"), 0) == []
     assert len(calls) == race_worker.WARMUP_STEPS == 2
     assert len(race_worker.compute_only(_cfg(), data, 0, torch.device("cpu"), 3)) == 3 and len(calls) == 7
+
+
+def test_tiny_allreduce_seconds_times_each_round_after_one_unreported(monkeypatch, one_process_group):
+    calls = []
+    real = race_worker.dist.all_reduce
+    monkeypatch.setattr(race_worker.dist, "all_reduce", lambda t, *a, **k: calls.append(t.numel()) or real(t, *a, **k))
+    times = race_worker.tiny_allreduce_seconds(torch.device("cpu"), rounds=4)
+    assert len(times) == 4 and all(t > 0 for t in times) and calls == [1] * 5

@@ -487,6 +487,7 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
     workers = raw["workers"]
     lead = workers[0]
     compute = [t for w in workers for t in w["compute_only_s"]]  # the workers' warm-up steps are not in it
+    tiny = [t for w in workers for t in w.get("tiny_allreduce_s") or []]
     steps = lead["steps"]
     wire_tx = [w["wire_tx_bytes"] for w in workers if w["wire_tx_bytes"] is not None]
     stats = lead["stats"]
@@ -518,6 +519,7 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
         "wall_s": raw["wall_s"],
         "median_step_s": lead["median_step_s"],
         "compute_only_step_s": statistics.median(compute) if compute else None,
+        "tiny_allreduce_s": statistics.median(tiny) if tiny else None,
         "peak_rss_bytes": [w["peak_rss_bytes"] for w in workers],
         "peak_anon_bytes": [w["peak_anon_bytes"] for w in workers],
         "peak_rss_training_only": all(w["peak_rss_resettable"] for w in workers),
@@ -576,9 +578,15 @@ def summarize(records: list[dict[str, Any]], target: float, num_parameters: int,
         cuda, cuda_ref = r.get("cuda_peak_bytes"), ref.get("cuda_peak_bytes") if ref else None
         r["extra_cuda_vs_ddp_grads"] = (cuda - cuda_ref) / grad_bytes if cuda is not None and cuda_ref else None
         r["memory_flag"] = any((r[key] or 0) > MEMORY_FLAG for key in EXTRA_MEMORY)
+    tiny = [r["tiny_allreduce_s"] for r in ok if r.get("tiny_allreduce_s")]
+    hosts = len(ok[0]["peak_anon_bytes"]) if ok else 0  # one entry per worker
     return {
         "target": target,
         "lower_is_better": lower,
+        # a ring all-reduce of one float is 2(W-1) messages in turn: the latency per message that gradcomp plan's
+        # network model (--latency) takes, measured on this link
+        "tiny_allreduce_s": statistics.median(tiny) if tiny else None,
+        "message_latency_s": statistics.median(tiny) / (2 * (hosts - 1)) if tiny and hosts > 1 else None,
         "effective_target": effective,
         "fp32_ideal_s": ideal,
         "gradient_bytes": grad_bytes,
@@ -698,6 +706,10 @@ def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     if summary["fp32_ideal_s"]:
         out += (f"\nfp32 with free communication (fp32 DDP's steps to target × its compute-only step): "
                 f"{_secs(summary['fp32_ideal_s'])} s\n")
+    if summary.get("message_latency_s"):
+        out += (f"\nA message's fixed cost on this link: an all-reduce of one float took "
+                f"{1e3 * summary['tiny_allreduce_s']:.2f} ms (median), {1e6 * summary['message_latency_s']:.0f} us "
+                "per message of its ring (`gradcomp plan --latency`)\n")
     for note in summary["notes"]:
         out += f"\nNote: {note}\n"
     if summary["targets"]:

@@ -56,6 +56,7 @@ from gradcomp.transport.dist import DistTransport, bind_device
 
 _PR_SET_PDEATHSIG = 1
 WARMUP_STEPS = 2  # unreported local steps before the compute-only ones: torch's first calls are slow
+LATENCY_ROUNDS = 20  # tiny all-reduces timed for the per-message latency
 
 
 def _die_with_parent() -> None:
@@ -214,6 +215,21 @@ def compute_only(cfg: TrainConfig, data: Dataset, rank: int, device: torch.devic
     return times
 
 
+def tiny_allreduce_seconds(device: torch.device, rounds: int = LATENCY_ROUNDS) -> list[float]:
+    """Seconds of ``rounds`` all-reduces of one float over the race's link, after one unreported: a message's
+    fixed cost there (the link's and the collective library's latency), which ``gradcomp plan --latency`` takes."""
+    one = torch.zeros(1, device=device)
+    times = []
+    dist.barrier()
+    for i in range(rounds + 1):
+        started = time.perf_counter()
+        dist.all_reduce(one)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - started)
+    return times
+
+
 def clocked_run_worker(cfg: TrainConfig, device: torch.device, clock: RaceClock, register=None,
                        ifname: str | None = None) -> tuple[dict[str, Any], tuple[int, int] | None]:
     """``runner.run_worker`` with ``clock`` started just before the first training step; returns its statistics
@@ -281,6 +297,7 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
     _join(job, rank, world, cfg.timeout_s, device)
     data = cfg.load_data()
     compute = compute_only(cfg, data, rank, device, job["compute_steps"])
+    tiny = tiny_allreduce_seconds(device)
     total = Batches(data, cfg, rank).total_steps()
     memory = MemoryPeaks(device)
     clock = RaceClock(data, rank, world, total, job["eval_every"], job["eval_batch"], device, memory,
@@ -309,6 +326,7 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
         "eval_s": clock.eval_s,
         "curve": curve,
         "compute_only_s": compute,
+        "tiny_allreduce_s": tiny,
         "peak_rss_bytes": memory.rss,
         "peak_anon_bytes": memory.anon,
         "peak_rss_resettable": memory.resettable,
