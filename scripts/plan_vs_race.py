@@ -2,7 +2,7 @@
 
     python scripts/plan_vs_race.py --out runs/pvr/convnet-100mbit --link 100mbit --model convnet
     python scripts/plan_vs_race.py --out runs/pvr/transformer-1gbit --link 1gbit --model transformer \\
-        --race-args "--optimizer sgd --lr 0.1"
+        --dataset pystdlib --race-args "--optimizer sgd --lr 0.1 --target-loss 3"
     python scripts/plan_vs_race.py --compare R/race.json P.json        # only the table, from two files
 
 Runs (unless OUT/race.json exists) ``gradcomp race`` with 4 emulated hosts, 40 steps (``--steps``) and the
@@ -70,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
         for m in args.methods:
             cmd += ["--method", m]
         print("$", " ".join(cmd[2:]), file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=True)
+        code = subprocess.run(cmd).returncode
+        if code:
+            return code
     with open(race_json) as f:
         race = json.load(f)
     compute = [m["compute_only_step_s"] for m in race["methods"] if m.get("compute_only_step_s")]
@@ -84,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     if "--batch-size" in extra:
         cmd += ["--batch-size", extra[extra.index("--batch-size") + 1]]
     print("$", " ".join(cmd[2:]), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    code = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
+    if code:
+        return code
     with open(plan_json) as f:
         plan = json.load(f)
     text = (f"{args.model}, {args.hosts} hosts, {args.link}: compute-only step {compute_ms:.1f} ms, latency "
