@@ -46,6 +46,8 @@ TRANSFORMER_ROWS = [
                                                             "--param", "topk_steps=100"]),
     ("fp32_sgd", f"uncompressed fp32 allreduce (SGD lr {SGD_LR}, momentum 0.9)",
      ["--compressor", "none", "--optimizer", "sgd", "--lr", SGD_LR]),
+    ("topk_ef_sgd", f"top-k 1 %, error feedback (SGD lr {SGD_LR}, momentum 0.9)",
+     ["--compressor", "topk", "--param", "density=0.01", "--error-feedback", "--optimizer", "sgd", "--lr", SGD_LR]),
     ("dgc", f"DGC 0.1 %, clipping 0.5 (SGD lr {SGD_LR})", ["--compressor", "dgc", "--param", "clip=0.5",
                                                            "--optimizer", "sgd", "--lr", SGD_LR]),
     ("signum", "Signum, majority vote (SGD lr 1e-3)", ["--compressor", "signum", "--optimizer", "sgd", "--lr",
@@ -114,13 +116,14 @@ def run(out: str, python: str, only: str | None, keys: list[str] | None = None) 
         render(out)
 
 
-def _ms(values: list[float]) -> str:
+def _ms(values: list[float], signed: bool = False) -> str:
     n = len(values)
     mean = sum(values) / n
+    number = f"{mean:+.3f}" if signed else f"{mean:.4g}"
     if n == 1:
-        return f"{mean:.4g} (1 seed)"
+        return f"{number} (1 seed)"
     std = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
-    return f"{mean:.4g} ± {std:.2g}"
+    return f"{number} ± {std:.2g}"
 
 
 def render(out: str) -> str:
@@ -133,24 +136,30 @@ def render(out: str) -> str:
         ref = [r for r in rows if r["key"] == spec[0][0] and "result" in r]
         dense = ref[0]["result"]["dense_bits_per_worker"] if ref else None
         text += [f"### {table}", "",
-                 f"| method | seeds finished | {name}: mean ± std | per seed | Mbit up / worker | Mbit down / worker "
-                 "| × fewer up / down than fp32 |", "|---|---|---|---|---|---|---|"]
-        for key, label, _ in spec:
+                 f"| method | seeds finished | {name}: mean ± std | per seed | − its fp32 reference, same seed: "
+                 "mean ± std | Mbit up / worker | Mbit down / worker | × fewer up / down than fp32 |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for key, label, args in spec:
+            # the reference trained with the same optimizer: fp32 SGD for the rows that refuse AdamW
+            ref_key = "fp32_sgd" if table == "transformer" and "sgd" in args else spec[0][0]
+            reference = {r["seed"]: scale * r["result"][metric] for r in rows if r["key"] == ref_key and "result" in r}
             got = sorted((r for r in rows if r["key"] == key), key=lambda r: r["seed"])
             ok = [r for r in got if "result" in r]
             if not got:
-                text.append(f"| {label} | 0 (not run) | – | – | – | – | – |")
+                text.append(f"| {label} | 0 (not run) | – | – | – | – | – | – |")
                 continue
             if not ok:
                 text.append(f"| {label} | 0 (failed: {got[0]['error'].strip().splitlines()[-1][:80]}) "
-                            "| – | – | – | – | – |")
+                            "| – | – | – | – | – | – |")
                 continue
+            paired = [scale * r["result"][metric] - reference[r["seed"]] for r in ok if r["seed"] in reference]
+            diff = "–" if key == ref_key or not paired else _ms(paired, signed=True)
             values = [scale * r["result"][metric] for r in ok]
             up = ok[0]["result"]["bits_up_per_worker"]
             down = ok[0]["result"]["bits_down_per_worker"]
             ratio = f"{dense / up:.1f} / {dense / down:.1f}" if dense and up and down else "–"
             per = ", ".join(f"s{r['seed']}: {scale * r['result'][metric]:.4g}" for r in ok)
-            text.append(f"| {label} | {len(ok)} | {_ms(values)} | {per} | {up / 1e6:,.1f} | {down / 1e6:,.1f} "
+            text.append(f"| {label} | {len(ok)} | {_ms(values)} | {per} | {diff} | {up / 1e6:,.1f} | {down / 1e6:,.1f} "
                         f"| {ratio} |")
         text.append("")
     body = "\n".join(text)
