@@ -162,6 +162,18 @@ def render(out: str) -> str:
             text.append(f"| {label} | {len(ok)} | {_ms(values)} | {per} | {diff} | {up / 1e6:,.1f} | {down / 1e6:,.1f} "
                         f"| {ratio} |")
         text.append("")
+        if table == "transformer":
+            done = [r for key, _, _ in spec for r in sorted((r for r in rows if r["key"] == key and "result" in r),
+                                                             key=lambda r: r["seed"])]
+            steps = [s for s, _ in done[0]["result"].get("val_loss_curve") or []] if done else []
+            if steps:
+                text += [f"Validation bits per byte at steps {', '.join(map(str, steps))}, every finished run:", "",
+                         "| row | seed | " + " | ".join(map(str, steps)) + " |", "|---|---|" + "---|" * len(steps)]
+                for r in done:
+                    curve = dict((s, v) for s, v in r["result"].get("val_loss_curve") or [])
+                    text.append(f"| {r['key']} | {r['seed']} | "
+                                + " | ".join(f"{curve[s]:.3f}" if s in curve else "–" for s in steps) + " |")
+                text.append("")
     body = "\n".join(text)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(body)
@@ -174,6 +186,8 @@ def main() -> int:
     p.add_argument("--render", action="store_true", help="only write OUT/table.md from the results so far")
     p.add_argument("--only", choices=["transformer", "mnist"], default=None)
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--docs", default=None, metavar="MD", help="also replace the Transformer block between the "
+                   "'<!-- transformer table' and '<!-- /transformer table -->' lines of this page")
     p.add_argument("--keys", default=None, help="comma-separated row keys to run, in this order (e.g. fp32,topk_ef)")
     args = p.parse_args()
     keys = [k.strip() for k in args.keys.split(",")] if args.keys else None
@@ -183,8 +197,22 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     if not args.render:
         run(args.out, args.python, args.only, keys)
-    print(render(args.out))
+    body = render(args.out)
+    if args.docs:
+        update_docs(args.docs, body)
+    print(body)
     return 0
+
+
+def update_docs(path: str, body: str) -> None:
+    block = body.split("### transformer", 1)[1].split("### mnist", 1)[0].strip()
+    with open(path) as f:
+        page = f.read()
+    start = page.index("<!-- transformer table")
+    start = page.index("\n", start) + 1
+    end = page.index("<!-- /transformer table -->")
+    with open(path, "w") as f:
+        f.write(page[:start] + block + "\n" + page[end:])
 
 
 if __name__ == "__main__":
