@@ -4,23 +4,7 @@ Every method runs the same training (model, data, seed, steps, batches) on the s
 method after the other, and is timed by a training clock that stops while the model is evaluated. See
 docs/race.md for what is measured and how to read it.
 
-Methods (``--method``, repeated): ``NAME[:KEY=VALUE,KEY=VALUE...]``.
-
-- ``NAME`` is a gradcomp compressor as ``gradcomp train --compressor`` takes it (``topk``, ``cnat``,
-  ``powersgd``, ``topk+fp16``, ...), or one of torch's own DDP baselines: ``torch-fp32`` (alias ``ddp``: plain
-  DDP, torch's built-in fp32 allreduce), ``torch-fp16`` (``fp16_compress_hook``), ``torch-powersgd``
-  (``powerSGD_hook``, one bucket; parameters ``rank`` (2), ``start_iter`` (2), ``min_compression_rate``,
-  ``error_feedback``, ``warm_start``, ``seed``, ``batch_same_shape``).
-- ``KEY=VALUE`` pairs are the compressor's parameters (as ``--param``), except these, which no compressor
-  takes: ``feedback`` (``residual``, ``momentum_correction``, ``momentum_masking``, ``none``: as ``--feedback``),
-  ``topology`` (as ``--topology``), ``server`` (``--server-compressor``) and ``server.KEY`` (``--server-param``),
-  ``granularity``, ``ddp`` (``on``, the default: DDP with gradcomp's overlapping hook; ``off``: the aggregator
-  after backward), ``bucket_cap_mb``, ``sgd.lr`` / ``sgd.momentum`` / ``sgd.weight_decay`` (this method's
-  optimizer settings, e.g. ``sgd.lr=0.001`` for sign methods) and ``label``. ``error_feedback=true`` works as in
-  ``--param``.
-
-Examples: ``topk:density=0.01,feedback=residual``, ``cnat:topology=sharded,server=cnat``,
-``signum:sgd.lr=0.001``, ``torch-powersgd:rank=4``.
+Methods: ``--method``, repeated, as :mod:`gradcomp.experiments.race.method` parses them.
 """
 
 from __future__ import annotations
@@ -40,28 +24,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gradcomp.errors import ConfigError, GradcompError
 from gradcomp.experiments.race import netns
-from gradcomp.experiments.race import torch_baselines as tb
-from gradcomp.registry import parse_param_strings
+from gradcomp.experiments.race.method import DEFAULT_METHODS, RUN_KEYS, Method, parse_method  # noqa: F401
 
-DEFAULT_METHODS = (
-    "torch-fp32",
-    "torch-fp16",
-    "torch-powersgd:rank=2",
-    "topk:density=0.01,feedback=momentum_masking",
-    "cnat:topology=sharded,server=cnat",
-    "sbc:density=0.01",
-    "qsgd",
-    "powersgd:rank=2",
-    "signum:sgd.lr=0.001",
-    "efsignsgd:sgd.lr=0.4,sgd.momentum=0",
-)
-RUN_KEYS = ("feedback", "topology", "server", "granularity", "ddp", "bucket_cap_mb", "label")
-SGD_KEYS = ("lr", "momentum", "weight_decay")
 MEMORY_FLAG = 4.0  # flag a method that needs more than this many gradient sizes beyond plain DDP
 EXTRA_MEMORY = ("extra_memory_vs_ddp_grads", "extra_cuda_vs_ddp_grads")  # host resident set; CUDA allocated
 MASTER_PORT = 29500  # inside host 0's own namespace: no other process can hold it
@@ -75,107 +44,6 @@ class WorkerFailedError(GradcompError):
 
 class Interrupted(BaseException):
     """SIGTERM / SIGHUP, raised in the main thread so that every ``finally`` tears down."""
-
-
-# -- methods -------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Method:
-    text: str
-    name: str
-    baseline: str | None = None  # torch's own DDP communication, or None for a gradcomp method
-    params: dict[str, Any] = field(default_factory=dict)
-    feedback: str | None = None
-    topology: str = "auto"
-    server: str | None = None
-    server_params: dict[str, Any] = field(default_factory=dict)
-    granularity: str = "layer"
-    ddp: bool = True
-    bucket_cap_mb: float | None = None
-    sgd: dict[str, float] = field(default_factory=dict)
-    label: str = ""
-
-    @property
-    def is_gradcomp(self) -> bool:
-        return self.baseline is None
-
-    def config(self, base, num_parameters: int):
-        """This method's TrainConfig: the race's settings with the method's own."""
-        bucket = self.bucket_cap_mb
-        if self.baseline == "torch-powersgd" and bucket is None:
-            # one bucket for the whole model (first bucket included: DDP uses bucket_cap_mb for it when given)
-            bucket = max(25.0, math.ceil(4 * num_parameters / 2**20) + 1.0)
-        return dataclasses.replace(
-            base,
-            compressor="none" if self.baseline else self.name,
-            params={} if self.baseline else dict(self.params),
-            feedback=self.feedback,
-            topology=self.topology,
-            server_compressor=self.server,
-            server_params=dict(self.server_params),
-            granularity=self.granularity,
-            ddp=self.ddp,
-            bucket_cap_mb=bucket,
-            lr=self.sgd.get("lr", base.lr),
-            momentum=self.sgd.get("momentum", base.momentum),
-            weight_decay=self.sgd.get("weight_decay", base.weight_decay),
-        )
-
-
-def parse_method(text: str) -> Method:
-    """``NAME[:KEY=VALUE,...]`` → Method (see the module's docstring); ConfigError when malformed."""
-    spec = text.strip()
-    name, _, rest = spec.partition(":")
-    name = name.strip()
-    if not name:
-        raise ConfigError(f"--method needs a name, got {text!r}")
-    baseline = tb.canonical(name)
-    method = Method(text=spec, name=baseline or name, baseline=baseline, label=spec)
-    items = [item.strip() for item in rest.split(",") if item.strip()] if rest else []
-    plain: list[str] = []
-    server_items: list[str] = []
-    for item in items:
-        key, eq, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not eq:
-            raise ConfigError(f"--method {text!r}: {item!r} is not KEY=VALUE")
-        value = value.strip()
-        if key.startswith("sgd."):
-            what = key[4:]
-            if what not in SGD_KEYS:
-                raise ConfigError(f"--method {text!r}: sgd.{what} unknown (sgd.lr, sgd.momentum, sgd.weight_decay)")
-            try:
-                method.sgd[what] = float(value)
-            except ValueError:
-                raise ConfigError(f"--method {text!r}: sgd.{what} must be a number, got {value!r}") from None
-        elif key.startswith("server."):
-            server_items.append(f"{key[7:]}={value}")
-        elif key == "label":
-            method.label = value
-        elif key == "ddp":
-            parsed = parse_param_strings([f"ddp={value}"])["ddp"]
-            if not isinstance(parsed, bool):
-                raise ConfigError(f"--method {text!r}: ddp=on or ddp=off, got {value!r}")
-            method.ddp = parsed
-        elif key == "bucket_cap_mb":
-            try:
-                method.bucket_cap_mb = float(value)
-            except ValueError:
-                raise ConfigError(f"--method {text!r}: bucket_cap_mb must be a number, got {value!r}") from None
-        elif key in ("feedback", "topology", "server", "granularity"):
-            setattr(method, key, value)
-        else:
-            plain.append(f"{key}={value}")
-    method.params = parse_param_strings(plain)
-    method.server_params = parse_param_strings(server_items)
-    if baseline is not None:
-        if method.feedback or method.server or method.server_params or method.topology != "auto":
-            raise ConfigError(f"--method {text!r}: torch's baselines take no feedback, topology or server")
-        if not method.ddp:
-            raise ConfigError(f"--method {text!r}: torch's baselines are DDP (ddp=off is for gradcomp methods)")
-        method.params = tb.check_params(baseline, method.params)
-    return method
 
 
 # -- running -------------------------------------------------------------------------------------------------
