@@ -30,6 +30,7 @@ from typing import Any
 from gradcomp.errors import ConfigError, GradcompError
 from gradcomp.experiments.race import netns
 from gradcomp.experiments.race.method import DEFAULT_METHODS, RUN_KEYS, Method, parse_method  # noqa: F401
+from gradcomp.experiments.run.report import make_output_dir
 
 MEMORY_FLAG = 4.0  # flag a method that needs more than this many gradient sizes beyond plain DDP
 EXTRA_MEMORY = ("extra_memory_vs_ddp_grads", "extra_cuda_vs_ddp_grads")  # host resident set; CUDA allocated
@@ -90,17 +91,6 @@ def link_rate(link: str) -> float | None:
     return rate
 
 
-def check_out(out: str) -> None:
-    """Make ``out`` and write a file there (removed again): ConfigError naming it when that fails."""
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".race-write-test-", delete=True)
-        probe.write(b"x")
-        probe.close()
-    except OSError as exc:
-        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); nothing was started") from None
-
-
 def make_network(opts: Options, log=print):
     """The emulated hosts; EmulationError (nothing created) when a shaped link cannot be had here."""
     rate = link_rate(opts.link)
@@ -130,9 +120,7 @@ def _base_config(opts: Options):
 
 
 def is_text(opts: Options) -> bool:
-    from gradcomp.experiments.run.models import TEXT_MODELS
-
-    return opts.model.strip().lower() in TEXT_MODELS
+    return _text_model(opts.model)
 
 
 def goal(opts: Options) -> float:
@@ -686,7 +674,7 @@ def race(opts: Options, log=print, show=None, state: dict[str, Any] | None = Non
     configs, num_parameters = plan(opts, log)
     network = make_network(opts, log)  # creates nothing yet; refuses a shaped link it cannot have here
     if opts.out:
-        check_out(opts.out)
+        make_output_dir(opts.out, "--out", "; nothing was started")
     state["network"] = network
     rate = link_rate(opts.link)
     title = setting(opts)
@@ -885,7 +873,7 @@ def race_seeds(opts: Options, seeds: list[int], log) -> int:
     """One race per seed (into OUT/seed-S), then every method's time to target and final value over the seeds."""
     plan(opts, log)  # every method checked once, before the first race starts
     if opts.out:
-        check_out(opts.out)
+        make_output_dir(opts.out, "--out", "; nothing was started")
     results = []
     for seed in seeds:
         log(f"gradcomp race: seed {seed} ({len(results) + 1}/{len(seeds)})")

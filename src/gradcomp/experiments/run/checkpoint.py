@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from gradcomp.errors import CommunicationError, ConfigError, GradcompError
+from gradcomp.experiments.run.report import make_output_dir
 
 if TYPE_CHECKING:
     from gradcomp.transport.base import Transport
@@ -275,24 +276,7 @@ def check_options(cfg: TrainConfig) -> None:
     if cfg.resume_if_present and cfg.resume_dir is not None:
         raise ConfigError("give --resume DIR or --resume-if-present, not both")
     if cfg.checkpoint_dir is not None:
-        check_writable_dir(Path(cfg.checkpoint_dir).expanduser())
-
-
-def check_writable_dir(root: Path) -> None:
-    """``--checkpoint DIR`` is a directory this process can write, created if missing; ConfigError if not.
-
-    Checked by doing it (creating the directory and a probe file in it, then removing the probe): permission
-    bits alone do not tell (root ignores them; a read-only mount or a path under a file does not show in them).
-    """
-    if root.is_file():
-        raise ConfigError(f"--checkpoint {root} is a file; it must be a directory")
-    probe = root / f".gradcomp-probe-{os.getpid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"--checkpoint {root} cannot be written: {exc.strerror or exc}") from None
+        make_output_dir(Path(cfg.checkpoint_dir).expanduser(), "--checkpoint")
 
 
 def resume_target(cfg: TrainConfig) -> Path | None:
