@@ -116,13 +116,7 @@ from gradcomp.compressors.state import Momentum
 from gradcomp.wire import Codec, FieldSpec
 
 __all__ = [
-    "DGC",
-    "MIN_SAMPLE_KEPT",
-    "WARMUP_DENSITIES",
-    "SampledThresholdTopK",
-    "clip_norm",
-    "sample_count",
-    "warmup_density",
+    "DGC", "MIN_SAMPLE_KEPT", "WARMUP_DENSITIES", "SampledThresholdTopK", "clip_norm", "sample_count", "warmup_density",
 ]
 
 WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)  # sparsity 75 %, 93.75 %, 98.4375 %, 99.6 %

@@ -614,14 +614,10 @@ def code_version() -> dict[str, Any] | None:
 def machine() -> dict[str, Any]:
     import torch
 
-    model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
+    from gradcomp.experiments.run.report import cpu_model
+
     return {
-        "cpu": model, "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+        "cpu": cpu_model(), "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
         "torch": torch.__version__, "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
 

@@ -35,18 +35,8 @@ from gradcomp.compressors.base import check_int
 from gradcomp.errors import ConfigError
 
 __all__ = [
-    "DATASET_NAMES",
-    "TEXT_DATASETS",
-    "TextDataset",
-    "evaluate_text",
-    "MNIST_MEAN",
-    "MNIST_STD",
-    "Dataset",
-    "evaluate",
-    "iterate_batches",
-    "load_dataset",
-    "read_idx",
-    "shard_indices",
+    "DATASET_NAMES", "TEXT_DATASETS", "TextDataset", "evaluate_text", "MNIST_MEAN", "MNIST_STD", "Dataset", "evaluate",
+    "iterate_batches", "load_dataset", "read_idx", "shard_indices",
 ]
 
 DATASET_NAMES: tuple[str, ...] = ("mnist", "digits", "synthetic", "pystdlib")

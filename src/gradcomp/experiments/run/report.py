@@ -37,6 +37,15 @@ def make_output_dir(path: str | os.PathLike[str], option: str, note: str = "") -
         raise ConfigError(f"{option} {path}: cannot be written ({exc.strerror or exc}){note}") from None
 
 
+def cpu_model() -> str | None:
+    """The processor's model name (``/proc/cpuinfo``), or None where there is none: what a result was run on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def human_bits(bits: float) -> str:
     for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6), ("kbit", 1e3)):
         if bits >= scale:

@@ -150,15 +150,10 @@ class PlanOptions:
 def machine_identity(device: str) -> dict[str, Any]:
     """What a cached measurement is only valid for: this processor (or GPU), the versions, the thread count."""
     import gradcomp
+    from gradcomp.experiments.run.report import cpu_model
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_model() or platform.processor() or platform.machine(),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         "torch": torch.__version__,
         "gradcomp": gradcomp.__version__,
