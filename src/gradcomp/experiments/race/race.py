@@ -30,7 +30,7 @@ from typing import Any
 from gradcomp.errors import ConfigError, GradcompError
 from gradcomp.experiments.race import netns
 from gradcomp.experiments.race.method import DEFAULT_METHODS, RUN_KEYS, Method, parse_method  # noqa: F401
-from gradcomp.experiments.run.report import make_output_dir
+from gradcomp.experiments.run.report import make_output_dir, write_atomic
 
 MEMORY_FLAG = 4.0  # flag a method that needs more than this many gradient sizes beyond plain DDP
 EXTRA_MEMORY = ("extra_memory_vs_ddp_grads", "extra_cuda_vs_ddp_grads")  # host resident set; CUDA allocated
@@ -773,7 +773,7 @@ def race(opts: Options, log=print, show=None, state: dict[str, Any] | None = Non
 def write_outputs(out_dir: str, result: dict[str, Any], title: str, log=print, plot: bool = True) -> None:
     """race.md, race.png (with matplotlib and ``plot``; otherwise an earlier race's plot there is removed) and
     race.json (written last, replaced whole)."""
-    _write_whole(os.path.join(out_dir, "race.md"), result["table"])
+    write_atomic(os.path.join(out_dir, "race.md"), result["table"])
     path = os.path.join(out_dir, "race.png")
     if plot and render_plot(result["methods"], result["summary"], path, title):
         result["plot"] = path
@@ -782,14 +782,7 @@ def write_outputs(out_dir: str, result: dict[str, Any], title: str, log=print, p
             os.remove(path)
         if plot:
             log("gradcomp race: matplotlib is not installed: no plot (pip install 'gradcomp[plots]')")
-    _write_whole(os.path.join(out_dir, "race.json"), json.dumps(result, indent=1))
-
-
-def _write_whole(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file: the file is the old one or the new one, whole."""
-    with open(path + ".part", "w") as f:
-        f.write(text)
-    os.replace(path + ".part", path)
+    write_atomic(os.path.join(out_dir, "race.json"), json.dumps(result, indent=1))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -882,8 +875,8 @@ def race_seeds(opts: Options, seeds: list[int], log) -> int:
     combined = seeds_summary(results, seeds)
     print(combined["table"])
     if opts.out:
-        _write_whole(os.path.join(opts.out, "race-seeds.md"), combined["table"])
-        _write_whole(os.path.join(opts.out, "race-seeds.json"), json.dumps(combined, indent=1))
+        write_atomic(os.path.join(opts.out, "race-seeds.md"), combined["table"])
+        write_atomic(os.path.join(opts.out, "race-seeds.json"), json.dumps(combined, indent=1))
     failed = [r["label"] for res in results for r in res["methods"] if r.get("error")]
     return 1 if failed else 0
 

@@ -50,6 +50,7 @@ from gradcomp import allocator
 from gradcomp.experiments.run import runner
 from gradcomp.experiments.run.data import Dataset, TextDataset, evaluate, evaluate_text
 from gradcomp.experiments.run.models import build_model
+from gradcomp.experiments.run.report import write_atomic
 from gradcomp.experiments.race.netns import read_wire_counters
 from gradcomp.experiments.run.runner import Batches, TrainConfig, compute_gradients, make_optimizer
 from gradcomp.transport.dist import DistTransport, bind_device
@@ -249,9 +250,7 @@ def _join(job: dict[str, Any], rank: int, world: int, timeout_s: float, device: 
     if rank == 0:
         store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
         if port == 0:
-            with open(port_file + ".part", "w") as f:
-                f.write(str(store.port))
-            os.replace(port_file + ".part", port_file)
+            write_atomic(port_file, str(store.port))
     else:
         if port == 0:
             deadline = time.monotonic() + timeout_s
@@ -330,9 +329,7 @@ def main(argv: list[str] | None = None) -> None:
             job = json.load(f)
         result = work(job)
         path = os.path.join(job["dir"], f"result-{result['rank']}.json")
-        with open(path + ".part", "w") as f:
-            json.dump(result, f)
-        os.replace(path + ".part", path)  # complete or absent
+        write_atomic(path, json.dumps(result))  # complete or absent
         dist.barrier()  # every worker is done talking
     except BaseException:  # reported to the race through the exit status and the log
         traceback.print_exc()

@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from gradcomp.errors import CommunicationError, ConfigError, GradcompError
-from gradcomp.experiments.run.report import make_output_dir
+from gradcomp.experiments.run.report import make_output_dir, write_atomic
 
 if TYPE_CHECKING:
     from gradcomp.transport.base import Transport
@@ -366,30 +366,6 @@ def _gather(transport: Transport, obj: Any) -> list[Any]:
     raise ConfigError(f"checkpoints need a simulated or torch.distributed transport, not {type(transport).__name__}")
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """``data`` at ``path``, complete or not at all: a temporary name, fsync, os.replace, fsync of the dir."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _numpy_rng() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
@@ -550,7 +526,7 @@ class WorkerCheckpoints:
                 shutil.rmtree(child, ignore_errors=True)
         latest = self.root / LATEST
         if resumed_here and target is not None and (not latest.is_file() or latest.read_text().strip() != target.name):
-            _write_atomic(latest, (target.name + "\n").encode())
+            write_atomic(latest, (target.name + "\n").encode())
 
     # -- save ------------------------------------------------------------------------------------------------
 
@@ -591,7 +567,7 @@ class WorkerCheckpoints:
         data = buffer.getvalue()
         try:
             step_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(step_dir / name, data)
+            write_atomic(step_dir / name, data)
             report: dict[str, Any] = {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         except OSError as exc:
             report = {"error": f"rank {self.rank} could not write {step_dir / name}: {exc}"}
@@ -626,8 +602,8 @@ class WorkerCheckpoints:
             "torch": torch.__version__,
             "config": dataclasses.asdict(self.cfg),
         }
-        _write_atomic(step_dir / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
-        _write_atomic(self.root / LATEST, (step_dir.name + "\n").encode())
+        write_atomic(step_dir / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+        write_atomic(self.root / LATEST, (step_dir.name + "\n").encode())
         self._prune(done)
 
     def _prune(self, done: int) -> None:

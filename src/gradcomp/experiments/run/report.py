@@ -37,6 +37,29 @@ def make_output_dir(path: str | os.PathLike[str], option: str, note: str = "") -
         raise ConfigError(f"{option} {path}: cannot be written ({exc.strerror or exc}){note}") from None
 
 
+def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> None:
+    """``data`` at ``path``, complete or not at all: a temporary name (``.<name>.tmp``), fsync, ``os.replace``,
+    fsync of the folder, so that a reader (or a power cut) sees the old file or the new one, whole."""
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(folder or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def cpu_model() -> str | None:
     """The processor's model name (``/proc/cpuinfo``), or None where there is none: what a result was run on."""
     try:
