@@ -16,29 +16,13 @@ from gradcomp.registry import available, compressor_class
 from gradcomp.schemes.base import Scheme
 
 DEFAULT_SIZE = 10_000_000
-
-
 INPUT_NAMES: tuple[str, ...] = ("synthetic", "model")
-
-
 SYNTHETIC_SEED = 0
-
-
 SYNTHETIC_BLOCK = 4096  # elements sharing one log-normal scale (a "layer" or "channel")
-
-
 SYNTHETIC_BASE_SCALE = 1e-3
-
-
 SYNTHETIC_LOG_SIGMA = 1.5  # sigma of log(scale): scales span about three orders of magnitude
-
-
 MODEL_NAME = "cnn"
-
-
 MODEL_SEED = 0
-
-
 MODEL_BATCH = 64
 
 
@@ -94,8 +78,6 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     "efsignsgd": [{}, {"error_feedback": False}],
     "onebit": [{}, {"error_feedback": False}],
 }
-
-
 # Schemes (methods that own their rounds) that bench times anyway, as the two local halves of their round 1.
 SCHEME_HALVES: tuple[str, ...] = ("sketch",)
 

@@ -21,38 +21,18 @@ def load_targets(path: str | os.PathLike[str] = TARGETS_FILE) -> dict[str, Any]:
 
 
 TARGETS = load_targets()
-
-
 GRACE_FACTOR = float(TARGETS["grace_factor"])
-
-
 SINGLE_PASS_TARGET = float(TARGETS["single_pass"]["fraction"])
-
-
 TOPK_FAMILY_TARGET = float(TARGETS["topk_family"]["fraction"])
-
-
 SINGLE_PASS = frozenset(TARGETS["single_pass"]["compressors"])
-
-
 TOPK_FAMILY = frozenset(TARGETS["topk_family"]["compressors"])
-
-
 # name -> (GRACE's fraction of memcpy, the parameters it was measured at; None: every setting of the row)
 GRACE_FRACTIONS: dict[str, tuple[float, dict[str, Any] | None]] = {
     name: (float(g["fraction"]), g["params"]) for name, g in TARGETS["grace_fractions"].items()
 }
-
-
 CAST_TIMES = float(TARGETS["casts"]["times"])  # compress + encode <= this many bare casts of the same tensor
-
-
 CAST_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, d) for name, d in TARGETS["casts"]["compressors"].items()}
-
-
 TARGET_INPUTS = tuple(TARGETS["inputs"])
-
-
 TARGET_SIZE = int(TARGETS["size"])  # at other sizes the copy (and the compressors) run from cache: no comparison
 
 
