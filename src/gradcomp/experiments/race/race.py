@@ -349,29 +349,16 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
     counter = stats.get("counter") or {}
     cuda = [w["cuda_peak_bytes"] for w in workers if w.get("cuda_peak_bytes") is not None]
     return {
-        "label": method.label,
-        "spec": method.text,
-        "kind": "torch" if method.baseline else "gradcomp",
-        "name": method.name,
-        "compressor": cfg.compressor,
-        "params": method.params,
-        "feedback": cfg.feedback,
-        "topology": cfg.topology,
-        "server_compressor": cfg.server_compressor,
-        "ddp": cfg.ddp,
-        "bucket_cap_mb": cfg.bucket_cap_mb,
-        "lr": cfg.lr,
-        "momentum": cfg.momentum,
-        "steps": steps,
+        **failed_record(method, None), "compressor": cfg.compressor, "params": method.params,
+        "feedback": cfg.feedback, "topology": cfg.topology, "server_compressor": cfg.server_compressor,
+        "ddp": cfg.ddp, "bucket_cap_mb": cfg.bucket_cap_mb, "lr": cfg.lr, "momentum": cfg.momentum, "steps": steps,
         "curve": lead["curve"],
         "final_accuracy": lead["curve"][-1][2] if lead["curve"] else None,
         # the curve holds validation bits per byte for a language model: its best is the lowest
         "best_accuracy": (min if _text_model(cfg.model) else max)((a for _, _, a in lead["curve"]),
                                                                           default=None),
         "metric": "bits_per_byte" if _text_model(cfg.model) else "accuracy",
-        "train_s": lead["train_s"],
-        "eval_s": lead["eval_s"],
-        "wall_s": raw["wall_s"],
+        "train_s": lead["train_s"], "eval_s": lead["eval_s"], "wall_s": raw["wall_s"],
         "median_step_s": lead["median_step_s"],
         "compute_only_step_s": statistics.median(compute) if compute else None,
         "peak_rss_bytes": [w["peak_rss_bytes"] for w in workers],
@@ -385,11 +372,10 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
         if method.is_gradcomp and counter else None,
         "replicas_identical": len({w["stats"]["digest"] for w in workers}) == 1,
         "num_parameters": num_parameters,
-        "error": None,
     }
 
 
-def failed_record(method: Method, error: str) -> dict[str, Any]:
+def failed_record(method: Method, error: str | None) -> dict[str, Any]:
     return {"label": method.label, "spec": method.text, "kind": "torch" if method.baseline else "gradcomp",
             "name": method.name, "error": error, "curve": []}
 
@@ -433,10 +419,7 @@ def summarize(records: list[dict[str, Any]], target: float, num_parameters: int,
         r["extra_cuda_vs_ddp_grads"] = (cuda - cuda_ref) / grad_bytes if cuda is not None and cuda_ref else None
         r["memory_flag"] = any((r[key] or 0) > MEMORY_FLAG for key in EXTRA_MEMORY)
     return {
-        "target": target,
-        "lower_is_better": lower,
-        "effective_target": effective,
-        "fp32_ideal_s": ideal,
+        "target": target, "lower_is_better": lower, "effective_target": effective, "fp32_ideal_s": ideal,
         "gradient_bytes": grad_bytes,
         "targets": check_targets(ok, ref, ideal) if rate_bps == TARGET_RATE_BPS else [],
         "targets_judged_on": setting if rate_bps == TARGET_RATE_BPS else None,
@@ -512,6 +495,7 @@ def _secs(value: float | None) -> str:
 def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     target = summary["effective_target"]
     lower = summary.get("lower_is_better", False)
+    spec = ".4f" if lower else ".2f"  # the final value: bits per byte, or an accuracy in %
     head = (
         f"| method | steps to {f'{target:.4f} bits/byte' if lower else f'{100 * target:.2f} %'} | time to target (s) "
         "| × fp32 ideal | fp32 DDP time ÷ this | median step (s) | × fp32 DDP step | compute-only step (s) "
@@ -535,7 +519,7 @@ def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             f"| {_fmt(r['vs_fp32_ideal'], '.2f')} | {_fmt(r['vs_fp32_time'], '.2f')} "
             f"| {_secs(r['median_step_s'])} | {_fmt(r['step_vs_fp32'], '.2f')} "
             f"| {_secs(r['compute_only_step_s'])} "
-            f"| {_fmt(None if accuracy is None else (accuracy if lower else 100 * accuracy), '.4f' if lower else '.2f')} "
+            f"| {_fmt(None if accuracy is None else (accuracy if lower else 100 * accuracy), spec)} "
             f"| {_fmt(mb and mb / 1e6, '.3f')} "
             f"| {max(r['peak_rss_bytes']) / 2**20:.0f} / {statistics.median(r['peak_anon_bytes']) / 2**20:.0f} "
             f"| {_fmt(r['extra_memory_vs_ddp_grads'], '+.1f')}{flag['extra_memory_vs_ddp_grads']} |"
@@ -824,8 +808,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else "")
               + (f"; work directories: {', '.join(dirs)}" if dirs else ""))
         return 0
-    from gradcomp.experiments.run.runner import resolve_training_defaults
     from gradcomp.experiments.run.report import parse_seeds
+    from gradcomp.experiments.run.runner import resolve_training_defaults
 
     train = resolve_training_defaults(args)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None

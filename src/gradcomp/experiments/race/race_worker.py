@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import allocator
+from gradcomp.experiments.race.netns import read_wire_counters
 from gradcomp.experiments.run import runner
 from gradcomp.experiments.run.data import Dataset, TextDataset, evaluate, evaluate_text
 from gradcomp.experiments.run.models import build_model
 from gradcomp.experiments.run.report import write_atomic
-from gradcomp.experiments.race.netns import read_wire_counters
 from gradcomp.experiments.run.runner import Batches, TrainConfig, compute_gradients, make_optimizer
 from gradcomp.transport.dist import DistTransport, bind_device
 
