@@ -14,7 +14,8 @@ from gradcomp.cli import main as cli_main
 from gradcomp.compressors.base import Slot
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
-from gradcomp.experiments.bench import bench
+from gradcomp.experiments.bench import bench, cases, targets, timing
+from gradcomp.experiments.bench.report import format_table, versus_topk
 
 N = 20_000
 
@@ -72,14 +73,14 @@ def test_topk_one_percent_is_far_below_32_bits(result):
 
 def test_threshold_tau_comes_from_the_tensor_quantile(result):
     (row,) = _rows(result, "threshold")
-    x = bench.synthetic_gradient(N)
+    x = cases.synthetic_gradient(N)
     kept = int((x.abs() > row["params"]["threshold"]).sum())
     assert kept == N - 19_800  # the 0.99-quantile keeps exactly 1% of a tie-free tensor
     assert "q0.99" in row["setting"]
 
 
 def test_synthetic_input_is_seeded_and_heavy_tailed():
-    a, b = bench.synthetic_gradient(50_000), bench.synthetic_gradient(50_000)
+    a, b = cases.synthetic_gradient(50_000), cases.synthetic_gradient(50_000)
     assert torch.equal(a, b) and a.dtype == torch.float32
     kurtosis = float(((a - a.mean()) ** 4).mean() / a.var() ** 2)
     assert kurtosis > 6  # a Gaussian has 3
@@ -99,7 +100,7 @@ class _BrokenRoundTrip(NoCompression):
 
 def test_broken_round_trip_aborts(monkeypatch):
     monkeypatch.setattr(bench, "make", lambda name, **params: _BrokenRoundTrip())
-    with pytest.raises(bench.BenchError, match="round trip is broken"):
+    with pytest.raises(timing.BenchError, match="round trip is broken"):
         bench.run_bench(size=1000, repeats=1, compressors=["none"], inputs=["synthetic"])
 
 
@@ -144,7 +145,7 @@ def test_model_input_falls_back_to_synthetic_without_mnist(monkeypatch):
         return real(name, root)
 
     monkeypatch.setattr(data, "load_dataset", no_mnist)
-    grad, desc = bench.model_gradient()
+    grad, desc = cases.model_gradient()
     assert "fell back to the synthetic dataset" in desc
     assert grad.dtype == torch.float32 and grad.dim() == 1 and bool(torch.isfinite(grad).all())
 
@@ -159,13 +160,13 @@ def test_receiver_is_a_separate_instance(monkeypatch):
 
     monkeypatch.setattr(bench, "make", counting_make)
     bench.run_bench(size=1000, repeats=1, compressors=["randomk"], inputs=["synthetic"])
-    settings = len(bench.SETTINGS["randomk"])
+    settings = len(cases.SETTINGS["randomk"])
     assert len(built) == 2 * settings  # a sender and a receiver per setting: no shared position cache
     assert all(built[i] is not built[i + 1] for i in range(0, len(built), 2))
 
 
 def test_position_bits_are_measured_beside_the_entropy_minimum():
-    from gradcomp.experiments.bench.bench import position_bits
+    from gradcomp.experiments.bench.timing import position_bits
 
     d = 200_000
     positions = torch.sort(torch.randperm(d, generator=torch.Generator().manual_seed(0))[:2000]).values
@@ -183,7 +184,7 @@ def test_random_block_time_is_reported_against_top_k_at_the_same_density():
     res = bench.run_bench(
         size=20_000, repeats=1, compressors=["topk", "randomblock", "threshold"], inputs=["synthetic"]
     )
-    compared = bench.versus_topk(res)
+    compared = versus_topk(res)
     rows = {
         (r["compressor"], r["params"].get("density"), r["params"].get("positions", "fixed")): r for r in res["rows"]
     }
@@ -210,7 +211,7 @@ def _half(result, part):
 
 
 def test_sketch_is_benchmarked_in_two_halves_and_other_schemes_are_not():
-    names = bench._check_names(None)
+    names = cases.check_names(None)
     assert "sketch" in names
     assert not {"powersgd", "local_topk", "true_topk"} & set(names)
     with pytest.raises(ConfigError, match="own"):
@@ -235,7 +236,7 @@ def test_sketch_rows_have_positive_rates_as_fractions_of_memcpy(sketch_result):
         assert "prebuilt" in row["setting"] and "outside the timed region" in row["hash_tables"]
     report = bench.format_report(sketch_result)
     assert "sketch (sketch)" in report and "sketch (unsketch)" in report and "outside the timed region" in report
-    assert not any(c["compressor"].startswith("sketch") for c in bench.versus_topk(sketch_result))
+    assert not any(c["compressor"].startswith("sketch") for c in versus_topk(sketch_result))
 
 
 def test_sketch_sizes_come_from_the_schemes_plan(sketch_result):
@@ -286,7 +287,7 @@ def test_bad_sketch_parameters_are_refused_before_timing(monkeypatch):
     def no_timing(*args, **kwargs):
         raise AssertionError("timed before the sketch parameters were checked")
 
-    monkeypatch.setattr(bench, "_measure_memcpy", no_timing)
+    monkeypatch.setattr(timing, "measure_memcpy", no_timing)
     with pytest.raises(ConfigError, match="rows"):
         bench.run_bench(
             size=N, repeats=1, compressors=["topk", "sketch"], inputs=["synthetic"], sketch_params={"rows": 0}
@@ -307,7 +308,7 @@ def test_broken_unsketch_aborts(monkeypatch):
     from gradcomp.compressors.countsketch import CountSketch
 
     monkeypatch.setattr(CountSketch, "estimate", lambda self, table: torch.zeros(self.numel))
-    with pytest.raises(bench.BenchError, match="median"):
+    with pytest.raises(timing.BenchError, match="median"):
         bench.run_bench(size=N, repeats=1, compressors=["sketch"], inputs=["synthetic"])
 
 
@@ -317,7 +318,7 @@ def _targeted(device: str) -> dict:
     rows = [
         {
             "input": "synthetic",
-            "numel": bench.TARGET_SIZE,
+            "numel": targets.TARGET_SIZE,
             "compressor": name,
             "params": params,
             "setting": "s",
@@ -329,8 +330,8 @@ def _targeted(device: str) -> dict:
             ("fp16", {}, 0.2, 0.3, 1.6), ("randomk", {"density": 0.01}, 1.2, 1.5, None), ("none", {}, 0.9, 1.0, None)
         )
     ]
-    meta = {"device": device, "inputs": {"synthetic": {"numel": bench.TARGET_SIZE}}, "skipped": []}
-    return bench.apply_targets({"meta": meta, "rows": rows})
+    meta = {"device": device, "inputs": {"synthetic": {"numel": targets.TARGET_SIZE}}, "skipped": []}
+    return targets.apply_targets({"meta": meta, "rows": rows})
 
 
 def test_targets_are_marked_met_or_missed_per_row_on_the_cpu():
@@ -349,7 +350,7 @@ def test_rows_are_judged_against_the_references_timed_beside_them():
     assert randomk["target_met_batched"] is False  # the batched memcpy row (1.2) is reported, not judged on
     assert result["meta"]["targets"]["missed_batched"] == ["randomk [s] 1.2 vs 1.3"]
     fp16["compress_encode_vs_cast"] = 1.2  # within 1.25 bare casts: met, whatever its fraction of memcpy
-    bench.apply_targets(result)
+    targets.apply_targets(result)
     assert fp16["target_value"] == 1.2 and fp16["target_met"] is True and fp16["target_met_batched"] is None
     result["meta"].update(
         torch="t",
@@ -358,7 +359,7 @@ def test_rows_are_judged_against_the_references_timed_beside_them():
         cpus=2,
         seconds=0.0,
         memcpy_gbps={"synthetic": 10.0},
-        inputs={"synthetic": {"numel": bench.TARGET_SIZE, "description": "d"}},
+        inputs={"synthetic": {"numel": targets.TARGET_SIZE, "description": "d"}},
     )
     for row in result["rows"]:
         row.update(
@@ -376,20 +377,20 @@ def test_rows_are_judged_against_the_references_timed_beside_them():
     line = ("against the batched memcpy row instead (xmemcpy, the earlier reference): 0 of 1 memcpy-fraction "
             "targets met; missed by 1: randomk [s] 1.2 vs 1.3")
     assert line in report.splitlines()
-    table = bench.format_table(result)
+    table = format_table(result)
     assert "<=1.25xcast" in table and ">=1.3xbeside" in table
 
 
 def test_targets_come_from_the_data_file():
-    with open(bench.TARGETS_FILE) as f:
+    with open(targets.TARGETS_FILE) as f:
         data = json.load(f)
-    assert bench.TARGETS == data
-    assert bench.CAST_TIMES == data["casts"]["times"] == 1.25
-    assert set(bench.CAST_DTYPES) == {"fp16", "bf16"}
+    assert targets.TARGETS == data
+    assert targets.CAST_TIMES == data["casts"]["times"] == 1.25
+    assert set(targets.CAST_DTYPES) == {"fp16", "bf16"}
     for name, grace in data["grace_fractions"].items():
         row = {"input": "synthetic", "numel": data["size"], "compressor": name, "params": grace["params"] or {}}
-        target, basis = bench.row_target(row)
-        if name in bench.CAST_DTYPES:
+        target, basis = targets.row_target(row)
+        if name in targets.CAST_DTYPES:
             assert target == data["casts"]["times"] and "cast" in basis
         else:
             assert target >= data["grace_factor"] * grace["fraction"] and "GRACE" in basis
@@ -397,7 +398,7 @@ def test_targets_come_from_the_data_file():
 
 def test_cast_rows_time_a_bare_cast_beside_each_repeat(monkeypatch):
     # seven readings a round for fp16 (compress, encode, decode, decompress, the copy, the cast): one second each
-    monkeypatch.setattr(bench, "_Timer", _CountingClock)
+    monkeypatch.setattr(timing, "Timer", _CountingClock)
     res = bench.run_bench(size=bench.BESIDE_MIN_NUMEL, repeats=3, compressors=["fp16"], inputs=["synthetic"])
     row = res["rows"][1]
     assert (row["compress_encode_s"], row["memcpy_beside_s"], row["cast_beside_s"]) == (2.0, 1.0, 1.0)
@@ -406,7 +407,7 @@ def test_cast_rows_time_a_bare_cast_beside_each_repeat(monkeypatch):
 
 
 def _scripted_faults(monkeypatch, per_round):
-    """Make bench._minor_faults report ``per_round[i]`` faults in round i (0 after the script ends)."""
+    """Make timing.minor_faults report ``per_round[i]`` faults in round i (0 after the script ends)."""
     calls = {"n": 0, "total": 0}
 
     def fake() -> int:
@@ -416,7 +417,7 @@ def _scripted_faults(monkeypatch, per_round):
             calls["total"] += per_round[n // 2] if n // 2 < len(per_round) else 0
         return calls["total"]
 
-    monkeypatch.setattr(bench, "_minor_faults", fake)
+    monkeypatch.setattr(timing, "minor_faults", fake)
 
 
 def _one_row(compressor="fp16", repeats=3):
@@ -436,7 +437,7 @@ def test_warm_up_runs_until_a_round_takes_no_page_fault(monkeypatch):
 def test_warm_up_gives_up_after_its_limit_and_the_report_names_the_row(monkeypatch):
     _scripted_faults(monkeypatch, [9] * 100)
     res, row = _one_row(repeats=3)
-    assert row["warmup_rounds"] == bench.MAX_WARMUP_ROUNDS
+    assert row["warmup_rounds"] == timing.MAX_WARMUP_ROUNDS
     assert row["minor_faults_per_repeat"] == 9
     expected = "still taking page faults after the warm-up (median per repeat): fp16 [defaults] 9"
     assert expected in bench.format_report(res)
@@ -461,7 +462,7 @@ class _CountingClock:
 
 def test_each_row_has_a_copy_timed_beside_it(monkeypatch):
     # six readings a round (compress, encode, decode, decompress, then the copy): each part lasts one second
-    monkeypatch.setattr(bench, "_Timer", _CountingClock)
+    monkeypatch.setattr(timing, "Timer", _CountingClock)
     res = bench.run_bench(size=bench.BESIDE_MIN_NUMEL, repeats=3, compressors=["topk"], inputs=["synthetic"])
     row = res["rows"][1]
     assert (row["compress_encode_s"], row["memcpy_beside_s"]) == (2.0, 1.0)

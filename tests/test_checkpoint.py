@@ -111,7 +111,7 @@ def test_resumed_gloo_run_is_bit_identical_to_the_uninterrupted_one(tmp_path):
 def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch, crash_in):
     reference = train(tmp_path / "reference.json", *TOPK)
     root = tmp_path / "ckpt"
-    write = checkpoint._write_atomic
+    write = checkpoint.write_atomic
 
     def power_cut(path: Path, data: bytes) -> None:
         hit = {"rank file": "rank-0001.pt", "manifest": checkpoint.MANIFEST, "latest": checkpoint.LATEST}[crash_in]
@@ -120,10 +120,10 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypa
             raise RuntimeError("power cut")
         write(path, data)
 
-    monkeypatch.setattr(checkpoint, "_write_atomic", power_cut)
+    monkeypatch.setattr(checkpoint, "write_atomic", power_cut)
     with pytest.raises(RuntimeError, match="power cut"):
         train(tmp_path / "cut.json", *TOPK, "--checkpoint", str(root), "--checkpoint-every", "4", steps=12)
-    monkeypatch.setattr(checkpoint, "_write_atomic", write)
+    monkeypatch.setattr(checkpoint, "write_atomic", write)
     assert (root / checkpoint.LATEST).read_text().strip() == "step-000004"
     assert find_checkpoint(root) == root / "step-000004"
     resumed = train(tmp_path / "resumed.json", *TOPK, "--checkpoint", str(root), "--resume", str(root))

@@ -12,6 +12,7 @@ from distributed import run_workers
 import gradcomp
 from gradcomp.compressors.base import Slot
 from gradcomp.errors import ConfigError
+from gradcomp.schemes import lgc
 from gradcomp.schemes.lgc import LGC
 from gradcomp.train.exchange import GradientExchange
 from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES
@@ -53,7 +54,8 @@ def _layout(scheme, slots=SLOTS):
 
 def _residual(scheme):
     layout = scheme._layouts.get(tuple(s.name for s in SLOTS))
-    return None if layout is None or layout.residual is None else layout.residual.clone()
+    residual = None if layout is None else scheme.residuals.get("residual", lgc.list_slot(layout))
+    return None if residual is None else residual.clone()
 
 
 def run_cluster(world, make_scheme, steps, grads_for=grads):
@@ -183,9 +185,19 @@ def test_ps_stage_three_bytes():
             assert h["down"] == means + (0 if rank == leader else message)
 
 
-def test_state_round_trip_continues_exactly():
+def _earlier_format(state):
+    """The state dict as LGC wrote it before its residuals moved into a SlotState: one entry per slot list."""
+    residuals = {key.rpartition("#")[0]: t for key, t in state["residual"].items()}
+    return {k: {**part, "residual": residuals[k]} for k, part in state["layouts"].items()}
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_state_round_trip_continues_exactly(earlier):
     runs = run_cluster(1, make(variant="ring"), 4)
     state = runs[0][1].state_dict()
+    assert set(state) == {"residual", "layouts"} and len(state["residual"]) == 1
+    if earlier:
+        state = _earlier_format(state)
 
     def continued(load):
         def worker(t):
@@ -340,6 +352,29 @@ def _passes(t, scheme, steps):
     return history
 
 
+def test_a_loaded_buckets_residual_waits_through_ddps_first_pass():
+    """Resumed under DDP, the first pass is one bucket again: the rebuilt buckets' loaded residuals must
+    survive its retain until those buckets come back."""
+    def worker(t):
+        scheme = LGC(density=0.01, dense_steps=1, topk_steps=3)
+        _passes(t, scheme, 3)
+        state = scheme.state_dict()
+        resumed = LGC(density=0.01, dense_steps=1, topk_steps=3)
+        resumed.load_state_dict(state)
+        ex = GradientExchange(resumed, t)
+        g = grads(t.rank, 3)
+        ex.exchange(SLOTS, g, 3)  # DDP's first pass after the restart: the whole model in one bucket
+        resumed.retain(SLOTS)
+        return state, resumed.residuals.state_dict()["residual"]
+
+    with gradcomp.SimulatedCluster(2) as cluster:
+        runs = cluster.run(worker)
+    for state, kept in runs:
+        tail = "|".join(s.name for s in TAIL)
+        key = next(k for k in state["residual"] if k.rpartition("#")[0] == tail)
+        assert key in kept and torch.equal(kept[key], state["residual"][key])
+
+
 def test_every_buckets_residual_and_autoencoder_survive_the_passes():
     def worker(t):
         scheme = LGC(density=0.01, dense_steps=1, topk_steps=3)
@@ -352,8 +387,10 @@ def test_every_buckets_residual_and_autoencoder_survive_the_passes():
         # the first pass's single bucket never came back: dropped; the two buckets kept across the passes
         assert set(scheme._layouts) == {tuple(s.name for s in TAIL), tuple(s.name for s in HEAD)}
         tail = _layout(scheme, TAIL)
-        assert tail.trainer.steps == 3 and tail.residual is not None and len(tail.held_out) == 2
-        assert set(scheme.state_dict()) == {"|".join(s.name for s in TAIL)}  # the dense bucket has no state
+        assert tail.trainer.steps == 3 and len(tail.held_out) == 2
+        state, names = scheme.state_dict(), "|".join(s.name for s in TAIL)
+        assert set(state["layouts"]) == {names}  # the dense bucket has no state
+        assert set(state["residual"]) == {f"{names}#{tail.d}"}
     g = [grads(r, 5) for r in range(2)]
     for i in (0, 1, 4, 5):  # the model's first and last layer: the dense mean
         torch.testing.assert_close(runs[0][0][5][i], (g[0][i] + g[1][i]) / 2, rtol=0, atol=1e-6)
@@ -462,7 +499,7 @@ def _ddp_worker(rank, world_size):
         out[variant] = {
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
             "layouts": {key: (lay.d, lay.trainer.steps if lay.trainer else 0) for key, lay in scheme._layouts.items()},
-            "state": sorted(state.state_dict()["exchange"]),
+            "state": sorted(state.state_dict()["exchange"]["layouts"]),
         }
         state.close()
     return out

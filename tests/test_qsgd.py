@@ -149,7 +149,7 @@ def test_elias_max_bytes_bounds_the_densest_message():
 
 
 def gradient_like(d: int) -> torch.Tensor:
-    from gradcomp.experiments.bench.bench import synthetic_gradient
+    from gradcomp.experiments.bench.cases import synthetic_gradient
 
     return synthetic_gradient(d)
 

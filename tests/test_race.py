@@ -430,3 +430,26 @@ def test_the_json_names_the_plot_when_one_was_drawn(tmp_path, monkeypatch):
     result = {"table": "t", "methods": [], "summary": {}}
     race.write_outputs(str(tmp_path), result, "title", log=print)
     assert json.loads((tmp_path / "race.json").read_text())["plot"] == str(tmp_path / "race.png")
+
+
+def test_the_targets_come_from_race_targets_json(monkeypatch):
+    import json
+    import os
+
+    with open(os.path.join(os.path.dirname(race.__file__), "race_targets.json")) as f:
+        assert race.TARGETS == json.load(f)
+    assert race.TARGET_RATE_BPS == 100e6
+
+    def rec(name, compressor, t, step):
+        return {"name": name, "kind": "torch" if name.startswith("torch") else "gradcomp", "compressor": compressor,
+                "time_to_target_s": t, "train_s": 2 * t, "median_step_s": step, "label": name}
+
+    ref = rec("torch-fp32", "none", 50.0, 0.5)
+    races = [ref, rec("cnat", "cnat", 9.0, 0.15)]
+    goals = {g["goal"]: g["met"] for g in race.check_targets(races, ref, None)}
+    assert goals["cnat step ≤ 0.4 × fp32 DDP's step"] is True and goals["≥ 5 × faster than fp32 DDP"] is True
+    monkeypatch.setitem(race.TARGETS, "cnat_step_vs_fp32", 0.25)
+    monkeypatch.setitem(race.TARGETS, "faster_than", {"torch-fp32": {"factor": 6.0, "called": "fp32 DDP"}})
+    goals = {g["goal"]: g["met"] for g in race.check_targets(races, ref, None)}
+    assert goals == {"best gradcomp ≤ 1.2 × fp32 with free communication": None,
+                     "≥ 6 × faster than fp32 DDP": False, "cnat step ≤ 0.25 × fp32 DDP's step": False}

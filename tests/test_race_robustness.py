@@ -209,7 +209,7 @@ def test_an_unwritable_out_is_refused_before_anything_starts(monkeypatch, tmp_pa
     finally:
         restore()
     err = capsys.readouterr().err
-    assert code == 2 and f"--out {out}: cannot write there" in err and "nothing was started" in err
+    assert code == 2 and f"--out {out}: cannot be written" in err and "nothing was started" in err
     assert not started and not list(out.iterdir())
 
 

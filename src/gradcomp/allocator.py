@@ -4,24 +4,17 @@ Why: a compressor's outputs (a 20 MB fp16 copy of a 10M-entry gradient, the 40 M
 decompresses into) are allocated once per message. With glibc's default settings, blocks above its mmap
 threshold (128 KiB, raised on the fly up to 32 MiB) come from a fresh ``mmap`` and go back with ``munmap``
 when freed, so every step touches fresh pages: one page fault and one zeroed 4 KiB page per 4 KiB written.
-Measured on the 2-core VM (``gradcomp bench --threads 1 --no-model``, 10M fp32 entries, medians of three
-runs; benchmarks/README.md, fourth round): fp16 compress 12.0 ms with those page faults against 4.0 ms
-without, and a receiver's decompress into a fresh 40 MB tensor 17-25 ms against 2.1-8.5 ms. Which blocks
-fault depended on what the process had allocated before (the dynamic threshold), so bench rows swung by 2x
-between runs.
+The faults cost compress and decompress several times their time, and which blocks fault depends on what
+the process allocated before (the dynamic threshold), so timings swing between runs (docs/host_performance.md).
 
 What: :func:`keep_freed_memory` asks glibc (``mallopt``) to serve every block from its heap
 (``M_MMAP_MAX = 0``) and never to shrink the heap (``M_TRIM_THRESHOLD`` at its largest, 2 GiB - 1): a freed
 block is reused by the next allocation of its size, as torch's CUDA caching allocator does on the GPU and as
 jemalloc/tcmalloc (PyTorch's CPU performance guide recommends them) do on the host. The price: the resident
 set stays at the process's peak instead of shrinking between steps (the race's peak-memory columns measure
-it), and the heap fragments until it has holes of every size a step asks for. ``python
-benchmarks/allocator_reuse.py`` encodes and decodes one 40 MB fp32 message in a loop (two buffers of slightly
-different sizes per round): the first 10-20 rounds still fault while the heap grows, then none do; 14-15 ms
-per round against 48 ms with glibc's defaults, for a resident set of 418-608 MiB against 304-341 MiB (two
-runs: how the heap settles varies). With ``--keep-previous`` (the last round's buffers alive while the next
-are allocated, as in the bench) it settled at 685-723 MiB against 342 MiB: the heap holds as many buffers as
-are ever alive at once, plus the holes left between them.
+it), and the heap fragments until it has holes of every size a step asks for: it holds as many buffers as are
+ever alive at once, plus the holes between them (``benchmarks/allocator_reuse.py``; docs/host_performance.md
+has the times and resident sets).
 
 It is a process-wide setting, so the library never applies it on import:
 gradcomp's own processes do (the ``gradcomp`` command, ``cli.run``, and every worker it starts, each applying

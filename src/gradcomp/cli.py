@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import sys
@@ -120,34 +121,16 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError("--seeds runs several trainings: it cannot take --checkpoint, --resume or --save "
                           "(run one --seed at a time for those)")
     cfg = TrainConfig(
-        compressor=args.compressor,
-        params=parse_param_strings(args.param),
-        error_feedback=args.error_feedback,
-        feedback=args.feedback,
-        granularity=args.granularity,
-        topology=args.topology,
+        compressor=args.compressor, params=parse_param_strings(args.param), error_feedback=args.error_feedback,
+        feedback=args.feedback, granularity=args.granularity, topology=args.topology,
         server_compressor=args.server_compressor,
         server_params=parse_param_strings(args.server_param, "--server-param"),
-        server_error_feedback=not args.no_server_error_feedback,
-        workers=args.workers,
-        local_steps=args.local_steps,
-        **resolve_training_defaults(args),
-        seed=args.seed if seeds is None else seeds[0],
-        simulate=args.simulate,
-        device=args.device,
-        eval_every=args.eval_every,
-        save_path=args.save,
-        bandwidth=args.bandwidth,
-        latency=args.latency,
-        progress=not args.no_progress,
-        timeout_s=args.timeout,
-        ddp=args.ddp,
-        fsdp=args.fsdp,
-        bucket_cap_mb=args.bucket_cap_mb,
-        checkpoint_dir=args.checkpoint,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_keep=2 if args.checkpoint_keep is None else args.checkpoint_keep,
-        resume_dir=args.resume,
+        server_error_feedback=not args.no_server_error_feedback, workers=args.workers, local_steps=args.local_steps,
+        **resolve_training_defaults(args), seed=args.seed if seeds is None else seeds[0], simulate=args.simulate,
+        device=args.device, eval_every=args.eval_every, save_path=args.save, bandwidth=args.bandwidth,
+        latency=args.latency, progress=not args.no_progress, timeout_s=args.timeout, ddp=args.ddp, fsdp=args.fsdp,
+        bucket_cap_mb=args.bucket_cap_mb, checkpoint_dir=args.checkpoint, checkpoint_every=args.checkpoint_every,
+        checkpoint_keep=2 if args.checkpoint_keep is None else args.checkpoint_keep, resume_dir=args.resume,
         resume_if_present=args.resume_if_present,
     )
     cfg.validate()  # with the options as given, before the optimizer's momentum may be handed to the method
@@ -241,67 +224,14 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from gradcomp.experiments.bench import bench
-
-    bench.add_arguments(sub.add_parser("bench", help="throughput and bits per element of every compressor"))
-
-
-def _add_sweep(sub: argparse._SubParsersAction) -> None:
-    from gradcomp.experiments.study import sweep
-
-    sweep.add_arguments(sub.add_parser("sweep", help="grid of sparsification schemes; table and plots; resumes"))
-
-
-def _sweep(args: argparse.Namespace) -> int:
-    from gradcomp.experiments.study import sweep
-
-    return sweep.main(args)
-
-
-def _add_curves(sub: argparse._SubParsersAction) -> None:
-    from gradcomp.experiments.study import curves
-
-    curves.add_arguments(sub.add_parser("curves", help="accuracy curves of finished runs: table and plot"))
-
-
-def _curves(args: argparse.Namespace) -> int:
-    from gradcomp.experiments.study import curves
-
-    return curves.main(args)
-
-
-def _add_race(sub: argparse._SubParsersAction) -> None:
-    from gradcomp.experiments.race import race
-
-    race.add_arguments(sub.add_parser("race", help="time to accuracy of several methods over emulated slow links"))
-
-
-def _race(args: argparse.Namespace) -> int:
-    from gradcomp.experiments.race import race
-
-    return race.main(args)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from gradcomp.experiments.bench import bench
-
-    return bench.main(args)
-
-
-# -- plan: which method is fastest on a given network (gradcomp.experiments.study.plan) ----------------------------
-
-
-def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from gradcomp.experiments.study import plan
-
-    plan.add_arguments(sub.add_parser("plan", help="predict each method's step time on a network; recommend one"))
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from gradcomp.experiments.study import plan
-
-    return plan.main(args)
+# The lab's commands: each module has add_arguments(parser) and main(args), imported only when needed.
+_LAB = {
+    "bench": ("gradcomp.experiments.bench.bench", "throughput and bits per element of every compressor"),
+    "sweep": ("gradcomp.experiments.study.sweep", "grid of sparsification schemes; table and plots; resumes"),
+    "curves": ("gradcomp.experiments.study.curves", "accuracy curves of finished runs: table and plot"),
+    "race": ("gradcomp.experiments.race.race", "time to accuracy of several methods over emulated slow links"),
+    "plan": ("gradcomp.experiments.study.plan", "predict each method's step time on a network; recommend one"),
+}
 
 
 # DDP re-raises an exception from a communication hook's future as a bare RuntimeError (no __cause__) whose
@@ -330,19 +260,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradcomp", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
-    _add_bench(sub)
-    _add_sweep(sub)
-    _add_curves(sub)
-    _add_race(sub)
+    for name, (module, text) in _LAB.items():
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=text))
     _add_list(sub)
-    _add_plan(sub)
     for subparser in sub.choices.values():
         _show_defaults(subparser)
     args = parser.parse_args(argv)
-    handlers = {"train": _train, "bench": _bench, "sweep": _sweep, "curves": _curves, "race": _race, "list": _list}
-    handlers["plan"] = _plan
     try:
-        return handlers[args.command](args)
+        if args.command in _LAB:
+            return importlib.import_module(_LAB[args.command][0]).main(args)
+        return {"train": _train, "list": _list}[args.command](args)
     except (GradcompError, CommunicationError) as exc:
         print(f"gradcomp: error: {exc}", file=sys.stderr)
         return 2

@@ -9,8 +9,8 @@ Speed (issue "make compressors fast enough"): compress is one cast, then (on the
 the half-width result and an in-place clamp only when something saturated. What remains of fp16's
 compress+encode on the CPU is the container's: ``wire.encode`` copies the 2·d-byte body once into the
 message and checksums it (CRC-32 and CRC-32C). The fresh d-sized outputs (the cast, the message) cost page
-faults on their first touch unless freed memory is kept for reuse (``gradcomp.allocator``): 10M entries, one
-thread, compress+encode 15-25 ms with those faults and 7-8 ms without (benchmarks/README.md).
+faults on their first touch unless freed memory is kept for reuse (``gradcomp.allocator``; the times:
+docs/host_performance.md).
 """
 
 from __future__ import annotations

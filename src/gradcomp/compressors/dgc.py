@@ -43,8 +43,8 @@ exchange index ``step`` it does, in this order:
      the expected number of top-k entries among the draws plus four standard deviations
      (``sparse.sample_rank``), so tau lies below the k-th largest |v| unless the sample is four sigmas off.
      The paper keeps a fraction p of the sample (r = ceil(p·n_s)); that tau is above the k-th largest on
-     about half of the steps, and a selection that stops there sends fewer than k (measured: 0.74·k on
-     average on Gaussian layers of 20k–200k entries, 0.83·k at 1M). When n_s >= d, tau is the k-th largest;
+     about half of the steps, and a selection that stops there sends fewer than k (docs/methods/dgc.md says
+     how many). When n_s >= d, tau is the k-th largest;
    - candidates = every coordinate with |v| >= tau (and |v| > 0: a zero is never sent);
    - fewer than k candidates (rare): tau is lowered to the 4r-th, 16r-th, ... largest sample and the pass
      repeated (a rank whose value is not lower costs no pass), and if the sample runs out every nonzero
@@ -71,7 +71,7 @@ Message: [sorted positions, their fp32 values], the same layout as ``threshold``
 d; the receiver learns it from the section headers); positions Golomb–Rice coded (``positions="golomb"``,
 the default, because it is the shorter: at density 1e-3 about 12 bits per position, where ``"fixed"``
 spends ceil(log2 d) = 18 bits on a 200k-entry layer, 24 on a 10M one) or bit-packed (``"fixed"``; encoding
-is several times faster, the message about 10 % longer on the MNIST model). Messages are gathered (not
+is faster, the message longer; docs/methods/dgc.md). Messages are gathered (not
 summable) and the update is their mean, as in the authors' code (an allgather of values and indices, then an
 average). Not unbiased; no omega.
 
@@ -116,13 +116,7 @@ from gradcomp.compressors.state import Momentum
 from gradcomp.wire import Codec, FieldSpec
 
 __all__ = [
-    "DGC",
-    "MIN_SAMPLE_KEPT",
-    "WARMUP_DENSITIES",
-    "SampledThresholdTopK",
-    "clip_norm",
-    "sample_count",
-    "warmup_density",
+    "DGC", "MIN_SAMPLE_KEPT", "WARMUP_DENSITIES", "SampledThresholdTopK", "clip_norm", "sample_count", "warmup_density",
 ]
 
 WARMUP_DENSITIES = (0.25, 0.0625, 0.015625, 0.004)  # sparsity 75 %, 93.75 %, 98.4375 %, 99.6 %

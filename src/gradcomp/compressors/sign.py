@@ -15,7 +15,7 @@ workers (2 of 4 say +, 2 say −: that coordinate stays where it is this step).
 ``signum`` — sign with momentum kept on the worker: m = β·m + (1 − β)·g (``momentum`` β = 0.9 by default,
 m starts at 0, so the first step sends sign(g)), the worker sends sign(m), the update is the majority vote.
 The method applies momentum itself (``owns_momentum``: the CLI sets the optimizer's momentum to 0). The
-momentum is per slot, keyed by the slot's name and size (a DDP bucket that changes size starts afresh), is
+momentum is per slot, a ``SlotState`` (compressors/state.py: keyed by the slot's name and size), is
 checkpointed by ``state_dict`` and dropped for slots that disappear by ``retain``.
 
 ``efsignsgd`` — the scaled sign C(p) = (||p||_1 / d)·sign(p) of p = g + residual, with error feedback on by
@@ -114,6 +114,7 @@ from torch import Tensor
 from gradcomp import kernels
 from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot, Tally
 from gradcomp.compressors.sparse import workspace
+from gradcomp.compressors.state import SlotState, check_momentum
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
@@ -508,34 +509,21 @@ class Signum(_MajorityVote):
     owns_momentum: ClassVar[bool] = True
 
     def __init__(self, momentum: float = 0.9):
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
-            raise ConfigError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        momentum = float(momentum)
-        if not 0.0 <= momentum < 1.0:
-            raise ConfigError(f"momentum must lie in [0, 1), got {momentum}")
-        self.momentum = momentum
-        self.buffers: dict[str, Tensor] = {}
+        self.momentum = check_momentum(momentum)
+        self.state = SlotState("signum", ("momentum",))  # m per slot; its state dict: {"momentum": {key: m}}
 
     def params(self) -> dict[str, Any]:
         return {"momentum": self.momentum}
 
-    @staticmethod
-    def _key(slot: Slot) -> str:
-        return f"{slot.name}#{slot.numel}"
-
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        key = self._key(slot)
         g = _f32(x)
-        m = self.buffers.get(key)
+        m = self.state.get("momentum", slot, g)
         if m is None:
-            m = g * (1.0 - self.momentum)  # from m = 0
-            self.buffers[key] = m
+            m = self.state.put("momentum", slot, g.reshape(-1) * (1.0 - self.momentum))  # from m = 0
             return [self._signs(m, step)]
-        m = m.to(g.device)
-        self.buffers[key] = m
-        if m.dim() != 1 or not m.is_contiguous() or m.shape != g.shape:
-            m.mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
-            return [self._signs(m.reshape(-1), step)]
+        if m.shape != g.shape:
+            m.mul_(self.momentum).add_(g.reshape(-1), alpha=1.0 - self.momentum)
+            return [self._signs(m, step)]
 
         def update(start: int, end: int) -> None:  # the same in-place update, chunk by chunk (elementwise)
             m[start:end].mul_(self.momentum).add_(g[start:end], alpha=1.0 - self.momentum)
@@ -543,26 +531,13 @@ class Signum(_MajorityVote):
         return [self._signs(m, step, before=update)]  # each chunk's signs packed right after its update, in cache
 
     def retain(self, slots: list[Slot]) -> None:
-        keep = {self._key(s) for s in slots}
-        self.buffers = {k: v for k, v in self.buffers.items() if k in keep}
+        self.state.retain(slots)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"momentum": {k: v.detach().clone() for k, v in self.buffers.items()}}
+        return self.state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        unknown = set(state) - {"momentum"}
-        if unknown:
-            raise ConfigError(f"unexpected signum state keys {sorted(unknown)}")
-        buffers = state.get("momentum", {})
-        if not isinstance(buffers, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() == 1 for k, v in buffers.items()
-        ):
-            raise ConfigError("signum state 'momentum' must map slot keys to flat tensors")
-        for key, v in buffers.items():
-            size = key.rpartition("#")[2]
-            if not size.isdigit() or int(size) != v.numel():
-                raise ConfigError(f"signum state {key!r}: {v.numel()} entries do not match the slot's size")
-        self.buffers = {k: v.detach().to(torch.float32).clone() for k, v in buffers.items()}
+        self.state.load_state_dict(state)
 
 
 def _chunked_sums(flat: Tensor, *maps) -> Tensor:

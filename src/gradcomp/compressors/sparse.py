@@ -96,10 +96,6 @@ class KeptCount:
             raise ConfigError(f"k={self.k} exceeds the {slot.numel} elements of {slot.name}")
         return self.k
 
-    def fraction(self, numel: int) -> float:
-        """The density for a tensor of ``numel`` elements (k / d when a fixed k is given)."""
-        return self.density if self.k is None else self.k / max(1, numel)
-
 
 def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: torch.device) -> Tensor:
     """k distinct positions drawn uniformly from range(n), in increasing order; O(k) work when k is small.

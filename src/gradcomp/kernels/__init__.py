@@ -32,11 +32,11 @@ Fallback: ``enabled()`` is False when numba cannot be imported or the environmen
 every caller then takes its numpy/torch path, which produces the same bytes, only slower.
 
 Cost: the kernels are compiled the first time a process uses them and cached on disk next to this package
-(numba's ``cache=True``; about a second per kernel the first time, milliseconds after). Importing numba and
-loading the first kernel adds about 110 MB of resident memory to the process (LLVM), once, whatever the model
-size. So the bit-packing, dithering, lookup and sign kernels load numba only for large tensors (``BITPACK_MIN_COUNT``,
-``SIGN_MIN_COUNT``), and are used for any size once it is loaded; C_nat always loads it. Training a model of a
-few million parameters with top-k, Signum or EF-signSGD thus never imports numba; with C_nat it does.
+(numba's ``cache=True``). Importing numba and loading the first kernel costs time and resident memory (LLVM) once per
+process, whatever the model size (docs/host_performance.md). So the bit-packing, dithering, lookup and sign kernels load
+numba only for large tensors (``BITPACK_MIN_COUNT``, ``SIGN_MIN_COUNT``), and are used for any size once it is loaded;
+C_nat always loads it. Training a model of a few million parameters with top-k, Signum or EF-signSGD thus never imports
+numba; with C_nat it does.
 """
 
 from __future__ import annotations
@@ -82,9 +82,8 @@ def loaded() -> bool:
     return "numba" in sys.modules and _numba_state.get("ok", False)
 
 
-# Below these sizes a kernel is used only once numba is loaded anyway: loading it costs about 0.3 s and 110 MB
-# once per process, more than the kernel saves on small tensors (a per-layer bias's positions, the sign bits of
-# a 1M-parameter model: fractions of a millisecond). C_nat always loads it: its kernel is the method's speed.
+# Below these sizes a kernel is used only once numba is loaded anyway: loading it once per process costs more than the
+# kernel saves on small tensors (docs/host_performance.md). C_nat always loads it: its kernel is the method's speed.
 BITPACK_MIN_COUNT = 4097  # above the wire's small-array path (gradcomp.wire.bits._SMALL)
 SIGN_MIN_COUNT = 1 << 22
 SAMPLE_MAX_SPREAD = 1024  # random-k's bitmap kernel for densities k / n down to 1 / 1024

@@ -11,11 +11,9 @@ stable sort of all the draws and masks over the sorted copy; these kernels take 
 - ``radix_sort(keys, scratch, bits)`` sorts those k values (non-negative, below 2**bits) with an LSD radix
   sort of at most 12-bit digits: two passes for tensors of up to 2^24 entries, three up to 2^36.
 
-Same positions as the stable sort, for fewer operations (tests/test_kernels.py compares both paths). Measured
-on a 10M-entry tensor, k = 100,000, one thread: 1.25 ms for the torch/numpy path's positions against 0.86 ms
-here (0.26 ms of both are torch's draws; marking and sorting took 0.57 ms on their own). A scan of the bitmap
-for its set bits, instead of the radix sort, took 0.75 ms for the scan alone (a mispredicted branch or two
-per 64-bit word).
+Same positions as the stable sort, for fewer operations (tests/test_kernels.py compares both paths); a scan
+of the bitmap for its set bits instead of the radix sort was slower (a mispredicted branch or two per 64-bit
+word). docs/host_performance.md has the times.
 """
 
 import numpy as np

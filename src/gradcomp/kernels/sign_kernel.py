@@ -5,9 +5,8 @@ of x's dtype), the unused high bits of a last partial byte stay 0; returns the n
 ``below`` = 0 (−0.0 and NaN are not set) these are the bytes of ``np.packbits(x < 0, bitorder="little")``;
 with ``below`` = the dtype's smallest positive value they are those of ``x <= 0`` (nothing lies between 0
 and it), the same pass for the majority vote's odd steps, which send a zero as −. 64 comparisons are OR-ed
-into a 64-bit word at a time, and the set bits are counted from the bitmap afterwards. 10M entries, one thread, the two
-kernels timed alternately in one process: 1.23 ms against 2.14 ms for the earlier one, which packed a byte at
-a time and counted while packing (the word instead of the byte alone saves about 7 %).
+into a 64-bit word at a time, and the set bits are counted from the bitmap afterwards: faster than packing a
+byte at a time and counting while packing (docs/host_performance.md).
 
 ``sign_add(packed, positive, negative, out)`` / ``sign_subtract(...)``: out[i] += (or −=) ``negative`` where
 bit i of the bitmap is set, ``positive`` where it is not: one float32 addition or subtraction per entry, the
@@ -23,7 +22,7 @@ from numba import njit
 def sign_bits(x, out, below):
     whole = x.size // 64
     words = out[: whole * 8].view(np.uint64)  # little-endian: bit j of a word is bit j % 8 of its byte j // 8
-    for w in range(whole):  # 64 comparisons OR-ed into one word (a byte per 8 entries: about 7 % slower)
+    for w in range(whole):  # 64 comparisons OR-ed into one word (fewer stores than a byte per 8 entries)
         o = 64 * w
         word = np.uint64(0)
         for j in range(64):
@@ -39,7 +38,7 @@ def sign_bits(x, out, below):
 
 @njit(cache=True, nogil=True)
 def _count_set_bits(packed):
-    """The number of set bits of a uint8 array: a SWAR popcount per 64-bit word (0.015 ms per 1.25 MB)."""
+    """The number of set bits of a uint8 array: a SWAR popcount per 64-bit word."""
     m1, m2 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333)
     m4, ones = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0101010101010101)
     whole = packed.size // 8

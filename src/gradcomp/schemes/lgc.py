@@ -80,8 +80,9 @@ Bad parameters (a variant other than ring/ps, negative stage lengths, topk_steps
 to follow, densities outside (0, 1], a latent code not smaller than the k values of the whole model, skip
 with a flattened slot, a model of empty tensors) raise ConfigError before anything is sent.
 
-State (``state_dict``): per slot list that is compressed, the residual, the autoencoder's weights and Adam
-state, and whether its decoders were synced. The DDP hook's ``retain`` keeps every bucket's state across
+State (``state_dict``): per slot list that is compressed, the residual (a ``SlotState`` of
+compressors/state.py, keyed by the list's names and size), the autoencoder's weights and Adam state, and
+whether its decoders were synced. The DDP hook's ``retain`` keeps every bucket's state across
 passes and drops that of buckets that did not come back (DDP's first-pass buckets after its rebuild).
 """
 
@@ -96,6 +97,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Slot, check_bool, check_density, check_int, kept_count
+from gradcomp.compressors.state import SlotState
 from gradcomp.errors import ConfigError
 from gradcomp.protocols import allgather_buffers, broadcast_buffer, parameter_server
 from gradcomp.schemes.accumulation import floats_spec, indices_spec, largest, offsets_of, split_indices
@@ -106,7 +108,7 @@ from gradcomp.wire import Codec, FieldSpec, decode, encode, encoded_size
 from gradcomp.wire.golomb import optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")
-STATE_KEYS = {"residual", "autoencoder", "synced"}
+LAYOUT_KEYS = {"autoencoder", "synced"}
 
 
 @dataclass
@@ -124,7 +126,6 @@ class Layout:
     rice: int
     ends: tuple[str, str] | None = None  # the model's first and last module, sent dense (None: nothing skipped)
     synced: bool = False  # the decoders were made to agree (at the first stage-3 step; see ``LGC._sync``)
-    residual: Tensor | None = None
     trainer: AutoencoderTrainer | None = None
     losses: list[float] = field(default_factory=list)  # the autoencoder's training loss per stage-2 step
     held_out: list[tuple[float, float]] = field(default_factory=list)  # stage 3: (its error, top-k's at its bits)
@@ -169,7 +170,9 @@ class LGC(Scheme):
         self.lr, self.similarity = float(lr), float(similarity)
         self.seed = check_int("seed", seed, minimum=0)
         self._layouts: dict[tuple[str, ...], Layout] = {}
-        self._pending_state: dict[str, dict[str, Any]] = {}  # loaded state, applied when its slot list comes
+        # the residual of each compressed slot list, keyed "<its names joined by |>#<d>" (``list_slot``)
+        self.residuals = SlotState("lgc", ("residual",))
+        self._pending_state: dict[str, dict[str, Any]] = {}  # loaded autoencoders, applied when their slot list comes
         self._model_size: int | None = None  # the model's number of slots, from retain() (the DDP hook)
         self._model_ends: tuple[str, str] | None = None  # the modules skip sends dense, from retain()
         self._seen: tuple[int, int] = (-1, -1)  # (step, the highest slot index exchanged at that step)
@@ -312,8 +315,9 @@ class LGC(Scheme):
 
         device = flat[0].device
         acc = torch.cat([flat[i] for i in layout.compressed])
-        if layout.residual is not None:
-            acc.add_(layout.residual.to(device))
+        residual = self.residuals.get("residual", list_slot(layout), acc)
+        if residual is not None:
+            acc.add_(residual)
         dense = torch.cat([flat[i] for i in layout.skipped]) if layout.skipped else acc.new_empty(0)
         leader = step % world if self.rotate else 0
         trainer = self._trainer(layout, device)
@@ -338,7 +342,7 @@ class LGC(Scheme):
             positions, update, dense_mean, carried = yield from compressed(layout, acc, dense, leader, trainer)
             self._record_error(layout, acc[positions], carried)
             acc[positions] -= carried
-        layout.residual = acc
+        self.residuals.put("residual", list_slot(layout), acc)
 
         out_c = torch.zeros(layout.d, dtype=torch.float32, device=device)
         out_c[positions] = update
@@ -462,6 +466,10 @@ class LGC(Scheme):
             for key, lay in self._layouts.items()
             if set(key) <= live and (key in used or not used) and lay.ends == self._model_ends
         }
+        # and the residuals of loaded slot lists not seen yet (DDP's rebuilt buckets come back after its first pass)
+        loaded = (key.rpartition("#") for key in self.residuals["residual"])
+        pending = [Slot(name, 0, int(numel)) for name, _, numel in loaded if name in self._pending_state]
+        self.residuals.retain([list_slot(lay) for lay in self._layouts.values()] + pending)
 
     def report(self) -> dict[str, Any]:
         """What the run's JSON records of the method: the autoencoder's training (time, steps, loss) and its
@@ -491,40 +499,48 @@ class LGC(Scheme):
         return sum(lay.trainer.seconds for lay in self._layouts.values() if lay.trainer is not None)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        for names, lay in self._layouts.items():
-            if lay.d == 0:
-                continue  # dense: no state
-            state["|".join(names)] = {
-                "residual": None if lay.residual is None else lay.residual.detach().clone(),
-                "autoencoder": None if lay.trainer is None else lay.trainer.state_dict(),
-                "synced": lay.synced,
-            }
-        return state
+        """``{"residual": {"<names>#<d>": tensor}, "layouts": {"<names>": {"autoencoder": ..., "synced": ...}}}``,
+        ``<names>`` a compressed slot list's names joined by ``|`` (a dense one has no state)."""
+        layouts = {
+            "|".join(names): {"autoencoder": None if lay.trainer is None else lay.trainer.state_dict(),
+                              "synced": lay.synced}
+            for names, lay in self._layouts.items() if lay.d
+        }
+        return {**self.residuals.state_dict(), "layouts": layouts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pending: dict[str, dict[str, Any]] = {}
-        for key, part in state.items():
-            if not isinstance(key, str) or not isinstance(part, dict) or set(part) - STATE_KEYS:
-                raise ConfigError(f"lgc state {key!r}: expected {sorted(STATE_KEYS)} per slot list")
-            residual = part.get("residual")
-            if residual is not None and not isinstance(residual, Tensor):
-                raise ConfigError(f"lgc state {key!r}: the residual must be a tensor")
-            pending[key] = part
-        self._pending_state = pending  # applied when the slot list is seen (sizes and device known)
+        if isinstance(state, dict) and "layouts" not in state and state:  # the format before the residuals' SlotState
+            state = {
+                "residual": {f"{k}#{p['residual'].numel()}": p["residual"] for k, p in state.items()
+                             if isinstance(p, dict) and isinstance(p.get("residual"), Tensor)},
+                "layouts": {k: {n: v for n, v in p.items() if n != "residual"} if isinstance(p, dict) else p
+                            for k, p in state.items()},
+            }
+        if not isinstance(state, dict) or set(state) - {"residual", "layouts"}:
+            raise ConfigError("lgc state: expected 'residual' and 'layouts'")
+        layouts = state.get("layouts", {})
+        for key, part in layouts.items():
+            if not isinstance(key, str) or not isinstance(part, dict) or set(part) - LAYOUT_KEYS:
+                raise ConfigError(f"lgc state {key!r}: expected {sorted(LAYOUT_KEYS)} per slot list")
+        self.residuals.load_state_dict({"residual": state.get("residual", {})})
+        self._pending_state = dict(layouts)  # applied when the slot list is seen (its device known)
 
     def _restore(self, layout: Layout, device: torch.device) -> None:
-        part = self._pending_state.pop("|".join(layout.names), None)
+        joined = "|".join(layout.names)
+        for key, t in self.residuals["residual"].items():
+            if key.rpartition("#")[0] == joined and t.numel() != layout.d:
+                raise ConfigError(f"lgc state: residual of {t.numel()} values for {layout.d} compressed ones")
+        part = self._pending_state.pop(joined, None)
         if part is None:
             return
-        residual = part.get("residual")
-        if residual is not None:
-            if residual.numel() != layout.d:
-                raise ConfigError(f"lgc state: residual of {residual.numel()} values for {layout.d} compressed ones")
-            layout.residual = residual.detach().to(device, torch.float32).reshape(-1).clone()
         if part.get("autoencoder") is not None:
             self._trainer(layout, device).load_state_dict(part["autoencoder"])
         layout.synced = bool(part.get("synced", False))  # older states: synced at the next stage-3 step
+
+
+def list_slot(layout: Layout) -> Slot:
+    """The slot a compressed slot list's residual is kept under: its names joined by ``|``, d values."""
+    return Slot(name="|".join(layout.names), index=0, numel=layout.d)
 
 
 def _module(name: str) -> str:

@@ -25,8 +25,7 @@ estimates, not exact values). u is zeroed where g̃ is nonzero, but v is not: ev
 its v, so the sum of the workers' v drops by exactly what was applied, and what the estimate missed (or
 overshot) stays to go out later. This is FetchSGD's error accumulation (S_e ← S_e − S(Δ)) written on the
 workers' side, which the sketch's linearity makes the same thing. Zeroing v instead, as round 2's exact
-values allow, loses the estimation error for good: measured, it made the default MNIST job diverge within 60
-steps (14 % accuracy).
+values allow, loses the estimation error for good: it made the default MNIST job diverge (docs/methods/sketch.md).
 
 **Whole slots.** With two rounds and P·k ≥ d every coordinate is a candidate, so the sketch would decide
 nothing: such a slot sends v itself in round 1 instead of a sketch (d floats, beside the dense slots' u) and
@@ -58,10 +57,9 @@ Choices (each a parameter):
   more than sending the slot. A slot of d < 2·rows coordinates (reachable only with ``min_size`` below
   2·rows) has no sketch within that cap (⌊d / (2·rows)⌋ = 0 columns) and goes dense, like a slot under
   ``min_size``. A ``cols`` given explicitly is used for every compressed slot; a sketch larger
-  than its slot (rows·cols > d) is a ConfigError. Measured worst case (k equal heavy coordinates planted in
-  N(0, 1) noise, d = 20,000, k = 200, defaults): in 2 of 20 seeds one of the 200 was not among the
-  candidates — it shared buckets with other heavy ones in 3 of the 5 rows and its median estimate cancelled
-  out. It is not lost: it stays in v and goes out at a later step.
+  than its slot (rows·cols > d) is a ConfigError. A heavy coordinate that shares buckets with other heavy ones
+  in most rows can miss the candidates (docs/methods/sketch.md has the worst case measured); it is not lost: it
+  stays in v and goes out at a later step.
 - ``candidates`` P (default 10): round 2 costs P·k floats, a fifth of the default sketch (5·10·k); it must be
   large enough that the true top k sit among the P·k largest estimates although the estimates are noisy by
   about the k-th value itself: with P = 10 a heavy coordinate is missed only if 9·k light ones are

@@ -45,17 +45,8 @@ from gradcomp import kernels
 from gradcomp.errors import ConfigError, WireError
 
 __all__ = [
-    "pack_bits",
-    "pack_bits_into",
-    "packs_into",
-    "unpack_bits",
-    "decoded_dtype",
-    "bits_needed",
-    "pack_bool",
-    "unpack_bool",
-    "packed_nbytes",
-    "host_path",
-    "host_device",
+    "pack_bits", "pack_bits_into", "packs_into", "unpack_bits", "decoded_dtype", "bits_needed", "pack_bool",
+    "unpack_bool", "packed_nbytes", "host_path", "host_device",
 ]
 
 _MAX_WIDTH = 32

@@ -76,13 +76,7 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the s
 from gradcomp.wire.bits import _as_uint8_buffer
 
 __all__ = [
-    "checksum64",
-    "checksum64_tensor",
-    "crc32c",
-    "crc32",
-    "to_host",
-    "CRC32C_IMPLEMENTATION",
-    "CRC32_IMPLEMENTATION",
+    "checksum64", "checksum64_tensor", "crc32c", "crc32", "to_host", "CRC32C_IMPLEMENTATION", "CRC32_IMPLEMENTATION",
 ]
 
 CRC32C_IMPLEMENTATION: str = google_crc32c.implementation  # "c" (hardware-accelerated) or "python"

@@ -1,1 +1,3 @@
-"""`gradcomp bench`: compression throughput against a memory copy timed beside each row; the targets and anchor figures live in bench_targets.json."""
+"""`gradcomp bench`: compression throughput against a memory copy timed beside each row.
+
+bench (the command), cases, timing, sketch_halves, targets (figures in bench_targets.json), report."""

@@ -185,7 +185,18 @@ def read_wire_counters(ifname: str) -> tuple[int, int] | None:
         return None
 
 
-class LocalHosts:
+class _Hosts:
+    """Used as a context manager: ``up()`` on entry, ``down()`` on exit."""
+
+    def __enter__(self):
+        self.up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
+class LocalHosts(_Hosts):
     """W plain processes on 127.0.0.1 (no isolation, no shaping): the fallback without root."""
 
     shaped = False
@@ -201,12 +212,6 @@ class LocalHosts:
     def down(self) -> None:
         pass
 
-    def __enter__(self) -> LocalHosts:
-        self.up()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.down()
 
 
 def new_tag() -> str:
@@ -217,7 +222,7 @@ def new_tag() -> str:
             return tag
 
 
-class NamespaceNetwork:
+class NamespaceNetwork(_Hosts):
     """W hosts in their own network namespaces behind one bridge; each host's link shaped to ``rate_bps``.
 
     ``rate_bps=None`` builds the same network without shaping. Use as a context manager, or call ``up()`` and
@@ -311,10 +316,4 @@ class NamespaceNetwork:
         present = set(list_namespaces())
         return any(ns in present for ns in self.namespaces)
 
-    def __enter__(self) -> NamespaceNetwork:
-        self.up()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.down()
 

@@ -4,23 +4,7 @@ Every method runs the same training (model, data, seed, steps, batches) on the s
 method after the other, and is timed by a training clock that stops while the model is evaluated. See
 docs/race.md for what is measured and how to read it.
 
-Methods (``--method``, repeated): ``NAME[:KEY=VALUE,KEY=VALUE...]``.
-
-- ``NAME`` is a gradcomp compressor as ``gradcomp train --compressor`` takes it (``topk``, ``cnat``,
-  ``powersgd``, ``topk+fp16``, ...), or one of torch's own DDP baselines: ``torch-fp32`` (alias ``ddp``: plain
-  DDP, torch's built-in fp32 allreduce), ``torch-fp16`` (``fp16_compress_hook``), ``torch-powersgd``
-  (``powerSGD_hook``, one bucket; parameters ``rank`` (2), ``start_iter`` (2), ``min_compression_rate``,
-  ``error_feedback``, ``warm_start``, ``seed``, ``batch_same_shape``).
-- ``KEY=VALUE`` pairs are the compressor's parameters (as ``--param``), except these, which no compressor
-  takes: ``feedback`` (``residual``, ``momentum_correction``, ``momentum_masking``, ``none``: as ``--feedback``),
-  ``topology`` (as ``--topology``), ``server`` (``--server-compressor``) and ``server.KEY`` (``--server-param``),
-  ``granularity``, ``ddp`` (``on``, the default: DDP with gradcomp's overlapping hook; ``off``: the aggregator
-  after backward), ``bucket_cap_mb``, ``sgd.lr`` / ``sgd.momentum`` / ``sgd.weight_decay`` (this method's
-  optimizer settings, e.g. ``sgd.lr=0.001`` for sign methods) and ``label``. ``error_feedback=true`` works as in
-  ``--param``.
-
-Examples: ``topk:density=0.01,feedback=residual``, ``cnat:topology=sharded,server=cnat``,
-``signum:sgd.lr=0.001``, ``torch-powersgd:rank=4``.
+Methods: ``--method``, repeated, as :mod:`gradcomp.experiments.race.method` parses them.
 """
 
 from __future__ import annotations
@@ -40,33 +24,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gradcomp.errors import ConfigError, GradcompError
 from gradcomp.experiments.race import netns
-from gradcomp.experiments.race import torch_baselines as tb
-from gradcomp.registry import parse_param_strings
+from gradcomp.experiments.race.method import DEFAULT_METHODS, RUN_KEYS, Method, parse_method  # noqa: F401
+from gradcomp.experiments.run.report import make_output_dir, write_atomic
 
-DEFAULT_METHODS = (
-    "torch-fp32",
-    "torch-fp16",
-    "torch-powersgd:rank=2",
-    "topk:density=0.01,feedback=momentum_masking",
-    "cnat:topology=sharded,server=cnat",
-    "sbc:density=0.01",
-    "qsgd",
-    "powersgd:rank=2",
-    "signum:sgd.lr=0.001",
-    "efsignsgd:sgd.lr=0.4,sgd.momentum=0",
-)
-RUN_KEYS = ("feedback", "topology", "server", "granularity", "ddp", "bucket_cap_mb", "label")
-SGD_KEYS = ("lr", "momentum", "weight_decay")
 MEMORY_FLAG = 4.0  # flag a method that needs more than this many gradient sizes beyond plain DDP
 EXTRA_MEMORY = ("extra_memory_vs_ddp_grads", "extra_cuda_vs_ddp_grads")  # host resident set; CUDA allocated
 MASTER_PORT = 29500  # inside host 0's own namespace: no other process can hold it
 BURST_FACTOR = 20  # warn when a host sends less than this many tbf bursts over a method's whole run
-TARGET_RATE_BPS = 100e6  # the link the targets are set for (check_targets)
+with open(os.path.join(os.path.dirname(__file__), "race_targets.json")) as _f:
+    TARGETS: dict[str, Any] = json.load(_f)  # the figures of check_targets, as data
+TARGET_RATE_BPS = float(TARGETS["rate_bps"])  # the link the targets are set for
 
 
 class WorkerFailedError(GradcompError):
@@ -75,107 +47,6 @@ class WorkerFailedError(GradcompError):
 
 class Interrupted(BaseException):
     """SIGTERM / SIGHUP, raised in the main thread so that every ``finally`` tears down."""
-
-
-# -- methods -------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Method:
-    text: str
-    name: str
-    baseline: str | None = None  # torch's own DDP communication, or None for a gradcomp method
-    params: dict[str, Any] = field(default_factory=dict)
-    feedback: str | None = None
-    topology: str = "auto"
-    server: str | None = None
-    server_params: dict[str, Any] = field(default_factory=dict)
-    granularity: str = "layer"
-    ddp: bool = True
-    bucket_cap_mb: float | None = None
-    sgd: dict[str, float] = field(default_factory=dict)
-    label: str = ""
-
-    @property
-    def is_gradcomp(self) -> bool:
-        return self.baseline is None
-
-    def config(self, base, num_parameters: int):
-        """This method's TrainConfig: the race's settings with the method's own."""
-        bucket = self.bucket_cap_mb
-        if self.baseline == "torch-powersgd" and bucket is None:
-            # one bucket for the whole model (first bucket included: DDP uses bucket_cap_mb for it when given)
-            bucket = max(25.0, math.ceil(4 * num_parameters / 2**20) + 1.0)
-        return dataclasses.replace(
-            base,
-            compressor="none" if self.baseline else self.name,
-            params={} if self.baseline else dict(self.params),
-            feedback=self.feedback,
-            topology=self.topology,
-            server_compressor=self.server,
-            server_params=dict(self.server_params),
-            granularity=self.granularity,
-            ddp=self.ddp,
-            bucket_cap_mb=bucket,
-            lr=self.sgd.get("lr", base.lr),
-            momentum=self.sgd.get("momentum", base.momentum),
-            weight_decay=self.sgd.get("weight_decay", base.weight_decay),
-        )
-
-
-def parse_method(text: str) -> Method:
-    """``NAME[:KEY=VALUE,...]`` → Method (see the module's docstring); ConfigError when malformed."""
-    spec = text.strip()
-    name, _, rest = spec.partition(":")
-    name = name.strip()
-    if not name:
-        raise ConfigError(f"--method needs a name, got {text!r}")
-    baseline = tb.canonical(name)
-    method = Method(text=spec, name=baseline or name, baseline=baseline, label=spec)
-    items = [item.strip() for item in rest.split(",") if item.strip()] if rest else []
-    plain: list[str] = []
-    server_items: list[str] = []
-    for item in items:
-        key, eq, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not eq:
-            raise ConfigError(f"--method {text!r}: {item!r} is not KEY=VALUE")
-        value = value.strip()
-        if key.startswith("sgd."):
-            what = key[4:]
-            if what not in SGD_KEYS:
-                raise ConfigError(f"--method {text!r}: sgd.{what} unknown (sgd.lr, sgd.momentum, sgd.weight_decay)")
-            try:
-                method.sgd[what] = float(value)
-            except ValueError:
-                raise ConfigError(f"--method {text!r}: sgd.{what} must be a number, got {value!r}") from None
-        elif key.startswith("server."):
-            server_items.append(f"{key[7:]}={value}")
-        elif key == "label":
-            method.label = value
-        elif key == "ddp":
-            parsed = parse_param_strings([f"ddp={value}"])["ddp"]
-            if not isinstance(parsed, bool):
-                raise ConfigError(f"--method {text!r}: ddp=on or ddp=off, got {value!r}")
-            method.ddp = parsed
-        elif key == "bucket_cap_mb":
-            try:
-                method.bucket_cap_mb = float(value)
-            except ValueError:
-                raise ConfigError(f"--method {text!r}: bucket_cap_mb must be a number, got {value!r}") from None
-        elif key in ("feedback", "topology", "server", "granularity"):
-            setattr(method, key, value)
-        else:
-            plain.append(f"{key}={value}")
-    method.params = parse_param_strings(plain)
-    method.server_params = parse_param_strings(server_items)
-    if baseline is not None:
-        if method.feedback or method.server or method.server_params or method.topology != "auto":
-            raise ConfigError(f"--method {text!r}: torch's baselines take no feedback, topology or server")
-        if not method.ddp:
-            raise ConfigError(f"--method {text!r}: torch's baselines are DDP (ddp=off is for gradcomp methods)")
-        method.params = tb.check_params(baseline, method.params)
-    return method
 
 
 # -- running -------------------------------------------------------------------------------------------------
@@ -222,17 +93,6 @@ def link_rate(link: str) -> float | None:
     return rate
 
 
-def check_out(out: str) -> None:
-    """Make ``out`` and write a file there (removed again): ConfigError naming it when that fails."""
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".race-write-test-", delete=True)
-        probe.write(b"x")
-        probe.close()
-    except OSError as exc:
-        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); nothing was started") from None
-
-
 def make_network(opts: Options, log=print):
     """The emulated hosts; EmulationError (nothing created) when a shaped link cannot be had here."""
     rate = link_rate(opts.link)
@@ -262,9 +122,7 @@ def _base_config(opts: Options):
 
 
 def is_text(opts: Options) -> bool:
-    from gradcomp.experiments.run.models import TEXT_MODELS
-
-    return opts.model.strip().lower() in TEXT_MODELS
+    return _text_model(opts.model)
 
 
 def goal(opts: Options) -> float:
@@ -494,29 +352,16 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
     counter = stats.get("counter") or {}
     cuda = [w["cuda_peak_bytes"] for w in workers if w.get("cuda_peak_bytes") is not None]
     return {
-        "label": method.label,
-        "spec": method.text,
-        "kind": "torch" if method.baseline else "gradcomp",
-        "name": method.name,
-        "compressor": cfg.compressor,
-        "params": method.params,
-        "feedback": cfg.feedback,
-        "topology": cfg.topology,
-        "server_compressor": cfg.server_compressor,
-        "ddp": cfg.ddp,
-        "bucket_cap_mb": cfg.bucket_cap_mb,
-        "lr": cfg.lr,
-        "momentum": cfg.momentum,
-        "steps": steps,
+        **failed_record(method, None), "compressor": cfg.compressor, "params": method.params,
+        "feedback": cfg.feedback, "topology": cfg.topology, "server_compressor": cfg.server_compressor,
+        "ddp": cfg.ddp, "bucket_cap_mb": cfg.bucket_cap_mb, "lr": cfg.lr, "momentum": cfg.momentum, "steps": steps,
         "curve": lead["curve"],
         "final_accuracy": lead["curve"][-1][2] if lead["curve"] else None,
         # the curve holds validation bits per byte for a language model: its best is the lowest
         "best_accuracy": (min if _text_model(cfg.model) else max)((a for _, _, a in lead["curve"]),
                                                                           default=None),
         "metric": "bits_per_byte" if _text_model(cfg.model) else "accuracy",
-        "train_s": lead["train_s"],
-        "eval_s": lead["eval_s"],
-        "wall_s": raw["wall_s"],
+        "train_s": lead["train_s"], "eval_s": lead["eval_s"], "wall_s": raw["wall_s"],
         "median_step_s": lead["median_step_s"],
         "compute_only_step_s": statistics.median(compute) if compute else None,
         "tiny_allreduce_s": statistics.median(tiny) if tiny else None,
@@ -531,11 +376,10 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
         if method.is_gradcomp and counter else None,
         "replicas_identical": len({w["stats"]["digest"] for w in workers}) == 1,
         "num_parameters": num_parameters,
-        "error": None,
     }
 
 
-def failed_record(method: Method, error: str) -> dict[str, Any]:
+def failed_record(method: Method, error: str | None) -> dict[str, Any]:
     return {"label": method.label, "spec": method.text, "kind": "torch" if method.baseline else "gradcomp",
             "name": method.name, "error": error, "curve": []}
 
@@ -581,14 +425,11 @@ def summarize(records: list[dict[str, Any]], target: float, num_parameters: int,
     tiny = [r["tiny_allreduce_s"] for r in ok if r.get("tiny_allreduce_s")]
     hosts = len(ok[0]["peak_anon_bytes"]) if ok else 0  # one entry per worker
     return {
-        "target": target,
-        "lower_is_better": lower,
+        "target": target, "lower_is_better": lower, "effective_target": effective, "fp32_ideal_s": ideal,
         # a ring all-reduce of one float is 2(W-1) messages in turn: the latency per message that gradcomp plan's
         # network model (--latency) takes, measured on this link
         "tiny_allreduce_s": statistics.median(tiny) if tiny else None,
         "message_latency_s": statistics.median(tiny) / (2 * (hosts - 1)) if tiny and hosts > 1 else None,
-        "effective_target": effective,
-        "fp32_ideal_s": ideal,
         "gradient_bytes": grad_bytes,
         "targets": check_targets(ok, ref, ideal) if rate_bps == TARGET_RATE_BPS else [],
         "targets_judged_on": setting if rate_bps == TARGET_RATE_BPS else None,
@@ -616,23 +457,23 @@ def check_targets(ok: list[dict[str, Any]], ref: dict[str, Any] | None, ideal: f
         add("best gradcomp method reaches the target", False, "no gradcomp method reached the target")
         return out
     bt = best["time_to_target_s"]
+    bound = TARGETS["vs_free_communication"]
+    goal = f"best gradcomp ≤ {bound:g} × fp32 with free communication"
     if ideal:
         ratio = bt / ideal
-        add("best gradcomp ≤ 1.2 × fp32 with free communication", ratio <= 1.2,
-            f"{best['label']}: {_secs(bt)} s = {ratio:.2f} × ({ref['steps_to_target']} steps × "
+        add(goal, ratio <= bound, f"{best['label']}: {_secs(bt)} s = {ratio:.2f} × ({ref['steps_to_target']} steps × "
             f"{_secs(ref['compute_only_step_s'])} s = {_secs(ideal)} s)")
     else:
-        add("best gradcomp ≤ 1.2 × fp32 with free communication", None,
-            "fp32 DDP did not run or did not reach the target")
-    for goal, name, factor in (("≥ 2 × faster than torch's PowerSGD hook", "torch-powersgd", 2.0),
-                               ("≥ 5 × faster than fp32 DDP", "torch-fp32", 5.0)):
+        add(goal, None, "fp32 DDP did not run or did not reach the target")
+    for name, aim in TARGETS["faster_than"].items():
+        factor, goal = aim["factor"], f"≥ {aim['factor']:g} × faster than {aim['called']}"
         other = next((r for r in ok if r["name"] == name), None)
         if other is None:
             add(goal, None, f"{name} was not in the race")
             continue
-        t, bound = _time_or_bound(other)
+        t, unfinished = _time_or_bound(other)
         speedup = t / bt
-        if bound:
+        if unfinished:
             met = True if speedup >= factor else None
             detail = (f"{name} did not reach the target in {_secs(t)} s of training: speed-up ≥ {speedup:.2f}"
                       + ("" if met else " (not enough to decide)"))
@@ -641,11 +482,13 @@ def check_targets(ok: list[dict[str, Any]], ref: dict[str, Any] | None, ideal: f
             detail = f"{name} {_secs(t)} s / {best['label']} {_secs(bt)} s = {speedup:.2f}"
         add(goal, met, detail)
     cnat = next((r for r in ok if r["compressor"] == "cnat" and r["kind"] == "gradcomp"), None)
+    bound = TARGETS["cnat_step_vs_fp32"]
+    goal = f"cnat step ≤ {bound:g} × fp32 DDP's step"
     if cnat is None or ref is None:
-        add("cnat step ≤ 0.4 × fp32 DDP's step", None, "cnat or fp32 DDP was not in the race")
+        add(goal, None, "cnat or fp32 DDP was not in the race")
     else:
         ratio = cnat["median_step_s"] / ref["median_step_s"]
-        add("cnat step ≤ 0.4 × fp32 DDP's step", ratio <= 0.4,
+        add(goal, ratio <= bound,
             f"{cnat['label']}: {_secs(cnat['median_step_s'])} s / {_secs(ref['median_step_s'])} s = {ratio:.2f}")
     return out
 
@@ -664,6 +507,7 @@ def _secs(value: float | None) -> str:
 def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     target = summary["effective_target"]
     lower = summary.get("lower_is_better", False)
+    spec = ".4f" if lower else ".2f"  # the final value: bits per byte, or an accuracy in %
     head = (
         f"| method | steps to {f'{target:.4f} bits/byte' if lower else f'{100 * target:.2f} %'} | time to target (s) "
         "| × fp32 ideal | fp32 DDP time ÷ this | median step (s) | × fp32 DDP step | compute-only step (s) "
@@ -687,7 +531,7 @@ def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             f"| {_fmt(r['vs_fp32_ideal'], '.2f')} | {_fmt(r['vs_fp32_time'], '.2f')} "
             f"| {_secs(r['median_step_s'])} | {_fmt(r['step_vs_fp32'], '.2f')} "
             f"| {_secs(r['compute_only_step_s'])} "
-            f"| {_fmt(None if accuracy is None else (accuracy if lower else 100 * accuracy), '.4f' if lower else '.2f')} "
+            f"| {_fmt(None if accuracy is None else (accuracy if lower else 100 * accuracy), spec)} "
             f"| {_fmt(mb and mb / 1e6, '.3f')} "
             f"| {max(r['peak_rss_bytes']) / 2**20:.0f} / {statistics.median(r['peak_anon_bytes']) / 2**20:.0f} "
             f"| {_fmt(r['extra_memory_vs_ddp_grads'], '+.1f')}{flag['extra_memory_vs_ddp_grads']} |"
@@ -770,14 +614,10 @@ def code_version() -> dict[str, Any] | None:
 def machine() -> dict[str, Any]:
     import torch
 
-    model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
+    from gradcomp.experiments.run.report import cpu_model
+
     return {
-        "cpu": model, "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+        "cpu": cpu_model(), "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
         "torch": torch.__version__, "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
 
@@ -830,7 +670,7 @@ def race(opts: Options, log=print, show=None, state: dict[str, Any] | None = Non
     configs, num_parameters = plan(opts, log)
     network = make_network(opts, log)  # creates nothing yet; refuses a shaped link it cannot have here
     if opts.out:
-        check_out(opts.out)
+        make_output_dir(opts.out, "--out", "; nothing was started")
     state["network"] = network
     rate = link_rate(opts.link)
     title = setting(opts)
@@ -933,7 +773,7 @@ def race(opts: Options, log=print, show=None, state: dict[str, Any] | None = Non
 def write_outputs(out_dir: str, result: dict[str, Any], title: str, log=print, plot: bool = True) -> None:
     """race.md, race.png (with matplotlib and ``plot``; otherwise an earlier race's plot there is removed) and
     race.json (written last, replaced whole)."""
-    _write_whole(os.path.join(out_dir, "race.md"), result["table"])
+    write_atomic(os.path.join(out_dir, "race.md"), result["table"])
     path = os.path.join(out_dir, "race.png")
     if plot and render_plot(result["methods"], result["summary"], path, title):
         result["plot"] = path
@@ -942,14 +782,7 @@ def write_outputs(out_dir: str, result: dict[str, Any], title: str, log=print, p
             os.remove(path)
         if plot:
             log("gradcomp race: matplotlib is not installed: no plot (pip install 'gradcomp[plots]')")
-    _write_whole(os.path.join(out_dir, "race.json"), json.dumps(result, indent=1))
-
-
-def _write_whole(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file: the file is the old one or the new one, whole."""
-    with open(path + ".part", "w") as f:
-        f.write(text)
-    os.replace(path + ".part", path)
+    write_atomic(os.path.join(out_dir, "race.json"), json.dumps(result, indent=1))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -991,8 +824,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else "")
               + (f"; work directories: {', '.join(dirs)}" if dirs else ""))
         return 0
-    from gradcomp.experiments.run.runner import resolve_training_defaults
     from gradcomp.experiments.run.report import parse_seeds
+    from gradcomp.experiments.run.runner import resolve_training_defaults
 
     train = resolve_training_defaults(args)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
@@ -1029,7 +862,7 @@ def race_seeds(opts: Options, seeds: list[int], log) -> int:
     """One race per seed (into OUT/seed-S), then every method's time to target and final value over the seeds."""
     plan(opts, log)  # every method checked once, before the first race starts
     if opts.out:
-        check_out(opts.out)
+        make_output_dir(opts.out, "--out", "; nothing was started")
     results = []
     for seed in seeds:
         log(f"gradcomp race: seed {seed} ({len(results) + 1}/{len(seeds)})")
@@ -1042,8 +875,8 @@ def race_seeds(opts: Options, seeds: list[int], log) -> int:
     combined = seeds_summary(results, seeds)
     print(combined["table"])
     if opts.out:
-        _write_whole(os.path.join(opts.out, "race-seeds.md"), combined["table"])
-        _write_whole(os.path.join(opts.out, "race-seeds.json"), json.dumps(combined, indent=1))
+        write_atomic(os.path.join(opts.out, "race-seeds.md"), combined["table"])
+        write_atomic(os.path.join(opts.out, "race-seeds.json"), json.dumps(combined, indent=1))
     failed = [r["label"] for res in results for r in res["methods"] if r.get("error")]
     return 1 if failed else 0
 

@@ -30,12 +30,9 @@ What a worker does, in order:
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import resource
-import signal
 import statistics
 import sys
 import time
@@ -47,23 +44,17 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import allocator
+from gradcomp.experiments.race.netns import read_wire_counters
 from gradcomp.experiments.run import runner
 from gradcomp.experiments.run.data import Dataset, TextDataset, evaluate, evaluate_text
+from gradcomp.experiments.run.launch import die_with_parent
 from gradcomp.experiments.run.models import build_model
-from gradcomp.experiments.race.netns import read_wire_counters
+from gradcomp.experiments.run.report import write_atomic
 from gradcomp.experiments.run.runner import Batches, TrainConfig, compute_gradients, make_optimizer
 from gradcomp.transport.dist import DistTransport, bind_device
 
-_PR_SET_PDEATHSIG = 1
 WARMUP_STEPS = 2  # unreported local steps before the compute-only ones: torch's first calls are slow
 LATENCY_ROUNDS = 20  # tiny all-reduces timed for the per-message latency
-
-
-def _die_with_parent() -> None:
-    """SIGKILL this worker when the race process dies (even by SIGKILL), so no worker outlives it."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 def _sync(device: torch.device) -> None:
@@ -265,9 +256,7 @@ def _join(job: dict[str, Any], rank: int, world: int, timeout_s: float, device: 
     if rank == 0:
         store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
         if port == 0:
-            with open(port_file + ".part", "w") as f:
-                f.write(str(store.port))
-            os.replace(port_file + ".part", port_file)
+            write_atomic(port_file, str(store.port))
     else:
         if port == 0:
             deadline = time.monotonic() + timeout_s
@@ -340,7 +329,7 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    _die_with_parent()
+    die_with_parent(os.getppid())  # no worker outlives the race process, even one killed by SIGKILL
     allocator.keep_freed_memory()  # a process of gradcomp's own: unless GRADCOMP_KEEP_FREED_MEMORY=0 (allocator.py)
     code = 0
     try:
@@ -348,9 +337,7 @@ def main(argv: list[str] | None = None) -> None:
             job = json.load(f)
         result = work(job)
         path = os.path.join(job["dir"], f"result-{result['rank']}.json")
-        with open(path + ".part", "w") as f:
-            json.dump(result, f)
-        os.replace(path + ".part", path)  # complete or absent
+        write_atomic(path, json.dumps(result))  # complete or absent
         dist.barrier()  # every worker is done talking
     except BaseException:  # reported to the race through the exit status and the log
         traceback.print_exc()

@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from gradcomp.errors import CommunicationError, ConfigError, GradcompError
+from gradcomp.experiments.run.report import make_output_dir, write_atomic
 
 if TYPE_CHECKING:
     from gradcomp.transport.base import Transport
@@ -275,24 +276,7 @@ def check_options(cfg: TrainConfig) -> None:
     if cfg.resume_if_present and cfg.resume_dir is not None:
         raise ConfigError("give --resume DIR or --resume-if-present, not both")
     if cfg.checkpoint_dir is not None:
-        check_writable_dir(Path(cfg.checkpoint_dir).expanduser())
-
-
-def check_writable_dir(root: Path) -> None:
-    """``--checkpoint DIR`` is a directory this process can write, created if missing; ConfigError if not.
-
-    Checked by doing it (creating the directory and a probe file in it, then removing the probe): permission
-    bits alone do not tell (root ignores them; a read-only mount or a path under a file does not show in them).
-    """
-    if root.is_file():
-        raise ConfigError(f"--checkpoint {root} is a file; it must be a directory")
-    probe = root / f".gradcomp-probe-{os.getpid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"--checkpoint {root} cannot be written: {exc.strerror or exc}") from None
+        make_output_dir(Path(cfg.checkpoint_dir).expanduser(), "--checkpoint")
 
 
 def resume_target(cfg: TrainConfig) -> Path | None:
@@ -380,30 +364,6 @@ def _gather(transport: Transport, obj: Any) -> list[Any]:
     if transport.world_size == 1:
         return [obj]
     raise ConfigError(f"checkpoints need a simulated or torch.distributed transport, not {type(transport).__name__}")
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """``data`` at ``path``, complete or not at all: a temporary name, fsync, os.replace, fsync of the dir."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _numpy_rng() -> dict[str, Any]:
@@ -566,7 +526,7 @@ class WorkerCheckpoints:
                 shutil.rmtree(child, ignore_errors=True)
         latest = self.root / LATEST
         if resumed_here and target is not None and (not latest.is_file() or latest.read_text().strip() != target.name):
-            _write_atomic(latest, (target.name + "\n").encode())
+            write_atomic(latest, (target.name + "\n").encode())
 
     # -- save ------------------------------------------------------------------------------------------------
 
@@ -607,7 +567,7 @@ class WorkerCheckpoints:
         data = buffer.getvalue()
         try:
             step_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(step_dir / name, data)
+            write_atomic(step_dir / name, data)
             report: dict[str, Any] = {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         except OSError as exc:
             report = {"error": f"rank {self.rank} could not write {step_dir / name}: {exc}"}
@@ -642,8 +602,8 @@ class WorkerCheckpoints:
             "torch": torch.__version__,
             "config": dataclasses.asdict(self.cfg),
         }
-        _write_atomic(step_dir / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
-        _write_atomic(self.root / LATEST, (step_dir.name + "\n").encode())
+        write_atomic(step_dir / MANIFEST, json.dumps(manifest, indent=1, default=str).encode())
+        write_atomic(self.root / LATEST, (step_dir.name + "\n").encode())
         self._prune(done)
 
     def _prune(self, done: int) -> None:

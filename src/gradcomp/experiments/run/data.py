@@ -31,21 +31,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradcomp.compressors.base import check_int
 from gradcomp.errors import ConfigError
 
 __all__ = [
-    "DATASET_NAMES",
-    "TEXT_DATASETS",
-    "TextDataset",
-    "evaluate_text",
-    "MNIST_MEAN",
-    "MNIST_STD",
-    "Dataset",
-    "evaluate",
-    "iterate_batches",
-    "load_dataset",
-    "read_idx",
-    "shard_indices",
+    "DATASET_NAMES", "TEXT_DATASETS", "TextDataset", "evaluate_text", "MNIST_MEAN", "MNIST_STD", "Dataset", "evaluate",
+    "iterate_batches", "load_dataset", "read_idx", "shard_indices",
 ]
 
 DATASET_NAMES: tuple[str, ...] = ("mnist", "digits", "synthetic", "pystdlib")
@@ -360,14 +351,6 @@ def load_dataset(
 # ------------------------------------------------------------------------------ sharding and batching
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _mix_seed(seed: int, epoch: int) -> int:
     """A 64-bit generator seed from (seed, epoch): splitmix64 over the pair, the same on every platform."""
     z = (seed ^ ((epoch + 1) * 0x9E3779B97F4A7C15)) & _MASK64
@@ -383,11 +366,11 @@ def shard_indices(n: int, rank: int, world_size: int, epoch: int, seed: int) -> 
     every worker, is cut into ``world_size`` disjoint contiguous shares of equal length (the remainder
     ``n % world_size`` is dropped for the epoch), so every worker runs the same number of steps.
     """
-    _check_int("n", n, 1)
-    _check_int("world_size", world_size, 1)
-    _check_int("rank", rank, 0)
-    _check_int("epoch", epoch, 0)
-    _check_int("seed", seed, 0)
+    check_int("n", n, 1)
+    check_int("world_size", world_size, 1)
+    check_int("rank", rank, 0)
+    check_int("epoch", epoch, 0)
+    check_int("seed", seed, 0)
     if rank >= world_size:
         raise ConfigError(f"rank must be < world_size ({world_size}), got {rank}")
     if seed > _MASK64:
@@ -408,7 +391,7 @@ def iterate_batches(
 
     Arguments are checked when this is called, not on the first ``next``.
     """
-    _check_int("batch_size", batch_size, 1)
+    check_int("batch_size", batch_size, 1)
     if not isinstance(x, Tensor) or not isinstance(y, Tensor) or not isinstance(indices, Tensor):
         raise ConfigError("x, y and indices must be tensors")
     if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
@@ -443,7 +426,7 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 1000) -> 
     Runs in eval mode under ``torch.no_grad()`` on the device of the model's parameters, and restores the
     model's previous training mode afterwards.
     """
-    _check_int("batch_size", batch_size, 1)
+    check_int("batch_size", batch_size, 1)
     if x.dim() == 0 or y.dim() != 1 or x.shape[0] != y.shape[0]:
         raise ConfigError(f"x must be Nx... and y of length N, got {tuple(x.shape)} and {tuple(y.shape)}")
     correct = 0
@@ -540,7 +523,7 @@ def split_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
 def _load_pystdlib(root: str | os.PathLike[str] | None, context: int) -> TextDataset:
     import hashlib
 
-    _check_int("context", context, 2)
+    check_int("context", context, 2)
     directory = Path(root).expanduser() if root is not None else stdlib_dir()
     looked = f"{str(directory)!r} (" + ("--data" if root is not None else 'sysconfig.get_paths()["stdlib"]') + ")"
     if not directory.is_dir():

@@ -62,11 +62,16 @@ def run_fsdp_worker(cfg: Any, transport: Transport, device: torch.device, *, com
     """Train one rank's shard; returns the same statistics as ``runner.run_worker`` (plus the median step time
     and the residual's bytes). ``compress=False``: FSDP's own reduce-scatter (the baseline of docs/fsdp.md;
     no bytes are counted then)."""
-    from gradcomp.transport.base import ByteCounter
     from gradcomp.experiments.run.runner import (
-        Batches, Curves, Progress, compute_gradients, make_optimizer, parameter_digest,
+        Batches,
+        Curves,
+        Progress,
+        compute_gradients,
+        make_optimizer,
+        parameter_digest,
     )
     from gradcomp.train.fsdp import compress_fsdp
+    from gradcomp.transport.base import ByteCounter
 
     data = load_dataset(cfg.dataset, cfg.data_root)
     template = build_model(cfg.model, data, cfg.seed)

@@ -15,7 +15,10 @@ from torch import Tensor, nn
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.run.data import Dataset
 
-__all__ = ["ALL_MODELS", "MLP", "MODEL_NAMES", "MnistConvNet", "ResNet", "SmallCNN", "TEXT_MODELS", "TransformerLM", "build_model"]
+__all__ = [
+    "ALL_MODELS", "MLP", "MODEL_NAMES", "MnistConvNet", "ResNet", "SmallCNN", "TEXT_MODELS", "TransformerLM",
+    "build_model",
+]
 
 # the image classifiers, and the language models that read text (dataset pystdlib)
 MODEL_NAMES: tuple[str, ...] = ("cnn", "mlp", "convnet", "resnet")
@@ -40,26 +43,17 @@ class SmallCNN(nn.Module):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, input_size: int = 28) -> None:
         super().__init__()
-        _check_positive("in_channels", in_channels)
-        _check_positive("num_classes", num_classes)
-        _check_positive("input_size", input_size)
+        for name, value in (("in_channels", in_channels), ("num_classes", num_classes), ("input_size", input_size)):
+            _check_positive(name, value)
         if input_size < 4:
             raise ConfigError(f"SmallCNN needs input_size >= 4 (two 2x2 poolings), got {input_size}")
         side = input_size // 2 // 2
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 16, kernel_size=5, padding=2),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, kernel_size=5, padding=2),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, 16, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
         )
-        self.classifier = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(32 * side * side, 128),
-            nn.ReLU(),
-            nn.Linear(128, num_classes),
-        )
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * side * side, 128), nn.ReLU(),
+                                        nn.Linear(128, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))
@@ -85,28 +79,18 @@ class MnistConvNet(nn.Module):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, input_size: int = 28) -> None:
         super().__init__()
-        _check_positive("in_channels", in_channels)
-        _check_positive("num_classes", num_classes)
-        _check_positive("input_size", input_size)
+        for name, value in (("in_channels", in_channels), ("num_classes", num_classes), ("input_size", input_size)):
+            _check_positive(name, value)
         if input_size < 6:
             raise ConfigError(
                 f"MnistConvNet needs input_size >= 6 (two unpadded 3x3 convolutions, then a 2x2 pooling), "
                 f"got {input_size}"
             )
         side = (input_size - 4) // 2
-        self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 32, kernel_size=3),
-            nn.ReLU(),
-            nn.Conv2d(32, 64, kernel_size=3),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-        )
-        self.classifier = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(64 * side * side, 128),
-            nn.ReLU(),
-            nn.Linear(128, num_classes),
-        )
+        self.features = nn.Sequential(nn.Conv2d(in_channels, 32, kernel_size=3), nn.ReLU(),
+                                      nn.Conv2d(32, 64, kernel_size=3), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * side * side, 128), nn.ReLU(),
+                                        nn.Linear(128, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))
@@ -117,15 +101,9 @@ class MLP(nn.Module):
 
     def __init__(self, input_dim: int, hidden: int = 128, num_classes: int = 10) -> None:
         super().__init__()
-        _check_positive("input_dim", input_dim)
-        _check_positive("hidden", hidden)
-        _check_positive("num_classes", num_classes)
-        self.net = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(input_dim, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, num_classes),
-        )
+        for name, value in (("input_dim", input_dim), ("hidden", hidden), ("num_classes", num_classes)):
+            _check_positive(name, value)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(input_dim, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -228,9 +206,8 @@ class ResNet(nn.Module):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, blocks: int = 3) -> None:
         super().__init__()
-        _check_positive("in_channels", in_channels)
-        _check_positive("num_classes", num_classes)
-        _check_positive("blocks", blocks)
+        for name, value in (("in_channels", in_channels), ("num_classes", num_classes), ("blocks", blocks)):
+            _check_positive(name, value)
         self.stem = nn.Sequential(nn.Conv2d(in_channels, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
         layers: list[nn.Module] = []
         cin = 16

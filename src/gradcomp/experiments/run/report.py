@@ -22,16 +22,51 @@ def check_output_file(path: str, option: str) -> None:
         raise ConfigError(f"{option} {path}: not writable")
 
 
-def make_output_dir(path: str, option: str) -> None:
-    """Create the output folder ``path`` (and its parents) now, or a ConfigError naming ``option``."""
+def make_output_dir(path: str | os.PathLike[str], option: str, note: str = "") -> None:
+    """Create the folder ``path`` (and its parents) now and write a probe file there (removed again), or a
+    ConfigError naming ``option`` (``note`` appended). By doing it: permission bits alone do not tell (root
+    ignores them; a read-only mount or a path under a file does not show in them)."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{option} {path}: exists and is not a folder")
+        raise ConfigError(f"{option} {path}: is a file, not a folder{note}")
+    probe = os.path.join(path, f".gradcomp-probe-{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
+        open(probe, "wb").close()
+        os.unlink(probe)
     except OSError as exc:
-        raise ConfigError(f"{option} {path}: cannot create the folder ({exc.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{option} {path}: the folder is not writable")
+        raise ConfigError(f"{option} {path}: cannot be written ({exc.strerror or exc}){note}") from None
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> None:
+    """``data`` at ``path``, complete or not at all: a temporary name (``.<name>.tmp``), fsync, ``os.replace``,
+    fsync of the folder, so that a reader (or a power cut) sees the old file or the new one, whole."""
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(folder or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def cpu_model() -> str | None:
+    """The processor's model name (``/proc/cpuinfo``), or None where there is none: what a result was run on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def human_bits(bits: float) -> str:

@@ -38,7 +38,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ import torch
 
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race import race
+from gradcomp.experiments.race.method import Method, planned
 from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
 
 BASELINE_EQUIVALENTS = {"torch-fp32": "none", "torch-fp16": "fp16"}
@@ -68,51 +69,9 @@ SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp
 # -- input ---------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class PlanMethod:
-    text: str  # as given
-    label: str
-    compressor: str
-    params: dict[str, Any] = field(default_factory=dict)
-    feedback: str | None = None
-    topology: str = "auto"
-    server: str | None = None
-    server_params: dict[str, Any] = field(default_factory=dict)
-    granularity: str = "layer"
-    note: str = ""
-
-    def config(self):
-        """A TrainConfig holding this method's settings (what ``build_compressors`` needs)."""
-        from gradcomp.experiments.run.runner import TrainConfig
-
-        return TrainConfig(
-            compressor=self.compressor, params=dict(self.params), feedback=self.feedback, topology=self.topology,
-            server_compressor=self.server, server_params=dict(self.server_params), granularity=self.granularity,
-        )
-
-    def key(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("text", "label", "note")}
-
-
-def parse_method(text: str) -> PlanMethod:
+def parse_method(text: str) -> Method:
     """``NAME[:KEY=VALUE,...]`` as ``gradcomp race --method`` takes it; ConfigError for an unknown method."""
-    m = race.parse_method(text)
-    note = ""
-    if m.baseline is not None:
-        if m.baseline not in BASELINE_EQUIVALENTS:
-            raise ConfigError(
-                f"--methods {text!r}: {m.baseline} has no gradcomp method that sends the same messages; plan "
-                "'powersgd:rank=R' instead"
-            )
-        name = BASELINE_EQUIVALENTS[m.baseline]
-        note = f"planned as gradcomp's {name} (the same messages)"
-        return PlanMethod(text=m.text, label=m.label, compressor=name, note=note)
-    method = PlanMethod(
-        text=m.text, label=m.label, compressor=m.name, params=dict(m.params), feedback=m.feedback,
-        topology=m.topology, server=m.server, server_params=dict(m.server_params), granularity=m.granularity,
-    )
-    method.config().build_compressors()  # unknown compressor or parameter: ConfigError now
-    return method
+    return planned(text, BASELINE_EQUIVALENTS)
 
 
 def load_shapes(path: str) -> list[tuple[int, ...]]:
@@ -161,7 +120,7 @@ class PlanOptions:
     cache_dir: str | None = None
     seed: int = 0
 
-    def checked(self) -> tuple[NetworkModel, list[PlanMethod]]:
+    def checked(self) -> tuple[NetworkModel, list[Method]]:
         """Everything checked before any measurement; returns the network and the parsed methods."""
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 2:
             raise ConfigError(f"--workers must be an integer >= 2 (a plan compares ways to communicate), got "
@@ -196,15 +155,10 @@ class PlanOptions:
 def machine_identity(device: str) -> dict[str, Any]:
     """What a cached measurement is only valid for: this processor (or GPU), the versions, the thread count."""
     import gradcomp
+    from gradcomp.experiments.run.report import cpu_model
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_model() or platform.processor() or platform.machine(),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         "torch": torch.__version__,
         "gradcomp": gradcomp.__version__,
@@ -266,7 +220,7 @@ class Cache:
 
 
 def measure_method(
-    method: PlanMethod, shapes: Sequence[tuple[int, ...]], workers: int, device: str = "cpu", seed: int = 0,
+    method: Method, shapes: Sequence[tuple[int, ...]], workers: int, device: str = "cpu", seed: int = 0,
     warmup: int = WARMUP_STEPS, timed: int = TIMED_STEPS,
 ) -> dict[str, Any]:
     """Real steps of ``method`` on a simulated cluster of ``workers`` with these shapes and random gradients.
@@ -617,7 +571,7 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
         measured = cache.get_or_measure(key, lambda m=method: merge_colocated(colocated(
             measure_method, opts.colocated, m, shapes, opts.workers, opts.device, opts.seed)))
         traffic = Traffic.from_measurement(measured)
-        rows.append(price(method.label, method.compressor, traffic, network, opts.workers, compute_s, method.note))
+        rows.append(price(method.label, method.name, traffic, network, opts.workers, compute_s, method.note))
     return {
         "source": source,
         "num_parameters": sum(math.prod(s) for s in shapes),

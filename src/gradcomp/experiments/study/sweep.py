@@ -331,8 +331,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = sorted(set(args.schemes) - set(SCHEMES))
     if unknown:
         raise ConfigError(f"unknown scheme(s) {unknown}; the sweep knows {list(SCHEMES)}")
-    from gradcomp.experiments.run.runner import resolve_training_defaults
     from gradcomp.experiments.run.report import parse_seeds
+    from gradcomp.experiments.run.runner import resolve_training_defaults
 
     args.densities = _floats(args.densities, "--densities")
     args.granularities = [g.strip() for g in args.granularities.split(",") if g.strip()]

@@ -1,0 +1,175 @@
+"""A method the race runs and the planner plans: ``NAME[:KEY=VALUE,KEY=VALUE...]``, parsed once for both.
+
+Methods (``--method``, repeated): ``NAME[:KEY=VALUE,KEY=VALUE...]``.
+
+- ``NAME`` is a gradcomp compressor as ``gradcomp train --compressor`` takes it (``topk``, ``cnat``,
+  ``powersgd``, ``topk+fp16``, ...), or one of torch's own DDP baselines: ``torch-fp32`` (alias ``ddp``: plain
+  DDP, torch's built-in fp32 allreduce), ``torch-fp16`` (``fp16_compress_hook``), ``torch-powersgd``
+  (``powerSGD_hook``, one bucket; parameters ``rank`` (2), ``start_iter`` (2), ``min_compression_rate``,
+  ``error_feedback``, ``warm_start``, ``seed``, ``batch_same_shape``).
+- ``KEY=VALUE`` pairs are the compressor's parameters (as ``--param``), except these, which no compressor
+  takes: ``feedback`` (``residual``, ``momentum_correction``, ``momentum_masking``, ``none``: as ``--feedback``),
+  ``topology`` (as ``--topology``), ``server`` (``--server-compressor``) and ``server.KEY`` (``--server-param``),
+  ``granularity``, ``ddp`` (``on``, the default: DDP with gradcomp's overlapping hook; ``off``: the aggregator
+  after backward), ``bucket_cap_mb``, ``sgd.lr`` / ``sgd.momentum`` / ``sgd.weight_decay`` (this method's
+  optimizer settings, e.g. ``sgd.lr=0.001`` for sign methods) and ``label``. ``error_feedback=true`` works as in
+  ``--param``.
+
+Examples: ``topk:density=0.01,feedback=residual``, ``cnat:topology=sharded,server=cnat``,
+``signum:sgd.lr=0.001``, ``torch-powersgd:rank=4``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradcomp.errors import ConfigError
+from gradcomp.experiments.race import torch_baselines as tb
+from gradcomp.registry import parse_param_strings
+
+DEFAULT_METHODS = (
+    "torch-fp32",
+    "torch-fp16",
+    "torch-powersgd:rank=2",
+    "topk:density=0.01,feedback=momentum_masking",
+    "cnat:topology=sharded,server=cnat",
+    "sbc:density=0.01",
+    "qsgd",
+    "powersgd:rank=2",
+    "signum:sgd.lr=0.001",
+    "efsignsgd:sgd.lr=0.4,sgd.momentum=0",
+)
+RUN_KEYS = ("feedback", "topology", "server", "granularity", "ddp", "bucket_cap_mb", "label")
+SGD_KEYS = ("lr", "momentum", "weight_decay")
+
+
+@dataclass
+class Method:
+    text: str
+    name: str
+    baseline: str | None = None  # torch's own DDP communication, or None for a gradcomp method
+    params: dict[str, Any] = field(default_factory=dict)
+    feedback: str | None = None
+    topology: str = "auto"
+    server: str | None = None
+    server_params: dict[str, Any] = field(default_factory=dict)
+    granularity: str = "layer"
+    ddp: bool = True
+    bucket_cap_mb: float | None = None
+    sgd: dict[str, float] = field(default_factory=dict)
+    label: str = ""
+    note: str = ""  # how the planner stands in for a torch baseline (planned)
+
+    @property
+    def is_gradcomp(self) -> bool:
+        return self.baseline is None
+
+    def key(self) -> dict[str, Any]:
+        """What the planner's cached measurements of this method depend on."""
+        return {"compressor": self.name, "params": self.params, "feedback": self.feedback, "topology": self.topology,
+                "server": self.server, "server_params": self.server_params, "granularity": self.granularity}
+
+    def config(self, base=None, num_parameters: int = 0):
+        """This method's TrainConfig: ``base`` (the race's settings; TrainConfig's defaults) with the method's own."""
+        if base is None:
+            from gradcomp.experiments.run.runner import TrainConfig
+
+            base = TrainConfig()
+        bucket = self.bucket_cap_mb
+        if self.baseline == "torch-powersgd" and bucket is None:
+            # one bucket for the whole model (first bucket included: DDP uses bucket_cap_mb for it when given)
+            bucket = max(25.0, math.ceil(4 * num_parameters / 2**20) + 1.0)
+        return dataclasses.replace(
+            base,
+            compressor="none" if self.baseline else self.name,
+            params={} if self.baseline else dict(self.params),
+            feedback=self.feedback,
+            topology=self.topology,
+            server_compressor=self.server,
+            server_params=dict(self.server_params),
+            granularity=self.granularity,
+            ddp=self.ddp,
+            bucket_cap_mb=bucket,
+            lr=self.sgd.get("lr", base.lr),
+            momentum=self.sgd.get("momentum", base.momentum),
+            weight_decay=self.sgd.get("weight_decay", base.weight_decay),
+        )
+
+
+def parse_method(text: str) -> Method:
+    """``NAME[:KEY=VALUE,...]`` → Method (see the module's docstring); ConfigError when malformed."""
+    spec = text.strip()
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise ConfigError(f"--method needs a name, got {text!r}")
+    baseline = tb.canonical(name)
+    method = Method(text=spec, name=baseline or name, baseline=baseline, label=spec)
+    items = [item.strip() for item in rest.split(",") if item.strip()] if rest else []
+    plain: list[str] = []
+    server_items: list[str] = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq:
+            raise ConfigError(f"--method {text!r}: {item!r} is not KEY=VALUE")
+        value = value.strip()
+        if key.startswith("sgd."):
+            what = key[4:]
+            if what not in SGD_KEYS:
+                raise ConfigError(f"--method {text!r}: sgd.{what} unknown (sgd.lr, sgd.momentum, sgd.weight_decay)")
+            try:
+                method.sgd[what] = float(value)
+            except ValueError:
+                raise ConfigError(f"--method {text!r}: sgd.{what} must be a number, got {value!r}") from None
+        elif key.startswith("server."):
+            server_items.append(f"{key[7:]}={value}")
+        elif key == "label":
+            method.label = value
+        elif key == "ddp":
+            parsed = parse_param_strings([f"ddp={value}"])["ddp"]
+            if not isinstance(parsed, bool):
+                raise ConfigError(f"--method {text!r}: ddp=on or ddp=off, got {value!r}")
+            method.ddp = parsed
+        elif key == "bucket_cap_mb":
+            try:
+                method.bucket_cap_mb = float(value)
+            except ValueError:
+                raise ConfigError(f"--method {text!r}: bucket_cap_mb must be a number, got {value!r}") from None
+        elif key in ("feedback", "topology", "server", "granularity"):
+            setattr(method, key, value)
+        else:
+            plain.append(f"{key}={value}")
+    method.params = parse_param_strings(plain)
+    method.server_params = parse_param_strings(server_items)
+    if baseline is not None:
+        if method.feedback or method.server or method.server_params or method.topology != "auto":
+            raise ConfigError(f"--method {text!r}: torch's baselines take no feedback, topology or server")
+        if not method.ddp:
+            raise ConfigError(f"--method {text!r}: torch's baselines are DDP (ddp=off is for gradcomp methods)")
+        method.params = tb.check_params(baseline, method.params)
+    return method
+
+
+
+
+def planned(text: str, equivalents: dict[str, str]) -> Method:
+    """``text`` parsed for the planner: a torch baseline as the gradcomp method of ``equivalents`` that sends the
+    same messages (ConfigError for one without); the compressor and its parameters checked now. The planner
+    measures the aggregator after backward (no overlap assumed), so a planned method's ``ddp`` is off."""
+    m = parse_method(text)
+    if m.baseline is not None:
+        if m.baseline not in equivalents:
+            raise ConfigError(
+                f"--methods {text!r}: {m.baseline} has no gradcomp method that sends the same messages; plan "
+                "'powersgd:rank=R' instead"
+            )
+        name = equivalents[m.baseline]
+        return Method(text=m.text, name=name, label=m.label, ddp=False,
+                      note=f"planned as gradcomp's {name} (the same messages)")
+    m.ddp = False
+    m.config().build_compressors()  # unknown compressor or parameter: ConfigError now
+    return m
