@@ -117,6 +117,7 @@ from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import check_received
 
 __all__ = ["EFSignSGD", "OneBit", "SignSGD", "Signum", "pack_signs", "packed_count", "unpack_signs"]
 
@@ -255,12 +256,23 @@ def _bit_table(device: torch.device) -> Tensor:
     return table
 
 
-def _check_packed(packed: Tensor, numel: int, where: str) -> None:
+def _check_packed(packed: Tensor, numel: int, where: str, received: bool = True) -> None:
+    """ConfigError for a bitmap of the wrong length; WireError for nonzero padding bits after the last sign.
+
+    The padding is read on the host path; on the device path the check is handed to the decoding step's one read
+    (``wire.container.check_received``: no host synchronisation here), and skipped for a bitmap this worker made
+    itself (``received`` False: error feedback's subtraction of what it sent)."""
     count = packed_count(numel)
     if packed.numel() != count:
         raise ConfigError(f"{where}: {packed.numel()} sign bytes for {numel} entries, expected {count}")
-    if numel % 8 and count and int(packed[-1]) >> (numel % 8):
-        raise WireError(f"{where}: nonzero padding bits after {numel} signs")
+    if not (numel % 8 and count):
+        return
+    message = f"{where}: nonzero padding bits after {numel} signs"
+    if host_path(packed):
+        if int(packed[-1]) >> (numel % 8):
+            raise WireError(message)
+    elif received:
+        check_received(torch.bitwise_right_shift(packed.reshape(-1)[-1], numel % 8) == 0, message)
 
 
 def _value_table(device: torch.device, positive: Tensor, negative: Tensor) -> Tensor:
@@ -345,7 +357,7 @@ class _Sign(Compressor):
         subtraction to error feedback's next x + r pass: the gather, not the memory traffic, is the cost.
         """
         packed = fields[0]
-        _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
+        _check_packed(packed, slot.numel, f"{self.name}: {slot.name}", received=False)
         positive, negative = self._decode_values(fields, slot)
         packed = packed.reshape(-1)
         kernel = _kernel_for(packed, out)
@@ -630,7 +642,14 @@ def _negative(piece: Tensor, out: Tensor) -> Tensor:
 def _finite_or_f64(values: Tensor, recompute, name: str, slot: Slot) -> Tensor:
     """``values`` if all finite (one host sync), else ``recompute()`` (float64 sums) cast to float32, which must
     be finite: a NaN or Inf in the input (with error feedback, in g + residual, which can overflow for finite g
-    near float32's largest value) raises NonFiniteGradientError naming the slot, before anything is sent."""
+    near float32's largest value) raises NonFiniteGradientError naming the slot, before anything is sent.
+
+    The device path reads nothing back: it always computes ``recompute()`` too (one more pass over the input)
+    and sends, entry by entry, ``values`` where finite, else the float64 recomputation, which is itself NaN or
+    ±Inf for a NaN or Inf input: the non-finite value then travels in the message and every decoded entry is
+    non-finite, which the receivers' finiteness check of the sums sees."""
+    if not host_path(values):
+        return torch.where(torch.isfinite(values), values, recompute())
     if bool(torch.isfinite(values).all()):
         return values
     values = recompute()
@@ -689,8 +708,9 @@ class EFSignSGD(_ChunkedSign):
         sums, packed, _ = _signs_and_sums(flat, (torch.abs,), before=before)
         scale = (sums / d).to(torch.float32)
 
-        def in_float64() -> Tensor:
-            return (flat.double().abs().sum() / d).to(torch.float32).reshape(1)
+        def in_float64() -> Tensor:  # (on a device, summed in float64 without a float64 copy of the input)
+            total = flat.abs().sum(dtype=torch.float64) if not host_path(flat) else flat.double().abs().sum()
+            return (total / d).to(torch.float32).reshape(1)
 
         scale = _finite_or_f64(scale, in_float64, self.name, slot)
         return [packed, scale]
@@ -725,8 +745,11 @@ class OneBit(_ChunkedSign):
         means = (sums / counts).to(torch.float32)
 
         def in_float64() -> Tensor:
-            wide = flat.double()
-            exact = torch.stack([wide.clamp(min=0).sum(), wide.clamp(max=0).sum()])
+            if host_path(flat):
+                wide = flat.double()
+                exact = torch.stack([wide.clamp(min=0).sum(), wide.clamp(max=0).sum()])
+            else:  # summed in float64 without a float64 copy of the input (clamping is exact in float32)
+                exact = torch.stack([flat.clamp(min=0).sum(dtype=torch.float64), flat.clamp(max=0).sum(dtype=torch.float64)])
             return (exact / counts).to(torch.float32)
 
         return [packed, _finite_or_f64(means, in_float64, self.name, slot)]

@@ -121,8 +121,9 @@ def aggregate_buffers(
         for slot, tally in zip(slots, tallies)
     ]
     later = DeviceChecks()  # device buffers: every message's checks and the sums' finiteness read in one transfer
-    for buffer in buffers:
-        _add_buffer(compressor, slots, buffer, step, totals, later)
+    with later.collecting():  # the compressors' own checks of what they decode (sign padding) join the one read
+        for buffer in buffers:
+            _add_buffer(compressor, slots, buffer, step, totals, later)
     results = []
     sums = [total for total in totals if not isinstance(total, Tally)]  # a compact count is finite by construction
     quick = later.read([torch.isfinite(total.sum()) for total in sums])  # a finite sum: a finite tensor

@@ -63,6 +63,7 @@ on every platform PyTorch supports.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import struct
 import threading
@@ -102,6 +103,7 @@ __all__ = [
     "MAGIC",
     "DeviceChecks",
     "check_pending",
+    "check_received",
 ]
 
 MAGIC = b"GC"
@@ -686,14 +688,27 @@ class DeviceChecks:
 
     def __init__(self) -> None:
         self._items: list = []
+        self._received: list = []  # (bool tensor, message): checks of decoded fields made by their receivers
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """While inside, :func:`check_received` on this thread hands its checks to this object (read with it)."""
+        before = getattr(_receiving, "checks", None)
+        _receiving.checks = self
+        try:
+            yield self
+        finally:
+            _receiving.checks = before
 
     def read(self, extra: Sequence[torch.Tensor] = ()) -> list[bool]:
-        """Reads every pending summary and ``extra`` (bool tensors of one element), raises for a failed message,
-        returns the values of ``extra``."""
+        """Reads every pending summary, every check handed over by :func:`check_received` and ``extra`` (bool
+        tensors of one element), raises WireError for a failed message or check, returns the values of ``extra``."""
         items, self._items = self._items, []
+        received, self._received = self._received, []
         pieces = [summary for summary, _, _, _ in items]
-        if extra:
-            pieces.append(torch.stack([e.reshape(()).to(torch.bool) for e in extra]).to(torch.uint8))
+        flags = [ok for ok, _ in received] + list(extra)
+        if flags:
+            pieces.append(torch.stack([e.reshape(()).to(torch.bool) for e in flags]).to(torch.uint8))
         if not pieces:
             return []
         got = bytes(torch.cat(pieces).tolist())
@@ -704,7 +719,25 @@ class DeviceChecks:
                 decode(buf, specs)  # the host path names the fault
                 raise WireError("a message failed the device's checks but passed the host's")  # pragma: no cover
             at += n
-        return [bool(b) for b in got[at:]]
+        for (_, message), ok in zip(received, got[at:]):
+            if not ok:
+                raise WireError(message)
+        return [bool(b) for b in got[at + len(received) :]]
+
+
+_receiving = threading.local()  # .checks: the DeviceChecks collecting this thread's check_received calls, if any
+
+
+def check_received(ok: torch.Tensor, message: str) -> None:
+    """A receiver's check of a decoded field (``ok``: a one-element bool tensor, True for a sound message, such as
+    the zero padding bits of a sign bitmap): handed to the :class:`DeviceChecks` collecting on this thread (read
+    with its one transfer: no host synchronisation here), or read now where none is collecting. WireError(message)
+    for a failed one."""
+    later = getattr(_receiving, "checks", None)
+    if later is not None:
+        later._received.append((ok, message))
+    elif not bool(ok):
+        raise WireError(message)
 
 
 def _unpack_checked(
