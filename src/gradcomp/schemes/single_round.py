@@ -211,6 +211,10 @@ class SingleRound(Scheme):
     def params(self) -> dict:
         return {"compressor": self.compressor, "topology": self.topology}
 
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        """Messages of a size the specs fix, all-reduced or all-gathered (a parameter server's root decides alone)."""
+        return self.topology in ("allreduce", "allgather") and self._fixed_size(self.compressor, slots) is not None
+
     def check_slots(self, slots: Sequence[Slot]) -> None:
         for slot in slots:
             self.compressor.specs(slot)

@@ -72,6 +72,9 @@ class TernGradShared(Scheme):
     def params(self) -> dict[str, Any]:
         return {**self.ternary.params(), "exchange": self.exchange}
 
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        return True  # one scaler per slot, then codes of a size the slots fix
+
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         if not slots:
             return []

@@ -47,6 +47,9 @@ from gradcomp.wire import decode, encode, encoded_size
 class LocalTopK(AccumulatingScheme):
     name = "local_topk"
 
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        return True  # k per slot follows from the slot: every message's size is fixed
+
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         if not slots:
             return []
@@ -81,6 +84,9 @@ class LocalTopK(AccumulatingScheme):
 
 class TrueTopK(AccumulatingScheme):
     name = "true_topk"
+
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        return True  # k per slot follows from the slot: every message's size is fixed
 
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         if not slots:

@@ -104,6 +104,9 @@ __all__ = [
     "DeviceChecks",
     "check_pending",
     "check_received",
+    "StepAbandoned",
+    "defer_verdict",
+    "take_verdict",
 ]
 
 MAGIC = b"GC"
@@ -354,7 +357,7 @@ def check_pending() -> None:
     """Reads this thread's outstanding device-path encode checks (one transfer) and raises ConfigError if one failed."""
     checks = _take_pending()
     if checks:
-        _raise_failed(checks, torch.stack([f for f, _ in checks]).cpu().tolist())
+        _raise_failed(checks, _read_bytes(torch.stack([f.reshape(()).to(torch.bool) for f, _ in checks]).to(torch.uint8)))
 
 
 def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.Tensor:
@@ -506,9 +509,13 @@ def _decode(
         mem = host.numpy()
     else:
         body_sum = checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8)
-        host = to_host(torch.cat([buf, body_sum]))  # this thread's pinned staging buffer, used only in this call
+        flag = take_verdict()  # the step's deferred verdict, if one is pending, rides in the same transfer
+        verdict = [] if flag is None else [flag.reshape(1).to(torch.uint8)]
+        host = to_host(torch.cat([buf, body_sum, *verdict]))  # this thread's pinned staging buffer, this call only
         mem = host.numpy()
-        computed = int.from_bytes(bytes(mem[total:]), "little")
+        if verdict and mem[-1]:
+            raise StepAbandoned
+        computed = int.from_bytes(bytes(mem[total : total + 8]), "little")
         host = host[:total]
     checks: list | None = None if on_host else []  # the device's data checks, read together at the end
     magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack_from(mem, 0)
@@ -674,7 +681,7 @@ def _decode_on_device(
     if later is not None:
         later._items.append((summary, passed, buf, specs))
         return out
-    return out if passed(bytes(summary.tolist())) else None  # the one read back (tens of bytes, ten per section)
+    return out if passed(_read_bytes(summary)) else None  # the one read back (tens of bytes, ten per section)
 
 
 class DeviceChecks:
@@ -711,7 +718,7 @@ class DeviceChecks:
             pieces.append(torch.stack([e.reshape(()).to(torch.bool) for e in flags]).to(torch.uint8))
         if not pieces:
             return []
-        got = bytes(torch.cat(pieces).tolist())
+        got = _read_bytes(torch.cat(pieces))  # (with the step's deferred verdict, if one is pending)
         at = 0
         for summary, passed, buf, specs in items:
             n = summary.numel()
@@ -726,6 +733,41 @@ class DeviceChecks:
 
 
 _receiving = threading.local()  # .checks: the DeviceChecks collecting this thread's check_received calls, if any
+
+
+class StepAbandoned(Exception):
+    """A device read found the step's deferred verdict bad (some worker's gradients were not finite): the step is
+    abandoned there, on every worker (``train.exchange.drive_agreeing`` catches it; nothing of the step is applied).
+    """
+
+
+_verdict = threading.local()  # .flag: this thread's pending verdict of the step (a bool tensor, True = abandon)
+
+
+def defer_verdict(flag: torch.Tensor | None) -> None:
+    """Hands the step's agreed verdict (a one-element bool tensor on the device, True when some worker's gradients
+    were not finite) to this thread's next device read in this module, which reads it in the same transfer and
+    raises StepAbandoned if it is True; None withdraws it."""
+    _verdict.flag = flag
+
+
+def take_verdict() -> torch.Tensor | None:
+    """The verdict :func:`defer_verdict` left that no read has taken yet (and withdraws it), or None."""
+    flag = getattr(_verdict, "flag", None)
+    _verdict.flag = None
+    return flag
+
+
+def _read_bytes(t: torch.Tensor) -> bytes:
+    """The uint8 tensor ``t`` read back in one transfer, with the step's pending verdict if there is one (one byte
+    more in the same transfer): StepAbandoned if that verdict is bad."""
+    flag = take_verdict()
+    if flag is None:
+        return bytes(t.tolist())
+    got = bytes(torch.cat([t.reshape(-1), flag.reshape(1).to(torch.uint8)]).tolist())
+    if got[-1]:
+        raise StepAbandoned
+    return got[:-1]
 
 
 def check_received(ok: torch.Tensor, message: str) -> None:
