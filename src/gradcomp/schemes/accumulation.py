@@ -38,6 +38,7 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.compressors.state import Momentum
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import check_received
 
 
 class AccumulatingScheme(Scheme):
@@ -155,9 +156,18 @@ def indices_spec(count: int) -> FieldSpec:
 
 def split_indices(field: Tensor, counts: Sequence[int], bounds: Sequence[int], what: str) -> list[Tensor]:
     """A decoded ``indices_spec`` field cut into parts of ``counts``, each checked to lie in [0, bound):
-    WireError otherwise, before any of them indexes a tensor."""
+    WireError otherwise, before any of them indexes a tensor.
+
+    On the device path the check is handed to the decoding step's one read (``wire.container.check_received``;
+    read at once where no step collects checks) and the parts are clamped into range, so that a bad coordinate
+    never indexes out of bounds before that read raises (a sound message is unchanged by the clamp)."""
     starts = offsets_of(counts)
     parts = [field[starts[n] : starts[n + 1]] for n in range(len(counts))]
+    if not host_path(field):
+        for n, (part, bound) in enumerate(zip(parts, bounds)):
+            if part.numel():
+                check_received(part.max() < bound, f"{what}: part {n} holds a coordinate beyond its {bound}")
+        return [part.clamp(0, max(bound - 1, 0)) for part, bound in zip(parts, bounds)]
     for n, (part, bound) in enumerate(zip(parts, bounds)):
         if part.numel() and int(part.max()) >= bound:
             raise WireError(f"{what}: part {n} holds coordinate {int(part.max())}, beyond its {bound}")

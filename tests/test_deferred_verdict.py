@@ -1,0 +1,80 @@
+"""The device path's deferred finiteness verdict (``train.exchange.drive_agreeing`` with a device flag): issue 30's
+guarantees hold there too. Every fixed-size method's step that a NaN on one worker spoils runs its rounds to the
+end, is abandoned at the step's one read on every worker, raises the same NonFiniteGradientError at the same step,
+and leaves every worker's state as if the step had never happened (tests/test_faults.py's runs, with the wire's
+device path forced on CPU tensors: ``GRADCOMP_DEVICE_PATH=1``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_faults import _undone_run
+
+from gradcomp.train import exchange
+
+DEFERRED = {
+    "topk-ef": ("topk", {"density": 0.25, "error_feedback": True}, "auto"),
+    "signum": ("signum", {}, "auto"),
+    "powersgd": ("powersgd", {}, "auto"),
+    "terngrad_shared": ("terngrad_shared", {}, "auto"),
+    "cnat": ("cnat", {}, "auto"),
+    "efsignsgd": ("efsignsgd", {}, "auto"),
+    "qsgd": ("qsgd", {}, "auto"),
+    "none": ("none", {}, "auto"),
+    "randomk-ef": ("randomk", {"density": 0.25, "error_feedback": True}, "auto"),
+    "local_topk": ("local_topk", {"density": 0.25}, "auto"),
+    "true_topk": ("true_topk", {"density": 0.25}, "auto"),
+    "sketch": ("sketch", {"density": 0.25}, "auto"),
+}
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    seen = []
+    deferred = exchange._drive_deferred
+
+    def spy(transport, rounds, finite):
+        agreed, result = deferred(transport, rounds, finite)
+        seen.append(agreed)
+        return agreed, result
+
+    monkeypatch.setattr(exchange, "_drive_deferred", spy)
+    return seen
+
+
+@pytest.mark.parametrize("label", list(DEFERRED))
+def test_a_non_finite_step_is_abandoned_at_the_one_read_and_undone_exactly(label, device_path):
+    name, params, topology = DEFERRED[label]
+    with_nan = _undone_run(name, params, topology, "nan on rank 1")
+    abandoned = device_path.count(False)
+    without = _undone_run(name, params, topology, "never happened")
+    for (raised, p), (none_raised, q) in zip(with_nan, without):
+        assert raised == [2] and none_raised == []
+        assert torch.equal(p, q), "the state after the undone step differs from never having had it"
+    assert abandoned == 3, f"{label}: the deferred verdict abandoned the step on {abandoned} of 3 workers"
+    assert device_path.count(True) == 6 * 3 + 5 * 3 - 3  # every other step went through the deferred path too
+
+
+@pytest.mark.slow
+def test_the_fault_tests_pass_on_the_device_path(device_path):
+    """tests/test_faults.py's two-process runs (GradientAggregator and the DDP hook over gloo), on the device path:
+    the same error on every rank at the same step, no state changed, the replicas together."""
+    import test_faults
+
+    test_faults.test_aggregator_nan_on_one_rank_raises_the_same_error_on_every_rank()
+    test_faults.test_hook_nan_on_one_rank_raises_the_same_error_on_every_rank()
+
+
+@pytest.mark.slow
+def test_gradscaler_skips_on_every_rank_on_the_device_path(device_path):
+    """tests/test_gradscaler.py's runs on the device path: an overflow on one rank skips the step on every rank."""
+    import test_gradscaler
+    from distributed import run_workers
+
+    runs = run_workers(test_gradscaler._worker, 2, timeout=180)
+    for driver in ("aggregator", "hook"):
+        for label in test_gradscaler.METHODS:
+            test_gradscaler.test_an_overflow_on_one_rank_skips_the_step_on_every_rank(runs, driver, label)
+            test_gradscaler.test_a_scaler_leaves_parameters_and_residuals_as_without_one(runs, driver, label)
