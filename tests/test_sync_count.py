@@ -106,6 +106,7 @@ def _check(kind: str, name: str, counter) -> None:
     budget = BUDGETS[name][kind]
     total = counter.total
     assert total <= budget, f"{name} ({kind}): {total} would-be synchronisations > budget {budget}: {counter}"
+    assert total == budget, f"{name} ({kind}): {total} would-be synchronisations, lower the budget {budget} to it"
 
 
 @pytest.mark.parametrize("name", sorted(BUDGETS))
@@ -116,6 +117,11 @@ def test_aggregator_step_stays_within_the_budget(name, group, device_paths):
 @pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_ddp_hook_step_stays_within_the_budget(name, group, device_paths, monkeypatch):
     _check("ddp", name, count_ddp_step(name, monkeypatch))
+
+
+def test_fixed_size_methods_read_once_per_step():
+    """One read per step at most: the finiteness verdict, with the wire's checks (docs/gpu.md says why not zero)."""
+    assert {name: BUDGETS[name] for name in FIXED_SIZE if max(BUDGETS[name].values()) > 1} == {}
 
 
 def test_every_method_has_a_budget():
