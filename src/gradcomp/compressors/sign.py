@@ -749,7 +749,8 @@ class OneBit(_ChunkedSign):
                 wide = flat.double()
                 exact = torch.stack([wide.clamp(min=0).sum(), wide.clamp(max=0).sum()])
             else:  # summed in float64 without a float64 copy of the input (clamping is exact in float32)
-                exact = torch.stack([flat.clamp(min=0).sum(dtype=torch.float64), flat.clamp(max=0).sum(dtype=torch.float64)])
+                wide = torch.float64
+                exact = torch.stack([flat.clamp(min=0).sum(dtype=wide), flat.clamp(max=0).sum(dtype=wide)])
             return (exact / counts).to(torch.float32)
 
         return [packed, _finite_or_f64(means, in_float64, self.name, slot)]

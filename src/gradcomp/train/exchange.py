@@ -37,8 +37,6 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import TOPOLOGIES as SINGLE_ROUND_TOPOLOGIES
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.transport.base import CONTROL, Transport
-from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import StepAbandoned, defer_verdict, take_verdict
 from gradcomp.transport.requests import (
     AllGather,
     AllReduce,
@@ -50,6 +48,8 @@ from gradcomp.transport.requests import (
     drive,
     execute,
 )
+from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import StepAbandoned, defer_verdict, take_verdict
 
 TOPOLOGIES = (*SINGLE_ROUND_TOPOLOGIES, "sharded")
 
@@ -241,8 +241,8 @@ class GradientExchange:
         host read to make it); where the scheme allows it (``Scheme.defers_verdict``: fixed sizes) and the first
         message can carry it on the device path, the verdict is then read once, with the wire's checks, after the
         rounds (``drive_agreeing``): a non-finite step runs its rounds to the end, on its own tensors, and is
-        abandoned there, on every worker, before anything of it is applied. Without ``finite``, non-finite tensors raise NonFiniteGradientError here, on this
-        worker only, before anything is sent (``validate``).
+        abandoned there, on every worker, before anything of it is applied. Without ``finite``, non-finite tensors
+        raise NonFiniteGradientError here, on this worker only, before anything is sent (``validate``).
         """
         self.check(slots, tensors, validate and finite is None)
         started, blocked_before = time.perf_counter(), self._blocked_seconds()

@@ -357,7 +357,8 @@ def check_pending() -> None:
     """Reads this thread's outstanding device-path encode checks (one transfer) and raises ConfigError if one failed."""
     checks = _take_pending()
     if checks:
-        _raise_failed(checks, _read_bytes(torch.stack([f.reshape(()).to(torch.bool) for f, _ in checks]).to(torch.uint8)))
+        flags = torch.stack([f.reshape(()).to(torch.bool) for f, _ in checks]).to(torch.uint8)
+        _raise_failed(checks, _read_bytes(flags))
 
 
 def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.Tensor:
