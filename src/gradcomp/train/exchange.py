@@ -410,10 +410,11 @@ def _marked(received: list[Tensor] | Tensor, chunks: int = 1) -> list[bool]:
     return [bool(f) for f in _mark_flags(received, chunks).tolist()]
 
 
-def _mark_unless(t: Tensor, finite: Tensor, chunks: int, value: float) -> Tensor:
-    """``_mark(t, ...)`` where the device flag ``finite`` is False, ``t`` itself (a copy) where it is True: decided
-    on the device, only the entries a mark changes rewritten (``torch.where``), nothing read back."""
-    out = t.clone().view(chunks, -1)
+def _mark_unless(t: Tensor, finite: Tensor, chunks: int, value: float, inplace: bool = False) -> Tensor:
+    """``_mark(t, ...)`` where the device flag ``finite`` is False, ``t`` itself where it is True (a copy, or ``t``
+    rewritten if ``inplace``: an all-reduce's buffer that is the scheme's to give): decided on the device, only the
+    entries a mark changes rewritten (``torch.where``), nothing read back."""
+    out = (t if inplace else t.clone()).view(chunks, -1)
     if t.is_floating_point():
         out[:, 0] = torch.where(finite, out[:, 0], torch.full_like(out[:, 0], value))
     else:
@@ -502,7 +503,8 @@ def _drive_deferred(transport: Transport, rounds: Rounds, finite: Tensor) -> tup
     ) or not _can_mark(t, chunks) or host_path(t):
         return _agree_now(transport, rounds, request, bool(finite))
     value = float("inf") if isinstance(request, AllReduce) and request.op == "max" else float("nan")
-    request = replace(request, tensor=_mark_unless(t, finite.reshape(()).to(device=t.device), chunks, value))
+    inplace = isinstance(request, AllReduce) and request.inplace  # (no copy of a dense all-reduce's buffer)
+    request = replace(request, tensor=_mark_unless(t, finite.reshape(()).to(device=t.device), chunks, value, inplace))
     if isinstance(request, AllReduce):
         request.inplace = True  # the marked copy is ours to overwrite
     received = execute(transport, request)
