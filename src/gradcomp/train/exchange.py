@@ -415,11 +415,10 @@ def _mark_unless(t: Tensor, finite: Tensor, chunks: int, value: float, inplace: 
     rewritten if ``inplace``: an all-reduce's buffer that is the scheme's to give): decided on the device, only the
     entries a mark changes rewritten (``torch.where``), nothing read back."""
     out = (t if inplace else t.clone()).view(chunks, -1)
-    if t.is_floating_point():
-        out[:, 0] = torch.where(finite, out[:, 0], torch.full_like(out[:, 0], value))
-    else:
-        mark = torch.tensor(NF_MARK, dtype=torch.uint8, device=t.device)
-        out[:, :2] = torch.where(finite, out[:, :2], mark)
+    # (Python scalars, not a tensor made from a list: a copy from pageable host memory would wait for the device)
+    marks = [value] if t.is_floating_point() else list(NF_MARK)
+    for i, mark in enumerate(marks):
+        out[:, i] = torch.where(finite, out[:, i], mark)
     return out.view_as(t)
 
 
