@@ -63,7 +63,7 @@ slot's message is:
 
 plus the container's 20-byte header once per message (all slots of a step travel in one message). A set
 padding bit in the last byte is rejected with WireError by ``decompress``, as the container does for its
-own bitmaps. Decoding reads each byte's 8 values from a 256-row table (±1, ±scale, or the two means);
+own bitmaps (on the device path the check joins the decoding step's one read, ``wire.container.check_received``). Decoding reads each byte's 8 values from a 256-row table (±1, ±scale, or the two means);
 ``accumulate`` adds them into the running sum chunk by chunk, without a d-sized temporary.
 
 Choices where the papers are silent or differ:
@@ -82,8 +82,9 @@ Choices where the papers are silent or differ:
 - signum's m starts at 0 and is float32; β = 0 is signsgd;
 - the sums behind efsignsgd's scale and onebit's means are float32 reductions over chunks of 2^20 entries,
   added in float64; if a chunk's sum overflows (only for entries near float32's largest value) the sums are
-  recomputed in float64, so the scale of finite input is finite. This check is compress's one host
-  synchronisation (efsignsgd and onebit; signsgd/signum have none);
+  recomputed in float64, so the scale of finite input is finite. On the host path this check is compress's one
+  host synchronisation (efsignsgd and onebit; signsgd/signum have none); the device path reads nothing: it
+  computes the float64 sums too and takes them where the float32 ones are not finite (``torch.where``);
 - error feedback works in gradient units (residual r, p = g + r, update lr·C(p)), where the EF-signSGD
   paper feeds back in update units (p = γ·g + e). As C is positively homogeneous, C(γ·p) = γ·C(p), the two
   are the same for a constant lr;
@@ -97,7 +98,9 @@ Choices where the papers are silent or differ:
   compressor, which would move every weight by 1.0 at each sync;
 - a NaN or Inf in what efsignsgd or onebit would send (the gradient, or with error feedback gradient plus
   residual, whose sum can overflow float32 for finite entries near its largest value) raises
-  NonFiniteGradientError naming the slot before anything is sent; the check is the host synchronisation above.
+  NonFiniteGradientError naming the slot before anything is sent on the host path (the check is the host
+  synchronisation above); on the device path the NaN / Inf travels as the scale or means, so every decoded
+  entry is non-finite and shows in the receivers' sums.
 
 None of these compressors is unbiased (a sign throws away the magnitude: E[sign(g)] is not g), so
 ``unbiased`` is False and no ``omega`` is declared.
