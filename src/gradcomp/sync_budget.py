@@ -7,8 +7,8 @@ thread and the hook's communication thread). Counts grow with the number of slot
 per slot (the notes say where). docs/gpu.md shows the same numbers in a table that tests/test_sync_count.py checks
 against this module.
 
-``FIXED_SIZE`` are the methods whose messages have a size known from the configuration alone: one read per step
-each, the workers' finiteness verdict (with the wire's checks where there are any), which decides, before
+``FIXED_SIZE`` are the methods whose messages have a size known from the configuration alone: one read per
+exchange each (per step for the aggregator, per bucket for the DDP hook), the workers' finiteness verdict (with the wire's checks where there are any), which decides, before
 anything of the step is applied, whether the step stands (docs/gpu.md says why it is not zero). What each count
 is made of is in ``NOTES``; the budgets are the measured counts exactly (tests/test_sync_count.py fails on a count
 above or below its budget); ``BEFORE`` is the same count at a703d48, before the device
