@@ -515,6 +515,7 @@ def _drive_deferred(transport: Transport, rounds: Rounds, finite: Tensor) -> tup
         return False, None
     finally:
         pending = take_verdict()
+        defer_verdict(None)
     if pending is not None and bool(pending):  # no read of the wire took it: the one read of the step
         return False, None
     return True, result

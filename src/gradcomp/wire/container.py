@@ -106,6 +106,7 @@ __all__ = [
     "check_received",
     "StepAbandoned",
     "defer_verdict",
+    "deferring",
     "take_verdict",
 ]
 
@@ -748,8 +749,16 @@ _verdict = threading.local()  # .flag: this thread's pending verdict of the step
 def defer_verdict(flag: torch.Tensor | None) -> None:
     """Hands the step's agreed verdict (a one-element bool tensor on the device, True when some worker's gradients
     were not finite) to this thread's next device read in this module, which reads it in the same transfer and
-    raises StepAbandoned if it is True; None withdraws it."""
+    raises StepAbandoned if it is True; None withdraws it and ends the deferred step (``deferring``)."""
     _verdict.flag = flag
+    _verdict.deferring = flag is not None
+
+
+def deferring() -> bool:
+    """Whether this thread runs a step whose verdict was deferred (from ``defer_verdict(flag)`` until
+    ``defer_verdict(None)``, whether or not a read has taken the flag yet): such a step may be abandoned by
+    raising StepAbandoned on every worker at the same point."""
+    return getattr(_verdict, "deferring", False)
 
 
 def take_verdict() -> torch.Tensor | None:
