@@ -13,7 +13,10 @@ Two mechanisms, because not everything goes through torch's dispatcher:
   communication thread);
 - ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.cpu`` and ``Tensor.to("cpu")`` do not dispatch (or are no-ops on
   CPU tensors) and are wrapped while counting. ``.to(device)`` with a ``torch.device`` is not counted: the library
-  passes the device of its own data, which is no transfer on a GPU either.
+  passes the device of its own data, which is no transfer on a GPU either. ``Tensor.item`` and the conversions
+  ``float()``, ``int()``, ``bool()`` are wrapped too, so that they count on every thread, including threads the
+  test cannot enter the mode on (a collective's completion callback, which gloo runs on its own thread unless
+  the collective had completed already); a wrapped call is counted once, not again by the mode.
 
 The wire code's device path is forced on CPU tensors (``GRADCOMP_DEVICE_PATH=1``) and the compiled CPU kernels
 are switched off (``GRADCOMP_KERNELS=0``), so that what runs is what runs on a GPU.
@@ -116,7 +119,9 @@ def count_on_this_thread(fn):
 def counting():
     """Counts would-be synchronisations on this thread (and threads run through count_on_this_thread)."""
     counter = SyncCounter()
-    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu", "to")}
+    scalars = ("item", "__float__", "__int__", "__bool__")
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu", "to", *scalars)}
+    own = {name for name in originals if name in vars(torch.Tensor)}  # the others are inherited: deleted after
 
     def plain(name, kind):
         original = originals[name]
@@ -139,6 +144,8 @@ def counting():
             counter.record("cpu")
         return originals["to"](self, *args, **kwargs)
 
+    for name in scalars:
+        setattr(torch.Tensor, name, plain(name, "item"))
     torch.Tensor.tolist = plain("tolist", "tolist")
     torch.Tensor.numpy = plain("numpy", "numpy")
     torch.Tensor.cpu = plain("cpu", "cpu")
@@ -150,4 +157,7 @@ def counting():
     finally:
         _active.clear()
         for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
+            if name in own:
+                setattr(torch.Tensor, name, fn)
+            else:
+                delattr(torch.Tensor, name)

@@ -34,3 +34,23 @@ def test_flags_name_each_tensor():
     assert finite_flags([good, good]) == [True, True] and finite_flags([]) == []
     huge = torch.full((8,), 3e38)
     assert finite_flags([huge, good]) == [True, True]  # the sum overflows, the exact check clears it
+
+
+def test_finite_flag_is_a_device_flag_that_a_large_finite_sum_does_not_fool():
+    """The device path's verdict: a bool tensor, nothing read back; finite entries whose sum overflows are finite
+    (min/max, not a sum), a NaN or ±Inf anywhere is not; empty tensors are skipped."""
+    from sync_counting import counting
+
+    from gradcomp.finite import finite_flag
+
+    big = torch.full((4,), 3e38)
+    cases = {
+        (): True, (big,): True, (big, torch.zeros(0)): True, (torch.ones(3, dtype=torch.float16),): True,
+        (big, torch.tensor([1.0, float("nan")])): False, (torch.tensor([-float("inf")]),): False,
+        (torch.tensor([1.0, float("inf")], dtype=torch.bfloat16),): False,
+    }  # fmt: skip
+    for tensors, expected in cases.items():
+        with counting() as counter:
+            flag = finite_flag(list(tensors))
+        assert counter.total == 0, counter
+        assert flag.dtype == torch.bool and flag.numel() == 1 and bool(flag) is expected, (tensors, flag)

@@ -500,3 +500,38 @@ def test_radix_sort_sorts_keys_of_any_width():
 def test_random_k_kernel_is_kept_for_dense_enough_samples():
     assert kernels.sample(1024 * 5000, 5000) is not None
     assert kernels.sample(1024 * 5000 + 1, 5000) is None  # a bitmap of over 1024 bits per position kept
+
+
+@pytest.mark.parametrize("n, k", [(1 << 20, 4097), (100_000, 24_999), (64 * 1000 + 5, 5000), (1000, 3), (41, 10)])
+def test_random_k_positions_on_the_device_path_are_the_host_paths_without_a_host_read(n, k, monkeypatch):
+    """The device path draws two rounds at once and finds their first k distinct values with sizes known in
+    advance (no .item(), no boolean index): the same positions as the host path."""
+    from sync_counting import counting
+
+    from gradcomp.compressors.sparse import sample_without_replacement
+
+    cpu = torch.device("cpu")
+    for seed in range(3):
+        host = sample_without_replacement(n, k, torch.Generator().manual_seed(seed), cpu)
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        with counting() as counter:
+            device = sample_without_replacement(n, k, torch.Generator().manual_seed(seed), cpu)
+        monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+        assert counter.total == 0, counter
+        assert device.dtype == torch.int64 and torch.equal(device, host)
+
+
+def test_random_k_positions_on_the_device_path_stay_distinct_when_the_draws_repeat(monkeypatch):
+    """Fewer than k distinct values among the draws (forced here; vanishingly rare for real): still k distinct
+    sorted positions in range, the drawn ones and then the smallest undrawn ones, with no host read."""
+    from sync_counting import counting
+
+    from gradcomp.compressors.sparse import sample_without_replacement
+
+    real = torch.randint
+    monkeypatch.setattr(torch, "randint", lambda n, size, **kw: real(3, size, **kw) * 7)  # only 0, 7, 14
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    with counting() as counter:
+        got = sample_without_replacement(1000, 10, torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert counter.total == 0, counter
+    assert got.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 14]

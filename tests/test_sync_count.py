@@ -106,6 +106,7 @@ def _check(kind: str, name: str, counter) -> None:
     budget = BUDGETS[name][kind]
     total = counter.total
     assert total <= budget, f"{name} ({kind}): {total} would-be synchronisations > budget {budget}: {counter}"
+    assert total == budget, f"{name} ({kind}): {total} would-be synchronisations, lower the budget {budget} to it"
 
 
 @pytest.mark.parametrize("name", sorted(BUDGETS))
@@ -116,6 +117,11 @@ def test_aggregator_step_stays_within_the_budget(name, group, device_paths):
 @pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_ddp_hook_step_stays_within_the_budget(name, group, device_paths, monkeypatch):
     _check("ddp", name, count_ddp_step(name, monkeypatch))
+
+
+def test_fixed_size_methods_read_once_per_step():
+    """One read per step at most: the finiteness verdict, with the wire's checks (docs/gpu.md says why not zero)."""
+    assert {name: BUDGETS[name] for name in FIXED_SIZE if max(BUDGETS[name].values()) > 1} == {}
 
 
 def test_every_method_has_a_budget():
@@ -142,6 +148,64 @@ def test_the_counter_sees_every_kind_of_synchronisation(device_paths):
     assert counter.counts == {
         "item": 3, "tolist": 1, "numpy": 1, "cpu": 2, "nonzero": 1, "bool-index": 1, "masked_select": 1, "unique": 1,
     }, counter
+
+
+# The compressors whose host path refuses a NaN / Inf input with a host read: on the device path they read nothing
+# and the non-finite value must travel in the message (never a finite stand-in), so the receivers' sums show it.
+NON_FINITE_CARRIERS = {
+    "cnat": {}, "qsgd": {}, "natural_dithering": {}, "random_dithering": {"norm": "inf"},
+    "natural_dithering-cnat-norm": {"norm_codec": "cnat"}, "terngrad": {}, "terngrad-no-clip": {"clip": 0},
+    "efsignsgd": {"error_feedback": False}, "onebit": {"error_feedback": False},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("label", sorted(NON_FINITE_CARRIERS))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_input_reaches_the_message_without_a_host_read(label, bad, device_paths):
+    compressor = gradcomp.make(label.split("-")[0], **NON_FINITE_CARRIERS[label])
+    x = torch.linspace(-1.0, 1.0, 37)
+    x[5] = bad
+    slot = gradcomp.Slot("w", 0, x.numel())
+    with counting() as counter:
+        fields = compressor.compress(x, slot, 3)
+    assert counter.total == 0, counter
+    out = compressor.decompress(fields, slot, 3)
+    assert not torch.isfinite(out).all(), f"{label}: a {bad} input decoded to a finite message"
+    assert torch.isfinite(compressor.decompress(compressor.compress(x.nan_to_num(0.0), slot, 3), slot, 3)).all()
+
+
+def test_terngrad_shared_makes_every_result_non_finite_on_the_device_path(device_paths):
+    scheme = gradcomp.make("terngrad_shared")
+    scheme.bind(0, 1)
+    x = torch.linspace(-1.0, 1.0, 37)
+    x[2] = float("nan")
+    rounds = scheme.run([gradcomp.Slot("w", 0, 37)], [x], 0)
+    with counting() as counter:
+        shared = next(rounds)  # the max-allreduce of the scalers, which a world of one answers with its own
+    assert counter.total == 0, counter
+    assert shared.tensor.tolist() == [float("inf")]  # a NaN scaler goes out as +Inf (a max keeps it everywhere)
+    gathered = rounds.send(shared.tensor)
+    with pytest.raises(StopIteration) as done:
+        rounds.send([gathered.tensor])
+    assert not torch.isfinite(done.value.value[0]).any()
+
+
+def test_sign_padding_is_checked_with_the_steps_one_read(device_paths):
+    from gradcomp.errors import WireError
+    from gradcomp.schemes.single_round import aggregate_buffers, encode_slots
+
+    compressor = gradcomp.make("signsgd")
+    slots = [gradcomp.Slot("b", 0, 10)]
+    good = encode_slots(compressor, slots, [compressor.compress(torch.linspace(-1, 1, 10), slots[0], 0)])
+    with counting() as counter:
+        aggregate_buffers(compressor, slots, [good], 0, torch.device("cpu"))
+    assert counter.total == 1, counter  # the one read of the checks and the sums
+    fields = compressor.compress(torch.linspace(-1, 1, 10), slots[0], 0)
+    fields[0][-1] |= 0x80  # a padding bit after the 10th sign (the checksum is computed over it: it passes)
+    bad = encode_slots(compressor, slots, [fields])
+    with counting() as counter, pytest.raises(WireError, match="nonzero padding bits after 10 signs"):
+        aggregate_buffers(compressor, slots, [bad], 0, torch.device("cpu"))
+    assert counter.counts.get("item", 0) == 0, counter
 
 
 def test_the_docs_table_is_the_budget():

@@ -166,3 +166,26 @@ def test_largest_takes_n_coordinates_even_when_a_value_is_nan():
     x = torch.tensor([1.0, float("nan"), 3.0, -2.0, 0.5])
     assert largest(x, 2).tolist() == [1, 2]
     assert largest(torch.tensor([2.0, 1.0, 2.0]), 2).tolist() == [0, 2]  # ties by the lower index, no NaN
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_largest_on_the_device_path_is_the_host_paths_selection_without_a_host_read(seed, monkeypatch):
+    """The device path's fixed-size selection (nonzero_static of a mask; no nonzero, no .item()) returns the same
+    indices in the same order as the host path's, with ties and NaN, and reads nothing back."""
+    from sync_counting import counting
+
+    from gradcomp.schemes.accumulation import largest
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-4, 5, (300,), generator=gen).to(torch.float32)  # many ties at every magnitude
+    if seed % 2:
+        x[torch.randint(0, 300, (3,), generator=gen)] = float("nan")
+    x[7] = float("inf") if seed == 4 else x[7]
+    for n in (1, 17, 150, 299):
+        expected = largest(x, n)
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        with counting() as counter:
+            got = largest(x, n)
+        monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+        assert counter.total == 0, counter
+        assert got.tolist() == expected.tolist(), (n, got.tolist(), expected.tolist())

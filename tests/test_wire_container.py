@@ -22,7 +22,7 @@ from gradcomp.wire import (
     optimal_rice_parameter,
 )
 from gradcomp.wire.bits import decoded_dtype
-from gradcomp.wire.container import encoded_size
+from gradcomp.wire.container import check_pending, encoded_size
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 M64 = (1 << 64) - 1
@@ -293,6 +293,10 @@ def test_encode_misuse():
     for fields, specs in cases:
         with pytest.raises(ConfigError):
             encode(fields, specs)
+            # the device path (GRADCOMP_DEVICE_PATH=1) checks a field's values on the device and reads the verdict
+            # with the next device read of the thread, or here: the misuse is refused either way, and no failed
+            # check is left over to surface in an unrelated later decode
+            check_pending()
 
 
 def test_decode_rejects_bad_specs_with_config_error():

@@ -7,8 +7,11 @@ thread and the hook's communication thread). Counts grow with the number of slot
 per slot (the notes say where). docs/gpu.md shows the same numbers in a table that tests/test_sync_count.py checks
 against this module.
 
-``FIXED_SIZE`` are the methods whose messages have a size known from the configuration alone; the aim for them
-is zero. What each count is made of is in ``NOTES``; ``BEFORE`` is the same count at a703d48, before the device
+``FIXED_SIZE`` are the methods whose messages have a size known from the configuration alone: one read per
+exchange each (per step for the aggregator, per bucket for the DDP hook), the workers' finiteness verdict (with the wire's checks where there are any), which decides, before
+anything of the step is applied, whether the step stands (docs/gpu.md says why it is not zero). What each count
+is made of is in ``NOTES``; the budgets are the measured counts exactly (tests/test_sync_count.py fails on a count
+above or below its budget); ``BEFORE`` is the same count at a703d48, before the device
 checksum and the device decode (measured the same way, except that a703d48 could not route CPU tensors through its
 device code, so its CPU-only branches were counted where a GPU would have run others: random-k's numpy rounds
 count fewer there than the torch rounds a GPU runs).
@@ -22,57 +25,58 @@ FIXED_SIZE = (
     "local_topk", "true_topk",
 )  # fmt: skip
 
-_FINITE = (
-    "1 finiteness check of this worker's gradients (finite.finite_flags, on the DDP hook's communication thread) and "
-    "1 read of the agreed verdict that rode on the step's first message (exchange._marked)"
+_VERDICT = (
+    "1 read, after the last round, of the workers' agreed finiteness verdict, a device flag that rode on the step's "
+    "first message (exchange._drive_deferred)"
 )
-_READ = (
-    "1 read of every decoded message's checks (header, checksum, section heads, padding, positions) together with "
-    "the finiteness of the aggregate sums (wire.container.DeviceChecks, once per exchange whatever the world size)"
+_WITH_CHECKS = (
+    "1 read of the agreed finiteness verdict (a device flag that rode on the step's first message) in the same "
+    "transfer as every decoded message's checks (header, checksum, section heads, padding, positions, the sign "
+    "bitmaps' padding bits), and the finiteness of the aggregate sums (wire.container.DeviceChecks, once per "
+    "exchange whatever the world size)"
 )
-_AGG = "1 finiteness read of the aggregate sums (single_round)"
+_MINE = "1 read of this worker's finiteness flag before the first message (the verdict is not deferred: sizes vary)"
+_MARKED = "1 read of the agreed verdict on the first message (exchange._marked)"
+_AGG = "1 read of every decoded message's data checks with the finiteness of the aggregate sums (DeviceChecks)"
 _VARIABLE = "per message: 1 transfer of the whole message to the host and 1 read of its data checks"
-_NONZERO = "accumulation.largest: nonzero on the selection mask (2 per selection)"
 _GOLOMB = "Golomb encode/decode: gap check, stream length, positions of the unary codes (several per slot)"
-_PADDING = "sign._check_packed: the padding bits of the last sign byte (per slot with a partial byte)"
 
 # name: (aggregator, ddp, notes)
 _TABLE: dict[str, tuple[int, int, str]] = {
-    "none": (2, 2, _FINITE),
-    "fp16": (2, 2, _FINITE),
-    "bf16": (2, 2, _FINITE),
-    "randomblock": (2, 2, _FINITE),
-    "topk": (3, 3, f"{_FINITE}; {_READ}"),
-    "signsgd": (4, 4, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
-    "signum": (4, 4, f"{_FINITE}; {_READ}; 1 {_PADDING}"),
-    "powersgd": (4, 4, f"{_FINITE}; 2 zero-column checks of Q (powersgd._prepare_q, one per group)"),
-    "local_topk": (6, 6, f"{_FINITE}; {_NONZERO}; 1 read of the gathered container's checks; 1 range check of the "
-                   "received coordinates (accumulation.split_indices)"),
-    "true_topk": (4, 4, f"{_FINITE}; {_NONZERO}"),
-    "sketch": (7, 7, f"{_FINITE}; {_NONZERO} (x2); 1 boolean index (sketch.run)"),
-    "terngrad_shared": (7, 7, f"{_FINITE}; 1 read of the decoded message's checks; 4 finiteness checks of max|g| "
-                        "(terngrad._clip, per slot)"),
-    "cnat": (7, 7, f"{_FINITE}; {_READ}; 4 finiteness checks of the input (natural.cnat_encode, per slot)"),
-    "qsgd": (7, 7, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
-    "natural_dithering": (7, 7, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
-    "random_dithering": (7, 7, f"{_FINITE}; {_READ}; 4 finiteness checks of the norm (per slot)"),
-    "terngrad": (7, 7, f"{_FINITE}; {_READ}; 4 finiteness checks of max|g| (terngrad._clip, per slot)"),
-    "efsignsgd": (9, 9, f"{_FINITE}; {_READ}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
-                  f"2 {_PADDING}"),
-    "onebit": (9, 9, f"{_FINITE}; {_READ}; 4 finiteness checks of g + residual (sign._finite_or_f64, per slot); "
-               f"2 {_PADDING}"),
-    "randomk": (18, 18, f"{_FINITE}; sampling k distinct positions (sparse.sample_without_replacement: per slot and "
-                "round, 1 count of the distinct draws and 2-3 boolean indexings)"),
-    "threshold": (10, 10, f"{_FINITE}; {_AGG}; 4 nonzero (the selection, per slot); 1 size exchange "
-                  f"(sizes.exchange_sizes); {_VARIABLE}"),
-    "lgc": (20, 20, f"{_FINITE}; 1 read of a gathered container's checks; {_NONZERO} (x2); {_GOLOMB}; 1 broadcast "
-            "size (sizes.broadcast_buffer)"),
-    "sbc": (41, 41, f"{_FINITE}; {_AGG}; {_GOLOMB}; 1 size exchange; {_VARIABLE}"),
-    "stc": (46, 46, f"{_FINITE}; {_AGG}; {_GOLOMB}; 4 counts of the kept entries (sbc.compress); 1 size exchange; "
-            f"{_VARIABLE}"),
-    "dgc": (56, 56, f"{_FINITE}; {_AGG}; {_GOLOMB}; sampled threshold selection (dgc.select: counts and boolean "
-            "indexing per slot); momentum correction's boolean indexing (dgc._corrected); 1 size exchange; "
-            f"{_VARIABLE}"),
+    "none": (1, 1, f"{_VERDICT}; the DDP hook all-reduces the bucket itself and reads the reduced first entry in "
+             "the collective's callback, off the autograd thread"),
+    "fp16": (1, 1, _VERDICT),
+    "bf16": (1, 1, _VERDICT),
+    "randomblock": (1, 1, _VERDICT),
+    "randomk": (1, 1, f"{_VERDICT}; the k positions are sampled with sizes known in advance "
+                "(sparse._first_distinct_fixed)"),
+    "powersgd": (1, 1, f"{_VERDICT}; a zero column of Q is refilled by torch.where, not looked for"),
+    "true_topk": (1, 1, f"{_VERDICT}; the selection is fixed-size (accumulation._largest_on_device)"),
+    "sketch": (1, 1, f"{_VERDICT}; fixed-size selections, what was sent masked rather than indexed"),
+    "topk": (1, 1, _WITH_CHECKS),
+    "signsgd": (1, 1, _WITH_CHECKS),
+    "signum": (1, 1, _WITH_CHECKS),
+    "efsignsgd": (1, 1, f"{_WITH_CHECKS}; a non-finite g + residual travels in the message (no check of its own)"),
+    "onebit": (1, 1, f"{_WITH_CHECKS}; a non-finite g + residual travels in the message (no check of its own)"),
+    "cnat": (1, 1, f"{_WITH_CHECKS}; a NaN / Inf input travels as exponent code 255 (no check of its own)"),
+    "qsgd": (1, 1, f"{_WITH_CHECKS}; a non-finite norm travels in the message (no check of its own)"),
+    "natural_dithering": (1, 1, f"{_WITH_CHECKS}; a non-finite norm travels in the message (no check of its own)"),
+    "random_dithering": (1, 1, f"{_WITH_CHECKS}; a non-finite norm travels in the message (no check of its own)"),
+    "terngrad": (1, 1, f"{_WITH_CHECKS}; a non-finite max|g| travels as the scale (no check of its own)"),
+    "terngrad_shared": (1, 1, "1 read of the agreed verdict with the decoded messages' checks; a non-finite scaler "
+                        "goes into the max-allreduce as +Inf (no check of its own)"),
+    "local_topk": (1, 1, "1 read of the agreed verdict with the gathered messages' checks and the range check of "
+                   "their coordinates (accumulation.split_indices, handed to DeviceChecks)"),
+    "threshold": (10, 10, f"{_MINE}; {_MARKED}; 4 nonzero (the selection, per slot); 1 size exchange "
+                  f"(sizes.exchange_sizes); {_VARIABLE}; {_AGG}"),
+    "lgc": (16, 16, f"{_MINE}; {_MARKED}; {_GOLOMB}; 1 broadcast size (sizes.broadcast_buffer); 1 transfer of "
+            "a variable-size message to the host; 3 reads recording the compression error (lgc._record_error)"),
+    "sbc": (41, 41, f"{_MINE}; {_MARKED}; {_GOLOMB}; 1 size exchange; {_VARIABLE}; {_AGG}"),
+    "stc": (46, 46, f"{_MINE}; {_MARKED}; {_GOLOMB}; 4 counts of the kept entries (sbc.compress); 1 size "
+            f"exchange; {_VARIABLE}; {_AGG}"),
+    "dgc": (52, 52, f"{_MINE}; {_MARKED}; {_GOLOMB}; sampled threshold selection (dgc.select and "
+            "sparse.keep_largest: counts, nonzero and boolean indexing per slot); 1 size exchange; "
+            f"{_VARIABLE}; {_AGG}"),
 }  # fmt: skip
 
 BUDGETS: dict[str, dict[str, int]] = {name: {"aggregator": a, "ddp": d} for name, (a, d, _) in _TABLE.items()}

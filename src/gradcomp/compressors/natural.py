@@ -6,7 +6,9 @@ MSML 2022 (C_nat, D_nat, D_sta); Alistarh et al., "QSGD", NeurIPS 2017 (D_sta wi
 
 All four are stochastic, unbiased (TernGrad only without clipping) and never summable: their codes are
 integers of sign and level, not values that add. Everything is vectorized torch on the tensor's device;
-``compress`` synchronises with the host exactly once (the NaN/Inf check), ``decompress`` never.
+``compress`` synchronises with the host exactly once on the host path (the NaN/Inf check) and never on the
+device path, where a NaN or Inf travels in the message instead (a non-finite norm or scale, or C_nat's exponent
+code 255) and shows in the receivers' sums, whose finiteness the step reads anyway; ``decompress`` never.
 
 Speed (CPU): C_nat's codes come from one compiled pass (``gradcomp.kernels.cnat_kernel``: random number, code,
 sign and the NaN/Inf check together), its 9-bit packing from the compiled packer (``gradcomp.kernels``, packed
@@ -131,6 +133,7 @@ CNAT_WIDTH = 9
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
 _MAX_EXPONENT = 254  # largest finite biased exponent of float32
+_INF_BITS = 0x7F800000  # the bit pattern of +Inf: a magnitude's pattern at least this is NaN or Inf
 
 
 def _flat_f32(x: Tensor) -> Tensor:
@@ -176,11 +179,17 @@ def uniform23(key: int, start: int, count: int, device: torch.device | str = "cp
     return _shift_right(z, 41)
 
 
-def _codes_from_draws(bits: Tensor, u: Tensor) -> Tensor:
-    """int16 codes of int32 bit patterns ``bits`` given their draws ``u`` (the kernel's formula, in torch)."""
+def _codes_from_draws(bits: Tensor, u: Tensor, keep_non_finite: bool = False) -> Tensor:
+    """int16 codes of int32 bit patterns ``bits`` given their draws ``u`` (the kernel's formula, in torch).
+
+    ``keep_non_finite``: a NaN or Inf entry gets exponent code 255, which decodes to ±Inf (the device path, which
+    reads nothing back: the non-finite value travels in the message instead of being clamped to a finite one)."""
     carry = torch.neg(u.to(torch.int32)).add_(_MANTISSA_MASK)  # 2^23 − 1 − u: carries into the exponent iff u < m
-    code = torch.bitwise_and(bits, 0x7FFFFFFF).add_(carry).bitwise_right_shift_(_MANTISSA_BITS)
+    magnitude = torch.bitwise_and(bits, 0x7FFFFFFF)
+    code = magnitude.add(carry).bitwise_right_shift_(_MANTISSA_BITS)
     code = code.clamp_(max=_MAX_EXPONENT)  # exponent 254 never rounds up to Inf
+    if keep_non_finite:
+        code = torch.where(magnitude >= _INF_BITS, _MAX_EXPONENT + 1, code)
     negative = (bits < 0).logical_and_(code != 0)  # a zero code carries no sign
     return code.bitwise_or_(negative.to(torch.int32).bitwise_left_shift_(8)).to(torch.int16)
 
@@ -189,7 +198,11 @@ def cnat_encode(x: Tensor, key: int, where: str = "tensor", check: bool = True) 
     """The 9-bit C_nat codes (int16, sign·256 + exponent code) of the float32 tensor ``x``, with random numbers
     ``uniform23(key, 0, d)``.
 
-    With ``check`` (the default) raises NonFiniteGradientError for NaN/Inf: one host synchronisation.
+    With ``check`` (the default) raises NonFiniteGradientError for NaN/Inf: one host synchronisation, on the host
+    path only. On the device path (``wire.bits.host_path`` False) nothing is read back: a NaN or Inf entry gets
+    exponent code 255 and decodes to ±Inf, so the non-finite value reaches the receivers' sums, whose finiteness
+    the step reads anyway, instead of a finite code standing in for it (without ``check``, codes are clamped to
+    finite ones on either path, as before).
 
     The exponent is rounded up with probability mantissa / 2^23 by one integer addition: adding
     (2^23 − 1 − u), u uniform in [0, 2^23), to |x|'s bit pattern carries into the exponent field exactly when
@@ -209,10 +222,10 @@ def cnat_encode(x: Tensor, key: int, where: str = "tensor", check: bool = True) 
         worst = int(kernel.cnat_codes(bits.numpy(), key & ((1 << 64) - 1), 0, out.numpy())) if d else 0
         finite = worst < 0x7F800000  # NaN/Inf: the magnitude's bit pattern is at least that of Inf
     else:
-        finite = not check or bool(torch.isfinite(flat).all())
+        finite = not check or not cpu or bool(torch.isfinite(flat).all())  # the device path reads nothing back
         step = _CHUNK if cpu else max(1, d)
         pieces = [
-            _codes_from_draws(bits[s : s + step], uniform23(key, s, min(step, d - s), flat.device))
+            _codes_from_draws(bits[s : s + step], uniform23(key, s, min(step, d - s), flat.device), check and not cpu)
             for s in range(0, d, step)
         ]
         if len(pieces) == 1:
@@ -419,7 +432,9 @@ class _Dithering(Compressor):
             else:
                 scaled_norm = torch.where(peak > 0, torch.ones_like(peak), torch.zeros_like(peak))
             norm = (peak * scaled_norm).reshape(1)
-            if not bool(torch.isfinite(norm).all()):
+            # the device path reads nothing back: a non-finite norm is sent as it is and every decoded entry is
+            # then NaN or ±Inf (0 · Inf is NaN), which the receivers' finiteness check of the sums sees
+            if cpu and not bool(torch.isfinite(norm).all()):
                 raise NonFiniteGradientError(
                     f"{self.name}: the {self.norm}-norm of {slot.name} is not finite (NaN/Inf input or overflow)"
                 )
@@ -450,7 +465,8 @@ class _Dithering(Compressor):
                     self._codes(y, u, x, codes[start : start + n], cpu)
         if self.norm_codec == "cnat":
             key = shared_seed(self.seed, step, slot.index, salt=f"{self.name}:norm:{self.worker}")
-            norm = cnat_encode(norm, key, slot.name, check=False)  # already checked finite
+            # checked finite already on the host path; on the device path a NaN / Inf norm becomes code 255 (±Inf)
+            norm = cnat_encode(norm, key, slot.name, check=not _cpu_loop(norm))
         return [norm, codes]
 
     def _norm_value(self, norm: Tensor) -> Tensor:
@@ -642,8 +658,8 @@ class TernGrad(Compressor):
     def clipped(self, x: Tensor, slot: Slot) -> tuple[Tensor, Tensor, Tensor]:
         """(max|x|, x / max|x| clipped at c·σ, the clipped max / max|x|): this worker's scaler is their product.
 
-        Raises NonFiniteGradientError for a NaN or Inf entry (before anything is sent).
-        """
+        Raises NonFiniteGradientError for a NaN or Inf entry (before anything is sent) on the host path; on the
+        device path, which reads nothing back, the max is then NaN or ±Inf (see ``_clip``)."""
         flat = _flat_f32(x)
         if flat.numel() == 0:
             nothing = torch.zeros((), dtype=torch.float32, device=flat.device)
@@ -654,7 +670,9 @@ class TernGrad(Compressor):
         """``clipped`` of the non-empty float32 ``flat``: x / max|x| written into ``out`` (None: a fresh tensor)
         and clipped there in place; the clipped max from one min/max pass."""
         peak, scaled = _scaled(flat, out)
-        if not bool(torch.isfinite(peak)):
+        # the device path reads nothing back: a NaN / Inf peak makes the scale s NaN or ±Inf, sent as it is, so every
+        # decoded entry is non-finite (0 · Inf is NaN) and the receivers' finiteness check of the sums sees it
+        if _cpu_loop(flat) and not bool(torch.isfinite(peak)):
             raise NonFiniteGradientError(f"terngrad: non-finite (NaN or Inf) value in {slot.name}")
         if self.clip > 0:
             sigma = torch.std(scaled, correction=0)  # σ / max|x|: one reduction over the whole tensor

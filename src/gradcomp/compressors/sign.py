@@ -63,7 +63,7 @@ slot's message is:
 
 plus the container's 20-byte header once per message (all slots of a step travel in one message). A set
 padding bit in the last byte is rejected with WireError by ``decompress``, as the container does for its
-own bitmaps. Decoding reads each byte's 8 values from a 256-row table (±1, ±scale, or the two means);
+own bitmaps (on the device path the check joins the decoding step's one read, ``wire.container.check_received``). Decoding reads each byte's 8 values from a 256-row table (±1, ±scale, or the two means);
 ``accumulate`` adds them into the running sum chunk by chunk, without a d-sized temporary.
 
 Choices where the papers are silent or differ:
@@ -82,8 +82,9 @@ Choices where the papers are silent or differ:
 - signum's m starts at 0 and is float32; β = 0 is signsgd;
 - the sums behind efsignsgd's scale and onebit's means are float32 reductions over chunks of 2^20 entries,
   added in float64; if a chunk's sum overflows (only for entries near float32's largest value) the sums are
-  recomputed in float64, so the scale of finite input is finite. This check is compress's one host
-  synchronisation (efsignsgd and onebit; signsgd/signum have none);
+  recomputed in float64, so the scale of finite input is finite. On the host path this check is compress's one
+  host synchronisation (efsignsgd and onebit; signsgd/signum have none); the device path reads nothing: it
+  computes the float64 sums too and takes them where the float32 ones are not finite (``torch.where``);
 - error feedback works in gradient units (residual r, p = g + r, update lr·C(p)), where the EF-signSGD
   paper feeds back in update units (p = γ·g + e). As C is positively homogeneous, C(γ·p) = γ·C(p), the two
   are the same for a constant lr;
@@ -97,7 +98,9 @@ Choices where the papers are silent or differ:
   compressor, which would move every weight by 1.0 at each sync;
 - a NaN or Inf in what efsignsgd or onebit would send (the gradient, or with error feedback gradient plus
   residual, whose sum can overflow float32 for finite entries near its largest value) raises
-  NonFiniteGradientError naming the slot before anything is sent; the check is the host synchronisation above.
+  NonFiniteGradientError naming the slot before anything is sent on the host path (the check is the host
+  synchronisation above); on the device path the NaN / Inf travels as the scale or means, so every decoded
+  entry is non-finite and shows in the receivers' sums.
 
 None of these compressors is unbiased (a sign throws away the magnitude: E[sign(g)] is not g), so
 ``unbiased`` is False and no ``omega`` is declared.
@@ -118,6 +121,7 @@ from gradcomp.compressors.state import SlotState, check_momentum
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import check_received
 
 __all__ = ["EFSignSGD", "OneBit", "SignSGD", "Signum", "pack_signs", "packed_count", "unpack_signs"]
 
@@ -256,12 +260,23 @@ def _bit_table(device: torch.device) -> Tensor:
     return table
 
 
-def _check_packed(packed: Tensor, numel: int, where: str) -> None:
+def _check_packed(packed: Tensor, numel: int, where: str, received: bool = True) -> None:
+    """ConfigError for a bitmap of the wrong length; WireError for nonzero padding bits after the last sign.
+
+    The padding is read on the host path; on the device path the check is handed to the decoding step's one read
+    (``wire.container.check_received``: no host synchronisation here), and skipped for a bitmap this worker made
+    itself (``received`` False: error feedback's subtraction of what it sent)."""
     count = packed_count(numel)
     if packed.numel() != count:
         raise ConfigError(f"{where}: {packed.numel()} sign bytes for {numel} entries, expected {count}")
-    if numel % 8 and count and int(packed[-1]) >> (numel % 8):
-        raise WireError(f"{where}: nonzero padding bits after {numel} signs")
+    if not (numel % 8 and count):
+        return
+    message = f"{where}: nonzero padding bits after {numel} signs"
+    if host_path(packed):
+        if int(packed[-1]) >> (numel % 8):
+            raise WireError(message)
+    elif received:
+        check_received(torch.bitwise_right_shift(packed.reshape(-1)[-1], numel % 8) == 0, message)
 
 
 def _value_table(device: torch.device, positive: Tensor, negative: Tensor) -> Tensor:
@@ -346,7 +361,7 @@ class _Sign(Compressor):
         subtraction to error feedback's next x + r pass: the gather, not the memory traffic, is the cost.
         """
         packed = fields[0]
-        _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
+        _check_packed(packed, slot.numel, f"{self.name}: {slot.name}", received=False)
         positive, negative = self._decode_values(fields, slot)
         packed = packed.reshape(-1)
         kernel = _kernel_for(packed, out)
@@ -605,7 +620,14 @@ def _negative(piece: Tensor, out: Tensor) -> Tensor:
 def _finite_or_f64(values: Tensor, recompute, name: str, slot: Slot) -> Tensor:
     """``values`` if all finite (one host sync), else ``recompute()`` (float64 sums) cast to float32, which must
     be finite: a NaN or Inf in the input (with error feedback, in g + residual, which can overflow for finite g
-    near float32's largest value) raises NonFiniteGradientError naming the slot, before anything is sent."""
+    near float32's largest value) raises NonFiniteGradientError naming the slot, before anything is sent.
+
+    The device path reads nothing back: it always computes ``recompute()`` too (one more pass over the input)
+    and sends, entry by entry, ``values`` where finite, else the float64 recomputation, which is itself NaN or
+    ±Inf for a NaN or Inf input: the non-finite value then travels in the message and every decoded entry is
+    non-finite, which the receivers' finiteness check of the sums sees."""
+    if not host_path(values):
+        return torch.where(torch.isfinite(values), values, recompute())
     if bool(torch.isfinite(values).all()):
         return values
     values = recompute()
@@ -664,8 +686,9 @@ class EFSignSGD(_ChunkedSign):
         sums, packed, _ = _signs_and_sums(flat, (torch.abs,), before=before)
         scale = (sums / d).to(torch.float32)
 
-        def in_float64() -> Tensor:
-            return (flat.double().abs().sum() / d).to(torch.float32).reshape(1)
+        def in_float64() -> Tensor:  # (on a device, summed in float64 without a float64 copy of the input)
+            total = flat.abs().sum(dtype=torch.float64) if not host_path(flat) else flat.double().abs().sum()
+            return (total / d).to(torch.float32).reshape(1)
 
         scale = _finite_or_f64(scale, in_float64, self.name, slot)
         return [packed, scale]
@@ -700,8 +723,12 @@ class OneBit(_ChunkedSign):
         means = (sums / counts).to(torch.float32)
 
         def in_float64() -> Tensor:
-            wide = flat.double()
-            exact = torch.stack([wide.clamp(min=0).sum(), wide.clamp(max=0).sum()])
+            if host_path(flat):
+                wide = flat.double()
+                exact = torch.stack([wide.clamp(min=0).sum(), wide.clamp(max=0).sum()])
+            else:  # summed in float64 without a float64 copy of the input (clamping is exact in float32)
+                wide = torch.float64
+                exact = torch.stack([flat.clamp(min=0).sum(dtype=wide), flat.clamp(max=0).sum(dtype=wide)])
             return (exact / counts).to(torch.float32)
 
         return [packed, _finite_or_f64(means, in_float64, self.name, slot)]

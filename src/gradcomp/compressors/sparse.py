@@ -117,9 +117,18 @@ def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: tor
     ever, so the positions are those of every earlier version (tests/test_wire_stability.py); only the
     generator may be left further back (fewer numbers drawn), which matters to no caller: random-k seeds a
     fresh generator per slot and step.
+
+    The device path (``wire.bits.host_device`` False) reads nothing back, so it cannot decide how many rounds to
+    draw: it draws the first two rounds at once and finds their first k distinct values with sizes known in
+    advance (``_first_distinct_fixed``): the same positions whenever those draws hold k distinct values. They hold
+    about 1.86·k of them on average (2.5·k + 32 uniform draws from more than 4·k positions), so fewer than k is
+    vanishingly rare; in that event the missing positions are the smallest ones not drawn (still k distinct
+    positions, the same on every worker, but not uniform in that event alone).
     """
     if 4 * k >= n:
         return torch.sort(torch.randperm(n, generator=gen, device=device)[:k]).values
+    if not host_device(device):
+        return _first_distinct_fixed(n, k, gen, device)
     marker = kernels.sample(n, k) if host_device(device) else None
     if marker is not None:
         return _first_distinct_compiled(marker, n, k, gen)
@@ -157,6 +166,35 @@ def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: tor
         cutoff = torch.kthvalue(first_draw, k).values
         values = values[first_draw <= cutoff]
     return values.to(torch.int64)
+
+
+def _first_distinct_fixed(n: int, k: int, gen: torch.Generator, device: torch.device) -> Tensor:
+    """``sample_without_replacement`` (0 < 4k < n) on the device path: the first two rounds of draws, the first k
+    distinct values among them (ascending) with no host read: a stable sort, each value's first draw, the k-th
+    earliest of those (``kthvalue``), and ``nonzero_static`` of the mask of the values first drawn by then."""
+    round_size, sizes, drawn = k + k // 4 + 16, [], 0
+    for size in _draw_sizes(n, k):  # the host path's calls, in its order, up to two full rounds
+        if drawn >= 2 * round_size:
+            break
+        sizes.append(size)
+        drawn += size
+    draws = torch.cat([torch.randint(n, (size,), generator=gen, device=device) for size in sizes])
+    keys = draws.to(torch.int32) if n <= 2**31 else draws
+    ordered, order = torch.sort(keys, stable=True)
+    first = torch.ones(drawn, dtype=torch.bool, device=device)
+    torch.ne(ordered[1:], ordered[:-1], out=first[1:])  # the earliest draw of each value (the sort is stable)
+    first_draw = torch.where(first, order, torch.full_like(order, drawn))  # (drawn: past every draw)
+    cutoff = torch.kthvalue(first_draw, k).values  # the k-th distinct value's first draw (drawn if fewer than k)
+    chosen = first & (order <= cutoff)
+    have = chosen.sum()  # k, unless the draws hold fewer distinct values
+    values = ordered[torch.nonzero_static(chosen, size=k, fill_value=0).flatten()].to(torch.int64)
+    # fewer than k (see the caller): the smallest positions not drawn (among the first 2k, at most k − 1 drawn)
+    candidates = torch.arange(min(n, 2 * k), device=device, dtype=ordered.dtype)
+    at = torch.searchsorted(ordered, candidates).clamp_(max=drawn - 1)
+    free = torch.nonzero_static(ordered[at] != candidates, size=k, fill_value=0).flatten()
+    rank = torch.arange(k, device=device)
+    missing = candidates[free[(rank - have).clamp_(min=0)]].to(torch.int64)
+    return torch.sort(torch.where(rank < have, values, missing)).values
 
 
 def _first_distinct_compiled(marker, n: int, k: int, gen: torch.Generator) -> Tensor:

@@ -142,16 +142,25 @@ class Momentum:
         v = self.state.get(self.v_field, slot, g)
         return u, self.state.put(self.v_field, slot, u.clone() if v is None else v.add_(u))
 
-    def sent(self, slot: Slot, positions: Tensor, values: Tensor | None = None, masking: bool = True) -> None:
+    def sent(
+        self, slot: Slot, positions: Tensor, values: Tensor | None = None, masking: bool = True,
+        only: Tensor | None = None,
+    ) -> None:
         """What went out at ``positions`` (distinct) leaves: v ← v − values there, and u ← 0 where a value is
-        nonzero (with ``masking``). ``values`` None: all of v went out there; v and u are zeroed."""
+        nonzero (with ``masking``). ``values`` None: all of v went out there; v and u are zeroed (with ``only``, a
+        bool per position, only where it is True). Sizes never depend on the data (no boolean indexing: no host
+        synchronisation on a GPU)."""
         u, v = self.state.get(self.u_field, slot), self.state.get(self.v_field, slot)
         if values is None:
-            u[positions] = 0.0
-            v[positions] = 0.0
+            if only is None:
+                u[positions] = 0.0
+                v[positions] = 0.0
+            else:
+                for t in (u, v):
+                    t.index_copy_(0, positions, torch.index_select(t, 0, positions).masked_fill_(only, 0.0))
             return
-        if masking:
-            u.index_fill_(0, positions[values != 0], 0.0)  # sent != 0 (NaN included)
+        if masking:  # u ← 0 where sent != 0 (NaN included)
+            u.index_copy_(0, positions, torch.index_select(u, 0, positions).masked_fill_(values != 0, 0.0))
         subtract_at(v, positions, values)
 
     def sent_dense(self, slot: Slot, sent: Tensor, masking: bool = True) -> None:

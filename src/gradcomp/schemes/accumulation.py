@@ -37,6 +37,8 @@ from gradcomp.errors import ConfigError, WireError
 from gradcomp.schemes.base import Scheme
 from gradcomp.compressors.state import Momentum
 from gradcomp.wire import Codec, FieldSpec
+from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import check_received
 
 
 class AccumulatingScheme(Scheme):
@@ -102,9 +104,15 @@ def largest(x: Tensor, n: int) -> Tensor:
     is well defined. So: every coordinate above it, then the lowest-indexed ones equal to it until there are n
     (ascending order within each group). A stable sort would give the same set at 6–9× the time. A NaN
     counts as the largest magnitude (as in ``torch.topk``), so there are always n.
+
+    On the device path (``wire.bits.host_path`` False) nothing is read back: the n chosen coordinates are the
+    ``nonzero_static`` (a known size) of the mask "above, or among the first n − #above ties" (the ties ranked by
+    a cumulative sum), put in the same order by a stable sort of n flags; the same indices in the same order.
     """
     if n >= x.numel():
         return torch.arange(x.numel(), device=x.device)
+    if not host_path(x):
+        return _largest_on_device(x, n)
     magnitude = x.abs()
     threshold = torch.topk(magnitude, n, sorted=False).values.min()
     above = (magnitude > threshold).nonzero().flatten()
@@ -113,6 +121,18 @@ def largest(x: Tensor, n: int) -> Tensor:
     if chosen.numel() < n:  # a NaN among the n largest (topk ranks it first) makes the threshold NaN
         return largest(torch.nan_to_num(x, nan=float("inf")), n)
     return chosen
+
+
+def _largest_on_device(x: Tensor, n: int) -> Tensor:
+    """``largest`` (0 < n < d) with sizes known in advance: no host synchronisation."""
+    magnitude = x.abs().nan_to_num_(nan=float("inf"))  # a NaN ranks first, as in torch.topk (and as largest's retry)
+    threshold = torch.topk(magnitude, n, sorted=False).values.min()
+    above = magnitude > threshold
+    ties = magnitude == threshold
+    room = n - above.sum()  # how many ties are taken: the lowest-indexed ones
+    chosen = above | (ties & (torch.cumsum(ties, 0) <= room))  # exactly n
+    index = torch.nonzero_static(chosen, size=n).flatten()
+    return index[torch.sort(ties[index].to(torch.uint8), stable=True).indices]  # those above first, then the ties
 
 
 def offsets_of(sizes: Sequence[int]) -> list[int]:
@@ -136,9 +156,18 @@ def indices_spec(count: int) -> FieldSpec:
 
 def split_indices(field: Tensor, counts: Sequence[int], bounds: Sequence[int], what: str) -> list[Tensor]:
     """A decoded ``indices_spec`` field cut into parts of ``counts``, each checked to lie in [0, bound):
-    WireError otherwise, before any of them indexes a tensor."""
+    WireError otherwise, before any of them indexes a tensor.
+
+    On the device path the check is handed to the decoding step's one read (``wire.container.check_received``;
+    read at once where no step collects checks) and the parts are clamped into range, so that a bad coordinate
+    never indexes out of bounds before that read raises (a sound message is unchanged by the clamp)."""
     starts = offsets_of(counts)
     parts = [field[starts[n] : starts[n + 1]] for n in range(len(counts))]
+    if not host_path(field):
+        for n, (part, bound) in enumerate(zip(parts, bounds)):
+            if part.numel():
+                check_received(part.max() < bound, f"{what}: part {n} holds a coordinate beyond its {bound}")
+        return [part.clamp(0, max(bound - 1, 0)) for part, bound in zip(parts, bounds)]
     for n, (part, bound) in enumerate(zip(parts, bounds)):
         if part.numel() and int(part.max()) >= bound:
             raise WireError(f"{what}: part {n} holds coordinate {int(part.max())}, beyond its {bound}")

@@ -53,6 +53,14 @@ class Scheme(ABC):
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         """The rounds of one exchange; returns the aggregated float32 tensors (flat, one per slot)."""
 
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        """Whether the workers' verdict on the step's finiteness may be read after the rounds rather than at the
+        first message (``train.exchange.drive_agreeing``): only for rounds whose sizes follow from the slots
+        alone and which read no data of a message before the wire's own checks (which read the verdict with them).
+        A non-finite step then runs its rounds to the end (the same collectives on every worker) and is abandoned
+        at that read. False (read at the first message) unless a scheme says otherwise."""
+        return False
+
     def check_slots(self, slots: Sequence[Slot]) -> None:  # noqa: B027 - optional hook
         """Raise ConfigError, before anything is sent, if this scheme cannot carry these slots."""
 

@@ -94,6 +94,7 @@ from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
 from gradcomp.transport.requests import AllReduce, Rounds
 from gradcomp.compressors.state import SlotState
+from gradcomp.wire.bits import host_path
 
 _TINY = torch.finfo(torch.float32).tiny  # a column whose norm is at most this counts as zero
 
@@ -232,6 +233,9 @@ class PowerSGD(Scheme):
 
     # -- the rounds ---------------------------------------------------------------------------------------------
 
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        return True  # P and Q have sizes the shapes fix, and no message's data is read on the host
+
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         if not slots:
             return []
@@ -288,9 +292,20 @@ class PowerSGD(Scheme):
         return [out[o : o + s.numel] for s, o in zip(plan.slots, plan.out_offsets)]
 
     def _prepare_q(self, plan: _Plan, g: _Group, step: int) -> None:
-        """Normalise Q's columns; refill a column that is exactly zero from the shared seed."""
+        """Normalise Q's columns; refill a column that is exactly zero from the shared seed.
+
+        The host path looks whether a column is zero and draws a fresh Q (on the CPU, from the matrix's own seed)
+        only for a matrix that has one. The device path reads nothing back: it draws one fresh (B, m, r) block for
+        the group every step, on the device, from the seed of the step and the group's first matrix, and puts it
+        where a column is zero (``torch.where``), so the refill's numbers differ from the host path's (the same
+        on every worker, as the host path's are); a Q without a zero column is the same on both paths."""
         dead = g.q_state.abs().amax(dim=1, keepdim=True) == 0  # (B, 1, r)
-        if bool(dead.any()):
+        if not host_path(g.q_state):
+            first = plan.slots[g.members[0]]
+            gen = shared_generator(self.seed, step, first.index, g.q_state.device, salt="powersgd-q-group")
+            fresh = torch.randn(g.q_state.shape, generator=gen, dtype=torch.float32, device=g.q_state.device)
+            torch.where(dead, fresh, g.q_state, out=g.q_state)
+        elif bool(dead.any()):
             for b in torch.nonzero(dead.reshape(g.batch, g.r).any(dim=1)).reshape(-1).tolist():
                 fresh = self._fresh_q(plan.slots[g.members[b]], g.m, g.r, step).to(g.q_state.device)
                 g.q_state[b] = torch.where(dead[b], fresh, g.q_state[b])

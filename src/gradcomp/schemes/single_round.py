@@ -35,13 +35,13 @@ from torch import Tensor
 from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, accumulate, new_tally
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
-from gradcomp.finite import finite_flags
+from gradcomp.finite import all_finite, finite_flags
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.schemes.base import Scheme
 from gradcomp.transport.requests import Rounds
 from gradcomp.transport.sim import computed_once
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
-from gradcomp.wire.container import DeviceChecks
+from gradcomp.wire.container import DeviceChecks, StepAbandoned, deferring
 from gradcomp.wire.bits import bits_needed, packed_nbytes
 
 TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")  # what SingleRound carries
@@ -121,8 +121,9 @@ def aggregate_buffers(
         for slot, tally in zip(slots, tallies)
     ]
     later = DeviceChecks()  # device buffers: every message's checks and the sums' finiteness read in one transfer
-    for buffer in buffers:
-        _add_buffer(compressor, slots, buffer, step, totals, later)
+    with later.collecting():  # the compressors' own checks of what they decode (sign padding) join the one read
+        for buffer in buffers:
+            _add_buffer(compressor, slots, buffer, step, totals, later)
     results = []
     sums = [total for total in totals if not isinstance(total, Tally)]  # a compact count is finite by construction
     quick = later.read([torch.isfinite(total.sum()) for total in sums])  # a finite sum: a finite tensor
@@ -144,6 +145,11 @@ def aggregate_buffers(
             one.zero_()
             accumulate(compressor, decode_slots(compressor, slots, buffer)[i], slot, step, one)
             total += one.div_(len(buffers))
+        if deferring() and not all_finite(total):
+            # Not an overflow: a message itself held NaN / Inf. On the device path compressors do not refuse one
+            # (a NaN / Inf in g + residual, a norm that overflows float32 travels in the message instead), and
+            # every worker sees the same messages, so every worker abandons the step here, its state restored.
+            raise StepAbandoned
         results.append(compressor.aggregate(total, 1))
     return results
 
@@ -209,6 +215,10 @@ class SingleRound(Scheme):
 
     def params(self) -> dict:
         return {"compressor": self.compressor, "topology": self.topology}
+
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        """Messages of a size the specs fix, all-reduced or all-gathered (a parameter server's root decides alone)."""
+        return self.topology in ("allreduce", "allgather") and self._fixed_size(self.compressor, slots) is not None
 
     def check_slots(self, slots: Sequence[Slot]) -> None:
         for slot in slots:

@@ -231,6 +231,9 @@ class SketchedSGD(AccumulatingScheme):
 
     # -- the rounds -----------------------------------------------------------------------------------------------
 
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        return self.topology == "allreduce"  # fixed sizes; over ``ps`` the root reads the gathered verdict itself
+
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         if not slots:
             return []
@@ -272,11 +275,12 @@ class SketchedSGD(AccumulatingScheme):
             result = torch.zeros(slot.numel, dtype=torch.float32, device=device)
             result[coords] = values.div(world)
             out.append(result)
-            applied = coords[result[coords] != 0]  # a selected sum can be exactly 0: nothing went out there
+            # a selected sum can be exactly 0: nothing went out there (a mask, not a boolean index: sizes known)
+            applied = result[coords]
             if self.rounds == 2:
-                self.memory.sent(slot, applied)  # u, v = 0 there
+                self.memory.sent(slot, coords, only=applied != 0)  # u, v = 0 where something went out
             else:  # an estimate went out: the rest of the sum (or an overshoot) stays in the accumulation
-                self.memory.sent(slot, applied, result[applied])
+                self.memory.sent(slot, coords, applied)  # (subtracting a 0 leaves v as it was)
         self.last_selection = {
             slots[i].name: (self._candidates.get(i, selected[i][0]), selected[i][0]) for i in squeezed
         }

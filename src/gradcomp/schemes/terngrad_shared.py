@@ -25,7 +25,10 @@ Choices where the paper is silent or describes a parameter server:
   W ≤ 127; larger worlds are refused): fewer bits down than the allgather from W = 6 on, 4× more up.
 - Clipping is per worker, before the max (the paper clips each worker's gradient).
 - Randomness: the same per-worker stream as ``terngrad`` (seeded by run seed, step, slot and worker rank).
-- A NaN or Inf entry raises NonFiniteGradientError before the first round.
+- A NaN or Inf entry raises NonFiniteGradientError before the first round on the host path. The device path
+  reads nothing back: this worker's scaler is then NaN or ±Inf, sent as +Inf (a NaN may not survive a max on
+  every backend), so the shared s is +Inf on every worker and so is every result (0 · Inf is NaN): non-finite
+  on every worker, never a finite stand-in.
 """
 
 from __future__ import annotations
@@ -69,12 +72,16 @@ class TernGradShared(Scheme):
     def params(self) -> dict[str, Any]:
         return {**self.ternary.params(), "exchange": self.exchange}
 
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        return True  # one scaler per slot, then codes of a size the slots fix
+
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         if not slots:
             return []
-        clipped = [self.ternary.clipped(t, s) for s, t in zip(slots, tensors)]  # raises before anything is sent
+        clipped = [self.ternary.clipped(t, s) for s, t in zip(slots, tensors)]  # host path: raises before sending
         device = tensors[0].device
         mine = torch.stack([peak * top for peak, _, top in clipped]).to(device=device, dtype=torch.float32)
+        mine = torch.nan_to_num(mine, nan=float("inf"), posinf=float("inf"), neginf=float("inf"))  # (device path)
         shared = yield AllReduce(mine, op="max")
 
         units = []

@@ -42,10 +42,14 @@ from gradcomp.schemes.accumulation import (
 )
 from gradcomp.transport.requests import AllReduce, Rounds
 from gradcomp.wire import decode, encode, encoded_size
+from gradcomp.wire.container import DeviceChecks
 
 
 class LocalTopK(AccumulatingScheme):
     name = "local_topk"
+
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        return True  # k per slot follows from the slot: every message's size is fixed
 
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         if not slots:
@@ -66,14 +70,17 @@ class LocalTopK(AccumulatingScheme):
 
         value_starts = offsets_of([ks[i] for i in squeezed] + [slots[i].numel for i in dense])
         out: list[Tensor] = [torch.zeros(s.numel, dtype=torch.float32, device=device) for s in slots]
-        for received in gathered:  # rank order: the same sums on every worker
-            their_floats, their_ints = decode(received, specs)
-            coords = split_indices(their_ints, [ks[i] for i in squeezed], [slots[i].numel for i in squeezed],
-                                   "local_topk message")  # fmt: skip
-            for n, i in enumerate(squeezed):
-                out[i].index_add_(0, coords[n], their_floats[value_starts[n] : value_starts[n + 1]])
-            for n, i in enumerate(dense, start=len(squeezed)):
-                out[i].add_(their_floats[value_starts[n] : value_starts[n + 1]])
+        later = DeviceChecks()  # device buffers: every message's checks read in one transfer, after the loop
+        with later.collecting():
+            for received in gathered:  # rank order: the same sums on every worker
+                their_floats, their_ints = decode(received, specs, later)
+                coords = split_indices(their_ints, [ks[i] for i in squeezed], [slots[i].numel for i in squeezed],
+                                       "local_topk message")  # fmt: skip
+                for n, i in enumerate(squeezed):
+                    out[i].index_add_(0, coords[n], their_floats[value_starts[n] : value_starts[n + 1]])
+                for n, i in enumerate(dense, start=len(squeezed)):
+                    out[i].add_(their_floats[value_starts[n] : value_starts[n + 1]])
+        later.read()
         for i in squeezed:
             self.memory.sent(slots[i], mine[i])  # u, v = 0 at the coordinates this worker sent
         return [t.div_(self.world_size) for t in out]
@@ -81,6 +88,9 @@ class LocalTopK(AccumulatingScheme):
 
 class TrueTopK(AccumulatingScheme):
     name = "true_topk"
+
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        return True  # k per slot follows from the slot: every message's size is fixed
 
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         if not slots:

@@ -33,9 +33,10 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError
-from gradcomp.finite import check_scaler, finite_flags, loss_scale
+from gradcomp.finite import check_scaler, finite_flag, finite_flags, loss_scale
 from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
 from gradcomp.transport.base import Transport
+from gradcomp.wire.bits import host_path
 
 GRANULARITIES = ("layer", "model")
 
@@ -117,7 +118,12 @@ class GradientAggregator:
         for name, g in zip(self.names, grads):
             if not g.is_floating_point():
                 raise ConfigError(f"{name}: gradcomp compresses floating-point tensors, got dtype {g.dtype}")
-        here = [name for name, ok in zip(self.names, finite_flags(grads)) if not ok]
+        # On the host path this worker's verdict is read here (names for the error); on the device path it stays
+        # a device flag, read once with the step's other checks (GradientExchange.exchange), and the names are
+        # looked for only on a step that failed.
+        device_path = bool(grads) and not host_path(grads[0])
+        here = [] if device_path else [name for name, ok in zip(self.names, finite_flags(grads)) if not ok]
+        finite = finite_flag(grads) if device_path else not here
         if not self._slots_agreed:
             self.exchange.check_same_slots(self.slots_for(self.named, "layer"), "GradientAggregator")
             self._slots_agreed = True
@@ -125,15 +131,17 @@ class GradientAggregator:
         snapshot = self.exchange.snapshot()
         if self.granularity == "layer":
             inputs = [g / scale for g in grads] if scale is not None and not here else grads
-            averaged = self.exchange.exchange(self.slots, inputs, self.steps, validate=False, finite=not here)
+            averaged = self.exchange.exchange(self.slots, inputs, self.steps, validate=False, finite=finite)
         else:
             flat = torch.cat([g.reshape(-1) for g in grads])
             if scale is not None and not here:
                 flat.div_(scale)
-            out = self.exchange.exchange(self.slots, [flat], self.steps, validate=False, finite=not here)
+            out = self.exchange.exchange(self.slots, [flat], self.steps, validate=False, finite=finite)
             averaged = None if out is None else list(torch.split(out[0], [g.numel() for g in grads]))
         if averaged is None:
             self.exchange.restore(snapshot)
+            if device_path:  # which of this worker's tensors were not finite (reads on a failed step only)
+                here = [name for name, ok in zip(self.names, finite_flags(grads)) if not ok]
             if self.scaler is None:
                 raise agreed_non_finite(self.steps, here)
             self.steps += 1

@@ -112,10 +112,11 @@ from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
-from gradcomp.finite import check_scaler, finite_flags, loss_scale
+from gradcomp.finite import check_scaler, finite_flag, finite_flags, loss_scale
 from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
+from gradcomp.wire.bits import host_path
 
 GRANULARITIES = ("layer", "bucket")
 DEFAULT_MIN_COMPRESSION_RATE = 2.0
@@ -305,15 +306,18 @@ class _CommThread:
         if self._skipping:  # an earlier bucket of this pass overflowed on some rank: every rank skips the rest
             job.buffer.fill_(float("nan"))
             return
-        flags = finite_flags(job.tensors)  # on this thread: the autograd thread never waits for it
-        if job.grads is not None and not all(flags):
-            flags = finite_flags(job.grads)
-        here = [name for name, ok in zip(job.names or [], flags) if not ok]
+        # on this thread: the autograd thread never waits for it. On the device path the verdict stays a device
+        # flag, read once with the bucket's other checks (GradientExchange.exchange); names only on a failure.
+        device_path = bool(job.tensors) and not host_path(job.tensors[0])
+        here = [] if device_path else self._not_finite(job)
         scale = loss_scale(self.scaler)
         if scale is not None and not here:
             job.buffer.div_(scale)  # error feedback and momentum see unscaled gradients (a power of 2: exact)
-        averages = self.exchange.exchange(job.slots, job.tensors, job.step, validate=False, finite=not here)
+        finite = finite_flag(job.tensors) if device_path else not here
+        averages = self.exchange.exchange(job.slots, job.tensors, job.step, validate=False, finite=finite)
         if averages is None:  # some rank's gradients were not finite: every rank is here, at this bucket
+            if device_path:  # (a division by the scale changes no entry's finiteness)
+                here = self._not_finite(job)
             self.exchange.restore(self._snapshot)
             if self.scaler is None:
                 raise agreed_non_finite(job.step, here)
@@ -326,6 +330,15 @@ class _CommThread:
             job.buffer.mul_(scale)  # back in the scaler's units, for scaler.unscale_
         if job.retain is not None:
             self.exchange.scheme.retain(job.retain)
+
+
+    @staticmethod
+    def _not_finite(job: _Job) -> list[str]:
+        """The names of the job's tensors (of the parameters, at granularity "bucket") that hold a NaN or Inf."""
+        flags = finite_flags(job.tensors)
+        if job.grads is not None and not all(flags):
+            flags = finite_flags(job.grads)
+        return [name for name, ok in zip(job.names or [], flags) if not ok]
 
 
 def _set_result(future: torch.futures.Future, value: Tensor) -> None:

@@ -48,6 +48,8 @@ from gradcomp.transport.requests import (
     drive,
     execute,
 )
+from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import StepAbandoned, defer_verdict, take_verdict
 
 TOPOLOGIES = (*SINGLE_ROUND_TOPOLOGIES, "sharded")
 
@@ -226,7 +228,7 @@ class GradientExchange:
         step: int,
         *,
         validate: bool = True,
-        finite: bool | None = None,
+        finite: bool | Tensor | None = None,
     ) -> list[Tensor] | None:
         """The aggregate over workers of the decompressed messages; ``validate=False`` if the caller checked.
 
@@ -235,15 +237,24 @@ class GradientExchange:
         worker returns None at the same point and sends nothing more. The scheme's state has then moved (it
         compressed before the verdict came): restore it from a ``snapshot()`` taken before. A worker whose own
         tensors are not finite compresses zeros in their place (only the message's shape matters), so no NaN
-        reaches a compressor. Without ``finite``, non-finite tensors raise NonFiniteGradientError here, on this
-        worker only, before anything is sent (``validate``).
+        reaches a compressor. ``finite`` may also be a one-element bool tensor on the device (``finite_flag``: no
+        host read to make it); where the scheme allows it (``Scheme.defers_verdict``: fixed sizes) and the first
+        message can carry it on the device path, the verdict is then read once, with the wire's checks, after the
+        rounds (``drive_agreeing``): a non-finite step runs its rounds to the end, on its own tensors, and is
+        abandoned there, on every worker, before anything of it is applied. Without ``finite``, non-finite tensors
+        raise NonFiniteGradientError here, on this worker only, before anything is sent (``validate``).
         """
         self.check(slots, tensors, validate and finite is None)
         started, blocked_before = time.perf_counter(), self._blocked_seconds()
         if finite is None:
             result = drive(self.transport, self.scheme.run(slots, tensors, step))
         else:
-            inputs = tensors if finite else [torch.zeros_like(t) for t in tensors]
+            defer = isinstance(finite, Tensor) and bool(tensors) and self.scheme.defers_verdict(slots)
+            if isinstance(finite, Tensor) and not defer:
+                finite = bool(finite)  # the verdict is read at the first message anyway
+            # deferred: this worker's tensors go in as they are (a non-finite step is abandoned before anything of
+            # it is applied, and the device path's compressors read nothing back, so sizes cannot change)
+            inputs = tensors if defer or finite else [torch.zeros_like(t) for t in tensors]
             agreed, result = drive_agreeing(self.transport, self.scheme.run(slots, inputs, step), finite)
             if not agreed:
                 result = None
@@ -383,17 +394,32 @@ def _mark(t: Tensor, chunks: int = 1, value: float = float("nan")) -> Tensor:
     return out.view_as(t)
 
 
-def _marked(received: list[Tensor] | Tensor, chunks: int = 1) -> list[bool]:
-    """For each received tensor (or chunk of one), whether its sender marked it (one host read for all)."""
+def _mark_flags(received: list[Tensor] | Tensor, chunks: int = 1) -> Tensor:
+    """For each received tensor (or chunk of one), whether its sender marked it: a bool tensor, nothing read."""
     parts = received if isinstance(received, list) else [received]
     rows = torch.cat([r.reshape(chunks, -1) for r in parts])
     if rows.is_floating_point():
-        flags = ~torch.isfinite(rows[:, 0])
-    elif rows.dtype == torch.int64:
-        flags = (rows < 0).any(dim=1)
-    else:
-        flags = (rows[:, 0] == NF_MARK[0]) & (rows[:, 1] == NF_MARK[1])
-    return [bool(f) for f in flags.tolist()]
+        return ~torch.isfinite(rows[:, 0])
+    if rows.dtype == torch.int64:
+        return (rows < 0).any(dim=1)
+    return (rows[:, 0] == NF_MARK[0]) & (rows[:, 1] == NF_MARK[1])
+
+
+def _marked(received: list[Tensor] | Tensor, chunks: int = 1) -> list[bool]:
+    """For each received tensor (or chunk of one), whether its sender marked it (one host read for all)."""
+    return [bool(f) for f in _mark_flags(received, chunks).tolist()]
+
+
+def _mark_unless(t: Tensor, finite: Tensor, chunks: int, value: float, inplace: bool = False) -> Tensor:
+    """``_mark(t, ...)`` where the device flag ``finite`` is False, ``t`` itself where it is True (a copy, or ``t``
+    rewritten if ``inplace``: an all-reduce's buffer that is the scheme's to give): decided on the device, only the
+    entries a mark changes rewritten (``torch.where``), nothing read back."""
+    out = (t if inplace else t.clone()).view(chunks, -1)
+    # (Python scalars, not a tensor made from a list: a copy from pageable host memory would wait for the device)
+    marks = [value] if t.is_floating_point() else list(NF_MARK)
+    for i, mark in enumerate(marks):
+        out[:, i] = torch.where(finite, out[:, i], mark)
+    return out.view_as(t)
 
 
 def _flag_round(transport: Transport, rounds: Rounds, request: Request, bad: bool) -> tuple[bool, Any]:
@@ -417,7 +443,15 @@ def drive_agreeing(transport: Transport, rounds: Rounds, finite: bool) -> tuple[
     to which every worker contributes. A message that cannot carry it (an integer all-reduce, an empty tensor;
     a step of broadcasts only) is preceded (followed) by one all-reduce of a float32 flag (4 bytes, booked as
     control). Reading the flags is one host read of a few values.
+
+    ``finite`` a one-element bool tensor (``GradientExchange.exchange``'s deferred verdict): where the first such
+    message is a float all-reduce or a gather of every worker's message, on the device path, the mark is put on
+    by ``torch.where`` and the agreed verdict is not read there but handed to the wire's next device read
+    (``wire.container.defer_verdict``: one byte more in that transfer, StepAbandoned if bad), or read after the
+    last round if no such read came. Elsewhere ``finite`` is read at once and all goes as above.
     """
+    if isinstance(finite, Tensor):
+        return _drive_deferred(transport, rounds, finite)
     world = transport.world_size
     try:
         request = next(rounds)
@@ -453,6 +487,61 @@ def drive_agreeing(transport: Transport, rounds: Rounds, finite: bool) -> tuple[
         return True, _continue(transport, rounds, received)
     except StopIteration as done:
         return True, done.value
+
+
+def _drive_deferred(transport: Transport, rounds: Rounds, finite: Tensor) -> tuple[bool, Any]:
+    """``drive_agreeing`` with the verdict read after the rounds (see there), where the first message allows it."""
+    try:
+        request = next(rounds)
+    except StopIteration as done:
+        return True, done.value
+    chunks = transport.world_size if isinstance(request, AllToAll) else 1
+    t = request.tensor
+    if not (
+        isinstance(request, (AllGather, AllToAll)) or (isinstance(request, AllReduce) and t.is_floating_point())
+    ) or not _can_mark(t, chunks) or host_path(t):
+        return _agree_now(transport, rounds, request, bool(finite))
+    value = float("inf") if isinstance(request, AllReduce) and request.op == "max" else float("nan")
+    inplace = isinstance(request, AllReduce) and request.inplace  # (no copy of a dense all-reduce's buffer)
+    request = replace(request, tensor=_mark_unless(t, finite.reshape(()).to(device=t.device), chunks, value, inplace))
+    if isinstance(request, AllReduce):
+        request.inplace = True  # the marked copy is ours to overwrite
+    received = execute(transport, request)
+    defer_verdict(_mark_flags(received, chunks).any())
+    try:
+        result = _continue(transport, rounds, received)
+    except StepAbandoned:  # a device read found the verdict bad: every worker abandons the step at that read
+        rounds.close()
+        return False, None
+    finally:
+        pending = take_verdict()
+        defer_verdict(None)
+    if pending is not None and bool(pending):  # no read of the wire took it: the one read of the step
+        return False, None
+    return True, result
+
+
+def _agree_now(transport: Transport, rounds: Rounds, request: Request, finite: bool) -> tuple[bool, Any]:
+    """``drive_agreeing`` from its first request ``request`` on, with the verdict known on this worker."""
+
+    def again() -> Rounds:
+        sent = yield request
+        return (yield from _rest(rounds, sent))
+
+    return drive_agreeing(transport, again(), finite)
+
+
+def _rest(rounds: Rounds, sent: Any) -> Rounds:
+    """The rounds from the answer ``sent`` to the request they last yielded on (``yield from`` after a send);
+    closing this generator closes ``rounds``."""
+    try:
+        request = rounds.send(sent)
+        while True:
+            request = rounds.send((yield request))
+    except StopIteration as done:
+        return done.value
+    finally:
+        rounds.close()
 
 
 def _after_gather(

@@ -63,6 +63,7 @@ on every platform PyTorch supports.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import struct
 import threading
@@ -102,6 +103,11 @@ __all__ = [
     "MAGIC",
     "DeviceChecks",
     "check_pending",
+    "check_received",
+    "StepAbandoned",
+    "defer_verdict",
+    "deferring",
+    "take_verdict",
 ]
 
 MAGIC = b"GC"
@@ -352,7 +358,8 @@ def check_pending() -> None:
     """Reads this thread's outstanding device-path encode checks (one transfer) and raises ConfigError if one failed."""
     checks = _take_pending()
     if checks:
-        _raise_failed(checks, torch.stack([f for f, _ in checks]).cpu().tolist())
+        flags = torch.stack([f.reshape(()).to(torch.bool) for f, _ in checks]).to(torch.uint8)
+        _raise_failed(checks, _read_bytes(flags))
 
 
 def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.Tensor:
@@ -504,9 +511,13 @@ def _decode(
         mem = host.numpy()
     else:
         body_sum = checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8)
-        host = to_host(torch.cat([buf, body_sum]))  # this thread's pinned staging buffer, used only in this call
+        flag = take_verdict()  # the step's deferred verdict, if one is pending, rides in the same transfer
+        verdict = [] if flag is None else [flag.reshape(1).to(torch.uint8)]
+        host = to_host(torch.cat([buf, body_sum, *verdict]))  # this thread's pinned staging buffer, this call only
         mem = host.numpy()
-        computed = int.from_bytes(bytes(mem[total:]), "little")
+        if verdict and mem[-1]:
+            raise StepAbandoned
+        computed = int.from_bytes(bytes(mem[total : total + 8]), "little")
         host = host[:total]
     checks: list | None = None if on_host else []  # the device's data checks, read together at the end
     magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack_from(mem, 0)
@@ -672,7 +683,7 @@ def _decode_on_device(
     if later is not None:
         later._items.append((summary, passed, buf, specs))
         return out
-    return out if passed(bytes(summary.tolist())) else None  # the one read back (tens of bytes, ten per section)
+    return out if passed(_read_bytes(summary)) else None  # the one read back (tens of bytes, ten per section)
 
 
 class DeviceChecks:
@@ -686,17 +697,30 @@ class DeviceChecks:
 
     def __init__(self) -> None:
         self._items: list = []
+        self._received: list = []  # (bool tensor, message): checks of decoded fields made by their receivers
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """While inside, :func:`check_received` on this thread hands its checks to this object (read with it)."""
+        before = getattr(_receiving, "checks", None)
+        _receiving.checks = self
+        try:
+            yield self
+        finally:
+            _receiving.checks = before
 
     def read(self, extra: Sequence[torch.Tensor] = ()) -> list[bool]:
-        """Reads every pending summary and ``extra`` (bool tensors of one element), raises for a failed message,
-        returns the values of ``extra``."""
+        """Reads every pending summary, every check handed over by :func:`check_received` and ``extra`` (bool
+        tensors of one element), raises WireError for a failed message or check, returns the values of ``extra``."""
         items, self._items = self._items, []
+        received, self._received = self._received, []
         pieces = [summary for summary, _, _, _ in items]
-        if extra:
-            pieces.append(torch.stack([e.reshape(()).to(torch.bool) for e in extra]).to(torch.uint8))
+        flags = [ok for ok, _ in received] + list(extra)
+        if flags:
+            pieces.append(torch.stack([e.reshape(()).to(torch.bool) for e in flags]).to(torch.uint8))
         if not pieces:
             return []
-        got = bytes(torch.cat(pieces).tolist())
+        got = _read_bytes(torch.cat(pieces))  # (with the step's deferred verdict, if one is pending)
         at = 0
         for summary, passed, buf, specs in items:
             n = summary.numel()
@@ -704,7 +728,68 @@ class DeviceChecks:
                 decode(buf, specs)  # the host path names the fault
                 raise WireError("a message failed the device's checks but passed the host's")  # pragma: no cover
             at += n
-        return [bool(b) for b in got[at:]]
+        for (_, message), ok in zip(received, got[at:]):
+            if not ok:
+                raise WireError(message)
+        return [bool(b) for b in got[at + len(received) :]]
+
+
+_receiving = threading.local()  # .checks: the DeviceChecks collecting this thread's check_received calls, if any
+
+
+class StepAbandoned(Exception):
+    """A device read found the step's deferred verdict bad (some worker's gradients were not finite): the step is
+    abandoned there, on every worker (``train.exchange.drive_agreeing`` catches it; nothing of the step is applied).
+    """
+
+
+_verdict = threading.local()  # .flag: this thread's pending verdict of the step (a bool tensor, True = abandon)
+
+
+def defer_verdict(flag: torch.Tensor | None) -> None:
+    """Hands the step's agreed verdict (a one-element bool tensor on the device, True when some worker's gradients
+    were not finite) to this thread's next device read in this module, which reads it in the same transfer and
+    raises StepAbandoned if it is True; None withdraws it and ends the deferred step (``deferring``)."""
+    _verdict.flag = flag
+    _verdict.deferring = flag is not None
+
+
+def deferring() -> bool:
+    """Whether this thread runs a step whose verdict was deferred (from ``defer_verdict(flag)`` until
+    ``defer_verdict(None)``, whether or not a read has taken the flag yet): such a step may be abandoned by
+    raising StepAbandoned on every worker at the same point."""
+    return getattr(_verdict, "deferring", False)
+
+
+def take_verdict() -> torch.Tensor | None:
+    """The verdict :func:`defer_verdict` left that no read has taken yet (and withdraws it), or None."""
+    flag = getattr(_verdict, "flag", None)
+    _verdict.flag = None
+    return flag
+
+
+def _read_bytes(t: torch.Tensor) -> bytes:
+    """The uint8 tensor ``t`` read back in one transfer, with the step's pending verdict if there is one (one byte
+    more in the same transfer): StepAbandoned if that verdict is bad."""
+    flag = take_verdict()
+    if flag is None:
+        return bytes(t.tolist())
+    got = bytes(torch.cat([t.reshape(-1), flag.reshape(1).to(torch.uint8)]).tolist())
+    if got[-1]:
+        raise StepAbandoned
+    return got[:-1]
+
+
+def check_received(ok: torch.Tensor, message: str) -> None:
+    """A receiver's check of a decoded field (``ok``: a one-element bool tensor, True for a sound message, such as
+    the zero padding bits of a sign bitmap): handed to the :class:`DeviceChecks` collecting on this thread (read
+    with its one transfer: no host synchronisation here), or read now where none is collecting. WireError(message)
+    for a failed one."""
+    later = getattr(_receiving, "checks", None)
+    if later is not None:
+        later._received.append((ok, message))
+    elif not bool(ok):
+        raise WireError(message)
 
 
 def _unpack_checked(

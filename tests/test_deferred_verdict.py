@@ -1,0 +1,114 @@
+"""The device path's deferred finiteness verdict (``train.exchange.drive_agreeing`` with a device flag): issue 30's
+guarantees hold there too. Every fixed-size method's step that a NaN on one worker spoils runs its rounds to the
+end, is abandoned at the step's one read on every worker, raises the same NonFiniteGradientError at the same step,
+and leaves every worker's state as if the step had never happened (tests/test_faults.py's runs, with the wire's
+device path forced on CPU tensors: ``GRADCOMP_DEVICE_PATH=1``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_faults import _undone_run
+
+import gradcomp
+from gradcomp.train import exchange
+
+DEFERRED = {
+    "topk-ef": ("topk", {"density": 0.25, "error_feedback": True}, "auto"),
+    "signum": ("signum", {}, "auto"),
+    "powersgd": ("powersgd", {}, "auto"),
+    "terngrad_shared": ("terngrad_shared", {}, "auto"),
+    "cnat": ("cnat", {}, "auto"),
+    "efsignsgd": ("efsignsgd", {}, "auto"),
+    "qsgd": ("qsgd", {}, "auto"),
+    "none": ("none", {}, "auto"),
+    "randomk-ef": ("randomk", {"density": 0.25, "error_feedback": True}, "auto"),
+    "local_topk": ("local_topk", {"density": 0.25}, "auto"),
+    "true_topk": ("true_topk", {"density": 0.25}, "auto"),
+    "sketch": ("sketch", {"density": 0.25}, "auto"),
+}
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    seen = []
+    deferred = exchange._drive_deferred
+
+    def spy(transport, rounds, finite):
+        agreed, result = deferred(transport, rounds, finite)
+        seen.append(agreed)
+        return agreed, result
+
+    monkeypatch.setattr(exchange, "_drive_deferred", spy)
+    return seen
+
+
+@pytest.mark.parametrize("label", list(DEFERRED))
+def test_a_non_finite_step_is_abandoned_at_the_one_read_and_undone_exactly(label, device_path):
+    name, params, topology = DEFERRED[label]
+    with_nan = _undone_run(name, params, topology, "nan on rank 1")
+    abandoned = device_path.count(False)
+    without = _undone_run(name, params, topology, "never happened")
+    for (raised, p), (none_raised, q) in zip(with_nan, without):
+        assert raised == [2] and none_raised == []
+        assert torch.equal(p, q), "the state after the undone step differs from never having had it"
+    assert abandoned == 3, f"{label}: the deferred verdict abandoned the step on {abandoned} of 3 workers"
+    assert device_path.count(True) == 6 * 3 + 5 * 3 - 3  # every other step went through the deferred path too
+
+
+@pytest.mark.slow
+def test_the_fault_tests_pass_on_the_device_path(device_path):
+    """tests/test_faults.py's two-process runs (GradientAggregator and the DDP hook over gloo), on the device path:
+    the same error on every rank at the same step, no state changed, the replicas together."""
+    import test_faults
+
+    test_faults.test_aggregator_nan_on_one_rank_raises_the_same_error_on_every_rank()
+    test_faults.test_hook_nan_on_one_rank_raises_the_same_error_on_every_rank()
+
+
+@pytest.mark.slow
+def test_gradscaler_skips_on_every_rank_on_the_device_path(device_path):
+    """tests/test_gradscaler.py's runs on the device path: an overflow on one rank skips the step on every rank."""
+    import test_gradscaler
+    from distributed import run_workers
+
+    runs = run_workers(test_gradscaler._worker, 2, timeout=180)
+    for driver in ("aggregator", "hook"):
+        for label in test_gradscaler.METHODS:
+            test_gradscaler.test_an_overflow_on_one_rank_skips_the_step_on_every_rank(runs, driver, label)
+            test_gradscaler.test_a_scaler_leaves_parameters_and_residuals_as_without_one(runs, driver, label)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "efsignsgd"])
+def test_a_message_that_overflows_inside_a_compressor_abandons_the_step_on_every_worker(name, device_path):
+    """Finite gradients whose compression is not finite (QSGD: a 2-norm above float32's range; EF-signSGD: gradient
+    plus residual overflowing): the host path refuses them in the compressor; the device path sends the NaN / Inf,
+    and the aggregation, which sees it in the sums, abandons the step on every worker (the same error at the same
+    step, the state as before it), never applying a non-finite aggregate."""
+    from distributed import same
+
+    from gradcomp.transport.sim import SimulatedCluster
+
+    def fn(t):
+        model = torch.nn.Linear(4, 3)
+        agg = gradcomp.GradientAggregator(model, gradcomp.make(name), t)
+        events = []
+        for step in range(4):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.5 + t.rank)
+                if step == 1 and t.rank == 1 and name == "efsignsgd":  # leaves residuals of about ±1e38
+                    p.grad.view(-1)[::2] = 3e38
+                if step == 2 and t.rank == 1:
+                    p.grad.fill_(3e38)  # finite, but its 2-norm (EF-signSGD: its sum with the residual) is not
+            before = agg.state_dict()["exchange"]
+            try:
+                agg.step()
+            except gradcomp.NonFiniteGradientError as exc:
+                events.append((step, exc.step, same(before, agg.state_dict()["exchange"])))
+        return events
+
+    with SimulatedCluster(2) as cluster:
+        assert cluster.run(fn) == [[(2, 2, True)], [(2, 2, True)]]
+    assert device_path.count(False) == 2
