@@ -598,7 +598,7 @@ def _decode(
             out.append(pos)
         else:
             try:
-                out.append(golomb_decode(data, param, count, spec.universe))
+                out.append(golomb_decode(data, param, count, spec.universe, checks))
             except WireError as e:
                 raise WireError(f"{where}: {e}") from None
     if off != total:

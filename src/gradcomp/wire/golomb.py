@@ -99,12 +99,19 @@ def golomb_encode(positions: torch.Tensor, b: int) -> tuple[torch.Tensor, int]:
     return _pack(bits, 1), total
 
 
-def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int) -> torch.Tensor:
+def golomb_decode(
+    buf: torch.Tensor, b: int, count: int, universe: int, flags: list | None = None
+) -> torch.Tensor:
     """Decode ``count`` positions in ``[0, universe)`` from a Golomb–Rice stream with parameter ``b``.
 
     Returns an int64 tensor on the buffer's device. Raises WireError when the stream is truncated, holds
     more codes than ``count`` (more than 7 bits left over), has nonzero padding bits, decodes a position
     ``>= universe``, or when ``count`` or ``b`` is invalid; ConfigError for an invalid ``universe``.
+
+    With ``flags`` (a list: the wire's device path), nothing is read back: the checks that depend on the stream's
+    bits are appended to it as one bool tensor (true when the stream is sound) for the caller to read with its
+    others, and the positions returned are then meaningful only if it is true (see :func:`_decode_deferred`). The
+    checks on the sizes alone (count, bytes, b, universe) still raise at once: they read nothing.
     """
     if isinstance(universe, bool) or not isinstance(universe, int) or not 0 <= universe <= MAX_UNIVERSE:
         raise ConfigError(f"universe must be an int in [0, 2**62], got {universe!r}")
@@ -126,6 +133,8 @@ def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int) -> torch
     if n > universe + count * b + 7:
         # A valid stream has sum(q) <= universe - count, hence at most universe + count * b + 7 bits.
         raise WireError(f"golomb: stream of {n} bits is too long for {count} positions below {universe}")
+    if flags is not None:
+        return _decode_deferred(buf, b, count, universe, n, flags)
     bits = _unpack(buf, 1, n)  # uint8 0/1, length n
     idx_dtype = torch.int32 if n + 2 * MAX_RICE_PARAMETER + 4 < 2**31 else torch.int64
     is_zero = bits == 0
@@ -191,4 +200,56 @@ def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int) -> torch
     last = int(positions.max())
     if last >= universe:
         raise WireError(f"golomb: decoded position {last} is outside the universe [0, {universe})")
+    return positions
+
+
+def _decode_deferred(buf: torch.Tensor, b: int, count: int, universe: int, n: int, flags: list) -> torch.Tensor:
+    """:func:`golomb_decode` with no read back: every output size follows from ``count`` and ``n`` (the stream's
+    bits), which the caller knows from the section header, and the validity of the stream is appended to
+    ``flags`` as one bool tensor instead of being raised.
+
+    ``nonzero`` (whose size, the number of zero bits, depends on the data) is not used: instead of the list of zero
+    bits, every bit position ``p`` gets ``nz[p]``, the first zero at or after it (a reverse running minimum), and
+    ``step[p] = nz[p] + 1 + b``, where the code after one starting at ``p`` starts; a sentinel ``S = n + 1`` absorbs
+    codes that run off the end. Code starts ``s_0 = 0, s_{i+1} = step[s_i]`` follow by pointer doubling as in the
+    host decoder, over ``n + 2`` positions instead of the zero bits: ``O(n log count)`` time, ``O(n)`` memory.
+    A stream passes exactly when the host decoder accepts it, and then gives the same positions (tests/test_golomb.py).
+    """
+    device = buf.device
+    bits = _unpack(buf, 1, n)  # uint8 0/1, length n
+    idx_dtype = torch.int32 if n + 2 * MAX_RICE_PARAMETER + 4 < 2**31 else torch.int64
+    sentinel = n + 1
+    at = torch.arange(n, dtype=idx_dtype, device=device)
+    zeros_at = torch.where(bits == 0, at, torch.full_like(at, sentinel))
+    nz = torch.full((n + 2,), sentinel, dtype=idx_dtype, device=device)
+    nz[:n] = torch.flip(torch.cummin(torch.flip(zeros_at, (0,)), 0).values, (0,))
+    del zeros_at
+    nxt = nz + (1 + b)
+    step = torch.where(nxt <= n, nxt, torch.full_like(nxt, sentinel))  # step[S] = S: nz[S] = S > n - 1 - b
+    del nxt
+    starts = torch.zeros(1, dtype=idx_dtype, device=device)
+    jump = step
+    while starts.numel() < count:
+        need = count - starts.numel()
+        starts = torch.cat([starts, jump[starts[:need]]])
+        if starts.numel() < count:
+            jump = jump[jump]
+    del jump, step
+    zero_at = nz[starts].to(torch.int64)  # each code's terminating zero; S when it has none
+    del nz
+    ok = (zero_at < n).all()  # every code found its terminator (a code starting at S has none)
+    end = zero_at[-1] + (1 + b)  # the last code's end; every other code ends where the next starts
+    ok = ok & (end <= n) & (end >= n - 7)  # at most 7 padding bits
+    ok = ok & ~(bits.bool() & (at.to(torch.int64) >= end)).any()  # and they are zero
+    q = zero_at - starts.to(torch.int64)
+    q = torch.clamp(q, max=(universe >> b) + 1)  # as in the host decoder: q << b cannot overflow
+    gaps = q << b
+    if b:
+        r = torch.zeros_like(q)
+        for i in range(b):  # b bit slots, MSB first; clamped reads for codes that ran off (their flag is false)
+            r = (r << 1) | bits[torch.clamp(zero_at + 1 + i, max=n - 1)].to(torch.int64)
+        gaps = gaps | r
+    gaps = torch.clamp(gaps, max=universe)
+    positions = torch.cumsum(gaps + 1, 0) - 1
+    flags.append(ok & (positions.max() < universe))
     return positions
