@@ -281,3 +281,26 @@ def test_deferred_decode_agrees_with_the_checked_one(device):
         else:
             rejected += 1
     assert rejected > 100  # the corruptions above do reach the deferred checks
+
+
+@pytest.mark.parametrize("b", [0, 2, 5])
+def test_encode_with_a_known_length_and_deferred_checks(b):
+    """The device path's encode: the length read beforehand (golomb_stream_bits) and the order check deferred to
+    ``flags`` give the bytes of the plain encode; positions out of order give a false flag, not an error."""
+    from gradcomp.wire.golomb import golomb_stream_bits
+
+    for seed, (d, k) in enumerate([(1000, 1), (1000, 37), (50, 50), (100000, 300)]):
+        pos = random_positions(d, k, seed)
+        plain = golomb_encode(pos, b)
+        total = golomb_stream_bits(pos, b)
+        assert total.dim() == 0 and int(total) == plain[1]
+        flags: list = []
+        got = golomb_encode(pos, b, flags, int(total))
+        assert torch.equal(got[0], plain[0]) and got[1] == plain[1]
+        assert len(flags) == 1 and bool(flags[0][0])
+    bad = torch.tensor([3, 9, 9, 12])
+    flags = []
+    golomb_encode(bad, b, flags, int(golomb_stream_bits(bad, b)))
+    assert not bool(flags[0][0])
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        golomb_encode(bad, b)

@@ -87,7 +87,13 @@ from gradcomp.wire.bits import (
     packs_into,
 )
 from gradcomp.wire.checksum import checksum64, checksum64_tensor, to_host
-from gradcomp.wire.golomb import MAX_UNIVERSE, golomb_decode, golomb_encode, optimal_rice_parameter
+from gradcomp.wire.golomb import (
+    MAX_UNIVERSE,
+    golomb_decode,
+    golomb_encode,
+    golomb_stream_bits,
+    optimal_rice_parameter,
+)
 
 __all__ = [
     "Codec",
@@ -239,12 +245,13 @@ def _check_positions(
 
 
 def _encode_field(
-    t: torch.Tensor, spec: FieldSpec, codec: Codec, i: int, flags: list | None = None
+    t: torch.Tensor, spec: FieldSpec, codec: Codec, i: int, flags: list | None = None, stream_bits: int | None = None
 ) -> tuple[int, torch.Tensor]:
     """Returns (param, data bytes) for one BITS / POSITIONS / GOLOMB field (float fields: :func:`_put_float`).
 
-    With ``flags`` (the device path), the range and order checks of BITS and POSITIONS fields are appended to it as
-    ``(bool tensor, message)`` instead of being read back (see :func:`encode`)."""
+    With ``flags`` (the device path), the range and order checks of BITS, POSITIONS and GOLOMB fields are appended to
+    it as ``(bool tensor, message)`` instead of being read back (see :func:`encode`); ``stream_bits``: a GOLOMB
+    field's stream length, read beforehand with the message's others (:func:`_golomb_lengths`)."""
     where = f"field {i} ({codec.name})"
     if t.dtype.is_floating_point or t.dtype.is_complex:
         raise ConfigError(f"{where}: expected an integer tensor, got dtype {t.dtype}")
@@ -258,8 +265,25 @@ def _encode_field(
         width = bits_needed(spec.universe)
         return width, _pack(pos, width)
     b = _golomb_b(spec, pos.numel())
-    data, _ = golomb_encode(pos, b)
+    # the device path: the order and range were deferred above, golomb_encode's own order check adds nothing
+    data, _ = golomb_encode(pos, b, None if flags is None else [], stream_bits)
     return b, data
+
+
+def _golomb_lengths(fields: list, specs: list, codecs: list, device: torch.device) -> dict[int, int]:
+    """The device path's stream lengths in bits of the message's GOLOMB fields, by field index, in ONE read (they
+    size the message; golomb_encode would read each field's on its own). Fields that encode() will refuse (not a
+    tensor of integers) are left out: their error is raised where it always was."""
+    which, lengths = [], []
+    for i, (f, spec, codec) in enumerate(zip(fields, specs, codecs)):
+        t = f.detach()
+        if codec != Codec.GOLOMB or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            continue
+        which.append(i)
+        lengths.append(golomb_stream_bits(t.reshape(-1).to(device), _golomb_b(spec, t.numel())))
+    if not which:
+        return {}
+    return dict(zip(which, torch.stack(lengths).tolist()))
 
 
 # Up to this many data bytes, CPU sections are copied by numpy (about 1 us) rather than by a torch slice, view
@@ -381,6 +405,8 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
     codecs = _check_specs(specs)
     on_host = host_device(device)
     flags: list = []  # the device path's deferred sender checks
+    # the device path's Golomb stream lengths, all read at once: the one read of sizes a message needs
+    stream_bits = {} if on_host else _golomb_lengths(fields, specs, codecs, device)
     # Pass 1: checks, sizes, and the streams of the non-float codecs. plan: (codec, param, count, nbytes, tensor,
     # packed_later) where tensor is the detached field itself for float codecs (read once, in pass 2) and for BITS
     # fields that the compiled packer writes straight into the output in pass 2 (packed_later), else its data bytes.
@@ -411,7 +437,9 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
             later = True  # packed in pass 2 straight into the output by the compiled kernel (range-checked there)
             param, data, nbytes = spec.width, t, packed_nbytes(n, spec.width)
         else:
-            param, data = _encode_field(t.reshape(-1).to(device), spec, codec, i, None if on_host else flags)
+            param, data = _encode_field(
+                t.reshape(-1).to(device), spec, codec, i, None if on_host else flags, stream_bits.get(i)
+            )
             data = data.reshape(-1)
             nbytes = data.numel()
         if nbytes > _U32_MAX:

@@ -24,7 +24,14 @@ import torch
 from gradcomp.errors import ConfigError, WireError
 from gradcomp.wire.bits import _as_uint8_buffer, _pack, _unpack
 
-__all__ = ["optimal_rice_parameter", "golomb_encode", "golomb_decode", "MAX_RICE_PARAMETER", "MAX_UNIVERSE"]
+__all__ = [
+    "optimal_rice_parameter",
+    "golomb_encode",
+    "golomb_stream_bits",
+    "golomb_decode",
+    "MAX_RICE_PARAMETER",
+    "MAX_UNIVERSE",
+]
 
 MAX_RICE_PARAMETER = 31
 MAX_UNIVERSE = 1 << 62  # keeps every intermediate of the decoder inside int64
@@ -58,38 +65,74 @@ def _check_b(b: object, exc: type[Exception]) -> int:
     return b
 
 
-def golomb_encode(positions: torch.Tensor, b: int) -> tuple[torch.Tensor, int]:
+def _gaps(positions: torch.Tensor) -> torch.Tensor:
+    """The gaps ``p_0`` and ``p_i - p_{i-1} - 1`` of the non-empty 1-D int64 ``positions`` (negative where they are
+    not strictly increasing or the first is negative)."""
+    prev = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=positions.device), positions[:-1]])
+    return positions - prev - 1
+
+
+def _checked_positions(positions: object) -> torch.Tensor:
+    if not isinstance(positions, torch.Tensor):
+        raise ConfigError(f"golomb_encode expects a tensor, got {type(positions).__name__}")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise ConfigError(f"positions must be an integer tensor, got dtype {positions.dtype}")
+    return positions.detach().reshape(-1).to(torch.int64)
+
+
+def golomb_stream_bits(positions: torch.Tensor, b: int) -> torch.Tensor:
+    """The length in bits of ``golomb_encode(positions, b)``'s stream, as a 0-d int64 tensor on the positions'
+    device, not read: the wire's device path reads those of every Golomb field of a message at once and passes
+    each to :func:`golomb_encode` as ``total``. Garbage for positions that golomb_encode refuses."""
+    b = _check_b(b, ConfigError)
+    pos = _checked_positions(positions)
+    if pos.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=pos.device)
+    return (_gaps(pos).clamp(min=0) >> b).sum() + pos.numel() * (1 + b)
+
+
+_ORDER = "positions must be non-negative and strictly increasing"
+
+
+def golomb_encode(
+    positions: torch.Tensor, b: int, flags: list | None = None, total: int | None = None
+) -> tuple[torch.Tensor, int]:
     """Golomb–Rice code strictly increasing non-negative ``positions`` with parameter ``b``.
 
     Returns ``(bytes, total_bits)``: a uint8 tensor of ``ceil(total_bits / 8)`` bytes on the input's device
     and the number of meaningful bits. Raises ConfigError for an invalid ``b`` or positions that are not
     integers, negative, or not strictly increasing.
+
+    The wire's device path reads nothing back: ``flags`` (a list) receives the order check as ``(bool tensor,
+    message)`` instead of raising (the positions are then the caller's bug, raised when it reads its checks), and
+    ``total``, the stream's length in bits (:func:`golomb_stream_bits`, read with the message's others), sizes the
+    stream; without it the length is read here.
     """
     b = _check_b(b, ConfigError)
-    if not isinstance(positions, torch.Tensor):
-        raise ConfigError(f"golomb_encode expects a tensor, got {type(positions).__name__}")
-    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
-        raise ConfigError(f"positions must be an integer tensor, got dtype {positions.dtype}")
-    pos = positions.detach().reshape(-1).to(torch.int64)
+    pos = _checked_positions(positions)
     device = pos.device
     k = pos.numel()
     if k == 0:
         return torch.empty(0, dtype=torch.uint8, device=device), 0
-    prev = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), pos[:-1]])
-    gaps = pos - prev - 1
-    if bool((gaps < 0).any()):
-        raise ConfigError("positions must be non-negative and strictly increasing")
+    gaps = _gaps(pos)
+    if flags is not None:
+        flags.append(((gaps >= 0).all(), _ORDER))
+        gaps = gaps.clamp(min=0)  # refused later; meanwhile a stream of the length golomb_stream_bits gave
+    elif bool((gaps < 0).any()):
+        raise ConfigError(_ORDER)
     q = gaps >> b
     lengths = q + (1 + b)
     ends = torch.cumsum(lengths, 0)
-    total = int(ends[-1])
+    if total is None:
+        total = int(ends[-1])
     starts = ends - lengths
-    # Unary parts: +1 at the start of each non-empty run of ones, -1 at its terminating zero; the running
-    # sum is then 1 exactly on the ones (runs never touch each other, so no position gets two marks).
+    # Unary parts: +1 at the start of each run of ones, -1 at its terminating zero; the running sum is then 1
+    # exactly on the ones. Runs never touch each other, so no position gets two marks; an empty run (q = 0) writes 0
+    # twice at its terminator, where no other code writes (integer indices: no size depends on the data).
     delta = torch.zeros(total + 1, dtype=torch.int8, device=device)
-    nonempty = q > 0
-    delta[starts[nonempty]] = 1
-    delta[(starts + q)[nonempty]] = -1
+    ones = (q > 0).to(torch.int8)
+    delta[starts] = ones
+    delta[starts + q] = -ones
     bits = torch.cumsum(delta[:total], 0, dtype=torch.int8).view(torch.uint8)
     if b:
         r = gaps & ((1 << b) - 1)
