@@ -500,7 +500,9 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec], later: DeviceChecks | 
     malformed, truncated, oversized or corrupted buffer; ConfigError for invalid specs.
 
     ``later`` (a :class:`DeviceChecks`): a device buffer whose layout the specs fix is decoded without reading
-    anything back; its checks are read, with others, by ``later.read()``, which raises what decode would have.
+    anything back; its checks are read, with others, by ``later.read()``, which raises what decode would have. One
+    whose layout depends on the data (variable counts, Golomb streams) still comes to the host once for its headers
+    and checksum, but its data checks (padding, positions, Golomb code structure) join ``later`` too.
     """
     return _decode(buf, specs, None, later)
 
@@ -631,8 +633,12 @@ def _decode(
                 raise WireError(f"{where}: {e}") from None
     if off != total:
         raise WireError(f"trailing bytes: {total - off} bytes after the last section")
-    if checks and not all(torch.stack([f.reshape(()).to(torch.bool) for f in checks]).tolist()):
-        return _decode(host.clone(), specs, True)  # a data check failed: the host path says which
+    if checks:
+        summary = torch.stack([f.reshape(()).to(torch.bool) for f in checks]).to(torch.uint8)
+        if later is not None:  # read with the caller's others; a failed one makes later.read() decode on the host
+            later._items.append((summary, all, buf, specs))
+        elif not all(summary.tolist()):
+            return _decode(host.clone(), specs, True)  # a data check failed: the host path says which
     return out
 
 
