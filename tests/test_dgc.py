@@ -397,3 +397,27 @@ def test_a_second_residual_on_top_of_dgcs_own_is_refused(extra):
     with pytest.raises(ConfigError, match="keeps its own residual"):
         gradcomp.make("dgc+cnat", **extra)
     assert not isinstance(gradcomp.make("dgc", feedback="none"), ErrorFeedback)
+
+
+def test_the_device_selection_helpers_match_boolean_indexing(monkeypatch):
+    """``sparse.compact`` gives torch.nonzero's indices with a size known beforehand, and keep_largest's torch path
+    (the one a GPU runs: one read, no boolean indexing) keeps what boolean indexing kept, refusing ties and NaN."""
+    from gradcomp.compressors import sparse
+
+    g = torch.Generator().manual_seed(3)
+    for n, p in [(1, 0.5), (17, 0.0), (17, 1.0), (1000, 0.1), (4096, 0.7)]:
+        mask = torch.rand(n, generator=g) < p
+        assert torch.equal(sparse.compact(mask, int(mask.sum())), torch.nonzero(mask).reshape(-1))
+    monkeypatch.setattr(sparse, "_numpy_path", lambda t: False)
+    positions = torch.randperm(10000, generator=g)[:500].sort().values
+    scores = torch.rand(500, generator=g)
+    got = sparse.keep_largest(positions, scores, 40)
+    keep = scores >= scores.topk(40).values[-1]
+    assert torch.equal(got[0], positions[keep]) and torch.equal(got[1], scores[keep])
+    tied = scores.clone()
+    tied[scores.topk(41).indices[-2:]] = 1.5  # the 40th and 41st largest now tie
+    tied[scores.topk(39).indices] = 2.0
+    assert sparse.keep_largest(positions, tied, 40) is None
+    nan = scores.clone()
+    nan[7] = float("nan")
+    assert sparse.keep_largest(positions, nan, 40) is None

@@ -312,13 +312,26 @@ def keep_largest(positions: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Ten
         if int(np.count_nonzero(keep)) != k:
             return None
         return torch.from_numpy(np.compress(keep, p)), torch.from_numpy(np.compress(keep, v))
-    if bool(torch.isnan(scores).any()):
-        return None
     kth = torch.kthvalue(scores, c - k + 1).values
     keep = scores >= kth
-    if int(keep.sum()) != k:
+    # one read for both conditions (a GPU waits once), and no boolean indexing: the count is then known to be k
+    nan, kept = torch.stack([torch.isnan(scores).any().to(torch.int64), keep.sum()]).tolist()
+    if nan or kept != k:
         return None
-    return positions[keep], scores[keep]
+    at = compact(keep, k)
+    return positions[at], scores[at]
+
+
+def compact(mask: Tensor, count: int) -> Tensor:
+    """Increasing int64 indices of the ``count`` true entries of the 1-D bool ``mask`` (``count`` known to the
+    caller): what ``torch.nonzero`` gives, with an output size that does not depend on the data, so that a GPU need
+    not tell the host how many there are. Each true entry is scattered to its rank among the true ones; the false
+    ones all go to one spare slot past the end, dropped."""
+    rank = torch.cumsum(mask, 0) - 1
+    rank = torch.where(mask, rank, torch.full_like(rank, count))
+    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    out.scatter_(0, rank, torch.arange(mask.numel(), dtype=torch.int64, device=mask.device))
+    return out[:count]
 
 
 def strided_sample(flat: Tensor, k: int) -> Tensor:

@@ -151,7 +151,8 @@ class Momentum:
             v[positions] = 0.0
             return
         if masking:
-            u.index_fill_(0, positions[values != 0], 0.0)  # sent != 0 (NaN included)
+            # u <- 0 where sent != 0 (NaN included); a select, not boolean indexing: no size depends on the data
+            u.index_copy_(0, positions, torch.where(values != 0, 0.0, u.index_select(0, positions)))
         subtract_at(v, positions, values)
 
     def sent_dense(self, slot: Slot, sent: Tensor, masking: bool = True) -> None:
