@@ -103,6 +103,7 @@ from gradcomp.compressors.base import (
     kept_count,
     shared_generator,
 )
+from gradcomp.compressors import sparse
 from gradcomp.compressors.sparse import (
     _PositionsAndValues,
     check_positions_codec,
@@ -215,10 +216,12 @@ class SampledThresholdTopK(_PositionsAndValues):
         k = kept_count(self.density_at(step), d)
         samples = self.sampled_magnitudes(values, slot, step)
         rank = self.first_rank(samples.numel(), k, d)
-        tau = float(_largest(samples, rank).clamp(min=_SMALLEST))  # a float32 value: exact
+        tau = _largest(samples, rank).clamp(min=_SMALLEST)  # a float32 value: exact
+        if sparse._numpy_path(values):
+            tau = float(tau)  # the CPU's numpy pass takes a number; torch's compares with the tensor, unread
         candidates = magnitude_candidates(values, tau, "ge")
-        if candidates.numel() < k and not tau <= _SMALLEST:
-            candidates = self._lowered(values, samples, rank, k, tau)
+        if candidates.numel() < k and not float(tau) <= _SMALLEST:  # tau is read only when too few got through
+            candidates = self._lowered(values, samples, rank, k, float(tau))
         if candidates.numel() > k:
             scores = torch.index_select(values, 0, candidates).abs_()
             kept = keep_largest(candidates, scores, k)

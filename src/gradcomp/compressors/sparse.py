@@ -247,12 +247,13 @@ def _numpy_path(t: Tensor) -> bool:
     return host_path(t)
 
 
-def magnitude_candidates(flat: Tensor, tau: float, mode: str = "ge") -> Tensor:
+def magnitude_candidates(flat: Tensor, tau: float | Tensor, mode: str = "ge") -> Tensor:
     """Increasing int64 positions i of the 1-D ``flat`` with |flat[i]| >= tau (``"ge"``), > tau (``"gt"``), or
     >= tau or NaN (``"ge_or_nan"``: NaN counts as the largest magnitude, as in ``torch.topk``).
 
     ``tau`` is compared in ``flat``'s dtype (a Python float is rounded to float32 for float32 input, exactly as
-    torch compares a float32 tensor with a Python scalar).
+    torch compares a float32 tensor with a Python scalar). It may be a 0-d tensor of ``flat``'s dtype on the torch
+    path (not on the CPU's numpy path): the threshold then need not be read back from a GPU.
     """
     if not (_numpy_path(flat) and flat.dtype == torch.float32 and flat.numel() >= FAST_MIN):
         magnitude = flat.abs()
