@@ -93,6 +93,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradcomp.compressors import sparse
 from gradcomp.compressors.base import (
     Capabilities,
     Compressor,
@@ -103,7 +104,6 @@ from gradcomp.compressors.base import (
     kept_count,
     shared_generator,
 )
-from gradcomp.compressors import sparse
 from gradcomp.compressors.sparse import (
     _PositionsAndValues,
     check_positions_codec,
@@ -112,8 +112,8 @@ from gradcomp.compressors.sparse import (
     position_spec,
     sample_rank,
 )
-from gradcomp.errors import ConfigError
 from gradcomp.compressors.state import Momentum
+from gradcomp.errors import ConfigError
 from gradcomp.wire import Codec, FieldSpec
 
 __all__ = [

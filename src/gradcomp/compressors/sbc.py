@@ -50,6 +50,7 @@ from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot
 from gradcomp.compressors.sparse import (
     KeptCount,
     check_positions_codec,
+    compact,
     fast_topk_applies,
     keep_largest,
     kth_largest,
@@ -190,9 +191,11 @@ class SparseTernary(_SharedValueSparsifier):
             positions = torch.sort(positions).values
             values = torch.index_select(flat, 0, positions)
         magnitude = magnitudes.mean().reshape(1)  # over all k, zeros included: the paper's mu = sum|kept| / k
-        if bool((values == 0).any()):  # fewer than k nonzero entries: sign(0) = 0, so they are not sent
-            nonzero = values != 0
-            positions, values = positions[nonzero], values[nonzero]
+        nonzero = values != 0
+        sent = int(nonzero.sum())  # the one read of this slot's count
+        if sent < k:  # fewer than k nonzero entries: sign(0) = 0, so they are not sent
+            at = compact(nonzero, sent)  # their indices, with the size just read: no boolean indexing
+            positions, values = positions[at], values[at]
         negative = (values < 0).to(torch.int64)
         return [positions, negative, magnitude]
 

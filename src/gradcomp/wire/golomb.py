@@ -142,9 +142,7 @@ def golomb_encode(
     return _pack(bits, 1), total
 
 
-def golomb_decode(
-    buf: torch.Tensor, b: int, count: int, universe: int, flags: list | None = None
-) -> torch.Tensor:
+def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int, flags: list | None = None) -> torch.Tensor:
     """Decode ``count`` positions in ``[0, universe)`` from a Golomb–Rice stream with parameter ``b``.
 
     Returns an int64 tensor on the buffer's device. Raises WireError when the stream is truncated, holds
