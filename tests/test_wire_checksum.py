@@ -549,3 +549,29 @@ def test_a_variable_message_leaves_its_data_checks_for_the_read(monkeypatch):
     decode(bad, specs, later)  # nothing raised yet
     with pytest.raises(WireError, match="golomb"):
         later.read()
+
+
+def test_one_golomb_field_of_known_count_decodes_with_one_read(monkeypatch):
+    """A message whose counts are exact and whose one Golomb stream's length is what the message's length leaves
+    (LGC's positions) takes the fixed-layout device path: one small read, not the whole message to the host; a
+    stream with a fault the checksum does not see is still refused with the host path's error."""
+    from sync_counting import counting
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    check_pending()
+    g = torch.Generator().manual_seed(5)
+    pos = torch.randperm(20000, generator=g)[:200].sort().values
+    specs = [FieldSpec(Codec.F32, count=3), FieldSpec(Codec.GOLOMB, count=200, universe=20000)]
+    values = torch.randn(3, generator=g)
+    good = encode([values, pos], specs)
+    with counting() as counter:
+        got = decode(good, specs)
+    assert torch.equal(got[1], pos) and torch.equal(got[0], values)
+    assert counter.total == 1, counter
+    bad = good.clone()
+    bad[-1] = 0xFF  # padding bits / codes past the count; the checksum made to match
+    bad[12:20] = torch.tensor(list(checksum64(bad[HEADER_BYTES:]).to_bytes(8, "little")), dtype=torch.uint8)
+    with pytest.raises(WireError, match="golomb"):
+        decode(bad, specs)
+    with pytest.raises(WireError):
+        decode(good[:-1], specs)  # cut: the header's length disagrees

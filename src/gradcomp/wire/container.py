@@ -520,7 +520,7 @@ def _decode(
     if total < HEADER_BYTES:
         raise WireError(f"truncated buffer: {total} bytes, shorter than the {HEADER_BYTES}-byte header")
     if not on_host:
-        fixed = _fixed_layout(specs, codecs)
+        fixed = _fixed_layout(specs, codecs, total)
         if fixed is not None and fixed[1] == total:
             got = _decode_on_device(buf, specs, fixed[0], later)
             if got is not None:
@@ -642,29 +642,51 @@ def _decode(
     return out
 
 
-def _fixed_layout(specs: list, codecs: list) -> tuple[list, int] | None:
-    """Where every section's data lies when no field's size depends on the data: ``([(data offset, codec, param,
-    count, nbytes)], message length)``; None when a count is variable or a field is GOLOMB."""
+def _fixed_layout(specs: list, codecs: list, total: int) -> tuple[list, int] | None:
+    """Where every section's data lies when the specs and the message's length ``total`` fix it: ``([(data offset,
+    codec, param, count, nbytes)], message length)``; None when a count is variable. One GOLOMB field of an exact
+    count is allowed (LGC's positions): its stream's length is what ``total`` leaves over."""
+    golomb = [i for i, (spec, codec) in enumerate(zip(specs, codecs)) if codec == Codec.GOLOMB]
+    if len(golomb) > 1 or any(spec.count is None for spec in specs):
+        return None
+    rest = HEADER_BYTES + SECTION_HEADER_BYTES * len(specs)
+    rest += sum(
+        _expected_nbytes(codec, _fixed_param(spec, codec), spec.count)
+        for spec, codec in zip(specs, codecs)
+        if codec != Codec.GOLOMB
+    )
+    if golomb and total - rest < 0:
+        return None
     layout = []
     off = HEADER_BYTES
     for spec, codec in zip(specs, codecs):
-        if spec.count is None or codec == Codec.GOLOMB:
-            return None
-        param = spec.width if codec == Codec.BITS else bits_needed(spec.universe) if codec == Codec.POSITIONS else 0
-        nbytes = _expected_nbytes(codec, param, spec.count)
+        param = _fixed_param(spec, codec)
+        nbytes = total - rest if codec == Codec.GOLOMB else _expected_nbytes(codec, param, spec.count)
         off += SECTION_HEADER_BYTES
         layout.append((off, codec, param, spec.count, nbytes))
         off += nbytes
     return layout, off
 
 
+def _fixed_param(spec: FieldSpec, codec: Codec) -> int:
+    """The section header's parameter that the spec implies (GOLOMB: the Rice parameter encode() uses)."""
+    if codec == Codec.BITS:
+        return spec.width
+    if codec == Codec.POSITIONS:
+        return bits_needed(spec.universe)
+    if codec == Codec.GOLOMB:
+        return _golomb_b(spec, spec.count)
+    return 0
+
+
 def _decode_on_device(
     buf: torch.Tensor, specs: list, layout: list, later: DeviceChecks | None = None
 ) -> list[torch.Tensor] | None:
-    """decode's device path for a message whose layout the specs fix (every count exact, no GOLOMB field).
+    """decode's device path for a message whose layout the specs and its length fix (every count exact, at most
+    one GOLOMB field, whose stream is what the length leaves over).
 
     Every field is decoded where the buffer is and every check is computed there: the checksum
-    (checksum64_tensor), the padding bits, the positions' order and range. What the host must compare comes back in
+    (checksum64_tensor), the padding bits, the positions' order and range, a Golomb stream's code structure. What the host must compare comes back in
     ONE small transfer: the 20-byte header, the computed checksum, the section headers and the check results (with
     this thread's pending sender checks of device-path encodes). Returns the fields when every byte is the one the
     specs imply and every check passed, else None: the caller then runs the host path, which says what is wrong.
@@ -680,6 +702,11 @@ def _decode_on_device(
             out.append(data.clone().view(FLOAT_DTYPES[codec]))
         elif codec == Codec.BITS:
             out.append(_unpack(data, param, count, decoded_dtype(param), flags))
+        elif codec == Codec.GOLOMB:
+            try:
+                out.append(golomb_decode(data, param, count, spec.universe, flags))
+            except WireError:  # a stream length the count rules out: the host path names it
+                return None
         else:
             pos = _unpack(data, param, count, torch.int64, flags)
             flags.append(_positions_ok(pos, spec.universe))
