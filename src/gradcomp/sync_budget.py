@@ -30,10 +30,14 @@ _READ = (
     "1 read of every decoded message's checks (header, checksum, section heads, padding, positions) together with "
     "the finiteness of the aggregate sums (wire.container.DeviceChecks, once per exchange whatever the world size)"
 )
-_AGG = "1 finiteness read of the aggregate sums (single_round)"
-_VARIABLE = "per message: 1 transfer of the whole message to the host and 1 read of its data checks"
+_SIZES = (
+    "1 size exchange (sizes.exchange_sizes); per message received: 1 transfer of the whole message to the host (its "
+    "section headers and checksum: the layout depends on the data); 1 read of every message's data checks (padding, "
+    "positions, Golomb code structure) together with the finiteness of the aggregate sums (wire.container."
+    "DeviceChecks, once per exchange whatever the world size)"
+)
+_GOLOMB_LENGTHS = "1 read of the message's Golomb stream lengths, all slots at once (wire.container._golomb_lengths)"
 _NONZERO = "accumulation.largest: nonzero on the selection mask (2 per selection)"
-_GOLOMB = "Golomb encode/decode: gap check, stream length, positions of the unary codes (several per slot)"
 _PADDING = "sign._check_packed: the padding bits of the last sign byte (per slot with a partial byte)"
 
 # name: (aggregator, ddp, notes)
@@ -63,16 +67,18 @@ _TABLE: dict[str, tuple[int, int, str]] = {
                f"2 {_PADDING}"),
     "randomk": (18, 18, f"{_FINITE}; sampling k distinct positions (sparse.sample_without_replacement: per slot and "
                 "round, 1 count of the distinct draws and 2-3 boolean indexings)"),
-    "threshold": (10, 10, f"{_FINITE}; {_AGG}; 4 nonzero (the selection, per slot); 1 size exchange "
-                  f"(sizes.exchange_sizes); {_VARIABLE}"),
-    "lgc": (20, 20, f"{_FINITE}; 1 read of a gathered container's checks; {_NONZERO} (x2); {_GOLOMB}; 1 broadcast "
-            "size (sizes.broadcast_buffer)"),
-    "sbc": (41, 41, f"{_FINITE}; {_AGG}; {_GOLOMB}; 1 size exchange; {_VARIABLE}"),
-    "stc": (46, 46, f"{_FINITE}; {_AGG}; {_GOLOMB}; 4 counts of the kept entries (sbc.compress); 1 size exchange; "
-            f"{_VARIABLE}"),
-    "dgc": (56, 56, f"{_FINITE}; {_AGG}; {_GOLOMB}; sampled threshold selection (dgc.select: counts and boolean "
-            "indexing per slot); momentum correction's boolean indexing (dgc._corrected); 1 size exchange; "
-            f"{_VARIABLE}"),
+    "lgc": (6, 6, f"{_FINITE}; {_NONZERO} (the leader's top-k); 1 read of the Golomb stream's length (the leader "
+            "encoding; the other workers read the broadcast length instead, sizes.broadcast_buffer); 1 read of the "
+            "decoded positions' checks (one Golomb section of known count: its length follows from the message's, "
+            "decoded on the device like a fixed layout)"),
+    "sbc": (6, 6, f"{_FINITE}; {_GOLOMB_LENGTHS}; {_SIZES}"),
+    "threshold": (6, 6, f"{_FINITE}; 1 read of all the slots' selection counts (sparse.Threshold.compress_slots, once "
+                  f"per message); {_SIZES}"),
+    "stc": (7, 7, f"{_FINITE}; 1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
+            f"compress_slots, once per message); {_GOLOMB_LENGTHS}; {_SIZES}"),
+    "dgc": (11, 11, f"{_FINITE}; 4 nonzero of the candidates above the sampled threshold (dgc.select, per slot: "
+            "its retry and top-k of the candidates depend on the count); 1 read of keep_largest's two conditions "
+            f"(per slot with more candidates than k: 1 here); {_GOLOMB_LENGTHS}; {_SIZES}"),
 }  # fmt: skip
 
 BUDGETS: dict[str, dict[str, int]] = {name: {"aggregator": a, "ddp": d} for name, (a, d, _) in _TABLE.items()}
