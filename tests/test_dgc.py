@@ -421,3 +421,27 @@ def test_the_device_selection_helpers_match_boolean_indexing(monkeypatch):
     nan = scores.clone()
     nan[7] = float("nan")
     assert sparse.keep_largest(positions, nan, 40) is None
+
+
+def test_dgc_compresses_a_bucket_with_two_reads(monkeypatch):
+    """compress_slots on the device path: the messages and momentum state of compress slot by slot, step after
+    step, with the candidates' counts of all slots read at once and keep_largest's conditions of all slots at
+    once (2 reads for 4 slots), also where a slot's k-th largest is tied (torch.topk's pick, as select)."""
+    from sync_counting import counting
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    batched, single = DGC(density=0.01), DGC(density=0.01)
+    slots = [Slot("a", 0, 20_000), Slot("b", 1, 5000), Slot("c", 2, 300), Slot("d", 3, 8000)]
+    g = torch.Generator().manual_seed(9)
+    for step in range(4):
+        xs = [torch.randn(s.numel, generator=g) for s in slots]
+        xs[3][:200] = 5.0  # 200 tied largest entries where k = 80: the tie goes to torch.topk
+        with counting() as counter:
+            got = batched.compress_slots(xs, slots, step)
+        expected = [single.compress(x, s, step) for x, s in zip(xs, slots)]
+        for a, b in zip(got, expected):
+            assert all(torch.equal(u, v) for u, v in zip(a, b))
+        for s in slots:
+            assert torch.equal(batched.velocity[f"{s.name}#{s.numel}"], single.velocity[f"{s.name}#{s.numel}"])
+            assert torch.equal(batched.accumulated[f"{s.name}#{s.numel}"], single.accumulated[f"{s.name}#{s.numel}"])
+        assert counter.total <= 2, counter
