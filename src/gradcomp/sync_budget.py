@@ -76,9 +76,10 @@ _TABLE: dict[str, tuple[int, int, str]] = {
                   f"per message); {_SIZES}"),
     "stc": (7, 7, f"{_FINITE}; 1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
             f"compress_slots, once per message); {_GOLOMB_LENGTHS}; {_SIZES}"),
-    "dgc": (11, 11, f"{_FINITE}; 4 nonzero of the candidates above the sampled threshold (dgc.select, per slot: "
-            "its retry and top-k of the candidates depend on the count); 1 read of keep_largest's two conditions "
-            f"(per slot with more candidates than k: 1 here); {_GOLOMB_LENGTHS}; {_SIZES}"),
+    "dgc": (8, 8, f"{_FINITE}; 1 read of all the slots' counts of candidates above their sampled thresholds and 1 "
+            "of keep_largest's two conditions for all the slots with more candidates than k (dgc.DGC.compress_slots, "
+            "once per message; a slot with too few candidates lowers its threshold on its own, with reads: rare); "
+            f"{_GOLOMB_LENGTHS}; {_SIZES}"),
 }  # fmt: skip
 
 BUDGETS: dict[str, dict[str, int]] = {name: {"aggregator": a, "ddp": d} for name, (a, d, _) in _TABLE.items()}
