@@ -13,6 +13,11 @@ terminator is the first zero at or after that position: ``succ(j)`` (found with 
 The terminators ``t_0 = 0, t_{i+1} = succ(t_i)`` are found by pointer doubling in
 ``O(N + Z log count)`` time and ``O(N)`` memory (``N = 8 * len(buf)`` bits, ``Z`` zero bits); ``q`` and ``r``
 then follow from the terminator positions.
+
+On a GPU, every read of a device value makes the host wait, so the wire's device path reads nothing here: the
+encoder takes the stream's length from its caller (:func:`golomb_stream_bits`, read with the message's other sizes)
+and defers its order check; the decoder takes every size from the section header and returns its checks as one
+bool tensor instead of raising (:func:`_decode_deferred`).
 """
 
 from __future__ import annotations
