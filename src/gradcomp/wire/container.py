@@ -572,67 +572,72 @@ def _decode(
     out: list[torch.Tensor] = []
     counts: list[int] = []
     off = HEADER_BYTES
-    for i, (spec, codec) in enumerate(zip(specs, codecs)):
-        where = f"section {i}"
-        if off + SECTION_HEADER_BYTES > total:
-            raise WireError(f"{where}: section header runs past the end of the body")
-        s_codec, param, count, nbytes = _SECTION.unpack_from(mem, off)
-        off += SECTION_HEADER_BYTES
-        if s_codec != codec:
-            name = Codec(s_codec).name if s_codec in Codec._value2member_map_ else "unknown"
-            raise WireError(f"{where}: codec {s_codec} ({name}) where {codec.name} expected")
-        if spec.count is not None and count != spec.count:
-            raise WireError(f"{where}: count {count} != expected {spec.count}")
-        if count > _max_count(spec):
-            raise WireError(f"{where}: count {count} exceeds the maximum {_max_count(spec)}")
-        if spec.same_count_as is not None:
-            j = i + spec.same_count_as
-            if count != counts[j]:
-                raise WireError(
-                    f"{where}: count {count} != count {counts[j]} of section {j}: the sections disagree "
-                    f"({codec.name} must have one element per element of section {j}, {codecs[j].name})"
-                )
-        counts.append(count)
-        if codec in FLOAT_DTYPES and param != 0:
-            raise WireError(f"{where}: param {param} != 0 for a float codec")
-        if codec == Codec.BITS and param != spec.width:
-            raise WireError(f"{where}: bit width {param} != expected {spec.width}")
-        if codec == Codec.POSITIONS and param != bits_needed(spec.universe):
-            raise WireError(f"{where}: position width {param} != expected {bits_needed(spec.universe)}")
-        if codec == Codec.GOLOMB:
-            implied = _golomb_b(spec, count)  # what encode() uses: the spec's golomb_b, else the optimal one
-            if param != implied:
-                raise WireError(
-                    f"{where}: Rice parameter {param} != expected {implied} (the spec's for {count} positions)"
-                )
-        expected = _expected_nbytes(codec, param, count)
-        if expected is not None and nbytes != expected:
-            raise WireError(f"{where}: {nbytes} data bytes, expected {expected} for {count} elements")
-        if off + nbytes > total:
-            raise WireError(f"{where}: {nbytes} data bytes run past the end of the body ({total - off} bytes left)")
-        data = buf[off : off + nbytes]
-        off += nbytes
-        if codec in FLOAT_DTYPES:
-            # clone: the one copy of the values, into fresh, aligned storage that does not alias the caller's
-            # buffer (a view would be misaligned for F32 at byte 30, and would change when a receive buffer is
-            # reused or corrupt it when a decompressor works in place)
-            out.append(data.clone().view(FLOAT_DTYPES[codec]))
-        elif codec == Codec.BITS:
-            out.append(_unpack_checked(data, param, count, where, decoded_dtype(param), checks))
-        elif codec == Codec.POSITIONS:
-            pos = _unpack_checked(data, param, count, where, torch.int64, checks)  # indices
-            if checks is None:
-                _check_positions(pos, spec.universe, WireError, where)
+    try:
+        for i, (spec, codec) in enumerate(zip(specs, codecs)):
+            where = f"section {i}"
+            if off + SECTION_HEADER_BYTES > total:
+                raise WireError(f"{where}: section header runs past the end of the body")
+            s_codec, param, count, nbytes = _SECTION.unpack_from(mem, off)
+            off += SECTION_HEADER_BYTES
+            if s_codec != codec:
+                name = Codec(s_codec).name if s_codec in Codec._value2member_map_ else "unknown"
+                raise WireError(f"{where}: codec {s_codec} ({name}) where {codec.name} expected")
+            if spec.count is not None and count != spec.count:
+                raise WireError(f"{where}: count {count} != expected {spec.count}")
+            if count > _max_count(spec):
+                raise WireError(f"{where}: count {count} exceeds the maximum {_max_count(spec)}")
+            if spec.same_count_as is not None:
+                j = i + spec.same_count_as
+                if count != counts[j]:
+                    raise WireError(
+                        f"{where}: count {count} != count {counts[j]} of section {j}: the sections disagree "
+                        f"({codec.name} must have one element per element of section {j}, {codecs[j].name})"
+                    )
+            counts.append(count)
+            if codec in FLOAT_DTYPES and param != 0:
+                raise WireError(f"{where}: param {param} != 0 for a float codec")
+            if codec == Codec.BITS and param != spec.width:
+                raise WireError(f"{where}: bit width {param} != expected {spec.width}")
+            if codec == Codec.POSITIONS and param != bits_needed(spec.universe):
+                raise WireError(f"{where}: position width {param} != expected {bits_needed(spec.universe)}")
+            if codec == Codec.GOLOMB:
+                implied = _golomb_b(spec, count)  # what encode() uses: the spec's golomb_b, else the optimal one
+                if param != implied:
+                    raise WireError(
+                        f"{where}: Rice parameter {param} != expected {implied} (the spec's for {count} positions)"
+                    )
+            expected = _expected_nbytes(codec, param, count)
+            if expected is not None and nbytes != expected:
+                raise WireError(f"{where}: {nbytes} data bytes, expected {expected} for {count} elements")
+            if off + nbytes > total:
+                raise WireError(f"{where}: {nbytes} data bytes run past the end of the body ({total - off} bytes left)")
+            data = buf[off : off + nbytes]
+            off += nbytes
+            if codec in FLOAT_DTYPES:
+                # clone: the one copy of the values, into fresh, aligned storage that does not alias the caller's
+                # buffer (a view would be misaligned for F32 at byte 30, and would change when a receive buffer is
+                # reused or corrupt it when a decompressor works in place)
+                out.append(data.clone().view(FLOAT_DTYPES[codec]))
+            elif codec == Codec.BITS:
+                out.append(_unpack_checked(data, param, count, where, decoded_dtype(param), checks))
+            elif codec == Codec.POSITIONS:
+                pos = _unpack_checked(data, param, count, where, torch.int64, checks)  # indices
+                if checks is None:
+                    _check_positions(pos, spec.universe, WireError, where)
+                else:
+                    checks.append(_positions_ok(pos, spec.universe))
+                out.append(pos)
             else:
-                checks.append(_positions_ok(pos, spec.universe))
-            out.append(pos)
-        else:
-            try:
-                out.append(golomb_decode(data, param, count, spec.universe, checks))
-            except WireError as e:
-                raise WireError(f"{where}: {e}") from None
-    if off != total:
-        raise WireError(f"trailing bytes: {total - off} bytes after the last section")
+                try:
+                    out.append(golomb_decode(data, param, count, spec.universe, checks))
+                except WireError as e:
+                    raise WireError(f"{where}: {e}") from None
+        if off != total:
+            raise WireError(f"trailing bytes: {total - off} bytes after the last section")
+    except WireError:
+        if checks:  # data checks of earlier sections were deferred: the host path names the first fault, as always
+            return _decode(host.clone(), specs, True)
+        raise
     if checks:
         summary = torch.stack([f.reshape(()).to(torch.bool) for f in checks]).to(torch.uint8)
         if later is not None:  # read with the caller's others; a failed one makes later.read() decode on the host
@@ -686,10 +691,11 @@ def _decode_on_device(
     one GOLOMB field, whose stream is what the length leaves over).
 
     Every field is decoded where the buffer is and every check is computed there: the checksum
-    (checksum64_tensor), the padding bits, the positions' order and range, a Golomb stream's code structure. What the host must compare comes back in
-    ONE small transfer: the 20-byte header, the computed checksum, the section headers and the check results (with
-    this thread's pending sender checks of device-path encodes). Returns the fields when every byte is the one the
-    specs imply and every check passed, else None: the caller then runs the host path, which says what is wrong.
+    (checksum64_tensor), the padding bits, the positions' order and range, a Golomb stream's code structure. What
+    the host must compare comes back in ONE small transfer: the 20-byte header, the computed checksum, the section
+    headers and the check results (with this thread's pending sender checks of device-path encodes). Returns the
+    fields when every byte is the one the specs imply and every check passed, else None: the caller then runs the
+    host path, which says what is wrong.
     With ``later``, nothing is read: the summary joins ``later``, whose :meth:`DeviceChecks.read` checks it.
     """
     flags: list[torch.Tensor] = []
