@@ -409,6 +409,26 @@ def test_threshold_random(positions):
     assert torch.equal(round_trip(c, x, Slot("w", 0, 10)), x)
 
 
+def test_threshold_compresses_a_bucket_with_one_read(monkeypatch):
+    """compress_slots on the torch path (a GPU's): the messages of compress, slot by slot, with the slots' counts
+    read back together once (sync_counting), not once per slot; empty and all-kept slots included."""
+    from sync_counting import counting
+
+    from gradcomp.compressors import sparse
+
+    monkeypatch.setattr(sparse, "_numpy_path", lambda t: False)
+    c = Threshold(1.0)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(500, generator=g), torch.full((7,), 0.5), torch.full((3,), -2.0), torch.randn(64, generator=g)]
+    slots = [Slot(f"s{i}", i, x.numel()) for i, x in enumerate(xs)]
+    with counting() as counter:
+        got = c.compress_slots(xs, slots, 0)
+    assert counter.total == 1, counter
+    for fields, x, slot in zip(got, xs, slots):
+        expected = c.compress(x, slot, 0)
+        assert all(torch.equal(a, b) for a, b in zip(fields, expected))
+
+
 # ----------------------------------------------------------------------------------------------- bad parameters
 
 

@@ -397,3 +397,51 @@ def test_a_second_residual_on_top_of_dgcs_own_is_refused(extra):
     with pytest.raises(ConfigError, match="keeps its own residual"):
         gradcomp.make("dgc+cnat", **extra)
     assert not isinstance(gradcomp.make("dgc", feedback="none"), ErrorFeedback)
+
+
+def test_the_device_selection_helpers_match_boolean_indexing(monkeypatch):
+    """``sparse.compact`` gives torch.nonzero's indices with a size known beforehand, and keep_largest's torch path
+    (the one a GPU runs: one read, no boolean indexing) keeps what boolean indexing kept, refusing ties and NaN."""
+    from gradcomp.compressors import sparse
+
+    g = torch.Generator().manual_seed(3)
+    for n, p in [(1, 0.5), (17, 0.0), (17, 1.0), (1000, 0.1), (4096, 0.7)]:
+        mask = torch.rand(n, generator=g) < p
+        assert torch.equal(sparse.compact(mask, int(mask.sum())), torch.nonzero(mask).reshape(-1))
+    monkeypatch.setattr(sparse, "_numpy_path", lambda t: False)
+    positions = torch.randperm(10000, generator=g)[:500].sort().values
+    scores = torch.rand(500, generator=g)
+    got = sparse.keep_largest(positions, scores, 40)
+    keep = scores >= scores.topk(40).values[-1]
+    assert torch.equal(got[0], positions[keep]) and torch.equal(got[1], scores[keep])
+    tied = scores.clone()
+    tied[scores.topk(41).indices[-2:]] = 1.5  # the 40th and 41st largest now tie
+    tied[scores.topk(39).indices] = 2.0
+    assert sparse.keep_largest(positions, tied, 40) is None
+    nan = scores.clone()
+    nan[7] = float("nan")
+    assert sparse.keep_largest(positions, nan, 40) is None
+
+
+def test_dgc_compresses_a_bucket_with_two_reads(monkeypatch):
+    """compress_slots on the device path: the messages and momentum state of compress slot by slot, step after
+    step, with the candidates' counts of all slots read at once and keep_largest's conditions of all slots at
+    once (2 reads for 4 slots), also where a slot's k-th largest is tied (torch.topk's pick, as select)."""
+    from sync_counting import counting
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    batched, single = DGC(density=0.01), DGC(density=0.01)
+    slots = [Slot("a", 0, 20_000), Slot("b", 1, 5000), Slot("c", 2, 300), Slot("d", 3, 8000)]
+    g = torch.Generator().manual_seed(9)
+    for step in range(4):
+        xs = [torch.randn(s.numel, generator=g) for s in slots]
+        xs[3][:200] = 5.0  # 200 tied largest entries where k = 80: the tie goes to torch.topk
+        with counting() as counter:
+            got = batched.compress_slots(xs, slots, step)
+        expected = [single.compress(x, s, step) for x, s in zip(xs, slots)]
+        for a, b in zip(got, expected):
+            assert all(torch.equal(u, v) for u, v in zip(a, b))
+        for s in slots:
+            assert torch.equal(batched.velocity[f"{s.name}#{s.numel}"], single.velocity[f"{s.name}#{s.numel}"])
+            assert torch.equal(batched.accumulated[f"{s.name}#{s.numel}"], single.accumulated[f"{s.name}#{s.numel}"])
+        assert counter.total <= 2, counter

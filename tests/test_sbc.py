@@ -187,3 +187,30 @@ def test_local_steps_give_the_same_model_on_both_transports(single_thread):
     for rank in range(3):
         assert torch.equal(real[rank][0], sim[rank][0])
         assert real[rank][1] == sim[rank][1]
+
+
+def test_stc_compresses_a_bucket_with_one_read(monkeypatch):
+    """STC with error feedback (as ``make`` builds it) on the device path: compress_slots gives, step after step,
+    the messages and residuals of compress slot by slot, with one read of the slots' counts per message (a slot
+    with fewer nonzero entries than k, whose zeros are not sent, included)."""
+    from sync_counting import counting
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    batched, single = gradcomp.make("stc", density=0.05), gradcomp.make("stc", density=0.05)
+    slots = [gradcomp.Slot("a", 0, 3000), gradcomp.Slot("b", 1, 40), gradcomp.Slot("c", 2, 200)]
+    g = torch.Generator().manual_seed(8)
+    for step in range(3):
+        xs = [torch.randn(s.numel, generator=g) for s in slots]
+        xs[2][3:] = 0.0  # 3 nonzero entries where k = 10
+        if step:
+            xs[2].zero_()  # and none: only what the residual kept
+        with counting() as counter:
+            got = batched.compress_slots(xs, slots, step)
+        assert counter.total == 1, counter
+        expected = [single.compress(x, s, step) for x, s in zip(xs, slots)]
+        for a, b in zip(got, expected):
+            assert all(torch.equal(u, v) for u, v in zip(a, b))
+        if step == 0:
+            assert got[2][0].numel() == 3  # the 7 kept zeros are not sent
+        for s in slots:
+            assert torch.equal(batched.state.get("residuals", s), single.state.get("residuals", s))

@@ -526,3 +526,52 @@ def test_decodes_checked_together_raise_what_decode_raises(monkeypatch):
     broken[-1] ^= 1
     with pytest.raises(WireError, match="checksum mismatch"):
         aggregate_buffers(compressor, slots, [message, broken], 0, torch.device("cpu"))
+
+
+def test_a_variable_message_leaves_its_data_checks_for_the_read(monkeypatch):
+    """A Golomb message (its layout depends on the data) decoded with ``later``: its headers and checksum are read
+    at once, its data checks (the Golomb code structure here) wait for ``later.read()``, which raises the error the
+    host decoder names."""
+    from gradcomp.wire.container import DeviceChecks
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    pos = torch.tensor([3, 40, 41, 900, 4000])
+    specs = [FieldSpec(Codec.GOLOMB, max_count=10, universe=5000)]
+    good = encode([pos], specs)
+    bad = good.clone()
+    bad[-1] = 0xFF  # the last stream byte: padding bits set (or codes past the count), checksum made to match
+    bad[12:20] = torch.tensor(list(checksum64(bad[HEADER_BYTES:]).to_bytes(8, "little")), dtype=torch.uint8)
+    with pytest.raises(WireError, match="golomb"):
+        decode(bad, specs)  # without later: raised at once
+    later = DeviceChecks()
+    assert decode(good, specs, later)[0].tolist() == pos.tolist()
+    assert len(later._items) == 1  # its check waits for the read
+    decode(bad, specs, later)  # nothing raised yet
+    with pytest.raises(WireError, match="golomb"):
+        later.read()
+
+
+def test_one_golomb_field_of_known_count_decodes_with_one_read(monkeypatch):
+    """A message whose counts are exact and whose one Golomb stream's length is what the message's length leaves
+    (LGC's positions) takes the fixed-layout device path: one small read, not the whole message to the host; a
+    stream with a fault the checksum does not see is still refused with the host path's error."""
+    from sync_counting import counting
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    check_pending()
+    g = torch.Generator().manual_seed(5)
+    pos = torch.randperm(20000, generator=g)[:200].sort().values
+    specs = [FieldSpec(Codec.F32, count=3), FieldSpec(Codec.GOLOMB, count=200, universe=20000)]
+    values = torch.randn(3, generator=g)
+    good = encode([values, pos], specs)
+    with counting() as counter:
+        got = decode(good, specs)
+    assert torch.equal(got[1], pos) and torch.equal(got[0], values)
+    assert counter.total == 1, counter
+    bad = good.clone()
+    bad[-1] = 0xFF  # padding bits / codes past the count; the checksum made to match
+    bad[12:20] = torch.tensor(list(checksum64(bad[HEADER_BYTES:]).to_bytes(8, "little")), dtype=torch.uint8)
+    with pytest.raises(WireError, match="golomb"):
+        decode(bad, specs)
+    with pytest.raises(WireError):
+        decode(good[:-1], specs)  # cut: the header's length disagrees

@@ -238,3 +238,69 @@ def test_decode_mutated_streams_only_wire_errors():
             assert bool((out[1:] > out[:-1]).all()) and 0 <= int(out[0]) and int(out[-1]) < d
         assert torch.equal(golomb_encode(out, b)[0], t)
     assert decoded > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_decode_agrees_with_the_checked_one(device):
+    """The device path's decoder (``flags``: nothing read back) accepts exactly the streams the checked decoder
+    accepts, sound and corrupted (bit flips, a wrong count, a byte cut or added), and gives the same positions."""
+    import random
+
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    rejected = 0
+    for _ in range(600):
+        universe = rng.choice([1, 5, 64, 1000, 5000])
+        k = rng.randint(1, min(universe, 60))
+        pos = torch.randperm(universe, generator=g)[:k].sort().values
+        b = rng.choice([optimal_rice_parameter(k / universe), 0, 1, 3, 7])
+        data = golomb_encode(pos, b)[0].clone()
+        count, r = k, rng.random()
+        if r < 0.4 and data.numel():
+            data[rng.randrange(data.numel())] ^= 1 << rng.randrange(8)
+        elif r < 0.5:
+            count = max(1, k + rng.choice([-1, 1]))
+        elif r < 0.6 and data.numel() > 1:
+            data = data[:-1]
+        elif r < 0.7:
+            data = torch.cat([data, torch.tensor([rng.randrange(256)], dtype=torch.uint8)])
+        data = data.to(device)
+        try:
+            expected, error = golomb_decode(data, b, count, universe), None
+        except WireError as e:
+            expected, error = None, e
+        flags: list = []
+        try:
+            got = golomb_decode(data, b, count, universe, flags)
+        except WireError as e:  # the checks on sizes alone raise in both
+            assert error is not None and str(e) == str(error)
+            continue
+        assert len(flags) == 1 and bool(flags[0]) == (error is None), (universe, k, b, count, error)
+        if error is None:
+            assert torch.equal(got, expected)
+        else:
+            rejected += 1
+    assert rejected > 100  # the corruptions above do reach the deferred checks
+
+
+@pytest.mark.parametrize("b", [0, 2, 5])
+def test_encode_with_a_known_length_and_deferred_checks(b):
+    """The device path's encode: the length read beforehand (golomb_stream_bits) and the order check deferred to
+    ``flags`` give the bytes of the plain encode; positions out of order give a false flag, not an error."""
+    from gradcomp.wire.golomb import golomb_stream_bits
+
+    for seed, (d, k) in enumerate([(1000, 1), (1000, 37), (50, 50), (100000, 300)]):
+        pos = random_positions(d, k, seed)
+        plain = golomb_encode(pos, b)
+        total = golomb_stream_bits(pos, b)
+        assert total.dim() == 0 and int(total) == plain[1]
+        flags: list = []
+        got = golomb_encode(pos, b, flags, int(total))
+        assert torch.equal(got[0], plain[0]) and got[1] == plain[1]
+        assert len(flags) == 1 and bool(flags[0][0])
+    bad = torch.tensor([3, 9, 9, 12])
+    flags = []
+    golomb_encode(bad, b, flags, int(golomb_stream_bits(bad, b)))
+    assert not bool(flags[0][0])
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        golomb_encode(bad, b)

@@ -48,6 +48,7 @@ instead of a wrong shortcut.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -67,6 +68,7 @@ from gradcomp.compressors.base import (
 from gradcomp.errors import ConfigError
 from gradcomp.compressors.state import Momentum, SlotState
 from gradcomp.wire import FieldSpec
+from gradcomp.wire.bits import host_path
 
 # ------------------------------------------------------------------------------ in-place buffers
 
@@ -184,6 +186,35 @@ class ErrorFeedback(_FeedbackWrapper):
             self.state.drop(slot)  # it holds x + r by now: a defined state is a fresh start, not a half step
             raise
         return fields
+
+    def compress_slots(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> list[Fields]:
+        """:meth:`compress` for the slots of one message, through the inner compressor's ``compress_slots`` where it
+        has its own (it then reads all the slots' sizes back from a GPU at once: STC) and the tensors are not on
+        the CPU's host path (whose fused, chunked a = x + r keeps :meth:`compress`): every a = x + r first, then the
+        inner messages of all of them, then every r = a - D(m). The same arithmetic, so the same messages."""
+        if not tensors or host_path(tensors[0]) or type(self.inner).compress_slots is Compressor.compress_slots:
+            return super().compress_slots(tensors, slots, step)
+        residuals = []
+        try:
+            for x, slot in zip(tensors, slots):
+                flat = _float32_flat(x)
+                residual = self.state.get("residuals", slot, flat)
+                if residual is None:
+                    residual = _fresh_copy(flat, x)  # a = x: a buffer of our own, never the caller's tensor
+                else:
+                    torch.add(flat, residual, out=residual)  # a = x + r, the operands in compress_sum's order
+                self.state.put("residuals", slot, residual)
+                residuals.append(residual)
+            out = []
+            for fields, residual, slot in zip(self.inner.compress_slots(residuals, slots, step), residuals, slots):
+                fields = _detached(fields, residual)
+                subtract_sent(self.inner, fields, slot, step, residual)  # r = a - D(m)
+                out.append(fields)
+        except BaseException:
+            for slot in slots:
+                self.state.drop(slot)  # x + r by now, or half of a step: a defined state is a fresh start
+            raise
+        return out
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.inner!r})"

@@ -8,7 +8,8 @@ per slot (the notes say where). docs/gpu.md shows the same numbers in a table th
 against this module.
 
 ``FIXED_SIZE`` are the methods whose messages have a size known from the configuration alone: one read per
-exchange each (per step for the aggregator, per bucket for the DDP hook), the workers' finiteness verdict (with the wire's checks where there are any), which decides, before
+exchange each (per step for the aggregator, per bucket for the DDP hook), the workers' finiteness verdict
+(with the wire's checks where there are any), which decides, before
 anything of the step is applied, whether the step stands (docs/gpu.md says why it is not zero). What each count
 is made of is in ``NOTES``; the budgets are the measured counts exactly (tests/test_sync_count.py fails on a count
 above or below its budget); ``BEFORE`` is the same count at a703d48, before the device
@@ -37,9 +38,13 @@ _WITH_CHECKS = (
 )
 _MINE = "1 read of this worker's finiteness flag before the first message (the verdict is not deferred: sizes vary)"
 _MARKED = "1 read of the agreed verdict on the first message (exchange._marked)"
-_AGG = "1 read of every decoded message's data checks with the finiteness of the aggregate sums (DeviceChecks)"
-_VARIABLE = "per message: 1 transfer of the whole message to the host and 1 read of its data checks"
-_GOLOMB = "Golomb encode/decode: gap check, stream length, positions of the unary codes (several per slot)"
+_SIZES = (
+    "1 size exchange (sizes.exchange_sizes); per message received: 1 transfer of the whole message to the host (its "
+    "section headers and checksum: the layout depends on the data); 1 read of every message's data checks (padding, "
+    "positions, Golomb code structure) together with the finiteness of the aggregate sums (wire.container."
+    "DeviceChecks, once per exchange whatever the world size)"
+)
+_GOLOMB_LENGTHS = "1 read of the message's Golomb stream lengths, all slots at once (wire.container._golomb_lengths)"
 
 # name: (aggregator, ddp, notes)
 _TABLE: dict[str, tuple[int, int, str]] = {
@@ -67,16 +72,19 @@ _TABLE: dict[str, tuple[int, int, str]] = {
                         "goes into the max-allreduce as +Inf (no check of its own)"),
     "local_topk": (1, 1, "1 read of the agreed verdict with the gathered messages' checks and the range check of "
                    "their coordinates (accumulation.split_indices, handed to DeviceChecks)"),
-    "threshold": (10, 10, f"{_MINE}; {_MARKED}; 4 nonzero (the selection, per slot); 1 size exchange "
-                  f"(sizes.exchange_sizes); {_VARIABLE}; {_AGG}"),
-    "lgc": (16, 16, f"{_MINE}; {_MARKED}; {_GOLOMB}; 1 broadcast size (sizes.broadcast_buffer); 1 transfer of "
-            "a variable-size message to the host; 3 reads recording the compression error (lgc._record_error)"),
-    "sbc": (41, 41, f"{_MINE}; {_MARKED}; {_GOLOMB}; 1 size exchange; {_VARIABLE}; {_AGG}"),
-    "stc": (46, 46, f"{_MINE}; {_MARKED}; {_GOLOMB}; 4 counts of the kept entries (sbc.compress); 1 size "
-            f"exchange; {_VARIABLE}; {_AGG}"),
-    "dgc": (52, 52, f"{_MINE}; {_MARKED}; {_GOLOMB}; sampled threshold selection (dgc.select and "
-            "sparse.keep_largest: counts, nonzero and boolean indexing per slot); 1 size exchange; "
-            f"{_VARIABLE}; {_AGG}"),
+    "lgc": (4, 4, f"{_MINE}; {_MARKED}; 1 read of the Golomb stream's length (the leader "
+            "encoding; the other workers read the broadcast length instead, sizes.broadcast_buffer); 1 read of the "
+            "decoded positions' checks (one Golomb section of known count: its length follows from the message's, "
+            "decoded on the device like a fixed layout)"),
+    "sbc": (6, 6, f"{_MINE}; {_MARKED}; {_GOLOMB_LENGTHS}; {_SIZES}"),
+    "threshold": (6, 6, f"{_MINE}; {_MARKED}; 1 read of all the slots' selection counts "
+                  f"(sparse.Threshold.compress_slots, once per message); {_SIZES}"),
+    "stc": (7, 7, f"{_MINE}; {_MARKED}; 1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
+            f"compress_slots, once per message); {_GOLOMB_LENGTHS}; {_SIZES}"),
+    "dgc": (8, 8, f"{_MINE}; {_MARKED}; 1 read of all the slots' counts of candidates above their sampled "
+            "thresholds and 1 of keep_largest's two conditions for all the slots with more candidates than k "
+            "(dgc.DGC.compress_slots, once per message; a slot with too few candidates lowers its threshold on its own, with reads: rare); "
+            f"{_GOLOMB_LENGTHS}; {_SIZES}"),
 }  # fmt: skip
 
 BUDGETS: dict[str, dict[str, int]] = {name: {"aggregator": a, "ddp": d} for name, (a, d, _) in _TABLE.items()}

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -187,6 +188,12 @@ class Compressor(ABC):
         (``gradcomp.train.exchange.check_gradients``); a caller of ``compress`` itself checks it first. Some
         compressors refuse NaN/Inf anyway (QSGD, C_nat, TernGrad, the ditherings); others pass them on.
         """
+
+    def compress_slots(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> list[Fields]:
+        """``[compress(x, slot, step) for ...]`` over the slots of one message (a bucket). A compressor whose
+        message sizes depend on the data may override it to read all the slots' sizes back from a GPU at once
+        instead of one slot at a time (threshold); the messages are those of ``compress``, byte for byte."""
+        return [self.compress(x, slot, step) for x, slot in zip(tensors, slots)]
 
     def compress_sum(self, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
         """``into += x`` in place (``torch.add(x, into, out=into)``: x's operand first), then ``compress(into)``:

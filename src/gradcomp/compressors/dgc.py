@@ -87,12 +87,14 @@ it to each gradient before the exchange for methods that own their momentum (0 b
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gradcomp.compressors import sparse
 from gradcomp.compressors.base import (
     Capabilities,
     Compressor,
@@ -106,13 +108,14 @@ from gradcomp.compressors.base import (
 from gradcomp.compressors.sparse import (
     _PositionsAndValues,
     check_positions_codec,
+    compact,
     keep_largest,
     magnitude_candidates,
     position_spec,
     sample_rank,
 )
-from gradcomp.errors import ConfigError
 from gradcomp.compressors.state import Momentum
+from gradcomp.errors import ConfigError
 from gradcomp.wire import Codec, FieldSpec
 
 __all__ = [
@@ -209,10 +212,12 @@ class SampledThresholdTopK(_PositionsAndValues):
         k = kept_count(self.density_at(step), d)
         samples = self.sampled_magnitudes(values, slot, step)
         rank = self.first_rank(samples.numel(), k, d)
-        tau = float(_largest(samples, rank).clamp(min=_SMALLEST))  # a float32 value: exact
+        tau = _largest(samples, rank).clamp(min=_SMALLEST)  # a float32 value: exact
+        if sparse._numpy_path(values):
+            tau = float(tau)  # the CPU's numpy pass takes a number; torch's compares with the tensor, unread
         candidates = magnitude_candidates(values, tau, "ge")
-        if candidates.numel() < k and not tau <= _SMALLEST:
-            candidates = self._lowered(values, samples, rank, k, tau)
+        if candidates.numel() < k and not float(tau) <= _SMALLEST:  # tau is read only when too few got through
+            candidates = self._lowered(values, samples, rank, k, float(tau))
         if candidates.numel() > k:
             scores = torch.index_select(values, 0, candidates).abs_()
             kept = keep_largest(candidates, scores, k)
@@ -220,6 +225,54 @@ class SampledThresholdTopK(_PositionsAndValues):
                 return kept[0]
             candidates = torch.sort(candidates[torch.topk(scores, k, sorted=False).indices]).values
         return candidates
+
+    def select_slots(self, values: Sequence[Tensor], slots: Sequence[Slot], step: int) -> list[Tensor]:
+        """:meth:`select` for the slots of one message on the torch path (a GPU's), with the reads of all the slots
+        together: every slot's candidate mask |v| >= tau first and their counts read at once (``compact`` then
+        gives the positions with the size known), then keep_largest's two conditions for every slot with more than
+        k candidates, read at once. A slot with fewer than k candidates lowers tau on its own (:meth:`_lowered`,
+        rare), and one whose k-th largest candidate is tied asks ``torch.topk`` as :meth:`select` does: the same
+        positions as :meth:`select`, slot by slot."""
+        plans = []
+        for v, slot in zip(values, slots):
+            d = v.numel()
+            if d == 0:
+                plans.append(None)
+                continue
+            k = kept_count(self.density_at(step), d)
+            samples = self.sampled_magnitudes(v, slot, step)
+            rank = self.first_rank(samples.numel(), k, d)
+            tau = _largest(samples, rank).clamp(min=_SMALLEST)
+            plans.append((k, samples, rank, tau, v.abs() >= tau))  # magnitude_candidates' torch path, unread
+        masks = [plan[4] for plan in plans if plan is not None]
+        counts = iter(torch.stack([m.sum() for m in masks]).tolist() if masks else [])  # the first read
+        found: list = []
+        for v, plan in zip(values, plans):
+            if plan is None:
+                found.append(torch.zeros(0, dtype=torch.int64, device=v.device))
+                continue
+            k, samples, rank, tau, mask = plan
+            count = next(counts)
+            candidates = compact(mask, count)
+            if count < k and not float(tau) <= _SMALLEST:
+                candidates = self._lowered(v, samples, rank, k, float(tau))
+            found.append(candidates)
+        # the slots with more than k candidates: keep_largest's conditions of all of them in the second read
+        over = [(i, torch.index_select(values[i], 0, c).abs_()) for i, c in enumerate(found)
+                if plans[i] is not None and c.numel() > plans[i][0]]  # fmt: skip
+        checks = []
+        for i, scores in over:
+            k = plans[i][0]
+            keep = scores >= torch.kthvalue(scores, scores.numel() - k + 1).values
+            checks.append((keep, torch.stack([torch.isnan(scores).any().to(torch.int64), keep.sum()])))
+        read = torch.stack([c for _, c in checks]).tolist() if checks else []
+        for (i, scores), (keep, _), (nan, kept) in zip(over, checks, read):
+            k = plans[i][0]
+            if nan or kept != k:  # a NaN or a tie at the k-th: torch.topk's own pick, as select
+                found[i] = torch.sort(found[i][torch.topk(scores, k, sorted=False).indices]).values
+            else:
+                found[i] = found[i][compact(keep, k)]
+        return found
 
     @staticmethod
     def _lowered(values: Tensor, samples: Tensor, rank: int, k: int, tau: float) -> Tensor:
@@ -342,6 +395,29 @@ class DGC(Compressor):
             self.memory.state.drop(slot)  # half updated: start the slot afresh (as MomentumCorrection)
             raise
         return fields
+
+    def compress_slots(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> list[Fields]:
+        """:meth:`compress` for the slots of one message; on the torch path (a GPU's) the selections of all of
+        them read their counts together (:meth:`SampledThresholdTopK.select_slots`): every slot's momentum step,
+        then the selections, then every slot's v − sent and masking. The same messages and state as
+        :meth:`compress` slot by slot."""
+        if not tensors or sparse._numpy_path(tensors[0]):
+            return super().compress_slots(tensors, slots, step)
+        try:
+            vs = []
+            for x, slot in zip(tensors, slots):
+                g = x.reshape(-1).to(torch.float32)
+                vs.append(self.memory.step(slot, clip_norm(g, self.clip) if self.clip is not None else g)[1])
+            out = []
+            for v, slot, positions in zip(vs, slots, self.selector.select_slots(vs, slots, step)):
+                fields = [positions, torch.index_select(v, 0, positions).to(torch.float32)]
+                self.memory.sent(slot, *fields, masking=True)
+                out.append(fields)
+        except BaseException:
+            for slot in slots:
+                self.memory.state.drop(slot)  # half updated: start afresh (as compress)
+            raise
+        return out
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         return self.selector.decompress(fields, slot, step)

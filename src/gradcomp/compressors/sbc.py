@@ -39,6 +39,7 @@ which ``torch.topk`` returns them on that path: the messages are bit-identical t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import ClassVar
 
@@ -46,10 +47,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradcomp.compressors import sparse
 from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot
 from gradcomp.compressors.sparse import (
     KeptCount,
     check_positions_codec,
+    compact,
     fast_topk_applies,
     keep_largest,
     kth_largest,
@@ -176,11 +179,32 @@ class SparseTernary(_SharedValueSparsifier):
         return [positions, FieldSpec(Codec.BITS, max_count=k, width=1, same_count_as=-1), FieldSpec(Codec.F32, count=1)]
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
+        kept = self._kept(x, slot)
+        if kept is None:
+            return self._empty(x.device)
+        nonzero = kept[1] != 0
+        return self._message(*kept, nonzero, int(nonzero.sum()))  # the one read of this slot's count
+
+    def compress_slots(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> list[Fields]:
+        """On the torch path (a GPU's), every slot's top-k first, then the counts of their nonzero entries read
+        back together once, not once per slot; the messages of ``compress``, byte for byte."""
+        if not tensors or sparse._numpy_path(tensors[0]):
+            return super().compress_slots(tensors, slots, step)
+        kept = [self._kept(x, slot) for x, slot in zip(tensors, slots)]
+        nonzero = [None if k is None else k[1] != 0 for k in kept]
+        sums = [n.sum() for n in nonzero if n is not None]
+        counts = iter(torch.stack(sums).tolist() if sums else [])  # the one read of this message's counts
+        return [
+            self._empty(x.device) if k is None else self._message(*k, n, next(counts))
+            for x, k, n in zip(tensors, kept, nonzero)
+        ]
+
+    def _kept(self, x: Tensor, slot: Slot) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(positions, values, mean magnitude) of the k largest |x|, or None when k = 0."""
         flat = x.reshape(-1).to(torch.float32)
         k = self.count(slot)
         if k == 0:
-            empty = torch.zeros(0, dtype=torch.int64, device=flat.device)
-            return [empty, empty, torch.zeros(1, device=flat.device)]
+            return None
         if fast_topk_applies(flat, k):
             positions = topk_positions(flat, k)
             values = torch.index_select(flat, 0, positions)
@@ -190,9 +214,19 @@ class SparseTernary(_SharedValueSparsifier):
             positions = torch.sort(positions).values
             values = torch.index_select(flat, 0, positions)
         magnitude = magnitudes.mean().reshape(1)  # over all k, zeros included: the paper's mu = sum|kept| / k
-        if bool((values == 0).any()):  # fewer than k nonzero entries: sign(0) = 0, so they are not sent
-            nonzero = values != 0
-            positions, values = positions[nonzero], values[nonzero]
+        return positions, values, magnitude
+
+    @staticmethod
+    def _empty(device: torch.device) -> Fields:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return [empty, empty, torch.zeros(1, device=device)]
+
+    @staticmethod
+    def _message(positions: Tensor, values: Tensor, magnitude: Tensor, nonzero: Tensor, sent: int) -> Fields:
+        """The fields, given which kept values are nonzero and how many (``sent``, read by the caller)."""
+        if sent < values.numel():  # fewer than k nonzero entries: sign(0) = 0, so they are not sent
+            at = compact(nonzero, sent)  # their indices, with the size read: no boolean indexing
+            positions, values = positions[at], values[at]
         negative = (values < 0).to(torch.int64)
         return [positions, negative, magnitude]
 

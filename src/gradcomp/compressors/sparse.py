@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -281,12 +282,13 @@ def _numpy_path(t: Tensor) -> bool:
     return host_path(t)
 
 
-def magnitude_candidates(flat: Tensor, tau: float, mode: str = "ge") -> Tensor:
+def magnitude_candidates(flat: Tensor, tau: float | Tensor, mode: str = "ge") -> Tensor:
     """Increasing int64 positions i of the 1-D ``flat`` with |flat[i]| >= tau (``"ge"``), > tau (``"gt"``), or
     >= tau or NaN (``"ge_or_nan"``: NaN counts as the largest magnitude, as in ``torch.topk``).
 
     ``tau`` is compared in ``flat``'s dtype (a Python float is rounded to float32 for float32 input, exactly as
-    torch compares a float32 tensor with a Python scalar).
+    torch compares a float32 tensor with a Python scalar). It may be a 0-d tensor of ``flat``'s dtype on the torch
+    path (not on the CPU's numpy path): the threshold then need not be read back from a GPU.
     """
     if not (_numpy_path(flat) and flat.dtype == torch.float32 and flat.numel() >= FAST_MIN):
         magnitude = flat.abs()
@@ -346,13 +348,26 @@ def keep_largest(positions: Tensor, scores: Tensor, k: int) -> tuple[Tensor, Ten
         if int(np.count_nonzero(keep)) != k:
             return None
         return torch.from_numpy(np.compress(keep, p)), torch.from_numpy(np.compress(keep, v))
-    if bool(torch.isnan(scores).any()):
-        return None
     kth = torch.kthvalue(scores, c - k + 1).values
     keep = scores >= kth
-    if int(keep.sum()) != k:
+    # one read for both conditions (a GPU waits once), and no boolean indexing: the count is then known to be k
+    nan, kept = torch.stack([torch.isnan(scores).any().to(torch.int64), keep.sum()]).tolist()
+    if nan or kept != k:
         return None
-    return positions[keep], scores[keep]
+    at = compact(keep, k)
+    return positions[at], scores[at]
+
+
+def compact(mask: Tensor, count: int) -> Tensor:
+    """Increasing int64 indices of the ``count`` true entries of the 1-D bool ``mask`` (``count`` known to the
+    caller): what ``torch.nonzero`` gives, with an output size that does not depend on the data, so that a GPU need
+    not tell the host how many there are. Each true entry is scattered to its rank among the true ones; the false
+    ones all go to one spare slot past the end, dropped."""
+    rank = torch.cumsum(mask, 0) - 1
+    rank = torch.where(mask, rank, torch.full_like(rank, count))
+    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    out.scatter_(0, rank, torch.arange(mask.numel(), dtype=torch.int64, device=mask.device))
+    return out[:count]
 
 
 def strided_sample(flat: Tensor, k: int) -> Tensor:
@@ -571,6 +586,23 @@ class Threshold(_PositionsAndValues):
         flat = x.reshape(-1)
         positions = magnitude_candidates(flat, self.threshold, "gt")
         return [positions, torch.index_select(flat, 0, positions).to(torch.float32)]
+
+    def compress_slots(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> list[Fields]:
+        """The slots' selections with ONE read of their sizes on the torch path (a GPU's): every slot's mask
+        |x| > threshold first, their counts stacked and read together, then each slot's positions by
+        :func:`compact` with its count known (what ``compress`` would have read slot by slot through ``nonzero``).
+        The masks of all the slots are alive at once meanwhile (one byte per entry). The CPU's numpy path keeps
+        ``compress``."""
+        flats = [x.reshape(-1) for x in tensors]
+        if not flats or _numpy_path(flats[0]):
+            return super().compress_slots(tensors, slots, step)
+        masks = [flat.abs() > self.threshold for flat in flats]
+        counts = torch.stack([mask.sum() for mask in masks]).tolist()  # the one read of this message's counts
+        out = []
+        for flat, mask, count in zip(flats, masks, counts):
+            positions = compact(mask, count)
+            out.append([positions, torch.index_select(flat, 0, positions).to(torch.float32)])
+        return out
 
 
 class RandomBlock(_SharedRandomSelection):

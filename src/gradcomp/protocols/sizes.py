@@ -80,7 +80,8 @@ def broadcast_buffer(
         else:
             count = torch.zeros(1, dtype=torch.int64, device=device)
         count = yield Broadcast(count, root, kind=CONTROL, peer=peer)
-        length = int(count.item())
+        # the root knows its own length: only the others read the broadcast one (a wait for the device on a GPU)
+        length = buffer.numel() if buffer is not None else int(count.item())
     if buffer is None:
         buffer = torch.empty(length, dtype=torch.uint8, device=device)
     return (yield Broadcast(buffer, root, peer=peer))

@@ -128,7 +128,8 @@ class Layout:
     synced: bool = False  # the decoders were made to agree (at the first stage-3 step; see ``LGC._sync``)
     trainer: AutoencoderTrainer | None = None
     losses: list[float] = field(default_factory=list)  # the autoencoder's training loss per stage-2 step
-    held_out: list[tuple[float, float]] = field(default_factory=list)  # stage 3: (its error, top-k's at its bits)
+    # stage 3, per step: (energy of the values, of their m largest, of the error) on the device, read by report()
+    held_out: list[Tensor] = field(default_factory=list)
 
 
 class LGC(Scheme):
@@ -359,14 +360,13 @@ class LGC(Scheme):
         """Held-out diagnostics of a compressed step (the autoencoder never trains on these values): the
         relative squared error of what this worker's message carries, and that of plain top-k values of the
         same bits (the m largest of the k values, each an fp32 and an index of ⌈log2 k⌉ bits)."""
-        energy = float(values.pow(2).sum())
-        if energy == 0.0:
-            return
         sent_bits = 32 * layout.latent if self.variant == "ring" else 64 * layout.innovation
         m = min(layout.k, sent_bits // (32 + max(1, math.ceil(math.log2(layout.k)))))
-        kept = float(values[largest(values, m)].pow(2).sum()) if m else 0.0
-        error = float((values - carried).pow(2).sum()) / energy
-        layout.held_out.append((error, 1.0 - kept / energy))
+        energy = values.pow(2).sum()
+        # the m largest magnitudes' energy (which of tied ones is kept does not change it); nothing is read here: the
+        # three sums stay on the device until report() reads them all at once
+        kept = torch.topk(values.abs(), m, sorted=False).values.pow(2).sum() if m else torch.zeros_like(energy)
+        layout.held_out.append(torch.stack([energy, kept, (values - carried).pow(2).sum()]))
 
     def _sync(self, layout: Layout, trainer: AutoencoderTrainer) -> Rounds:
         """Ring, at the first compressed step: rank 0's decoder to every worker (a peer broadcast of one fp32
@@ -478,8 +478,9 @@ class LGC(Scheme):
         for lay in self._layouts.values():
             if lay.d == 0:
                 continue
-            errors = [e for e, _ in lay.held_out]
-            topk = [t for _, t in lay.held_out]
+            sums = torch.stack(lay.held_out).tolist() if lay.held_out else []  # (energy, kept, error) per step
+            errors = [error / energy for energy, _, error in sums if energy != 0.0]  # a step with nothing to carry
+            topk = [1.0 - kept / energy for energy, kept, _ in sums if energy != 0.0]  # is not counted
             out["layouts"].append({
                 "compressed": lay.d, "k": lay.k, "latent": lay.latent, "innovation": lay.innovation,
                 "autoencoder_steps": 0 if lay.trainer is None else lay.trainer.steps,

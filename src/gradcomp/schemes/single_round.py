@@ -293,8 +293,7 @@ class SingleRound(Scheme):
         """This worker's messages of all slots as one wire buffer. The messages themselves (for a dense method
         its codes, int16 for most, half an fp32 gradient's worth) are dropped as soon as they are encoded, not
         kept alive through the collectives and the decoding that follow."""
-        messages = (self.compressor.compress(t, s, step) for s, t in zip(slots, tensors))
-        return encode_slots(self.compressor, slots, list(messages))
+        return encode_slots(self.compressor, slots, self.compressor.compress_slots(tensors, slots, step))
 
     def _fixed_size(self, compressor: Compressor, slots: Sequence[Slot]) -> int | None:
         key = (compressor is self.server_compressor, tuple(slots))

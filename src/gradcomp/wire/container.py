@@ -88,7 +88,13 @@ from gradcomp.wire.bits import (
     packs_into,
 )
 from gradcomp.wire.checksum import checksum64, checksum64_tensor, to_host
-from gradcomp.wire.golomb import MAX_UNIVERSE, golomb_decode, golomb_encode, optimal_rice_parameter
+from gradcomp.wire.golomb import (
+    MAX_UNIVERSE,
+    golomb_decode,
+    golomb_encode,
+    golomb_stream_bits,
+    optimal_rice_parameter,
+)
 
 __all__ = [
     "Codec",
@@ -245,12 +251,13 @@ def _check_positions(
 
 
 def _encode_field(
-    t: torch.Tensor, spec: FieldSpec, codec: Codec, i: int, flags: list | None = None
+    t: torch.Tensor, spec: FieldSpec, codec: Codec, i: int, flags: list | None = None, stream_bits: int | None = None
 ) -> tuple[int, torch.Tensor]:
     """Returns (param, data bytes) for one BITS / POSITIONS / GOLOMB field (float fields: :func:`_put_float`).
 
-    With ``flags`` (the device path), the range and order checks of BITS and POSITIONS fields are appended to it as
-    ``(bool tensor, message)`` instead of being read back (see :func:`encode`)."""
+    With ``flags`` (the device path), the range and order checks of BITS, POSITIONS and GOLOMB fields are appended to
+    it as ``(bool tensor, message)`` instead of being read back (see :func:`encode`); ``stream_bits``: a GOLOMB
+    field's stream length, read beforehand with the message's others (:func:`_golomb_lengths`)."""
     where = f"field {i} ({codec.name})"
     if t.dtype.is_floating_point or t.dtype.is_complex:
         raise ConfigError(f"{where}: expected an integer tensor, got dtype {t.dtype}")
@@ -264,8 +271,25 @@ def _encode_field(
         width = bits_needed(spec.universe)
         return width, _pack(pos, width)
     b = _golomb_b(spec, pos.numel())
-    data, _ = golomb_encode(pos, b)
+    # the device path: the order and range were deferred above, golomb_encode's own order check adds nothing
+    data, _ = golomb_encode(pos, b, None if flags is None else [], stream_bits)
     return b, data
+
+
+def _golomb_lengths(fields: list, specs: list, codecs: list, device: torch.device) -> dict[int, int]:
+    """The device path's stream lengths in bits of the message's GOLOMB fields, by field index, in ONE read (they
+    size the message; golomb_encode would read each field's on its own). Fields that encode() will refuse (not a
+    tensor of integers) are left out: their error is raised where it always was."""
+    which, lengths = [], []
+    for i, (f, spec, codec) in enumerate(zip(fields, specs, codecs)):
+        t = f.detach()
+        if codec != Codec.GOLOMB or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            continue
+        which.append(i)
+        lengths.append(golomb_stream_bits(t.reshape(-1).to(device), _golomb_b(spec, t.numel())))
+    if not which:
+        return {}
+    return dict(zip(which, torch.stack(lengths).tolist()))
 
 
 # Up to this many data bytes, CPU sections are copied by numpy (about 1 us) rather than by a torch slice, view
@@ -388,6 +412,8 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
     codecs = _check_specs(specs)
     on_host = host_device(device)
     flags: list = []  # the device path's deferred sender checks
+    # the device path's Golomb stream lengths, all read at once: the one read of sizes a message needs
+    stream_bits = {} if on_host else _golomb_lengths(fields, specs, codecs, device)
     # Pass 1: checks, sizes, and the streams of the non-float codecs. plan: (codec, param, count, nbytes, tensor,
     # packed_later) where tensor is the detached field itself for float codecs (read once, in pass 2) and for BITS
     # fields that the compiled packer writes straight into the output in pass 2 (packed_later), else its data bytes.
@@ -418,7 +444,9 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
             later = True  # packed in pass 2 straight into the output by the compiled kernel (range-checked there)
             param, data, nbytes = spec.width, t, packed_nbytes(n, spec.width)
         else:
-            param, data = _encode_field(t.reshape(-1).to(device), spec, codec, i, None if on_host else flags)
+            param, data = _encode_field(
+                t.reshape(-1).to(device), spec, codec, i, None if on_host else flags, stream_bits.get(i)
+            )
             data = data.reshape(-1)
             nbytes = data.numel()
         if nbytes > _U32_MAX:
@@ -479,7 +507,9 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec], later: DeviceChecks | 
     malformed, truncated, oversized or corrupted buffer; ConfigError for invalid specs.
 
     ``later`` (a :class:`DeviceChecks`): a device buffer whose layout the specs fix is decoded without reading
-    anything back; its checks are read, with others, by ``later.read()``, which raises what decode would have.
+    anything back; its checks are read, with others, by ``later.read()``, which raises what decode would have. One
+    whose layout depends on the data (variable counts, Golomb streams) still comes to the host once for its headers
+    and checksum, but its data checks (padding, positions, Golomb code structure) join ``later`` too.
     """
     return _decode(buf, specs, None, later)
 
@@ -497,7 +527,7 @@ def _decode(
     if total < HEADER_BYTES:
         raise WireError(f"truncated buffer: {total} bytes, shorter than the {HEADER_BYTES}-byte header")
     if not on_host:
-        fixed = _fixed_layout(specs, codecs)
+        fixed = _fixed_layout(specs, codecs, total)
         if fixed is not None and fixed[1] == total:
             got = _decode_on_device(buf, specs, fixed[0], later)
             if got is not None:
@@ -553,98 +583,130 @@ def _decode(
     out: list[torch.Tensor] = []
     counts: list[int] = []
     off = HEADER_BYTES
-    for i, (spec, codec) in enumerate(zip(specs, codecs)):
-        where = f"section {i}"
-        if off + SECTION_HEADER_BYTES > total:
-            raise WireError(f"{where}: section header runs past the end of the body")
-        s_codec, param, count, nbytes = _SECTION.unpack_from(mem, off)
-        off += SECTION_HEADER_BYTES
-        if s_codec != codec:
-            name = Codec(s_codec).name if s_codec in Codec._value2member_map_ else "unknown"
-            raise WireError(f"{where}: codec {s_codec} ({name}) where {codec.name} expected")
-        if spec.count is not None and count != spec.count:
-            raise WireError(f"{where}: count {count} != expected {spec.count}")
-        if count > _max_count(spec):
-            raise WireError(f"{where}: count {count} exceeds the maximum {_max_count(spec)}")
-        if spec.same_count_as is not None:
-            j = i + spec.same_count_as
-            if count != counts[j]:
-                raise WireError(
-                    f"{where}: count {count} != count {counts[j]} of section {j}: the sections disagree "
-                    f"({codec.name} must have one element per element of section {j}, {codecs[j].name})"
-                )
-        counts.append(count)
-        if codec in FLOAT_DTYPES and param != 0:
-            raise WireError(f"{where}: param {param} != 0 for a float codec")
-        if codec == Codec.BITS and param != spec.width:
-            raise WireError(f"{where}: bit width {param} != expected {spec.width}")
-        if codec == Codec.POSITIONS and param != bits_needed(spec.universe):
-            raise WireError(f"{where}: position width {param} != expected {bits_needed(spec.universe)}")
-        if codec == Codec.GOLOMB:
-            implied = _golomb_b(spec, count)  # what encode() uses: the spec's golomb_b, else the optimal one
-            if param != implied:
-                raise WireError(
-                    f"{where}: Rice parameter {param} != expected {implied} (the spec's for {count} positions)"
-                )
-        expected = _expected_nbytes(codec, param, count)
-        if expected is not None and nbytes != expected:
-            raise WireError(f"{where}: {nbytes} data bytes, expected {expected} for {count} elements")
-        if off + nbytes > total:
-            raise WireError(f"{where}: {nbytes} data bytes run past the end of the body ({total - off} bytes left)")
-        data = buf[off : off + nbytes]
-        off += nbytes
-        if codec in FLOAT_DTYPES:
-            # clone: the one copy of the values, into fresh, aligned storage that does not alias the caller's
-            # buffer (a view would be misaligned for F32 at byte 30, and would change when a receive buffer is
-            # reused or corrupt it when a decompressor works in place)
-            out.append(data.clone().view(FLOAT_DTYPES[codec]))
-        elif codec == Codec.BITS:
-            out.append(_unpack_checked(data, param, count, where, decoded_dtype(param), checks))
-        elif codec == Codec.POSITIONS:
-            pos = _unpack_checked(data, param, count, where, torch.int64, checks)  # indices
-            if checks is None:
-                _check_positions(pos, spec.universe, WireError, where)
+    try:
+        for i, (spec, codec) in enumerate(zip(specs, codecs)):
+            where = f"section {i}"
+            if off + SECTION_HEADER_BYTES > total:
+                raise WireError(f"{where}: section header runs past the end of the body")
+            s_codec, param, count, nbytes = _SECTION.unpack_from(mem, off)
+            off += SECTION_HEADER_BYTES
+            if s_codec != codec:
+                name = Codec(s_codec).name if s_codec in Codec._value2member_map_ else "unknown"
+                raise WireError(f"{where}: codec {s_codec} ({name}) where {codec.name} expected")
+            if spec.count is not None and count != spec.count:
+                raise WireError(f"{where}: count {count} != expected {spec.count}")
+            if count > _max_count(spec):
+                raise WireError(f"{where}: count {count} exceeds the maximum {_max_count(spec)}")
+            if spec.same_count_as is not None:
+                j = i + spec.same_count_as
+                if count != counts[j]:
+                    raise WireError(
+                        f"{where}: count {count} != count {counts[j]} of section {j}: the sections disagree "
+                        f"({codec.name} must have one element per element of section {j}, {codecs[j].name})"
+                    )
+            counts.append(count)
+            if codec in FLOAT_DTYPES and param != 0:
+                raise WireError(f"{where}: param {param} != 0 for a float codec")
+            if codec == Codec.BITS and param != spec.width:
+                raise WireError(f"{where}: bit width {param} != expected {spec.width}")
+            if codec == Codec.POSITIONS and param != bits_needed(spec.universe):
+                raise WireError(f"{where}: position width {param} != expected {bits_needed(spec.universe)}")
+            if codec == Codec.GOLOMB:
+                implied = _golomb_b(spec, count)  # what encode() uses: the spec's golomb_b, else the optimal one
+                if param != implied:
+                    raise WireError(
+                        f"{where}: Rice parameter {param} != expected {implied} (the spec's for {count} positions)"
+                    )
+            expected = _expected_nbytes(codec, param, count)
+            if expected is not None and nbytes != expected:
+                raise WireError(f"{where}: {nbytes} data bytes, expected {expected} for {count} elements")
+            if off + nbytes > total:
+                raise WireError(f"{where}: {nbytes} data bytes run past the end of the body ({total - off} bytes left)")
+            data = buf[off : off + nbytes]
+            off += nbytes
+            if codec in FLOAT_DTYPES:
+                # clone: the one copy of the values, into fresh, aligned storage that does not alias the caller's
+                # buffer (a view would be misaligned for F32 at byte 30, and would change when a receive buffer is
+                # reused or corrupt it when a decompressor works in place)
+                out.append(data.clone().view(FLOAT_DTYPES[codec]))
+            elif codec == Codec.BITS:
+                out.append(_unpack_checked(data, param, count, where, decoded_dtype(param), checks))
+            elif codec == Codec.POSITIONS:
+                pos = _unpack_checked(data, param, count, where, torch.int64, checks)  # indices
+                if checks is None:
+                    _check_positions(pos, spec.universe, WireError, where)
+                else:
+                    checks.append(_positions_ok(pos, spec.universe))
+                out.append(pos)
             else:
-                checks.append(_positions_ok(pos, spec.universe))
-            out.append(pos)
-        else:
-            try:
-                out.append(golomb_decode(data, param, count, spec.universe))
-            except WireError as e:
-                raise WireError(f"{where}: {e}") from None
-    if off != total:
-        raise WireError(f"trailing bytes: {total - off} bytes after the last section")
-    if checks and not all(torch.stack([f.reshape(()).to(torch.bool) for f in checks]).tolist()):
-        return _decode(host.clone(), specs, True)  # a data check failed: the host path says which
+                try:
+                    out.append(golomb_decode(data, param, count, spec.universe, checks))
+                except WireError as e:
+                    raise WireError(f"{where}: {e}") from None
+        if off != total:
+            raise WireError(f"trailing bytes: {total - off} bytes after the last section")
+    except WireError:
+        if checks:  # data checks of earlier sections were deferred: the host path names the first fault, as always
+            return _decode(host.clone(), specs, True)
+        raise
+    if checks:
+        summary = torch.stack([f.reshape(()).to(torch.bool) for f in checks]).to(torch.uint8)
+        if later is not None:  # read with the caller's others; a failed one makes later.read() decode on the host
+            later._items.append((summary, all, buf, specs))
+        elif not all(summary.tolist()):
+            return _decode(host.clone(), specs, True)  # a data check failed: the host path says which
     return out
 
 
-def _fixed_layout(specs: list, codecs: list) -> tuple[list, int] | None:
-    """Where every section's data lies when no field's size depends on the data: ``([(data offset, codec, param,
-    count, nbytes)], message length)``; None when a count is variable or a field is GOLOMB."""
+def _fixed_layout(specs: list, codecs: list, total: int) -> tuple[list, int] | None:
+    """Where every section's data lies when the specs and the message's length ``total`` fix it: ``([(data offset,
+    codec, param, count, nbytes)], message length)``; None when a count is variable. One GOLOMB field of an exact
+    count is allowed (LGC's positions): its stream's length is what ``total`` leaves over."""
+    golomb = [i for i, (spec, codec) in enumerate(zip(specs, codecs)) if codec == Codec.GOLOMB]
+    if len(golomb) > 1 or any(spec.count is None for spec in specs):
+        return None
+    rest = HEADER_BYTES + SECTION_HEADER_BYTES * len(specs)
+    rest += sum(
+        _expected_nbytes(codec, _fixed_param(spec, codec), spec.count)
+        for spec, codec in zip(specs, codecs)
+        if codec != Codec.GOLOMB
+    )
+    if golomb and total - rest < 0:
+        return None
     layout = []
     off = HEADER_BYTES
     for spec, codec in zip(specs, codecs):
-        if spec.count is None or codec == Codec.GOLOMB:
-            return None
-        param = spec.width if codec == Codec.BITS else bits_needed(spec.universe) if codec == Codec.POSITIONS else 0
-        nbytes = _expected_nbytes(codec, param, spec.count)
+        param = _fixed_param(spec, codec)
+        nbytes = total - rest if codec == Codec.GOLOMB else _expected_nbytes(codec, param, spec.count)
         off += SECTION_HEADER_BYTES
         layout.append((off, codec, param, spec.count, nbytes))
         off += nbytes
     return layout, off
 
 
+def _fixed_param(spec: FieldSpec, codec: Codec) -> int:
+    """The section header's parameter that the spec implies (GOLOMB: the Rice parameter encode() uses)."""
+    if codec == Codec.BITS:
+        return spec.width
+    if codec == Codec.POSITIONS:
+        return bits_needed(spec.universe)
+    if codec == Codec.GOLOMB:
+        return _golomb_b(spec, spec.count)
+    return 0
+
+
 def _decode_on_device(
     buf: torch.Tensor, specs: list, layout: list, later: DeviceChecks | None = None
 ) -> list[torch.Tensor] | None:
-    """decode's device path for a message whose layout the specs fix (every count exact, no GOLOMB field).
+    """decode's device path for a message whose layout the specs and its length fix (every count exact, at most
+    one GOLOMB field, whose stream is what the length leaves over).
 
     Every field is decoded where the buffer is and every check is computed there: the checksum
-    (checksum64_tensor), the padding bits, the positions' order and range. What the host must compare comes back in
-    ONE small transfer: the 20-byte header, the computed checksum, the section headers and the check results (with
-    this thread's pending sender checks of device-path encodes). Returns the fields when every byte is the one the
-    specs imply and every check passed, else None: the caller then runs the host path, which says what is wrong.
+    (checksum64_tensor), the padding bits, the positions' order and range, a Golomb stream's code structure. What
+    the host must compare comes back in ONE small transfer: the 20-byte header, the computed checksum, the section
+    headers and the check results (with this thread's pending sender checks of device-path encodes). Returns the
+    fields when every byte is the one the specs imply and every check passed, else None: the caller then runs the
+    host path, which says what is wrong.
     With ``later``, nothing is read: the summary joins ``later``, whose :meth:`DeviceChecks.read` checks it.
     """
     flags: list[torch.Tensor] = []
@@ -657,6 +719,11 @@ def _decode_on_device(
             out.append(data.clone().view(FLOAT_DTYPES[codec]))
         elif codec == Codec.BITS:
             out.append(_unpack(data, param, count, decoded_dtype(param), flags))
+        elif codec == Codec.GOLOMB:
+            try:
+                out.append(golomb_decode(data, param, count, spec.universe, flags))
+            except WireError:  # a stream length the count rules out: the host path names it
+                return None
         else:
             pos = _unpack(data, param, count, torch.int64, flags)
             flags.append(_positions_ok(pos, spec.universe))

@@ -13,6 +13,11 @@ terminator is the first zero at or after that position: ``succ(j)`` (found with 
 The terminators ``t_0 = 0, t_{i+1} = succ(t_i)`` are found by pointer doubling in
 ``O(N + Z log count)`` time and ``O(N)`` memory (``N = 8 * len(buf)`` bits, ``Z`` zero bits); ``q`` and ``r``
 then follow from the terminator positions.
+
+On a GPU, every read of a device value makes the host wait, so the wire's device path reads nothing here: the
+encoder takes the stream's length from its caller (:func:`golomb_stream_bits`, read with the message's other sizes)
+and defers its order check; the decoder takes every size from the section header and returns its checks as one
+bool tensor instead of raising (:func:`_decode_deferred`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ import torch
 from gradcomp.errors import ConfigError, WireError
 from gradcomp.wire.bits import _as_uint8_buffer, _pack, _unpack
 
-__all__ = ["optimal_rice_parameter", "golomb_encode", "golomb_decode", "MAX_RICE_PARAMETER", "MAX_UNIVERSE"]
+__all__ = [
+    "optimal_rice_parameter",
+    "golomb_encode",
+    "golomb_stream_bits",
+    "golomb_decode",
+    "MAX_RICE_PARAMETER",
+    "MAX_UNIVERSE",
+]
 
 MAX_RICE_PARAMETER = 31
 MAX_UNIVERSE = 1 << 62  # keeps every intermediate of the decoder inside int64
@@ -58,38 +70,74 @@ def _check_b(b: object, exc: type[Exception]) -> int:
     return b
 
 
-def golomb_encode(positions: torch.Tensor, b: int) -> tuple[torch.Tensor, int]:
+def _gaps(positions: torch.Tensor) -> torch.Tensor:
+    """The gaps ``p_0`` and ``p_i - p_{i-1} - 1`` of the non-empty 1-D int64 ``positions`` (negative where they are
+    not strictly increasing or the first is negative)."""
+    prev = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=positions.device), positions[:-1]])
+    return positions - prev - 1
+
+
+def _checked_positions(positions: object) -> torch.Tensor:
+    if not isinstance(positions, torch.Tensor):
+        raise ConfigError(f"golomb_encode expects a tensor, got {type(positions).__name__}")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise ConfigError(f"positions must be an integer tensor, got dtype {positions.dtype}")
+    return positions.detach().reshape(-1).to(torch.int64)
+
+
+def golomb_stream_bits(positions: torch.Tensor, b: int) -> torch.Tensor:
+    """The length in bits of ``golomb_encode(positions, b)``'s stream, as a 0-d int64 tensor on the positions'
+    device, not read: the wire's device path reads those of every Golomb field of a message at once and passes
+    each to :func:`golomb_encode` as ``total``. Garbage for positions that golomb_encode refuses."""
+    b = _check_b(b, ConfigError)
+    pos = _checked_positions(positions)
+    if pos.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=pos.device)
+    return (_gaps(pos).clamp(min=0) >> b).sum() + pos.numel() * (1 + b)
+
+
+_ORDER = "positions must be non-negative and strictly increasing"
+
+
+def golomb_encode(
+    positions: torch.Tensor, b: int, flags: list | None = None, total: int | None = None
+) -> tuple[torch.Tensor, int]:
     """Golomb–Rice code strictly increasing non-negative ``positions`` with parameter ``b``.
 
     Returns ``(bytes, total_bits)``: a uint8 tensor of ``ceil(total_bits / 8)`` bytes on the input's device
     and the number of meaningful bits. Raises ConfigError for an invalid ``b`` or positions that are not
     integers, negative, or not strictly increasing.
+
+    The wire's device path reads nothing back: ``flags`` (a list) receives the order check as ``(bool tensor,
+    message)`` instead of raising (the positions are then the caller's bug, raised when it reads its checks), and
+    ``total``, the stream's length in bits (:func:`golomb_stream_bits`, read with the message's others), sizes the
+    stream; without it the length is read here.
     """
     b = _check_b(b, ConfigError)
-    if not isinstance(positions, torch.Tensor):
-        raise ConfigError(f"golomb_encode expects a tensor, got {type(positions).__name__}")
-    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
-        raise ConfigError(f"positions must be an integer tensor, got dtype {positions.dtype}")
-    pos = positions.detach().reshape(-1).to(torch.int64)
+    pos = _checked_positions(positions)
     device = pos.device
     k = pos.numel()
     if k == 0:
         return torch.empty(0, dtype=torch.uint8, device=device), 0
-    prev = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=device), pos[:-1]])
-    gaps = pos - prev - 1
-    if bool((gaps < 0).any()):
-        raise ConfigError("positions must be non-negative and strictly increasing")
+    gaps = _gaps(pos)
+    if flags is not None:
+        flags.append(((gaps >= 0).all(), _ORDER))
+        gaps = gaps.clamp(min=0)  # refused later; meanwhile a stream of the length golomb_stream_bits gave
+    elif bool((gaps < 0).any()):
+        raise ConfigError(_ORDER)
     q = gaps >> b
     lengths = q + (1 + b)
     ends = torch.cumsum(lengths, 0)
-    total = int(ends[-1])
+    if total is None:
+        total = int(ends[-1])
     starts = ends - lengths
-    # Unary parts: +1 at the start of each non-empty run of ones, -1 at its terminating zero; the running
-    # sum is then 1 exactly on the ones (runs never touch each other, so no position gets two marks).
+    # Unary parts: +1 at the start of each run of ones, -1 at its terminating zero; the running sum is then 1
+    # exactly on the ones. Runs never touch each other, so no position gets two marks; an empty run (q = 0) writes 0
+    # twice at its terminator, where no other code writes (integer indices: no size depends on the data).
     delta = torch.zeros(total + 1, dtype=torch.int8, device=device)
-    nonempty = q > 0
-    delta[starts[nonempty]] = 1
-    delta[(starts + q)[nonempty]] = -1
+    ones = (q > 0).to(torch.int8)
+    delta[starts] = ones
+    delta[starts + q] = -ones
     bits = torch.cumsum(delta[:total], 0, dtype=torch.int8).view(torch.uint8)
     if b:
         r = gaps & ((1 << b) - 1)
@@ -99,12 +147,17 @@ def golomb_encode(positions: torch.Tensor, b: int) -> tuple[torch.Tensor, int]:
     return _pack(bits, 1), total
 
 
-def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int) -> torch.Tensor:
+def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int, flags: list | None = None) -> torch.Tensor:
     """Decode ``count`` positions in ``[0, universe)`` from a Golomb–Rice stream with parameter ``b``.
 
     Returns an int64 tensor on the buffer's device. Raises WireError when the stream is truncated, holds
     more codes than ``count`` (more than 7 bits left over), has nonzero padding bits, decodes a position
     ``>= universe``, or when ``count`` or ``b`` is invalid; ConfigError for an invalid ``universe``.
+
+    With ``flags`` (a list: the wire's device path), nothing is read back: the checks that depend on the stream's
+    bits are appended to it as one bool tensor (true when the stream is sound) for the caller to read with its
+    others, and the positions returned are then meaningful only if it is true (see :func:`_decode_deferred`). The
+    checks on the sizes alone (count, bytes, b, universe) still raise at once: they read nothing.
     """
     if isinstance(universe, bool) or not isinstance(universe, int) or not 0 <= universe <= MAX_UNIVERSE:
         raise ConfigError(f"universe must be an int in [0, 2**62], got {universe!r}")
@@ -126,6 +179,8 @@ def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int) -> torch
     if n > universe + count * b + 7:
         # A valid stream has sum(q) <= universe - count, hence at most universe + count * b + 7 bits.
         raise WireError(f"golomb: stream of {n} bits is too long for {count} positions below {universe}")
+    if flags is not None:
+        return _decode_deferred(buf, b, count, universe, n, flags)
     bits = _unpack(buf, 1, n)  # uint8 0/1, length n
     idx_dtype = torch.int32 if n + 2 * MAX_RICE_PARAMETER + 4 < 2**31 else torch.int64
     is_zero = bits == 0
@@ -191,4 +246,56 @@ def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int) -> torch
     last = int(positions.max())
     if last >= universe:
         raise WireError(f"golomb: decoded position {last} is outside the universe [0, {universe})")
+    return positions
+
+
+def _decode_deferred(buf: torch.Tensor, b: int, count: int, universe: int, n: int, flags: list) -> torch.Tensor:
+    """:func:`golomb_decode` with no read back: every output size follows from ``count`` and ``n`` (the stream's
+    bits), which the caller knows from the section header, and the validity of the stream is appended to
+    ``flags`` as one bool tensor instead of being raised.
+
+    ``nonzero`` (whose size, the number of zero bits, depends on the data) is not used: instead of the list of zero
+    bits, every bit position ``p`` gets ``nz[p]``, the first zero at or after it (a reverse running minimum), and
+    ``step[p] = nz[p] + 1 + b``, where the code after one starting at ``p`` starts; a sentinel ``S = n + 1`` absorbs
+    codes that run off the end. Code starts ``s_0 = 0, s_{i+1} = step[s_i]`` follow by pointer doubling as in the
+    host decoder, over ``n + 2`` positions instead of the zero bits: ``O(n log count)`` time, ``O(n)`` memory.
+    A stream passes exactly when the host decoder accepts it, and then gives the same positions (tests/test_golomb.py).
+    """
+    device = buf.device
+    bits = _unpack(buf, 1, n)  # uint8 0/1, length n
+    idx_dtype = torch.int32 if n + 2 * MAX_RICE_PARAMETER + 4 < 2**31 else torch.int64
+    sentinel = n + 1
+    at = torch.arange(n, dtype=idx_dtype, device=device)
+    zeros_at = torch.where(bits == 0, at, torch.full_like(at, sentinel))
+    nz = torch.full((n + 2,), sentinel, dtype=idx_dtype, device=device)
+    nz[:n] = torch.flip(torch.cummin(torch.flip(zeros_at, (0,)), 0).values, (0,))
+    del zeros_at
+    nxt = nz + (1 + b)
+    step = torch.where(nxt <= n, nxt, torch.full_like(nxt, sentinel))  # step[S] = S: nz[S] = S > n - 1 - b
+    del nxt
+    starts = torch.zeros(1, dtype=idx_dtype, device=device)
+    jump = step
+    while starts.numel() < count:
+        need = count - starts.numel()
+        starts = torch.cat([starts, jump[starts[:need]]])
+        if starts.numel() < count:
+            jump = jump[jump]
+    del jump, step
+    zero_at = nz[starts].to(torch.int64)  # each code's terminating zero; S when it has none
+    del nz
+    ok = (zero_at < n).all()  # every code found its terminator (a code starting at S has none)
+    end = zero_at[-1] + (1 + b)  # the last code's end; every other code ends where the next starts
+    ok = ok & (end <= n) & (end >= n - 7)  # at most 7 padding bits
+    ok = ok & ~(bits.bool() & (at.to(torch.int64) >= end)).any()  # and they are zero
+    q = zero_at - starts.to(torch.int64)
+    q = torch.clamp(q, max=(universe >> b) + 1)  # as in the host decoder: q << b cannot overflow
+    gaps = q << b
+    if b:
+        r = torch.zeros_like(q)
+        for i in range(b):  # b bit slots, MSB first; clamped reads for codes that ran off (their flag is false)
+            r = (r << 1) | bits[torch.clamp(zero_at + 1 + i, max=n - 1)].to(torch.int64)
+        gaps = gaps | r
+    gaps = torch.clamp(gaps, max=universe)
+    positions = torch.cumsum(gaps + 1, 0) - 1
+    flags.append(ok & (positions.max() < universe))
     return positions
