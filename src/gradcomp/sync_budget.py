@@ -83,7 +83,8 @@ _TABLE: dict[str, tuple[int, int, str]] = {
             f"compress_slots, once per message); {_GOLOMB_LENGTHS}; {_SIZES}"),
     "dgc": (8, 8, f"{_MINE}; {_MARKED}; 1 read of all the slots' counts of candidates above their sampled "
             "thresholds and 1 of keep_largest's two conditions for all the slots with more candidates than k "
-            "(dgc.DGC.compress_slots, once per message; a slot with too few candidates lowers its threshold on its own, with reads: rare); "
+            "(dgc.DGC.compress_slots, once per message; a slot with too few candidates lowers its threshold on its "
+            "own, with reads: rare); "
             f"{_GOLOMB_LENGTHS}; {_SIZES}"),
 }  # fmt: skip
 
