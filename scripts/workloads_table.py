@@ -31,6 +31,8 @@ TRANSFORMER_ROWS = [
     ("fp32", "uncompressed fp32 allreduce (AdamW)", ["--compressor", "none"]),
     ("topk_ef", "top-k 1 %, error feedback", ["--compressor", "topk", "--param", "density=0.01", "--error-feedback"]),
     ("powersgd", "PowerSGD rank 2", ["--compressor", "powersgd", "--param", "rank=2"]),
+    ("topk10_ef", "top-k 10 %, error feedback (how much of top-k's loss is its sparsity)",
+     ["--compressor", "topk", "--param", "density=0.1", "--error-feedback"]),
     ("efsignsgd", "EF-signSGD (sign family without worker momentum)", ["--compressor", "efsignsgd"]),
     ("sbc", "SBC 1 %, 4 local steps", ["--compressor", "sbc", "--param", "density=0.01", "--local-steps", "4"]),
     ("localsgd", "local SGD (local AdamW), 16 local steps", ["--compressor", "none", "--local-steps", "16"]),
