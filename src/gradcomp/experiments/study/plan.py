@@ -647,7 +647,9 @@ def _sharing(plan: dict[str, Any]) -> str:
 def _footer(plan: dict[str, Any]) -> list[str]:
     lines = [f"compute: {1e3 * plan['compute_s']:.2f} ms ({plan['compute_from']}); compression measured on "
              f"{plan['machine']['gpu'] or plan['machine']['cpu']} ({_sharing(plan)}); "
-             "communication priced by the latency-bandwidth model on the collectives each method really issued"]
+             "communication priced by the latency-bandwidth model on the collectives each method really issued",
+             "the exchange is timed as GradientAggregator runs it; through the DDP hook (per bucket, on its thread) "
+             "multi-round and variable-size methods take longer, which this model does not include yet (docs/plan.md)"]
     notes = sorted({(r["label"], r["note"]) for r in plan["rows"] if r["note"]})
     lines += [f"* {label}: {note}" for label, note in notes]
     cache = plan["cache"]
