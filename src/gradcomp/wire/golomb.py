@@ -201,14 +201,8 @@ def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int, flags: l
     succ = torch.cat([succ, torch.full((1,), nzeros, dtype=idx_dtype, device=device)])
     # The first code starts at bit 0, so its terminator is zero 0. Pointer doubling: with terminators
     # t_0..t_{m-1} known and jump = succ applied m times, t_m..t_{2m-1} = jump[t_0..t_{m-1}].
-    term = torch.zeros(1, dtype=idx_dtype, device=device)
-    jump = succ
-    while term.numel() < count:
-        need = count - term.numel()
-        term = torch.cat([term, jump[term[:need]]])
-        if term.numel() < count:
-            jump = jump[jump]
-    del jump, succ
+    term = _orbit(succ, count)
+    del succ
     bad = term == nzeros
     if bool(bad.any()):
         j = int(torch.nonzero(bad)[0, 0])
@@ -273,14 +267,8 @@ def _decode_deferred(buf: torch.Tensor, b: int, count: int, universe: int, n: in
     nxt = nz + (1 + b)
     step = torch.where(nxt <= n, nxt, torch.full_like(nxt, sentinel))  # step[S] = S: nz[S] = S > n - 1 - b
     del nxt
-    starts = torch.zeros(1, dtype=idx_dtype, device=device)
-    jump = step
-    while starts.numel() < count:
-        need = count - starts.numel()
-        starts = torch.cat([starts, jump[starts[:need]]])
-        if starts.numel() < count:
-            jump = jump[jump]
-    del jump, step
+    starts = _orbit(step, count)
+    del step
     zero_at = nz[starts].to(torch.int64)  # each code's terminating zero; S when it has none
     del nz
     ok = (zero_at < n).all()  # every code found its terminator (a code starting at S has none)
@@ -299,3 +287,16 @@ def _decode_deferred(buf: torch.Tensor, b: int, count: int, universe: int, n: in
     positions = torch.cumsum(gaps + 1, 0) - 1
     flags.append(ok & (positions.max() < universe))
     return positions
+
+
+def _orbit(step: torch.Tensor, count: int) -> torch.Tensor:
+    """0, step[0], step[step[0]], ...: the first ``count`` points of 0's orbit under ``step``, by pointer doubling
+    (with the first m points known and ``jump`` = step applied m times, the next m are jump of the first m), in
+    about log2(count) rounds of gathers with sizes known beforehand: no read back to the host."""
+    points = torch.zeros(1, dtype=step.dtype, device=step.device)
+    jump = step
+    while points.numel() < count:
+        points = torch.cat([points, jump[points[: count - points.numel()]]])
+        if points.numel() < count:
+            jump = jump[jump]
+    return points
