@@ -14,6 +14,8 @@ What a worker does, in order:
    communication at all, all workers at once (so they contend for the CPU as in training); the median of the
    measured ones is the method's compute-only step time. The warm-up steps run whatever ``compute_steps`` is
    (0 included), so torch's first-call costs are never on any method's training clock;
+2b. **a message's fixed cost**: ``LATENCY_ROUNDS`` all-reduces of one float over the link (``tiny_allreduce_seconds``),
+   the latency the race reports for ``gradcomp plan --latency``;
 3. trains with gradcomp's own loop, ``runner.run_worker`` (DDP with gradcomp's hook or torch's, or the
    aggregator), with an ``after_step`` that keeps the **training clock**: the end time of every step, minus
    the time spent evaluating. The clock starts, after a barrier, just before the first training step
@@ -23,7 +25,8 @@ What a worker does, in order:
    ``eval_every`` steps all workers evaluate the (identical) replicas on 1/W of the test set each and sum the
    counts, so the accuracy is that of the full test set; that time is off the clock. The last point is
    run_worker's own final evaluation of the full test set on rank 0;
-4. writes ``result-<rank>.json``: step end times, accuracy curve, compute-only step times, peak resident set
+4. writes ``result-<rank>.json``: step end times, accuracy curve, compute-only step times, the one-float
+   all-reduces' times, peak resident set
    during training steps (evaluations excluded: the high-water mark is read before and reset after each one),
    bytes on its veth (namespaces only), and run_worker's statistics.
 """
