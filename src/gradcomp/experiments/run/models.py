@@ -29,10 +29,11 @@ ALL_MODELS: tuple[str, ...] = MODEL_NAMES + TEXT_MODELS
 TRANSFORMER_SIZES: dict[str, tuple[int, int, int]] = {"transformer": (4, 160, 5), "transformer_tiny": (2, 32, 2)}
 
 
-def _check_positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
+def _check_positive(**values: object) -> None:
+    """Each keyword's value must be a positive integer (checked in the order given)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 class SmallCNN(nn.Module):
@@ -43,8 +44,7 @@ class SmallCNN(nn.Module):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, input_size: int = 28) -> None:
         super().__init__()
-        for name, value in (("in_channels", in_channels), ("num_classes", num_classes), ("input_size", input_size)):
-            _check_positive(name, value)
+        _check_positive(in_channels=in_channels, num_classes=num_classes, input_size=input_size)
         if input_size < 4:
             raise ConfigError(f"SmallCNN needs input_size >= 4 (two 2x2 poolings), got {input_size}")
         side = input_size // 2 // 2
@@ -79,8 +79,7 @@ class MnistConvNet(nn.Module):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, input_size: int = 28) -> None:
         super().__init__()
-        for name, value in (("in_channels", in_channels), ("num_classes", num_classes), ("input_size", input_size)):
-            _check_positive(name, value)
+        _check_positive(in_channels=in_channels, num_classes=num_classes, input_size=input_size)
         if input_size < 6:
             raise ConfigError(
                 f"MnistConvNet needs input_size >= 6 (two unpadded 3x3 convolutions, then a 2x2 pooling), "
@@ -101,8 +100,7 @@ class MLP(nn.Module):
 
     def __init__(self, input_dim: int, hidden: int = 128, num_classes: int = 10) -> None:
         super().__init__()
-        for name, value in (("input_dim", input_dim), ("hidden", hidden), ("num_classes", num_classes)):
-            _check_positive(name, value)
+        _check_positive(input_dim=input_dim, hidden=hidden, num_classes=num_classes)
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(input_dim, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -145,9 +143,7 @@ class TransformerLM(nn.Module):
 
     def __init__(self, vocab: int = 256, context: int = 128, layers: int = 4, dim: int = 160, heads: int = 5) -> None:
         super().__init__()
-        for name, value in (("vocab", vocab), ("context", context), ("layers", layers), ("dim", dim),
-                            ("heads", heads)):
-            _check_positive(name, value)
+        _check_positive(vocab=vocab, context=context, layers=layers, dim=dim, heads=heads)
         if dim % heads:
             raise ConfigError(f"TransformerLM needs dim divisible by heads, got dim={dim}, heads={heads}")
         self.context = context
@@ -206,8 +202,7 @@ class ResNet(nn.Module):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, blocks: int = 3) -> None:
         super().__init__()
-        for name, value in (("in_channels", in_channels), ("num_classes", num_classes), ("blocks", blocks)):
-            _check_positive(name, value)
+        _check_positive(in_channels=in_channels, num_classes=num_classes, blocks=blocks)
         self.stem = nn.Sequential(nn.Conv2d(in_channels, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
         layers: list[nn.Module] = []
         cin = 16
