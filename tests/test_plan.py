@@ -23,7 +23,7 @@ def _per_step_ops(ops: dict, steps: int) -> dict:
 @pytest.mark.parametrize("text", ["none", "topk:density=0.05", "powersgd:rank=2", "signsgd",
                                   "cnat:topology=sharded,server=cnat", "qsgd:topology=ps"])
 def test_sizes_equal_what_a_real_simulated_training_step_counts(text):
-    method = plan.parse_method(text)
+    method = plan.parse_method(text + ("," if ":" in text else ":") + "ddp=off")  # the aggregator's path
     assert plan.model_shapes("mlp", "synthetic", None) == TINY
     measured = plan.Traffic.from_measurement(plan.measure_method(method, TINY, 3, timed=2))
     steps = 3
@@ -34,13 +34,61 @@ def test_sizes_equal_what_a_real_simulated_training_step_counts(text):
     assert measured.bits_down == pytest.approx(result["bits_down_per_worker"] / steps)
 
 
+def _ddp_hook_ops(rank: int, world: int, texts: list[str]) -> dict:
+    """Per collective, the calls and bytes of one step of a real DDP model with gradcomp's hook (steps 2-3:
+    DDP rebuilds its buckets after the first), for each method."""
+    import torch
+
+    from gradcomp.experiments.race.method import parse_method
+
+    out = {}
+    for text in texts:
+        method = parse_method(text)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=method.bucket_cap_mb)
+        compressor, _ = method.config().build_compressors()
+        state = gradcomp.register_ddp_hook(ddp, compressor)
+        counts = []
+        for step in range(3):
+            torch.manual_seed(100 * rank + step)
+            ddp(torch.randn(8, 64)).square().mean().backward()
+            state.wait()
+            counts.append({op: list(v) for op, v in state.transport.counter.ops.items()})
+        state.close()
+        out[text] = {op: [(c - counts[0].get(op, [0, 0])[0]) / 2, (b - counts[0].get(op, [0, 0])[1]) / 2]
+                     for op, (c, b) in counts[2].items()}
+    return out
+
+
+def test_ddp_path_calls_and_bytes_equal_a_real_ddp_hook_s():
+    """With ddp on (the default) the plan runs the hook's work bucket by bucket: DDP's rebuilt buckets (a cap of
+    0.004 MB splits the MLP in two), PowerSGD's rounds and top-k's size round once per bucket, the dense all-reduce of
+    tensors too small to compress. The calls and bytes are those of a real DDP model on gloo."""
+    from distributed import run_workers
+
+    texts = ["none:bucket_cap_mb=0.004", "topk:density=0.05,bucket_cap_mb=0.004", "topk:density=0.6,bucket_cap_mb=0.004",
+             "powersgd:rank=2,bucket_cap_mb=0.004"]
+    assert plan.ddp_buckets(TINY, 0.004) == [[3, 2], [1, 0]]
+    assert plan.ddp_buckets(TINY) == [[3, 2, 1, 0]]
+    real = run_workers(_ddp_hook_ops, 2, texts, timeout=240)[0]
+    for text in texts:
+        traffic = plan.Traffic.from_measurement(plan.measure_method(plan.parse_method(text), TINY, 2, timed=2))
+        assert traffic.ops_by_worker[0] == real[text], text
+    # two buckets: two exchanges a step where the aggregator has one
+    two = plan.Traffic.from_measurement(plan.measure_method(plan.parse_method(texts[3]), TINY, 2, timed=1))
+    one = plan.Traffic.from_measurement(plan.measure_method(plan.parse_method("powersgd:rank=2,ddp=off"), TINY, 2,
+                                                            timed=1))
+    assert sum(c for c, _ in two.ops_by_worker[0].values()) > sum(c for c, _ in one.ops_by_worker[0].values())
+
+
 def test_per_collective_calls_and_bytes_equal_the_transports_counts():
     import torch
 
     from gradcomp.train.aggregator import GradientAggregator
     from gradcomp.transport.sim import SimulatedCluster
 
-    method = plan.parse_method("topk:density=0.05")
+    method = plan.parse_method("topk:density=0.05,ddp=off")
     traffic = plan.Traffic.from_measurement(plan.measure_method(method, TINY, 2, warmup=0, timed=1))
 
     def one_step(transport):

@@ -158,8 +158,9 @@ def parse_method(text: str) -> Method:
 
 def planned(text: str, equivalents: dict[str, str]) -> Method:
     """``text`` parsed for the planner: a torch baseline as the gradcomp method of ``equivalents`` that sends the
-    same messages (ConfigError for one without); the compressor and its parameters checked now. The planner
-    measures the aggregator after backward (no overlap assumed), so a planned method's ``ddp`` is off."""
+    same messages (ConfigError for one without); the compressor and its parameters checked now. ``ddp`` stays as
+    given (on unless ``ddp=off``): the planner times a DDP method bucket by bucket as the hook runs it, and one
+    with ``ddp=off`` as the aggregator runs it after backward; torch's baselines are DDP."""
     m = parse_method(text)
     if m.baseline is not None:
         if m.baseline not in equivalents:
@@ -168,8 +169,7 @@ def planned(text: str, equivalents: dict[str, str]) -> Method:
                 "'powersgd:rank=R' instead"
             )
         name = equivalents[m.baseline]
-        return Method(text=m.text, name=name, label=m.label, ddp=False,
+        return Method(text=m.text, name=name, label=m.label, bucket_cap_mb=m.bucket_cap_mb,
                       note=f"planned as gradcomp's {name} (the same messages)")
-    m.ddp = False
     m.config().build_compressors()  # unknown compressor or parameter: ConfigError now
     return m

@@ -10,7 +10,9 @@ For a model (``--model NAME``, any name ``experiments/run/models.py`` builds) or
    bytes handed to them. No formula for any method's size is involved;
 2. **measures the cost of compressing** on this machine: the same steps' ``compress_s`` (everything the
    exchange does outside collectives: compress, encode, decode, decompress, aggregate, a parameter server's
-   work on rank 0), the slowest worker's median over the timed steps, after warm-up steps;
+   work on rank 0), the slowest worker's median over the timed steps, after warm-up steps. Both 1 and 2 run
+   the step as training runs it: bucket by bucket as the DDP hook does (DDP's rebuilt buckets), or with
+   ``ddp=off`` once after backward as ``GradientAggregator`` does (``measure_method``);
 3. **measures compute**: forward + backward of the model on one batch (median of a few), or ``--compute-ms``;
 4. **prices the communication** with the latency-bandwidth model (:mod:`gradcomp.netmodel`: ring all-reduce,
    ring all-gather, pairwise all-to-all, gather to a root, binomial broadcast) on the recorded collectives;
@@ -62,7 +64,7 @@ FP32 = "none"
 WARMUP_STEPS = 2
 TIMED_STEPS = 3
 COMPUTE_REPEATS = 5
-CACHE_FORMAT = 2  # bump when measure_method or measure_compute change what they measure
+CACHE_FORMAT = 3  # bump when measure_method or measure_compute change what they measure
 SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
 
 
@@ -219,6 +221,26 @@ class Cache:
         return value
 
 
+def ddp_buckets(shapes: Sequence[tuple[int, ...]], bucket_cap_mb: float | None = None) -> list[list[int]]:
+    """The DDP buckets of parameters of these shapes, as indices, in the order the communication hook gets them.
+
+    DDP puts every parameter in one bucket for its first iteration and then rebuilds the buckets from the order
+    the gradients became ready (C++ ``Reducer``): a first bucket of at most ``dist._DEFAULT_FIRST_BUCKET_BYTES``
+    (1 MiB), then buckets of at most ``bucket_cap_mb`` (25 MiB by default; with ``bucket_cap_mb`` given the first
+    bucket takes that cap too). The ready order is taken as the reverse of the parameters' order (backward
+    reaches the last layer first), and the assignment is torch's own ``_compute_bucket_assignment_by_size`` on
+    meta tensors of these shapes, so no memory is allocated for a large model.
+    """
+    import torch.distributed as dist
+
+    order = list(reversed(range(len(shapes))))
+    cap = int((25.0 if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    tensors = [torch.empty(shapes[i], device="meta") for i in order]
+    assigned, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap])
+    return [[order[j] for j in bucket] for bucket in assigned]
+
+
 def measure_method(
     method: Method, shapes: Sequence[tuple[int, ...]], workers: int, device: str = "cpu", seed: int = 0,
     warmup: int = WARMUP_STEPS, timed: int = TIMED_STEPS,
@@ -228,21 +250,68 @@ def measure_method(
     Returns, for each timed step, each worker's counted traffic (the ByteCounter's bytes and per-collective
     ``ops``) and its ``compress_s``. Gradients are standard normal times a per-tensor scale drawn from a
     log-normal, seeded per worker and step, so workers differ as real workers' gradients do.
+
+    The step runs the way the method would be run in training. With ``method.ddp`` (the default, and how
+    ``gradcomp race`` runs every gradcomp method) it is the DDP communication hook's work, bucket by bucket
+    (``ddp_buckets``): per bucket the hook's finiteness check, one ``GradientExchange.exchange`` of the
+    bucket's slots with the hook's ``min_compression_rate`` (a small tensor that would not compress travels in a
+    dense all-reduce), the copy of the averages back into the bucket, and the scheme told at the last bucket
+    which slots the pass held. A multi-round method (PowerSGD) then runs its rounds once per bucket, and a
+    variable-size one (SBC, top-k) its size round once per bucket, as in the race. What the hook does on top,
+    handing each bucket to its communication thread while backward runs, is not in this measurement. With
+    ``ddp`` off it is ``GradientAggregator.aggregate``: one exchange of every parameter after backward.
+    ``compress_s`` is everything the step does outside collectives.
     """
+    from gradcomp.compressors.base import Slot
+    from gradcomp.finite import finite_flags
     from gradcomp.train.aggregator import GradientAggregator
+    from gradcomp.train.ddp_hook import DEFAULT_MIN_COMPRESSION_RATE
+    from gradcomp.train.exchange import GradientExchange
     from gradcomp.transport.sim import SimulatedCluster
 
     dev = torch.device(device)
     cfg = method.config()
+    buckets = ddp_buckets(shapes, method.bucket_cap_mb) if method.ddp else None
 
     def worker(transport) -> list[dict[str, Any]]:
         compressor, server = cfg.build_compressors()
         params = [torch.nn.Parameter(torch.zeros(shape, device=dev)) for shape in shapes]
-        aggregator = GradientAggregator(
-            [(f"p{i}", p) for i, p in enumerate(params)], compressor, transport,
-            granularity=method.granularity, topology=method.topology, server_compressor=server,
-        )
-        exchange = aggregator.exchange
+        named = [(f"p{i}", p) for i, p in enumerate(params)]
+        if buckets is None:
+            aggregator = GradientAggregator(named, compressor, transport, granularity=method.granularity,
+                                            topology=method.topology, server_compressor=server)
+            exchange = aggregator.exchange
+
+            def one_step(grads: list[torch.Tensor], step: int) -> float:
+                aggregator.aggregate(grads)
+                return 0.0
+        else:
+            exchange = GradientExchange(compressor, transport, topology=method.topology, server_compressor=server,
+                                        min_compression_rate=DEFAULT_MIN_COMPRESSION_RATE)
+            slots = GradientAggregator.slots_for(named, "layer")
+
+            def one_step(grads: list[torch.Tensor], step: int) -> float:
+                outside, seen = 0.0, []
+                for b, indices in enumerate(buckets):
+                    if method.granularity == "bucket":  # DDP's bucket buffer, one slot (made off the clock)
+                        tensors = [torch.cat([grads[i].reshape(-1) for i in indices])]
+                        names = ",".join(f"p{i}" for i in indices)
+                        bucket_slots = [Slot(f"bucket{b}:{names}", b, tensors[0].numel())]
+                    else:
+                        tensors, bucket_slots = [grads[i] for i in indices], [slots[i] for i in indices]
+                    started = time.perf_counter()
+                    finite = all(finite_flags(tensors))
+                    outside += time.perf_counter() - started
+                    averages = exchange.exchange(bucket_slots, tensors, step, validate=False, finite=finite)
+                    started = time.perf_counter()
+                    for target, average in zip(tensors, averages):
+                        target.copy_(average.view_as(target))
+                    seen += bucket_slots
+                    if b == len(buckets) - 1:
+                        exchange.scheme.retain(seen)
+                    outside += time.perf_counter() - started
+                return outside
+
         gen = torch.Generator().manual_seed(seed * 1_000_003 + transport.rank)
         steps = []
         for step in range(warmup + timed):
@@ -251,11 +320,11 @@ def measure_method(
                 scale = math.exp(float(torch.randn((), generator=gen)))
                 grads.append((torch.randn(shape, generator=gen) * (1e-3 * scale)).to(dev))
             before, compress_before = transport.counter.snapshot(), exchange.compress_s
-            aggregator.aggregate(grads)
+            outside = one_step(grads, step)
             if step >= warmup:
                 after = transport.counter
                 steps.append({
-                    "compress_s": exchange.compress_s - compress_before,
+                    "compress_s": exchange.compress_s - compress_before + outside,
                     "bytes_up": after.bytes_up - before.bytes_up,
                     "bytes_down": after.bytes_down - before.bytes_down,
                     "ops": {op: [calls - before.ops.get(op, [0, 0])[0], nbytes - before.ops.get(op, [0, 0])[1]]
@@ -265,7 +334,7 @@ def measure_method(
 
     with SimulatedCluster(workers) as cluster:
         per_worker = cluster.run(worker)
-    return {"workers": per_worker}
+    return {"workers": per_worker, "buckets": None if buckets is None else [len(b) for b in buckets]}
 
 
 def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any) -> list[dict[str, Any]]:
@@ -564,7 +633,8 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
     for method in methods:
         log(f"measuring {method.label} on {opts.workers} simulated workers")
         key = {"what": "method", "machine": machine, "shapes": shape_key, "workers": opts.workers,
-               "device": opts.device, "seed": opts.seed, "method": method.key(),
+               "device": opts.device, "seed": opts.seed,
+               "method": {**method.key(), "ddp": method.ddp, "bucket_cap_mb": method.bucket_cap_mb},
                "steps": [WARMUP_STEPS, TIMED_STEPS]}
         if opts.colocated > 1:
             key["colocated"] = opts.colocated
@@ -648,8 +718,9 @@ def _footer(plan: dict[str, Any]) -> list[str]:
     lines = [f"compute: {1e3 * plan['compute_s']:.2f} ms ({plan['compute_from']}); compression measured on "
              f"{plan['machine']['gpu'] or plan['machine']['cpu']} ({_sharing(plan)}); "
              "communication priced by the latency-bandwidth model on the collectives each method really issued",
-             "the exchange is timed as GradientAggregator runs it; through the DDP hook (per bucket, on its thread) "
-             "multi-round and variable-size methods take longer, which this model does not include yet (docs/plan.md)"]
+             "the exchange is timed as the DDP hook runs it, bucket by bucket (a method with ddp=off: as "
+             "GradientAggregator runs it, once after backward); the hook's hand-over of each bucket to its "
+             "communication thread is not in the model (docs/plan.md)"]
     notes = sorted({(r["label"], r["note"]) for r in plan["rows"] if r["note"]})
     lines += [f"* {label}: {note}" for label, note in notes]
     cache = plan["cache"]
