@@ -70,7 +70,8 @@ class Method:
     def key(self) -> dict[str, Any]:
         """What the planner's cached measurements of this method depend on."""
         return {"compressor": self.name, "params": self.params, "feedback": self.feedback, "topology": self.topology,
-                "server": self.server, "server_params": self.server_params, "granularity": self.granularity}
+                "server": self.server, "server_params": self.server_params, "granularity": self.granularity,
+                "ddp": self.ddp, "bucket_cap_mb": self.bucket_cap_mb}
 
     def config(self, base=None, num_parameters: int = 0):
         """This method's TrainConfig: ``base`` (the race's settings; TrainConfig's defaults) with the method's own."""

@@ -633,8 +633,7 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
     for method in methods:
         log(f"measuring {method.label} on {opts.workers} simulated workers")
         key = {"what": "method", "machine": machine, "shapes": shape_key, "workers": opts.workers,
-               "device": opts.device, "seed": opts.seed,
-               "method": {**method.key(), "ddp": method.ddp, "bucket_cap_mb": method.bucket_cap_mb},
+               "device": opts.device, "seed": opts.seed, "method": method.key(),
                "steps": [WARMUP_STEPS, TIMED_STEPS]}
         if opts.colocated > 1:
             key["colocated"] = opts.colocated
