@@ -256,14 +256,17 @@ def measure_method(
     (``ddp_buckets``): per bucket the hook's finiteness check, one ``GradientExchange.exchange`` of the
     bucket's slots with the hook's ``min_compression_rate`` (a small tensor that would not compress travels in a
     dense all-reduce), the copy of the averages back into the bucket, and the scheme told at the last bucket
-    which slots the pass held. A multi-round method (PowerSGD) then runs its rounds once per bucket, and a
+    which slots the pass held; for ``none`` the hook's own in-place all-reduce of the bucket buffer (divided by
+    W, its finiteness folded into the first entry and read back), with no exchange and no copy. A multi-round method (PowerSGD) then runs its rounds once per bucket, and a
     variable-size one (SBC, top-k) its size round once per bucket, as in the race. What the hook does on top,
     handing each bucket to its communication thread while backward runs, is not in this measurement. With
     ``ddp`` off it is ``GradientAggregator.aggregate``: one exchange of every parameter after backward.
     ``compress_s`` is everything the step does outside collectives.
     """
     from gradcomp.compressors.base import Slot
+    from gradcomp.compressors.dense import NoCompression
     from gradcomp.finite import finite_flags
+    from gradcomp.schemes.single_round import SingleRound
     from gradcomp.train.aggregator import GradientAggregator
     from gradcomp.train.ddp_hook import DEFAULT_MIN_COMPRESSION_RATE
     from gradcomp.train.exchange import GradientExchange
@@ -289,9 +292,23 @@ def measure_method(
             exchange = GradientExchange(compressor, transport, topology=method.topology, server_compressor=server,
                                         min_compression_rate=DEFAULT_MIN_COMPRESSION_RATE)
             slots = GradientAggregator.slots_for(named, "layer")
+            scheme = exchange.scheme
+            direct = (isinstance(scheme, SingleRound) and type(scheme.compressor) is NoCompression
+                      and scheme.topology == "allreduce")
 
             def one_step(grads: list[torch.Tensor], step: int) -> float:
                 outside, seen = 0.0, []
+                if direct:  # the hook's own all-reduce of the bucket buffer, in place (CompressionHookState._direct)
+                    for indices in buckets:
+                        flat = torch.cat([grads[i].reshape(-1) for i in indices])  # DDP's bucket buffer
+                        started, blocked = time.perf_counter(), exchange._blocked_seconds()
+                        flat.div_(transport.world_size)
+                        total = flat.sum()
+                        flat[:1].add_(total - total)
+                        transport.all_reduce_sum(flat, inplace=True)
+                        math.isfinite(float(flat[0]))
+                        outside += time.perf_counter() - started - (exchange._blocked_seconds() - blocked)
+                    return outside
                 for b, indices in enumerate(buckets):
                     if method.granularity == "bucket":  # DDP's bucket buffer, one slot (made off the clock)
                         tensors = [torch.cat([grads[i].reshape(-1) for i in indices])]
