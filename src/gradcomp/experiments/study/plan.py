@@ -64,7 +64,7 @@ FP32 = "none"
 WARMUP_STEPS = 2
 TIMED_STEPS = 3
 COMPUTE_REPEATS = 5
-CACHE_FORMAT = 3  # bump when measure_method or measure_compute change what they measure
+CACHE_FORMAT = 4  # bump when measure_method or measure_compute change what they measure
 SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
 
 
