@@ -63,12 +63,12 @@ def _ddp_hook_ops(rank: int, world: int, texts: list[str]) -> dict:
 
 def test_ddp_path_calls_and_bytes_equal_a_real_ddp_hook_s():
     """With ddp on (the default) the plan runs the hook's work bucket by bucket: DDP's rebuilt buckets (a cap of
-    0.004 MB splits the MLP in two), PowerSGD's rounds and top-k's size round once per bucket, the dense all-reduce of
-    tensors too small to compress. The calls and bytes are those of a real DDP model on gloo."""
+    0.004 MB splits the MLP in two), PowerSGD's rounds and top-k's gather once per bucket, the dense all-reduce of
+    tensors too small to compress (top-k at 60 %). The calls and bytes are those of a real DDP model on gloo."""
     from distributed import run_workers
 
-    texts = ["none:bucket_cap_mb=0.004", "topk:density=0.05,bucket_cap_mb=0.004", "topk:density=0.6,bucket_cap_mb=0.004",
-             "powersgd:rank=2,bucket_cap_mb=0.004"]
+    texts = ["none:bucket_cap_mb=0.004", "topk:density=0.05,bucket_cap_mb=0.004",
+             "topk:density=0.6,bucket_cap_mb=0.004", "powersgd:rank=2,bucket_cap_mb=0.004"]
     assert plan.ddp_buckets(TINY, 0.004) == [[3, 2], [1, 0]]
     assert plan.ddp_buckets(TINY) == [[3, 2, 1, 0]]
     real = run_workers(_ddp_hook_ops, 2, texts, timeout=240)[0]

@@ -257,9 +257,10 @@ def measure_method(
     bucket's slots with the hook's ``min_compression_rate`` (a small tensor that would not compress travels in a
     dense all-reduce), the copy of the averages back into the bucket, and the scheme told at the last bucket
     which slots the pass held; for ``none`` the hook's own in-place all-reduce of the bucket buffer (divided by
-    W, its finiteness folded into the first entry and read back), with no exchange and no copy. A multi-round method (PowerSGD) then runs its rounds once per bucket, and a
-    variable-size one (SBC, top-k) its size round once per bucket, as in the race. What the hook does on top,
-    handing each bucket to its communication thread while backward runs, is not in this measurement. With
+    W, its finiteness folded into the first entry and read back), with no exchange and no copy. A multi-round
+    method (PowerSGD) then runs its rounds once per bucket, and a variable-size one (SBC) its size round once
+    per bucket, as in the race. What the hook does on top, handing each bucket to its communication thread
+    while backward runs, is not in this measurement. With
     ``ddp`` off it is ``GradientAggregator.aggregate``: one exchange of every parameter after backward.
     ``compress_s`` is everything the step does outside collectives.
     """
@@ -301,13 +302,14 @@ def measure_method(
                 if direct:  # the hook's own all-reduce of the bucket buffer, in place (CompressionHookState._direct)
                     for indices in buckets:
                         flat = torch.cat([grads[i].reshape(-1) for i in indices])  # DDP's bucket buffer
-                        started, blocked = time.perf_counter(), exchange._blocked_seconds()
+                        started, blocked = time.perf_counter(), transport.counter.seconds + transport.idle_seconds()
                         flat.div_(transport.world_size)
                         total = flat.sum()
                         flat[:1].add_(total - total)
                         transport.all_reduce_sum(flat, inplace=True)
                         math.isfinite(float(flat[0]))
-                        outside += time.perf_counter() - started - (exchange._blocked_seconds() - blocked)
+                        waited = transport.counter.seconds + transport.idle_seconds() - blocked
+                        outside += time.perf_counter() - started - waited  # the all-reduce is communication
                     return outside
                 for b, indices in enumerate(buckets):
                     if method.granularity == "bucket":  # DDP's bucket buffer, one slot (made off the clock)
