@@ -35,6 +35,8 @@ TRANSFORMER_ROWS = [
      ["--compressor", "topk", "--param", "density=0.1", "--error-feedback"]),
     ("efsignsgd", "EF-signSGD (sign family without worker momentum)", ["--compressor", "efsignsgd"]),
     ("sbc", "SBC 1 %, 4 local steps", ["--compressor", "sbc", "--param", "density=0.01", "--local-steps", "4"]),
+    ("sbc_nolocal", "SBC 1 %, no local steps (AdamW normalises the compressed gradient, as for top-k)",
+     ["--compressor", "sbc", "--param", "density=0.01"]),
     ("localsgd", "local SGD (local AdamW), 16 local steps", ["--compressor", "none", "--local-steps", "16"]),
     ("randomk_ef", "random-k 1 %, error feedback", ["--compressor", "randomk", "--param", "density=0.01",
                                                     "--error-feedback"]),
