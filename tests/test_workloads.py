@@ -343,3 +343,34 @@ def test_curves_reads_a_seeds_result_as_mean_and_std(tmp_path, capsys):
     text = capsys.readouterr().out
     mean, std = mean_std(at4)
     assert "| lm | 4 | 2 |" in text and f"| 4 | {mean:.4f} ± {std:.4f} |" in text
+
+
+def test_race_merge_seeds_keeps_the_last_race_s_methods_and_times_fixed_targets(tmp_path):
+    """scripts/race_merge_seeds.py: a full race of one seed joins a seeds race of fewer methods; the fixed-target
+    table reads every seed's curve at the same threshold (– where a method never got there)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "race_merge_seeds", Path(__file__).resolve().parents[1] / "scripts" / "race_merge_seeds.py")
+    merge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge)
+
+    def race_json(seed: int, methods: dict) -> str:
+        path = tmp_path / f"race{seed}.json"
+        path.write_text(json.dumps({"summary": {"lower_is_better": True, "effective_target": 3.0}, "methods": [
+            {"label": label, "curve": curve, "time_to_target_s": next((c[1] for c in curve if c[2] <= 3.0), None),
+             "final_accuracy": curve[-1][2]} for label, curve in methods.items()]}))
+        return str(path)
+
+    full = race_json(0, {"fp32": [[10, 1.0, 3.5], [20, 2.0, 2.9]], "extra": [[10, 1.0, 9.0]],
+                         "cnat": [[10, 1.5, 2.8], [20, 3.0, 2.7]]})
+    other = race_json(1, {"fp32": [[10, 1.0, 3.8], [20, 2.0, 3.3]], "cnat": [[10, 1.2, 3.2], [20, 2.4, 2.95]]})
+    out = tmp_path / "merged.md"
+    assert merge.main([full, other, "--seeds", "0,1", "--thresholds", "3.0,3.4", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "extra" not in text
+    assert "| fp32 | 2.0, – | 2.0, 2.0 |" in text and "| cnat | 1.5, 2.4 | 1.5, 1.2 |" in text
+    assert "| cnat | 1.95 ± 0.64 (2 of 2 reached)" in text
+    with pytest.raises(SystemExit):
+        merge.main([full, other, "--seeds", "0"])  # two races, one seed
