@@ -341,6 +341,13 @@ class _CommThread:
         return [name for name, ok in zip(job.names or [], flags) if not ok]
 
 
+def sends_directly(scheme: Scheme) -> bool:
+    """Whether the hook all-reduces a bucket itself, in place, without its thread (uncompressed fp32 by
+    allreduce: ``CompressionHookState._direct``); ``gradcomp plan`` times that path for such a scheme."""
+    return (isinstance(scheme, SingleRound) and type(scheme.compressor) is NoCompression
+            and scheme.topology == "allreduce")
+
+
 def _set_result(future: torch.futures.Future, value: Tensor) -> None:
     """Complete ``future`` with ``value`` (one place, so that a test can make it fail)."""
     future.set_result(value)
@@ -397,11 +404,7 @@ class CompressionHookState:
         self.bucket_sizes: dict[int, int] = {}  # bucket index → elements, as of the latest complete pass
         scheme = self.exchange.scheme
         # uncompressed fp32 by allreduce: one collective per bucket, issued from the hook (see ``_direct``)
-        self.direct = (
-            isinstance(scheme, SingleRound)
-            and type(scheme.compressor) is NoCompression
-            and scheme.topology == "allreduce"
-        )
+        self.direct = sends_directly(scheme)
         self._counter_lock = threading.Lock()  # the direct path books bytes here and seconds on gloo's thread
         timeout = wait_bound(group_timeout(process_group, self.exchange.transport.device))
         self._worker = _CommThread(self.exchange, timeout, scaler)

@@ -265,11 +265,9 @@ def measure_method(
     ``compress_s`` is everything the step does outside collectives.
     """
     from gradcomp.compressors.base import Slot
-    from gradcomp.compressors.dense import NoCompression
     from gradcomp.finite import finite_flags
-    from gradcomp.schemes.single_round import SingleRound
     from gradcomp.train.aggregator import GradientAggregator
-    from gradcomp.train.ddp_hook import DEFAULT_MIN_COMPRESSION_RATE
+    from gradcomp.train.ddp_hook import DEFAULT_MIN_COMPRESSION_RATE, sends_directly
     from gradcomp.train.exchange import GradientExchange
     from gradcomp.transport.sim import SimulatedCluster
 
@@ -293,9 +291,7 @@ def measure_method(
             exchange = GradientExchange(compressor, transport, topology=method.topology, server_compressor=server,
                                         min_compression_rate=DEFAULT_MIN_COMPRESSION_RATE)
             slots = GradientAggregator.slots_for(named, "layer")
-            scheme = exchange.scheme
-            direct = (isinstance(scheme, SingleRound) and type(scheme.compressor) is NoCompression
-                      and scheme.topology == "allreduce")
+            direct = sends_directly(exchange.scheme)
 
             def one_step(grads: list[torch.Tensor], step: int) -> float:
                 outside, seen = 0.0, []
@@ -353,7 +349,7 @@ def measure_method(
 
     with SimulatedCluster(workers) as cluster:
         per_worker = cluster.run(worker)
-    return {"workers": per_worker, "buckets": None if buckets is None else [len(b) for b in buckets]}
+    return {"workers": per_worker}
 
 
 def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any) -> list[dict[str, Any]]:
