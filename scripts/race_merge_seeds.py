@@ -49,8 +49,8 @@ def main(argv: list[str]) -> int:
             for t in thresholds:
                 times = []
                 for res in results:
-                    m = next(m for m in res["methods"] if m["label"] == label)
-                    hit = first_reaching(m["curve"], t, lower) if not m.get("error") else None
+                    m = next((m for m in res["methods"] if m["label"] == label), None)  # None: not in this race
+                    hit = first_reaching(m["curve"], t, lower) if m is not None and not m.get("error") else None
                     times.append("–" if hit is None else f"{hit[1]:.1f}")
                 cells.append(", ".join(times))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
