@@ -36,8 +36,8 @@ def device_path(monkeypatch):
     seen = []
     deferred = exchange._drive_deferred
 
-    def spy(transport, rounds, finite):
-        agreed, result = deferred(transport, rounds, finite)
+    def spy(*args):
+        agreed, result = deferred(*args)
         seen.append(agreed)
         return agreed, result
 
@@ -47,15 +47,42 @@ def device_path(monkeypatch):
 
 @pytest.mark.parametrize("label", list(DEFERRED))
 def test_a_non_finite_step_is_abandoned_at_the_one_read_and_undone_exactly(label, device_path):
-    name, params, topology = DEFERRED[label]
+    _abandoned_and_undone(label, *DEFERRED[label], device_path)
+    assert device_path.count(True) == 6 * 3 + 5 * 3 - 3  # every other step went through the deferred path too
+
+
+AT_FIRST_MESSAGE = {  # sizes that vary, or a first message the verdict cannot wait after (ps, sharded)
+    "threshold": ("threshold", {"threshold": 0.01, "error_feedback": True}, "auto"),
+    "threshold-ps": ("threshold", {"threshold": 0.01, "error_feedback": True}, "ps"),
+    "threshold-sharded": ("threshold", {"threshold": 0.01, "error_feedback": True}, "sharded"),
+    "topk-ef-sharded": ("topk", {"density": 0.25, "error_feedback": True}, "sharded"),
+    "qsgd-ps": ("qsgd", {}, "ps"),
+    "sbc": ("sbc", {"density": 0.25}, "auto"),
+    "stc": ("stc", {"density": 0.25}, "auto"),
+    "dgc": ("dgc", {"density": 0.25}, "auto"),
+    "lgc-training": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 3}, "auto"),
+    "lgc-compressed": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 1}, "auto"),
+}
+
+
+@pytest.mark.parametrize("label", list(AT_FIRST_MESSAGE))
+def test_a_variable_size_step_agrees_on_its_first_message_and_is_undone_exactly(label, device_path):
+    """Sizes that vary (or ps, sharded): a bad worker's tensors are zeroed on the device and the verdict, marked on
+    the device, is read with the size exchange (or the first message every worker contributes to): the same step
+    raises on every worker and is undone exactly."""
+    _abandoned_and_undone(label, *AT_FIRST_MESSAGE[label], device_path)
+
+
+def _abandoned_and_undone(label: str, name: str, params: dict, topology: str, seen: list) -> None:
+    """A NaN on worker 1 at step 2 raises at step 2 on all 3 workers, abandoned through the device flag's driver,
+    and leaves the parameters as a run without that step."""
     with_nan = _undone_run(name, params, topology, "nan on rank 1")
-    abandoned = device_path.count(False)
+    abandoned = seen.count(False)
     without = _undone_run(name, params, topology, "never happened")
     for (raised, p), (none_raised, q) in zip(with_nan, without):
         assert raised == [2] and none_raised == []
         assert torch.equal(p, q), "the state after the undone step differs from never having had it"
-    assert abandoned == 3, f"{label}: the deferred verdict abandoned the step on {abandoned} of 3 workers"
-    assert device_path.count(True) == 6 * 3 + 5 * 3 - 3  # every other step went through the deferred path too
+    assert abandoned == 3, f"{label}: the device flag abandoned the step on {abandoned} of 3 workers"
 
 
 @pytest.mark.slow

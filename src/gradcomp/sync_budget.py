@@ -36,11 +36,10 @@ _WITH_CHECKS = (
     "bitmaps' padding bits), and the finiteness of the aggregate sums (wire.container.DeviceChecks, once per "
     "exchange whatever the world size)"
 )
-_MINE = "1 read of this worker's finiteness flag before the first message (the verdict is not deferred: sizes vary)"
-_MARKED = "1 read of the agreed verdict on the first message (exchange._marked)"
 _SIZES = (
-    "1 size exchange (sizes.exchange_sizes); per message received: 1 transfer of the whole message to the host (its "
-    "section headers and checksum: the layout depends on the data); 1 read of every message's data checks (padding, "
+    "1 size exchange, which carries the workers' finiteness verdict as well (a bad worker's lengths n travel as "
+    "-1 - n, marked on the device: sizes.exchange_sizes, exchange._drive_deferred); per message received: 1 "
+    "transfer of the whole message to the host (its section headers and checksum: the layout depends on the data); 1 read of every message's data checks (padding, "
     "positions, Golomb code structure) together with the finiteness of the aggregate sums (wire.container."
     "DeviceChecks, once per exchange whatever the world size)"
 )
@@ -72,16 +71,17 @@ _TABLE: dict[str, tuple[int, int, str]] = {
                         "goes into the max-allreduce as +Inf (no check of its own)"),
     "local_topk": (1, 1, "1 read of the agreed verdict with the gathered messages' checks and the range check of "
                    "their coordinates (accumulation.split_indices, handed to DeviceChecks)"),
-    "lgc": (4, 4, f"{_MINE}; {_MARKED}; 1 read of the Golomb stream's length (the leader "
-            "encoding; the other workers read the broadcast length instead, sizes.broadcast_buffer); 1 read of the "
+    "lgc": (3, 3, "1 read of the agreed verdict, marked on the device on the first message every worker "
+            "contributes to (the leader's broadcasts pass first: exchange._drive_deferred); 1 read of the Golomb "
+            "stream's length (the leader encoding; the other workers read the broadcast length instead, sizes.broadcast_buffer); 1 read of the "
             "decoded positions' checks (one Golomb section of known count: its length follows from the message's, "
             "decoded on the device like a fixed layout)"),
-    "sbc": (6, 6, f"{_MINE}; {_MARKED}; {_GOLOMB_LENGTHS}; {_SIZES}"),
-    "threshold": (6, 6, f"{_MINE}; {_MARKED}; 1 read of all the slots' selection counts "
+    "sbc": (4, 4, f"{_GOLOMB_LENGTHS}; {_SIZES}"),
+    "threshold": (4, 4, f"1 read of all the slots' selection counts "
                   f"(sparse.Threshold.compress_slots, once per message); {_SIZES}"),
-    "stc": (7, 7, f"{_MINE}; {_MARKED}; 1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
+    "stc": (5, 5, f"1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
             f"compress_slots, once per message); {_GOLOMB_LENGTHS}; {_SIZES}"),
-    "dgc": (8, 8, f"{_MINE}; {_MARKED}; 1 read of all the slots' counts of candidates above their sampled "
+    "dgc": (6, 6, f"1 read of all the slots' counts of candidates above their sampled "
             "thresholds and 1 of keep_largest's two conditions for all the slots with more candidates than k "
             "(dgc.DGC.compress_slots, once per message; a slot with too few candidates lowers its threshold on its "
             "own, with reads: rare); "

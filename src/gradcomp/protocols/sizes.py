@@ -19,10 +19,11 @@ from gradcomp.transport.requests import AllGather, Broadcast, Rounds
 
 
 def exchange_sizes(buffer: Tensor) -> Rounds:
-    """Every worker's buffer length in bytes (one int64 per worker, booked as control traffic)."""
+    """Every worker's buffer length in bytes (one int64 per worker, booked as control traffic), read to the host
+    in one transfer (``AllGather(read=True)``: a step's verdict on finiteness can ride on it)."""
     mine = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
-    gathered = yield AllGather(mine, kind=CONTROL)
-    return [int(s) for s in torch.cat(gathered).tolist()]
+    gathered = yield AllGather(mine, kind=CONTROL, read=True)
+    return [int(s) for s in gathered]
 
 
 def buffer_sizes(buffer: Tensor, rank: int, known: Sequence[int] | None = None) -> Rounds:

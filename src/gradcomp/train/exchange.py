@@ -241,7 +241,9 @@ class GradientExchange:
         host read to make it); where the scheme allows it (``Scheme.defers_verdict``: fixed sizes) and the first
         message can carry it on the device path, the verdict is then read once, with the wire's checks, after the
         rounds (``drive_agreeing``): a non-finite step runs its rounds to the end, on its own tensors, and is
-        abandoned there, on every worker, before anything of it is applied. Without ``finite``, non-finite tensors
+        abandoned there, on every worker, before anything of it is applied. A scheme whose sizes vary gets a bad
+        worker's tensors as zeros (``torch.where`` on the device) and reads the verdict at its first message: with
+        the sizes when that message is a size exchange (one read for both). Without ``finite``, non-finite tensors
         raise NonFiniteGradientError here, on this worker only, before anything is sent (``validate``).
         """
         self.check(slots, tensors, validate and finite is None)
@@ -249,13 +251,18 @@ class GradientExchange:
         if finite is None:
             result = drive(self.transport, self.scheme.run(slots, tensors, step))
         else:
-            defer = isinstance(finite, Tensor) and bool(tensors) and self.scheme.defers_verdict(slots)
-            if isinstance(finite, Tensor) and not defer:
-                finite = bool(finite)  # the verdict is read at the first message anyway
-            # deferred: this worker's tensors go in as they are (a non-finite step is abandoned before anything of
-            # it is applied, and the device path's compressors read nothing back, so sizes cannot change)
-            inputs = tensors if defer or finite else [torch.zeros_like(t) for t in tensors]
-            agreed, result = drive_agreeing(self.transport, self.scheme.run(slots, inputs, step), finite)
+            on_device = isinstance(finite, Tensor) and bool(tensors) and not host_path(tensors[0])
+            defer = on_device and self.scheme.defers_verdict(slots)
+            if isinstance(finite, Tensor) and not on_device:
+                finite = bool(finite)  # the host path: the verdict is read at the first message
+            if defer:  # this worker's tensors go in as they are (a non-finite step is abandoned before anything
+                inputs = tensors  # of it is applied, and the device path's compressors read nothing back)
+            elif on_device:  # sizes may vary: a bad worker's tensors become zeros on the device, nothing read
+                inputs = [torch.where(finite.reshape(()), t, 0) for t in tensors]
+            else:
+                inputs = tensors if finite else [torch.zeros_like(t) for t in tensors]
+            rounds = self.scheme.run(slots, inputs, step)
+            agreed, result = drive_agreeing(self.transport, rounds, finite, after_rounds=defer)
             if not agreed:
                 result = None
         blocked = self._blocked_seconds() - blocked_before
@@ -410,10 +417,22 @@ def _marked(received: list[Tensor] | Tensor, chunks: int = 1) -> list[bool]:
     return [bool(f) for f in _mark_flags(received, chunks).tolist()]
 
 
+def _reads(request: Request) -> bool:
+    """Whether the request's answer is its values read to the host (a size exchange, ``AllGather(read=True)``)."""
+    return isinstance(request, AllGather) and request.read
+
+
+def _marked_values(values: Sequence[float]) -> list[bool]:
+    """For each value of a size exchange read to the host, whether its sender marked it (negative: −1 − n)."""
+    return [v < 0 for v in values]
+
+
 def _mark_unless(t: Tensor, finite: Tensor, chunks: int, value: float, inplace: bool = False) -> Tensor:
     """``_mark(t, ...)`` where the device flag ``finite`` is False, ``t`` itself where it is True (a copy, or ``t``
     rewritten if ``inplace``: an all-reduce's buffer that is the scheme's to give): decided on the device, only the
     entries a mark changes rewritten (``torch.where``), nothing read back."""
+    if t.dtype == torch.int64:  # sizes and counts: every entry n becomes −1 − n
+        return torch.where(finite, t, -1 - t)
     out = (t if inplace else t.clone()).view(chunks, -1)
     # (Python scalars, not a tensor made from a list: a copy from pageable host memory would wait for the device)
     marks = [value] if t.is_floating_point() else list(NF_MARK)
@@ -431,7 +450,9 @@ def _flag_round(transport: Transport, rounds: Rounds, request: Request, bad: boo
     return True, _continue(transport, rounds, execute(transport, request))
 
 
-def drive_agreeing(transport: Transport, rounds: Rounds, finite: bool) -> tuple[bool, Any]:
+def drive_agreeing(
+    transport: Transport, rounds: Rounds, finite: bool | Tensor, *, after_rounds: bool = True
+) -> tuple[bool, Any]:
     """Run a scheme's rounds like ``drive``, with this worker's finiteness riding on the step's first message.
 
     Returns ``(True, the scheme's result)`` when every worker's gradients were finite, else ``(False, None)``
@@ -448,10 +469,13 @@ def drive_agreeing(transport: Transport, rounds: Rounds, finite: bool) -> tuple[
     message is a float all-reduce or a gather of every worker's message, on the device path, the mark is put on
     by ``torch.where`` and the agreed verdict is not read there but handed to the wire's next device read
     (``wire.container.defer_verdict``: one byte more in that transfer, StepAbandoned if bad), or read after the
-    last round if no such read came. Elsewhere ``finite`` is read at once and all goes as above.
+    last round if no such read came (not with ``after_rounds=False``: the scheme's sizes vary). A first message
+    that is a size exchange (``AllGather(read=True)``, int64) carries the device flag as its mark (every length n
+    becomes −1 − n, ``torch.where``), and the verdict is read with the lengths, in the one transfer the size
+    exchange makes anyway. Elsewhere ``finite`` is read at once and all goes as above.
     """
     if isinstance(finite, Tensor):
-        return _drive_deferred(transport, rounds, finite)
+        return _drive_deferred(transport, rounds, finite, after_rounds)
     world = transport.world_size
     try:
         request = next(rounds)
@@ -481,7 +505,7 @@ def drive_agreeing(transport: Transport, rounds: Rounds, finite: bool) -> tuple[
         received = execute(transport, request)
         if isinstance(request, Gather):
             return _after_gather(transport, rounds, request.root, t, received, finite)
-        if any(_marked(received, chunks)):
+        if any(_marked_values(received) if _reads(request) else _marked(received, chunks)):
             rounds.close()
             return False, None
         return True, _continue(transport, rounds, received)
@@ -489,24 +513,43 @@ def drive_agreeing(transport: Transport, rounds: Rounds, finite: bool) -> tuple[
         return True, done.value
 
 
-def _drive_deferred(transport: Transport, rounds: Rounds, finite: Tensor) -> tuple[bool, Any]:
-    """``drive_agreeing`` with the verdict read after the rounds (see there), where the first message allows it."""
+def _drive_deferred(transport: Transport, rounds: Rounds, finite: Tensor, after_rounds: bool) -> tuple[bool, Any]:
+    """``drive_agreeing`` with a device flag: the verdict read with the sizes, after the rounds, or at once."""
     try:
         request = next(rounds)
     except StopIteration as done:
         return True, done.value
+    while isinstance(request, Broadcast):  # a leader's message (LGC's positions): its root's data only
+        try:
+            request = rounds.send(execute(transport, request))
+        except StopIteration as done:  # broadcasts only: one flag round at the end
+            bad = (~finite.reshape(1)).to(device=request.tensor.device, dtype=torch.float32)
+            agreed = float(transport.all_reduce_sum(bad, kind=CONTROL)[0]) == 0.0
+            return agreed, done.value if agreed else None
     chunks = transport.world_size if isinstance(request, AllToAll) else 1
     t = request.tensor
+    flag = finite.reshape(()).to(device=t.device)
+    if _reads(request) and t.dtype == torch.int64 and t.numel():  # a size exchange: the mark is −1 − n
+        values = execute(transport, replace(request, tensor=_mark_unless(t, flag, 1, 0.0)))
+        if any(_marked_values(values)):
+            rounds.close()
+            return False, None
+        return True, _continue(transport, rounds, values)
     if not (
         isinstance(request, (AllGather, AllToAll)) or (isinstance(request, AllReduce) and t.is_floating_point())
     ) or not _can_mark(t, chunks) or host_path(t):
         return _agree_now(transport, rounds, request, bool(finite))
     value = float("inf") if isinstance(request, AllReduce) and request.op == "max" else float("nan")
     inplace = isinstance(request, AllReduce) and request.inplace  # (no copy of a dense all-reduce's buffer)
-    request = replace(request, tensor=_mark_unless(t, finite.reshape(()).to(device=t.device), chunks, value, inplace))
+    request = replace(request, tensor=_mark_unless(t, flag, chunks, value, inplace))
     if isinstance(request, AllReduce):
         request.inplace = True  # the marked copy is ours to overwrite
     received = execute(transport, request)
+    if not after_rounds:  # sizes vary: the verdict is read here, in one read of the marks
+        if any(_marked(received, chunks)):
+            rounds.close()
+            return False, None
+        return True, _continue(transport, rounds, received)
     defer_verdict(_mark_flags(received, chunks).any())
     try:
         result = _continue(transport, rounds, received)

@@ -18,7 +18,9 @@ Broadcast      ``root``'s tensor on every worker                             the
 booked apart. ``Broadcast(peer=True)``: the root is a worker sending to its peers (booked as its upload),
 not the parameter server's downlink (booked as server output). ``AllReduce(inplace=True)`` lets the
 transport overwrite the tensor it was given (the scheme made it and will not read it again), which saves a
-copy of every reduced buffer.
+copy of every reduced buffer. ``AllGather(read=True)`` (a size exchange): the generator receives every worker's
+values as one flat list of Python numbers, read from the device in one transfer, so that the driver can read the
+workers' finiteness marks in the same transfer (``train.exchange.drive_agreeing``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Union
 
+import torch
 from torch import Tensor
 
 from gradcomp.transport.base import PAYLOAD, Transport
@@ -46,6 +49,7 @@ class AllGather:
     kind: str = PAYLOAD
     pad_up: int = 0
     pad_down: int = 0
+    read: bool = False  # answer with the gathered values on the host (one flat list), not tensors
 
 
 @dataclass
@@ -87,7 +91,8 @@ def execute(transport: Transport, request: Request) -> Any:
             return transport.all_reduce_max(request.tensor, request.kind)
         raise ValueError(f"unknown all-reduce op {request.op!r}")
     if isinstance(request, AllGather):
-        return transport.all_gather(request.tensor, request.kind, request.pad_up, request.pad_down)
+        gathered = transport.all_gather(request.tensor, request.kind, request.pad_up, request.pad_down)
+        return torch.cat(gathered).tolist() if request.read else gathered
     if isinstance(request, AllToAll):
         return transport.all_to_all(request.tensor, request.kind, request.pad_up, request.pad_down)
     if isinstance(request, Gather):
