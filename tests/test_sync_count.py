@@ -208,6 +208,37 @@ def test_sign_padding_is_checked_with_the_steps_one_read(device_paths):
     assert counter.counts.get("item", 0) == 0, counter
 
 
+@pytest.mark.parametrize("name", ["threshold", "sbc"])
+def test_variable_messages_come_to_the_host_in_one_transfer_whatever_the_world_size(name, monkeypatch):
+    """Aggregating W messages whose layout depends on the data reads twice on the device path, for any W: their
+    headers in one transfer (container.fetch_together) and the checks with the sums' finiteness; the result is
+    the host path's, and a corrupted message among them still raises the host path's WireError."""
+    from gradcomp.errors import WireError
+    from gradcomp.schemes.single_round import aggregate_buffers, encode_slots
+
+    compressor = gradcomp.make(name, **({"threshold": 0.5} if name == "threshold" else {"density": 0.1}))
+    slots = [gradcomp.Slot("w", 0, 3000), gradcomp.Slot("b", 3000, 40)]
+    g = torch.Generator().manual_seed(0)
+    buffers = [
+        encode_slots(compressor, slots, [compressor.compress(torch.randn(s.numel, generator=g), s, 0) for s in slots])
+        for _ in range(4)
+    ]
+    assert len({b.numel() for b in buffers}) > 1, [b.numel() for b in buffers]  # sizes that vary
+    on_host = aggregate_buffers(compressor, slots, buffers, 0, torch.device("cpu"))
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    for world in (1, 2, 4):
+        with counting() as counter:
+            got = aggregate_buffers(compressor, slots, buffers[:world], 0, torch.device("cpu"))
+        assert counter.total == 2, f"W={world}: {counter}"
+        if world == 4:
+            assert all(torch.equal(a, b) for a, b in zip(got, on_host))
+    bad = buffers[2].clone()
+    bad[-1] ^= 1  # a flipped bit in the last section's data: the checksum no longer matches
+    with pytest.raises(WireError, match="checksum"):
+        aggregate_buffers(compressor, slots, [buffers[0], buffers[1], bad], 0, torch.device("cpu"))
+
+
 def test_the_docs_table_is_the_budget():
     text = (ROOT / "docs" / "gpu.md").read_text()
     rows = {}

@@ -38,8 +38,9 @@ _WITH_CHECKS = (
 )
 _SIZES = (
     "1 size exchange, which carries the workers' finiteness verdict as well (a bad worker's lengths n travel as "
-    "-1 - n, marked on the device: sizes.exchange_sizes, exchange._drive_deferred); per message received: 1 "
-    "transfer of the whole message to the host (its section headers and checksum: the layout depends on the data); 1 read of every message's data checks (padding, "
+    "-1 - n, marked on the device: sizes.exchange_sizes, exchange._drive_deferred); 1 transfer of the received "
+    "messages to the host, all of them together (their section headers and checksums: the layout depends on the "
+    "data; wire.container.fetch_together, once per exchange whatever the world size); 1 read of every message's data checks (padding, "
     "positions, Golomb code structure) together with the finiteness of the aggregate sums (wire.container."
     "DeviceChecks, once per exchange whatever the world size)"
 )

@@ -86,6 +86,7 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots, fixed_buffer_size
 from gradcomp.transport.base import CONTROL
 from gradcomp.transport.requests import AllToAll, Rounds
+from gradcomp.wire.container import fetch_together
 
 
 def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
@@ -260,13 +261,15 @@ class Sharded(Scheme):
         # 5. all-gather of the owners' buffers; everyone puts every shard in place
         gathered = yield from allgather_buffers(rank, downstream, down_sizes)
         results = [torch.empty(s.numel, dtype=torch.float32, device=device) for s in slots]
-        for j, (owned, buffer) in enumerate(zip(per_owner, gathered)):
-            if not owned:
-                continue
-            shard_slots = [s for _, s in owned]
-            for (i, shard), fields in zip(owned, decode_slots(self.server_compressor, shard_slots, buffer)):
-                start, stop = self.layout(slots[i]).bounds[j]
-                results[i][start:stop] = self.server_compressor.decompress(fields, shard, step)
+        specs = [[spec for _, s in owned for spec in self.server_compressor.specs(s)] for owned in per_owner]
+        with fetch_together([(buffer, sp) for buffer, sp, owned in zip(gathered, specs, per_owner) if owned]):
+            for j, (owned, buffer) in enumerate(zip(per_owner, gathered)):
+                if not owned:
+                    continue
+                shard_slots = [s for _, s in owned]
+                for (i, shard), fields in zip(owned, decode_slots(self.server_compressor, shard_slots, buffer)):
+                    start, stop = self.layout(slots[i]).bounds[j]
+                    results[i][start:stop] = self.server_compressor.decompress(fields, shard, step)
         return results
 
     # -- state -----------------------------------------------------------------------------------------------

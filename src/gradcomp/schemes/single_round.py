@@ -41,7 +41,7 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.transport.requests import Rounds
 from gradcomp.transport.sim import computed_once
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
-from gradcomp.wire.container import DeviceChecks, StepAbandoned, deferring
+from gradcomp.wire.container import DeviceChecks, StepAbandoned, deferring, fetch_together
 from gradcomp.wire.bits import bits_needed, packed_nbytes
 
 TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")  # what SingleRound carries
@@ -121,7 +121,10 @@ def aggregate_buffers(
         for slot, tally in zip(slots, tallies)
     ]
     later = DeviceChecks()  # device buffers: every message's checks and the sums' finiteness read in one transfer
-    with later.collecting():  # the compressors' own checks of what they decode (sign padding) join the one read
+    specs = [spec for slot in slots for spec in compressor.specs(slot)]
+    # the compressors' own checks of what they decode (sign padding) join the one read; messages whose layout
+    # depends on the data come to the host for their headers in one transfer, not one per worker
+    with later.collecting(), fetch_together([(buffer, specs) for buffer in buffers]):
         for buffer in buffers:
             _add_buffer(compressor, slots, buffer, step, totals, later)
     results = []

@@ -536,9 +536,13 @@ def _decode(
         # the device go to the host in one transfer, and the host path below names what is wrong, if anything.
     # Headers are parsed from host memory with struct: on the CPU the buffer's own memory (no copy); on another
     # device the whole buffer, in one transfer (it used to be one more transfer, and a sync, per section header).
+    fetched = None if on_host else (getattr(_fetched, "hosts", None) or {}).get((buf.data_ptr(), total))
     if on_host:
         host, computed = buf, None
         mem = host.numpy()
+    elif fetched is not None:  # it came to the host with the others of its exchange (fetch_together)
+        mem, computed = fetched
+        host = torch.from_numpy(mem)
     else:
         body_sum = checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8)
         flag = take_verdict()  # the step's deferred verdict, if one is pending, rides in the same transfer
@@ -656,6 +660,47 @@ def _decode(
         elif not all(summary.tolist()):
             return _decode(host.clone(), specs, True)  # a data check failed: the host path says which
     return out
+
+
+_fetched = threading.local()  # .hosts: {(data_ptr, length): (host copy, device checksum)} (fetch_together)
+
+
+@contextlib.contextmanager
+def fetch_together(messages: Sequence[tuple[torch.Tensor, Sequence[FieldSpec]]]):
+    """While inside, :func:`decode` of any of the ``messages``' buffers (device buffers, each with its specs) on this
+    thread takes the host copy made here: every buffer whose layout depends on the data comes to the host in ONE transfer, with
+    its checksum computed on the device (and the step's deferred verdict, if one is pending: StepAbandoned here
+    if it is bad), instead of one transfer per buffer. A buffer whose layout the specs fix needs none and is left
+    on the device. Nothing happens on the host path. The buffers must stay alive and unchanged inside (they are
+    known by their memory and length)."""
+    wanted = []
+    for buf, specs in messages:
+        total = buf.numel()
+        if host_path(buf) or total < HEADER_BYTES:
+            continue
+        specs = list(specs)
+        fixed = _fixed_layout(specs, _check_specs(specs), total)
+        if fixed is None or fixed[1] != total:
+            wanted.append(_as_uint8_buffer(buf))
+    before = getattr(_fetched, "hosts", None)
+    hosts = dict(before or {})
+    if len(wanted) > 1:  # (one buffer: decode makes the same single transfer itself)
+        sums = [checksum64_tensor(b[HEADER_BYTES:]).reshape(1).view(torch.uint8) for b in wanted]
+        flag = take_verdict()
+        verdict = [] if flag is None else [flag.reshape(1).to(torch.uint8)]
+        staged = to_host(torch.cat([*wanted, *sums, *verdict])).numpy()
+        if verdict and staged[-1]:
+            raise StepAbandoned
+        at, end = 0, sum(b.numel() for b in wanted)
+        for i, b in enumerate(wanted):  # copies: the staging buffer is reused by this thread's next transfer
+            computed = int.from_bytes(staged[end + 8 * i : end + 8 * i + 8].tobytes(), "little")
+            hosts[(b.data_ptr(), b.numel())] = (staged[at : at + b.numel()].copy(), computed)
+            at += b.numel()
+    _fetched.hosts = hosts
+    try:
+        yield
+    finally:
+        _fetched.hosts = before
 
 
 def _fixed_layout(specs: list, codecs: list, total: int) -> tuple[list, int] | None:
