@@ -40,11 +40,15 @@ _SIZES = (
     "1 size exchange, which carries the workers' finiteness verdict as well (a bad worker's lengths n travel as "
     "-1 - n, marked on the device: sizes.exchange_sizes, exchange._drive_deferred); 1 transfer of the received "
     "messages to the host, all of them together (their section headers and checksums: the layout depends on the "
-    "data; wire.container.fetch_together, once per exchange whatever the world size); 1 read of every message's data checks (padding, "
+    "data; wire.container.fetch_together, once per exchange whatever the world size); 1 read of every message's "
+    "data checks (padding, "
     "positions, Golomb code structure) together with the finiteness of the aggregate sums (wire.container."
     "DeviceChecks, once per exchange whatever the world size)"
 )
-_GOLOMB_LENGTHS = "1 read of the message's Golomb stream lengths, all slots at once (wire.container._golomb_lengths)"
+_STREAMS = (
+    "; the size exchange's read brings this worker's Golomb stream lengths too, computed on the device before "
+    "encoding (wire.container.length_on_device), so that encoding reads nothing"
+)
 
 # name: (aggregator, ddp, notes)
 _TABLE: dict[str, tuple[int, int, str]] = {
@@ -74,19 +78,20 @@ _TABLE: dict[str, tuple[int, int, str]] = {
                    "their coordinates (accumulation.split_indices, handed to DeviceChecks)"),
     "lgc": (3, 3, "1 read of the agreed verdict, marked on the device on the first message every worker "
             "contributes to (the leader's broadcasts pass first: exchange._drive_deferred); 1 read of the Golomb "
-            "stream's length (the leader encoding; the other workers read the broadcast length instead, sizes.broadcast_buffer); 1 read of the "
+            "stream's length (the leader encoding; the other workers read the broadcast length instead, "
+            "sizes.broadcast_buffer); 1 read of the "
             "decoded positions' checks (one Golomb section of known count: its length follows from the message's, "
             "decoded on the device like a fixed layout)"),
-    "sbc": (4, 4, f"{_GOLOMB_LENGTHS}; {_SIZES}"),
+    "sbc": (3, 3, f"{_SIZES}{_STREAMS}"),
     "threshold": (4, 4, f"1 read of all the slots' selection counts "
                   f"(sparse.Threshold.compress_slots, once per message); {_SIZES}"),
-    "stc": (5, 5, f"1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
-            f"compress_slots, once per message); {_GOLOMB_LENGTHS}; {_SIZES}"),
-    "dgc": (6, 6, f"1 read of all the slots' counts of candidates above their sampled "
+    "stc": (4, 4, f"1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
+            f"compress_slots, once per message); {_SIZES}{_STREAMS}"),
+    "dgc": (5, 5, f"1 read of all the slots' counts of candidates above their sampled "
             "thresholds and 1 of keep_largest's two conditions for all the slots with more candidates than k "
             "(dgc.DGC.compress_slots, once per message; a slot with too few candidates lowers its threshold on its "
             "own, with reads: rare); "
-            f"{_GOLOMB_LENGTHS}; {_SIZES}"),
+            f"{_SIZES}{_STREAMS}"),
 }  # fmt: skip
 
 BUDGETS: dict[str, dict[str, int]] = {name: {"aggregator": a, "ddp": d} for name, (a, d, _) in _TABLE.items()}

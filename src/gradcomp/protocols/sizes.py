@@ -26,6 +26,14 @@ def exchange_sizes(buffer: Tensor) -> Rounds:
     return [int(s) for s in gathered]
 
 
+def exchange_lengths(length: Tensor, also: Tensor) -> Rounds:
+    """Every worker's buffer length from this worker's as a one-element int64 tensor on the device (not read), and
+    ``also`` (int64 values of this worker's own, not sent) read in the same transfer: ``(lengths, also's values)``.
+    The device path sizes a message this way before encoding it (``wire.container.length_on_device``)."""
+    sizes, mine = yield AllGather(length.reshape(1), kind=CONTROL, read=True, also=also)
+    return [int(s) for s in sizes], [int(v) for v in mine]
+
+
 def buffer_sizes(buffer: Tensor, rank: int, known: Sequence[int] | None = None) -> Rounds:
     """Every worker's buffer length: ``known`` (checked for this worker's, no collective) or a size round."""
     if known is None:

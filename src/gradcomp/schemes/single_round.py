@@ -37,12 +37,13 @@ from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
 from gradcomp.finite import all_finite, finite_flags
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
+from gradcomp.protocols.sizes import exchange_lengths
 from gradcomp.schemes.base import Scheme
 from gradcomp.transport.requests import Rounds
 from gradcomp.transport.sim import computed_once
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
-from gradcomp.wire.container import DeviceChecks, StepAbandoned, deferring, fetch_together
-from gradcomp.wire.bits import bits_needed, packed_nbytes
+from gradcomp.wire.container import DeviceChecks, StepAbandoned, deferring, fetch_together, length_on_device
+from gradcomp.wire.bits import bits_needed, host_path, packed_nbytes
 
 TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")  # what SingleRound carries
 
@@ -298,6 +299,18 @@ class SingleRound(Scheme):
         kept alive through the collectives and the decoding that follow."""
         return encode_slots(self.compressor, slots, self.compressor.compress_slots(tensors, slots, step))
 
+    def _sized_on_device(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
+        """The device path of a message whose size depends on the data: its length computed on the device, sent in
+        the size exchange and read with the others' and with its Golomb streams' lengths (one read), then encoded
+        without a read of its own. Returns (this worker's buffer, every worker's length); the bytes are encode's."""
+        messages = self.compressor.compress_slots(tensors, slots, step)
+        fields = [f for message in messages for f in message]
+        specs = [spec for slot in slots for spec in self.compressor.specs(slot)]
+        del messages
+        length, which, bits = length_on_device(fields, specs)
+        sizes, streams = yield from exchange_lengths(length, bits)
+        return encode(fields, specs, stream_bits=dict(zip(which, streams))), sizes
+
     def _fixed_size(self, compressor: Compressor, slots: Sequence[Slot]) -> int | None:
         key = (compressor is self.server_compressor, tuple(slots))
         if key not in self._sizes:
@@ -306,8 +319,11 @@ class SingleRound(Scheme):
 
     def _allgather(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         size = self._fixed_size(self.compressor, slots)
-        sizes = None if size is None else [size] * self.world_size
-        buffers = yield from allgather_buffers(self.rank, self._encoded(slots, tensors, step), sizes)
+        if size is None and tensors and not host_path(tensors[0]):
+            buffer, sizes = yield from self._sized_on_device(slots, tensors, step)
+        else:
+            buffer, sizes = self._encoded(slots, tensors, step), None if size is None else [size] * self.world_size
+        buffers = yield from allgather_buffers(self.rank, buffer, sizes)
         # the same aggregate on every worker: a simulated cluster computes it once (transport.sim)
         return computed_once("aggregate", lambda: aggregate_buffers(self.compressor, slots, buffers, step,
                                                                    tensors[0].device))

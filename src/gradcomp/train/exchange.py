@@ -422,8 +422,11 @@ def _reads(request: Request) -> bool:
     return isinstance(request, AllGather) and request.read
 
 
-def _marked_values(values: Sequence[float]) -> list[bool]:
-    """For each value of a size exchange read to the host, whether its sender marked it (negative: −1 − n)."""
+def _marked_values(values: Sequence[float] | tuple[Sequence[float], Sequence[float]]) -> list[bool]:
+    """For each gathered value of a size exchange read to the host (``AllGather(read=True)``'s answer: the values, or
+    the values and this worker's ``also``), whether its sender marked it (negative: −1 − n)."""
+    if isinstance(values, tuple):
+        values = values[0]
     return [v < 0 for v in values]
 
 

@@ -20,7 +20,8 @@ not the parameter server's downlink (booked as server output). ``AllReduce(inpla
 transport overwrite the tensor it was given (the scheme made it and will not read it again), which saves a
 copy of every reduced buffer. ``AllGather(read=True)`` (a size exchange): the generator receives every worker's
 values as one flat list of Python numbers, read from the device in one transfer, so that the driver can read the
-workers' finiteness marks in the same transfer (``train.exchange.drive_agreeing``).
+workers' finiteness marks in the same transfer (``train.exchange.drive_agreeing``); with ``also`` (this worker's
+values to read as well, not sent) it receives ``(gathered values, also's values)``, still one transfer.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class AllGather:
     pad_up: int = 0
     pad_down: int = 0
     read: bool = False  # answer with the gathered values on the host (one flat list), not tensors
+    also: Tensor | None = None  # with read: this worker's int64 values read in the same transfer (not sent)
 
 
 @dataclass
@@ -92,7 +94,12 @@ def execute(transport: Transport, request: Request) -> Any:
         raise ValueError(f"unknown all-reduce op {request.op!r}")
     if isinstance(request, AllGather):
         gathered = transport.all_gather(request.tensor, request.kind, request.pad_up, request.pad_down)
-        return torch.cat(gathered).tolist() if request.read else gathered
+        if not request.read:
+            return gathered
+        if request.also is None:
+            return torch.cat(gathered).tolist()
+        values = torch.cat([*gathered, request.also.reshape(-1)]).tolist()
+        return values[: len(gathered)], values[len(gathered) :]
     if isinstance(request, AllToAll):
         return transport.all_to_all(request.tensor, request.kind, request.pad_up, request.pad_down)
     if isinstance(request, Gather):

@@ -278,8 +278,15 @@ def _encode_field(
 
 def _golomb_lengths(fields: list, specs: list, codecs: list, device: torch.device) -> dict[int, int]:
     """The device path's stream lengths in bits of the message's GOLOMB fields, by field index, in ONE read (they
-    size the message; golomb_encode would read each field's on its own). Fields that encode() will refuse (not a
-    tensor of integers) are left out: their error is raised where it always was."""
+    size the message; golomb_encode would read each field's on its own)."""
+    which, lengths = _golomb_bits(fields, specs, codecs, device)
+    return dict(zip(which, lengths.tolist())) if which else {}
+
+
+def _golomb_bits(fields: list, specs: list, codecs: list, device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """(the indices of the message's GOLOMB fields, their stream lengths in bits as an int64 tensor on ``device``),
+    computed and not read. Fields that encode() will refuse (not a tensor of integers) are left out: their error is
+    raised where it always was."""
     which, lengths = [], []
     for i, (f, spec, codec) in enumerate(zip(fields, specs, codecs)):
         t = f.detach()
@@ -287,9 +294,29 @@ def _golomb_lengths(fields: list, specs: list, codecs: list, device: torch.devic
             continue
         which.append(i)
         lengths.append(golomb_stream_bits(t.reshape(-1).to(device), _golomb_b(spec, t.numel())))
-    if not which:
-        return {}
-    return dict(zip(which, torch.stack(lengths).tolist()))
+    stacked = torch.stack(lengths) if lengths else torch.zeros(0, dtype=torch.int64, device=device)
+    return which, stacked
+
+
+def length_on_device(
+    fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]
+) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """What :func:`encode` needs to read before it can size a device message, computed and NOT read: ``(the
+    message's length in bytes, a one-element int64 tensor; the indices of its GOLOMB fields; their stream lengths in
+    bits, an int64 tensor)``, on the first field's device. A caller that must read the length anyway (a size
+    exchange) reads the stream lengths in the same transfer and hands them to ``encode(stream_bits=...)``, which
+    then reads nothing. The fields are checked against their specs by encode, not here."""
+    fields, specs = list(fields), list(specs)
+    codecs = _check_specs(specs)
+    device = fields[0].device if fields else torch.device("cpu")
+    which, bits = _golomb_bits(fields, specs, codecs, device)
+    streams = set(which)
+    fixed = HEADER_BYTES + SECTION_HEADER_BYTES * len(specs)
+    for i, (f, spec, codec) in enumerate(zip(fields, specs, codecs)):
+        if i not in streams:
+            param = spec.width if codec == Codec.BITS else bits_needed(spec.universe) if codec == Codec.POSITIONS else 0
+            fixed += _expected_nbytes(codec, param, f.numel()) or 0
+    return ((bits + 7) // 8).sum().reshape(1) + fixed, which, bits
 
 
 # Up to this many data bytes, CPU sections are copied by numpy (about 1 us) rather than by a torch slice, view
@@ -386,7 +413,9 @@ def check_pending() -> None:
         _raise_failed(checks, _read_bytes(flags))
 
 
-def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.Tensor:
+def encode(
+    fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec], stream_bits: dict[int, int] | None = None
+) -> torch.Tensor:
     """Serialize ``fields`` (flattened) according to ``specs`` into one uint8 tensor.
 
     The output lives on the device of the first field (CPU when there are none); other fields are moved
@@ -396,6 +425,9 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
     POSITIONS and GOLOMB fields are encoded then, their streams being small next to the field), then ONE
     output of the exact size is allocated and every section is written at its offset; float values go
     from the caller's tensor straight into the output, cast on the way when needed.
+
+    ``stream_bits``: on the device path, the GOLOMB fields' stream lengths, by field index, that the caller read
+    (:func:`length_on_device`); encode then reads nothing back.
     """
     fields = list(fields)
     specs = list(specs)
@@ -413,7 +445,10 @@ def encode(fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]) -> torch.
     on_host = host_device(device)
     flags: list = []  # the device path's deferred sender checks
     # the device path's Golomb stream lengths, all read at once: the one read of sizes a message needs
-    stream_bits = {} if on_host else _golomb_lengths(fields, specs, codecs, device)
+    if on_host:
+        stream_bits = {}
+    elif stream_bits is None:
+        stream_bits = _golomb_lengths(fields, specs, codecs, device)
     # Pass 1: checks, sizes, and the streams of the non-float codecs. plan: (codec, param, count, nbytes, tensor,
     # packed_later) where tensor is the detached field itself for float codecs (read once, in pass 2) and for BITS
     # fields that the compiled packer writes straight into the output in pass 2 (packed_later), else its data bytes.
@@ -668,8 +703,8 @@ _fetched = threading.local()  # .hosts: {(data_ptr, length): (host copy, device 
 @contextlib.contextmanager
 def fetch_together(messages: Sequence[tuple[torch.Tensor, Sequence[FieldSpec]]]):
     """While inside, :func:`decode` of any of the ``messages``' buffers (device buffers, each with its specs) on this
-    thread takes the host copy made here: every buffer whose layout depends on the data comes to the host in ONE transfer, with
-    its checksum computed on the device (and the step's deferred verdict, if one is pending: StepAbandoned here
+    thread takes the host copy made here: every buffer whose layout depends on the data comes to the host in ONE
+    transfer, with its checksum computed on the device (and the step's deferred verdict, if one is pending: StepAbandoned here
     if it is bad), instead of one transfer per buffer. A buffer whose layout the specs fix needs none and is left
     on the device. Nothing happens on the host path. The buffers must stay alive and unchanged inside (they are
     known by their memory and length)."""
