@@ -11,7 +11,9 @@ in the same run so that the two differ only in what the plan predicts (compressi
 
 - ``--compute-ms``: the race's compute-only step (forward, backward, optimizer; every worker at once);
 - ``--latency``: the race's per-message latency on the link (a one-float all-reduce, per ring message);
-- ``--colocated 4``: the race's hosts share this machine's cores, so the plan times compression 4 at once.
+- ``--colocated 4``: the race's hosts share this machine's cores, so the plan times compression 4 at once;
+
+and one the race sets: ``--burst``, the token-bucket burst of its emulated links (``netns.TBF_BURST``).
 
 Prints a markdown table (predicted, measured, error, within 20 %) and writes OUT/plan.json and OUT/table.md.
 The race's ``torch-fp32`` is matched with the plan's ``none`` (the same messages), ``torch-fp16`` with ``fp16``;
@@ -28,6 +30,7 @@ import shlex
 import subprocess
 import sys
 
+from gradcomp.experiments.race.netns import TBF_BURST
 from gradcomp.experiments.race.race import DEFAULT_METHODS
 
 # the race's default set; torch's PowerSGD hook has no gradcomp counterpart that sends the same messages
@@ -81,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
     planned = [PLANNED_AS.get(m, m) for m in args.methods]
     plan_json = os.path.join(args.out, "plan.json")
     cmd = [*gradcomp, "plan", *model, "--workers", str(args.hosts), "--link", args.link,
-           "--latency", f"{1e6 * latency:.1f}us", "--compute-ms", f"{compute_ms:.2f}", "--colocated",
-           str(args.hosts), "--json", plan_json, "--methods", *planned]
+           "--latency", f"{1e6 * latency:.1f}us", "--burst", TBF_BURST, "--compute-ms", f"{compute_ms:.2f}",
+           "--colocated", str(args.hosts), "--json", plan_json, "--methods", *planned]
     if "--batch-size" in extra:
         cmd += ["--batch-size", extra[extra.index("--batch-size") + 1]]
     print("$", " ".join(cmd[2:]), file=sys.stderr, flush=True)
@@ -92,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     with open(plan_json) as f:
         plan = json.load(f)
     text = (f"{args.model}, {args.hosts} hosts, {args.link}: compute-only step {compute_ms:.1f} ms, latency "
-            f"{1e6 * latency:.0f} us per message (both measured by the race)\n\n{table(race, plan)}\n")
+            f"{1e6 * latency:.0f} us per message (both measured by the race), link burst {TBF_BURST}\n\n"
+            f"{table(race, plan)}\n")
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text)
     print(text)

@@ -186,8 +186,11 @@ def test_colocated_workers_are_measured_at_once_in_their_own_processes(tmp_path)
     opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, link="1gbit", methods=["topk:density=0.05"],
                             cache_dir=str(tmp_path), batch_size=8)
     alone, shared = plan.run_plan(opts), plan.run_plan(dataclasses.replace(opts, colocated=2))
-    assert shared["cache"]["misses"] == 2  # colocated measurements are not the cached single-worker ones
+    assert shared["cache"]["misses"] == 3  # not the cached single-worker ones; and the round cost
     assert shared["colocated"] == 2 and alone["colocated"] == 1
+    assert alone["round_s"] == 0.0 and shared["round_s"] >= 0.0
+    for row in shared["rows"]:  # a collective call's cost with cores shared, once per call, in the communication
+        assert row["rounds_s"] == pytest.approx(shared["round_s"] * sum(row["calls"].values()))
     for a, b in zip(alone["rows"], shared["rows"]):
         assert (a["bits_up"], a["bits_down"], a["calls"]) == (b["bits_up"], b["bits_down"], b["calls"])
         assert b["compress_s"] > 0 and b["compute_s"] > 0
@@ -264,3 +267,24 @@ def test_a_small_margin_is_called_small():
     far = plan.PlanRow("topk", "topk", 1.0, 0.0, 0.0, 1.0, 3.0, {})
     assert "hardly pays" in plan.recommend([fp32, close])
     assert "hardly pays" not in plan.recommend([fp32, far]) and plan.recommend([fp32, far]).startswith("use topk")
+
+
+def test_the_round_cost_is_measured_in_a_real_group_of_colocated_workers():
+    """round_cost: n processes joined in a gloo group time steps with and without a collective round between
+    chunks of work; the result is a duration per round (>= 0, well under a second here) and 0 for one worker."""
+    assert plan.round_cost(1) == 0.0
+    got = plan.round_cost(2, chunk_s=0.001)
+    assert 0.0 <= got < 0.5
+
+
+def test_the_link_burst_is_credited_once_per_step():
+    """A token bucket's burst takes its bytes' bandwidth time off one step's collectives, never below the latency."""
+    ops = {"all_gather": [2, 2 * 100_000]}  # two calls of 100 kB
+    plain, burst = NetworkModel(1e8, 1e-4), NetworkModel(1e8, 1e-4, burst_bytes=256 * 1024)
+    latency = 2 * 3 * 1e-4
+    assert plain.step_seconds(ops, 4) == pytest.approx(latency + 2 * 3 * 8e5 / 1e8)
+    assert burst.step_seconds(ops, 4) == pytest.approx(latency + 2 * 3 * 8e5 / 1e8 - 8 * 256 * 1024 / 1e8)
+    assert burst.step_seconds({"all_gather": [1, 1000]}, 4) == pytest.approx(3 * 1e-4)  # all inside the burst
+    assert burst.step_seconds(ops, 1) == 0.0
+    with pytest.raises(gradcomp.ConfigError, match="size must look like"):
+        plan.run_plan(plan.PlanOptions(model="mlp", dataset="synthetic", burst="lots", methods=["none"]))

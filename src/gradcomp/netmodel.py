@@ -12,6 +12,12 @@ prices one call on a tensor of n bytes, for W workers, with the textbook algorit
 
 The model is applied to the bytes the run really handed to each collective (padding and size exchanges
 included), so compressors are compared on what they actually send. With W = 1 every cost is 0.
+
+A link shaped by a token bucket (``tc tbf``, as ``gradcomp race`` emulates one) passes the first ``burst_bytes``
+after an idle pause at line rate. ``step_seconds`` prices one training step's collectives with that credit: the
+bucket refills while the workers compute, so the first ``burst_bytes`` of each step's traffic on a link cost no
+bandwidth time (the bandwidth terms shrink by ``8 · burst_bytes / B``, at most to 0; refills during a step's own
+pauses are not counted). ``burst_bytes = 0`` (the default) is the plain latency-bandwidth model.
 """
 
 from __future__ import annotations
@@ -58,26 +64,56 @@ def parse_latency(text: str | float) -> float:
     return value
 
 
+_BYTE_UNITS = {"": 1.0, "b": 1.0, "kb": 1024.0, "kib": 1024.0, "mb": 1024.0**2, "mib": 1024.0**2}
+
+
+def parse_bytes(text: str | float) -> float:
+    """``"256kb"`` (tc's kb: KiB), ``"256KiB"``, ``"1mb"``, ``262144`` → bytes."""
+    value = _quantity(text, r"\s*([0-9.eE+-]+)\s*([kKmM]?[iI]?[bB]?)\s*", _BYTE_UNITS, "",
+                      "a size must look like 256kb, 256KiB or 262144")
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"a size must be >= 0, got {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class NetworkModel:
     bandwidth_bps: float
     latency_s: float = 0.0
+    burst_bytes: float = 0.0
 
     def call_seconds(self, op: str, nbytes: float, world: int) -> float:
+        latency, transfer = self.call_parts(op, nbytes, world)
+        return latency + transfer
+
+    def call_parts(self, op: str, nbytes: float, world: int) -> tuple[float, float]:
+        """One call's (latency term, bandwidth term) in seconds."""
         if world <= 1:
-            return 0.0
+            return 0.0, 0.0
         a, bits = self.latency_s, 8.0 * nbytes / self.bandwidth_bps
         if op == "all_reduce":
-            return 2 * (world - 1) * a + 2 * (world - 1) / world * bits
+            return 2 * (world - 1) * a, 2 * (world - 1) / world * bits
         if op == "all_gather":
-            return (world - 1) * a + (world - 1) * bits
+            return (world - 1) * a, (world - 1) * bits
         if op == "all_to_all":
-            return (world - 1) * a + (world - 1) / world * bits
+            return (world - 1) * a, (world - 1) / world * bits
         if op == "gather":
-            return a + (world - 1) * bits
+            return a, (world - 1) * bits
         if op == "broadcast":
-            return math.ceil(math.log2(world)) * (a + bits)
+            rounds = math.ceil(math.log2(world))
+            return rounds * a, rounds * bits
         raise ConfigError(f"no cost model for collective {op!r}")
+
+    def step_seconds(self, ops: dict[str, list[float]], world: int) -> float:
+        """One step's recorded calls (``ops`` as in :meth:`seconds`), with the token bucket's burst credited once."""
+        latency = transfer = 0.0
+        for op, (calls, nbytes) in ops.items():
+            if calls:
+                a, b = self.call_parts(op, nbytes / calls, world)
+                latency, transfer = latency + calls * a, transfer + calls * b
+        if world > 1:
+            transfer = max(0.0, transfer - 8.0 * self.burst_bytes / self.bandwidth_bps)
+        return latency + transfer
 
     def seconds(self, ops: dict[str, list[int]], world: int) -> float:
         """Modelled time of all recorded calls: ops maps a collective to [calls, total bytes]."""

@@ -49,7 +49,7 @@ import torch
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race import race
 from gradcomp.experiments.race.method import Method, planned
-from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
+from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_bytes, parse_latency
 
 BASELINE_EQUIVALENTS = {"torch-fp32": "none", "torch-fp16": "fp16"}
 # the race's default methods (experiments/race/race.py, read from there so the two never drift apart) with torch's DDP
@@ -114,6 +114,7 @@ class PlanOptions:
     workers: int = 4
     link: str | float = "1gbit"
     latency: str | float = 0.0
+    burst: str | float = 0.0
     device: str = "cpu"
     methods: Sequence[str] = DEFAULT_METHODS
     compute_ms: float | None = None
@@ -141,7 +142,7 @@ class PlanOptions:
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda asked for, but torch sees no CUDA device")
-        network = NetworkModel(parse_bandwidth(self.link), parse_latency(self.latency))
+        network = NetworkModel(parse_bandwidth(self.link), parse_latency(self.latency), parse_bytes(self.burst))
         if not self.methods:
             raise ConfigError("--methods: give at least one method")
         methods = [parse_method(m) for m in self.methods]
@@ -352,6 +353,83 @@ def measure_method(
     return {"workers": per_worker}
 
 
+ROUND_CHUNK_S = 0.005  # the work between two collective rounds in measure_round_cost (a compression's order)
+ROUNDS = 4
+ROUND_REPEATS = 15
+
+
+def measure_round_cost(store_path: str, n: int, chunk_s: float = ROUND_CHUNK_S) -> dict[str, Any]:
+    """What one more collective round costs a step when ``n`` workers share this machine's cores, beyond the
+    round's own latency: run in ``n`` colocated processes (``colocated``), joined in a gloo group through the file
+    store ``store_path``.
+
+    A step of ``ROUNDS`` chunks of work (about ``chunk_s`` each, the same on every worker) is timed with a one-float
+    all-reduce after every chunk and with one all-reduce after the last chunk; the difference per extra round,
+    less the all-reduce's own time with every worker idle, is the round's cost: the wait for the worker that the
+    scheduler ran last, and the time a worker that a round woke takes to be scheduled again while the others
+    compute. With a core per worker it is about 0; it is what a multi-round method pays more than the network
+    model prices when the emulated hosts of ``gradcomp race`` share a few cores. Returns ``{"round_s",
+    "idle_allreduce_s", "chunk_s"}`` for this worker."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, n)
+    rank = int(store.add("rank", 1)) - 1
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+    try:
+        a = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank)) / 8
+
+        def work(units: int) -> None:
+            x = a
+            for _ in range(units):
+                x = torch.tanh(x @ a)
+
+        started = time.perf_counter()
+        work(50)
+        units = torch.tensor([max(1, round(50 * chunk_s / (time.perf_counter() - started)))])
+        dist.all_reduce(units, op=dist.ReduceOp.MAX)  # the same work everywhere
+        units = int(units)
+        one = torch.zeros(1)
+        idle = []
+        for _ in range(20):
+            dist.barrier()
+            started = time.perf_counter()
+            dist.all_reduce(one)
+            idle.append(time.perf_counter() - started)
+
+        def step(rounds: bool) -> float:
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(ROUNDS):
+                work(units)
+                if rounds:
+                    dist.all_reduce(one)
+            if not rounds:
+                dist.all_reduce(one)
+            return time.perf_counter() - started
+
+        step(True), step(False)  # warm-up
+        with_rounds, without = [], []
+        for _ in range(ROUND_REPEATS):  # interleaved: a slow phase of the machine hits both alike
+            with_rounds.append(step(True))
+            without.append(step(False))
+        idle_s = statistics.median(idle)
+        extra = (statistics.median(with_rounds) - statistics.median(without)) / (ROUNDS - 1)
+        return {"round_s": max(0.0, extra - idle_s), "idle_allreduce_s": idle_s, "chunk_s": chunk_s}
+    finally:
+        dist.destroy_process_group()
+
+
+def round_cost(n: int, chunk_s: float = ROUND_CHUNK_S) -> float:
+    """``measure_round_cost`` in ``n`` colocated processes: the median over the workers (0 for one worker)."""
+    if n < 2:
+        return 0.0
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        results = colocated(measure_round_cost, n, os.path.join(tmp, "store"), n, chunk_s)
+    return statistics.median(r["round_s"] for r in results)
+
+
 def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any) -> list[dict[str, Any]]:
     """``measure(*args)`` in ``n`` processes at once: what it costs when ``n`` workers share this machine's cores.
 
@@ -507,8 +585,8 @@ class Traffic:
 
 
 def communication_seconds(traffic: Traffic, network: NetworkModel, workers: int) -> float:
-    """The slowest worker's priced collectives (the step waits for it)."""
-    return max(network.seconds(ops, workers) for ops in traffic.ops_by_worker)
+    """The slowest worker's priced collectives of one step (the step waits for it), the link's burst credited."""
+    return max(network.step_seconds(ops, workers) for ops in traffic.ops_by_worker)
 
 
 @dataclass
@@ -522,6 +600,7 @@ class PlanRow:
     bits_down: float
     calls: dict[str, float]
     note: str = ""
+    rounds_s: float = 0.0  # the collective calls' cost when workers share cores (round_cost), in communicate_s
 
     @property
     def step_s(self) -> float:
@@ -534,12 +613,16 @@ class PlanRow:
 
 
 def price(label: str, method: str, traffic: Traffic, network: NetworkModel, workers: int, compute_s: float,
-          note: str = "") -> PlanRow:
+          note: str = "", round_s: float = 0.0) -> PlanRow:
+    """The predicted step; ``round_s``: what each collective call costs beyond the network when workers share
+    cores (``round_cost``), added to the communication once per call."""
     calls: dict[str, float] = {}
     for op, (n, _) in traffic.ops_by_worker[0].items():
         calls[op] = n
-    return PlanRow(label, method, compute_s, traffic.compress_s, communication_seconds(traffic, network, workers),
-                   traffic.bits_up, traffic.bits_down, calls, note)
+    rounds_s = round_s * sum(calls.values())
+    return PlanRow(label, method, compute_s, traffic.compress_s,
+                   communication_seconds(traffic, network, workers) + rounds_s, traffic.bits_up, traffic.bits_down,
+                   calls, note, rounds_s)
 
 
 def recommend(rows: Sequence[PlanRow]) -> str:
@@ -644,6 +727,11 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
             compute_from += f", {opts.colocated} at once"
     else:
         compute_s, compute_from = 0.0, "not included (--shapes without --compute-ms)"
+    round_s = 0.0
+    if opts.colocated > 1:
+        log(f"measuring the cost of a collective round with {opts.colocated} workers sharing the cores")
+        key = {"what": "round", "machine": machine, "colocated": opts.colocated, "chunk_s": ROUND_CHUNK_S}
+        round_s = cache.get_or_measure(key, lambda: {"round_s": round_cost(opts.colocated)})["round_s"]
     rows = []
     for method in methods:
         log(f"measuring {method.label} on {opts.workers} simulated workers")
@@ -655,15 +743,18 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
         measured = cache.get_or_measure(key, lambda m=method: merge_colocated(colocated(
             measure_method, opts.colocated, m, shapes, opts.workers, opts.device, opts.seed)))
         traffic = Traffic.from_measurement(measured)
-        rows.append(price(method.label, method.name, traffic, network, opts.workers, compute_s, method.note))
+        rows.append(price(method.label, method.name, traffic, network, opts.workers, compute_s, method.note,
+                          round_s))
     return {
         "source": source,
         "num_parameters": sum(math.prod(s) for s in shapes),
         "tensors": len(shapes),
         "workers": opts.workers,
-        "network": {"bandwidth_bps": network.bandwidth_bps, "latency_s": network.latency_s},
+        "network": {"bandwidth_bps": network.bandwidth_bps, "latency_s": network.latency_s,
+                    "burst_bytes": network.burst_bytes},
         "device": opts.device,
         "colocated": opts.colocated,
+        "round_s": round_s,
         "machine": machine,
         "compute_s": compute_s,
         "compute_from": compute_from,
@@ -718,7 +809,8 @@ def _title(plan: dict[str, Any]) -> str:
     net = plan["network"]
     return (f"plan: {plan['source']} ({plan['num_parameters']:,} parameters in {plan['tensors']} tensors), "
             f"{plan['workers']} workers, {_rate(net['bandwidth_bps'])}, latency {1e6 * net['latency_s']:g} us, "
-            f"device {plan['device']}")
+            + (f"burst {net['burst_bytes'] / 1024:g} KiB, " if net.get("burst_bytes") else "")
+            + f"device {plan['device']}")
 
 
 def _sharing(plan: dict[str, Any]) -> str:
@@ -735,6 +827,9 @@ def _footer(plan: dict[str, Any]) -> list[str]:
              "the exchange is timed as the DDP hook runs it, bucket by bucket (a method with ddp=off: as "
              "GradientAggregator runs it, once after backward); the hook's hand-over of each bucket to its "
              "communication thread is not in the model (docs/plan.md)"]
+    if plan.get("round_s"):
+        lines.append(f"communication includes {1e3 * plan['round_s']:.2f} ms per collective call: what a round costs "
+                     f"when {plan['colocated']} workers share this machine's cores (measured, plan.round_cost)")
     notes = sorted({(r["label"], r["note"]) for r in plan["rows"] if r["note"]})
     lines += [f"* {label}: {note}" for label, note in notes]
     cache = plan["cache"]
@@ -770,6 +865,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=4, help="number of workers, >= 2")
     p.add_argument("--link", required=True, help="per-worker link rate, e.g. 100mbit, 1Gbit/s, 10gbit")
     p.add_argument("--latency", default="0", help="per-message latency, e.g. 50us, 1ms")
+    p.add_argument("--burst", default="0", help="the link's token-bucket burst, e.g. 256kb (tc's KiB): the first "
+                   "bytes of each step pass at line rate (gradcomp race's emulated links: 256kb; default 0)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
                    help="methods as gradcomp race --method takes them (default: the race's set plus bf16, "
@@ -792,7 +889,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(
         model=None if shapes is not None else (args.model or "convnet"),
         shapes=shapes, shapes_source=args.shapes, dataset=args.dataset, data_root=args.data,
-        batch_size=args.batch_size, workers=args.workers, link=args.link, latency=args.latency,
+        batch_size=args.batch_size, workers=args.workers, link=args.link, latency=args.latency, burst=args.burst,
         device=args.device, methods=args.methods or DEFAULT_METHODS, compute_ms=args.compute_ms,
         colocated=args.colocated, cache=not args.no_cache, seed=args.seed,
     )
