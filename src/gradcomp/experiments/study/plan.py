@@ -15,7 +15,9 @@ For a model (``--model NAME``, any name ``experiments/run/models.py`` builds) or
    ``ddp=off`` once after backward as ``GradientAggregator`` does (``measure_method``);
 3. **measures compute**: forward + backward of the model on one batch (median of a few), or ``--compute-ms``;
 4. **prices the communication** with the latency-bandwidth model (:mod:`gradcomp.netmodel`: ring all-reduce,
-   ring all-gather, pairwise all-to-all, gather to a root, binomial broadcast) on the recorded collectives;
+   ring all-gather, pairwise all-to-all, gather to a root, binomial broadcast) on the recorded collectives, with
+   a token-bucket link's burst credited once per step (``--burst``) and, where N workers share this machine's
+   cores (``--colocated N``), the measured cost of a collective round among them once per call (``round_cost``);
 5. predicts a step as compute + compression + communication (no overlap of communication with backward is
    assumed) and recommends the fastest method, saying so when uncompressed fp32 is the fastest.
 
@@ -62,9 +64,9 @@ DEFAULT_METHODS = (
 )
 FP32 = "none"
 WARMUP_STEPS = 2
-TIMED_STEPS = 3
+TIMED_STEPS = 8  # a colocated timing of 3 steps moved by up to 2x between two plans of the same code
 COMPUTE_REPEATS = 5
-CACHE_FORMAT = 4  # bump when measure_method or measure_compute change what they measure
+CACHE_FORMAT = 5  # bump when measure_method or measure_compute change what they measure
 SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
 
 
