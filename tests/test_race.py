@@ -337,6 +337,9 @@ def test_tiny_race_writes_table_and_json(tmp_path, capsys, no_leftovers):
     rec = {m["label"]: m for m in result["methods"]}
     assert rec["topk:density=0.1,feedback=residual"]["payload_up_bytes_per_step"] > 0
     assert rec["torch-fp32"]["payload_up_bytes_per_step"] is None  # torch's hooks bypass gradcomp's counters
+    topk = rec["topk:density=0.1,feedback=residual"]  # each worker's own clock of its exchange, per step
+    assert len(topk["compress_s_per_step"]) == 2 and min(topk["compress_s_per_step"]) > 0
+    assert len(topk["communicate_s_per_step"]) == 2 and min(topk["communicate_s_per_step"]) >= 0
     in_netns = netns.missing_tools(shaped=False) is None
     assert (rec["torch-fp32"]["wire_tx_bytes_per_step"] is not None) == in_netns
     if in_netns:  # fp32's allreduce of the MLP's gradient crosses each host's veth

@@ -376,6 +376,11 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
         if method.is_gradcomp and counter else None,
         "replicas_identical": len({w["stats"]["digest"] for w in workers}) == 1,
         "num_parameters": num_parameters,
+        # each worker's own clock of its exchange, per step (the mean over the run): compression is everything
+        # outside collectives, communication the time inside them (waits for the other workers included); what
+        # `gradcomp plan` predicts beside what the race's workers spent (docs/plan.md)
+        "compress_s_per_step": [w["stats"].get("compress_s", 0.0) / steps for w in workers] if steps else None,
+        "communicate_s_per_step": [w["stats"].get("communicate_s", 0.0) / steps for w in workers] if steps else None,
     }
 
 
