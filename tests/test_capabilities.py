@@ -2,7 +2,7 @@
 
 ``Compressor.capabilities`` (a ``Capabilities``) is set in each class's own body and never inherited; callers go
 through ``compressors.base``'s functions (``accumulate``, ``sent_entries``, ``subtract_sent``, ``compress_sum``,
-``new_tally``), which take a shortcut only where it is declared.
+``new_tally``, ``select_sized``), which take a shortcut only where it is declared.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from gradcomp.registry import BUILTIN, compressor_class
 # What every built-in single-message compressor declares (what the method-resolution inference it replaced gave).
 EXPECTED = {
     "none": {"subtract_sent"}, "fp16": {"subtract_sent"}, "bf16": {"subtract_sent"},
-    "topk": {"accumulate", "sent_entries"}, "threshold": {"accumulate", "sent_entries"},
+    "topk": {"accumulate", "sent_entries"}, "threshold": {"accumulate", "sent_entries", "select_sized"},
     "randomk": {"accumulate", "sent_entries"}, "randomblock": {"accumulate", "sent_entries"},
     "sbc": {"accumulate", "sent_entries"}, "stc": {"accumulate", "sent_entries"},
     "dgc": {"accumulate"},
@@ -31,7 +31,7 @@ EXPECTED = {
     "onebit": {"accumulate", "subtract_sent", "compress_sum"},
 }
 HOOKS = {"accumulate": "accumulate", "sent_entries": "sent_entries", "subtract_sent": "subtract_sent",
-         "compress_sum": "compress_sum", "tally": "new_tally"}
+         "compress_sum": "compress_sum", "tally": "new_tally", "select_sized": "select_sized"}
 
 
 def _declared(cls: type) -> set[str]:
@@ -56,7 +56,9 @@ def test_a_declared_capability_has_its_method(name):
 
 def test_wrappers_declare_what_they_forward():
     ef = gradcomp.make("signum", error_feedback=True)
-    assert _declared(type(ef)) == {"accumulate", "tally"}
+    assert _declared(type(ef)) == {"accumulate", "tally", "select_sized"}
+    # error feedback forwards select_sized only where its inner compressor declares it (else None, untouched)
+    assert base.select_sized(ef, [torch.randn(100)], [Slot("w", 0, 100)], 0) is None and not ef.residuals
     slot = Slot("w", 0, 100)
     assert isinstance(base.new_tally(ef, slot, torch.device("cpu")), base.Tally)  # the inner vote, forwarded
     composed = gradcomp.make("topk+cnat", error_feedback=False)

@@ -685,16 +685,28 @@ def test_length_on_device_is_encodes_length_and_its_streams_give_the_same_bytes(
         monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
 
 
-@pytest.mark.parametrize("name", ["threshold", "sbc", "stc", "dgc"])
-def test_a_variable_exchange_on_the_device_path_equals_the_host_paths(name, monkeypatch):
+VARIABLE_METHODS = {
+    "threshold": ("threshold", {"threshold": 0.5}),  # selected on the device, compacted after the size exchange
+    "threshold-ef": ("threshold", {"threshold": 0.5, "error_feedback": True}),  # the same under error feedback
+    "threshold-golomb": ("threshold", {"threshold": 0.5, "positions": "golomb"}),  # declines: compress_slots
+    "sbc": ("sbc", {"density": 0.05}),
+    "stc": ("stc", {"density": 0.05}),
+    "dgc": ("dgc", {"density": 0.05}),
+}
+
+
+@pytest.mark.parametrize("label", list(VARIABLE_METHODS))
+def test_a_variable_exchange_on_the_device_path_equals_the_host_paths(label, monkeypatch):
     """Three simulated workers, three steps: the device path (sized on the device, one read for the lengths, the
     messages fetched together) aggregates exactly what the host path does."""
     import gradcomp
     from gradcomp.transport.sim import SimulatedCluster
 
+    name, params = VARIABLE_METHODS[label]
+
     def run():
         def fn(t):
-            method = gradcomp.make(name, **({"threshold": 0.5} if name == "threshold" else {"density": 0.05}))
+            method = gradcomp.make(name, **params)
             model = torch.nn.Linear(60, 30)
             agg = gradcomp.GradientAggregator(model, method, t)
             out = []
@@ -715,3 +727,17 @@ def test_a_variable_exchange_on_the_device_path_equals_the_host_paths(name, monk
     on_device = run()
     for a, b in zip(on_host, on_device):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_length_from_counts_is_encodes_length():
+    """A message sized from its fields' counts, some of them on the device (threshold's positions and values, a
+    bitmap, floats), has the length encode gives it; a GOLOMB field is refused (its length needs its positions)."""
+    from gradcomp.wire.container import length_from_counts
+
+    specs = [*MIXED_SPECS, FieldSpec(Codec.F16, max_count=9), FieldSpec(Codec.BITS, count=5, width=1)]
+    for k in (0, 1, 20, 100):
+        fields = [*mixed_message(k, k), torch.randn(k % 10), torch.ones(5, dtype=torch.int64)]
+        counts = [torch.tensor(k), torch.tensor(k), k, torch.tensor(k % 10), 5]
+        assert int(length_from_counts(specs, counts)) == encode(fields, specs).numel()
+    with pytest.raises(ConfigError, match="GOLOMB"):
+        length_from_counts([FieldSpec(Codec.GOLOMB, max_count=5, universe=50)], [torch.tensor(3)])

@@ -48,6 +48,8 @@ instead of a wrong shortcut.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +60,7 @@ from gradcomp.compressors.base import (
     Capabilities,
     Compressor,
     Fields,
+    SizedSelection,
     Slot,
     Tally,
     compress_sum,
@@ -155,7 +158,7 @@ class _FeedbackWrapper(Compressor):
 class ErrorFeedback(_FeedbackWrapper):
     """Error feedback around ``inner``: one residual buffer per slot, updated in place (module docstring)."""
 
-    capabilities = _FeedbackWrapper.capabilities
+    capabilities = dataclasses.replace(_FeedbackWrapper.capabilities, select_sized=True)
 
     def __init__(self, inner: Compressor):
         super().__init__(inner, "error feedback")
@@ -194,8 +197,34 @@ class ErrorFeedback(_FeedbackWrapper):
         inner messages of all of them, then every r = a - D(m). The same arithmetic, so the same messages."""
         if not tensors or host_path(tensors[0]) or type(self.inner).compress_slots is Compressor.compress_slots:
             return super().compress_slots(tensors, slots, step)
-        residuals = []
+        residuals = self._added(tensors, slots)
+        return self._subtracted(lambda: self.inner.compress_slots(residuals, slots, step), residuals, slots, step)
+
+    def _subtracted(self, messages, residuals: list[Tensor], slots: Sequence[Slot], step: int) -> list[Fields]:
+        """The inner messages that ``messages()`` makes of the a's, each r = a - D(m) after it (the slots' state
+        dropped if anything fails: x + r by now, or half of a step; a defined state is a fresh start)."""
+        out = []
+        with self._fresh_start_on_failure(slots):
+            for fields, residual, slot in zip(messages(), residuals, slots):
+                fields = _detached(fields, residual)
+                subtract_sent(self.inner, fields, slot, step, residual)  # r = a - D(m)
+                out.append(fields)
+        return out
+
+    @contextlib.contextmanager
+    def _fresh_start_on_failure(self, slots: Sequence[Slot]):
+        """Drops the slots' residuals if the body raises: they hold x + r by then, or half of a step."""
         try:
+            yield
+        except BaseException:
+            for slot in slots:
+                self.state.drop(slot)
+            raise
+
+    def _added(self, tensors: Sequence[Tensor], slots: Sequence[Slot]) -> list[Tensor]:
+        """Every slot's a = x + r, in its residual buffer (the slots' state dropped if anything fails)."""
+        residuals = []
+        with self._fresh_start_on_failure(slots):
             for x, slot in zip(tensors, slots):
                 flat = _float32_flat(x)
                 residual = self.state.get("residuals", slot, flat)
@@ -205,16 +234,25 @@ class ErrorFeedback(_FeedbackWrapper):
                     torch.add(flat, residual, out=residual)  # a = x + r, the operands in compress_sum's order
                 self.state.put("residuals", slot, residual)
                 residuals.append(residual)
-            out = []
-            for fields, residual, slot in zip(self.inner.compress_slots(residuals, slots, step), residuals, slots):
-                fields = _detached(fields, residual)
-                subtract_sent(self.inner, fields, slot, step, residual)  # r = a - D(m)
-                out.append(fields)
-        except BaseException:
-            for slot in slots:
-                self.state.drop(slot)  # x + r by now, or half of a step: a defined state is a fresh start
-            raise
-        return out
+        return residuals
+
+    def select_sized(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> SizedSelection | None:
+        """:meth:`compress_slots` in two halves where the inner compressor selects with its sizes on the device
+        (``Capabilities.select_sized``; None otherwise, before anything is touched): every a = x + r, the inner
+        selection of them, and in ``finish`` the inner messages and every r = a - D(m). Where the inner compressor
+        declines at run time, its ``compress_slots`` of the a's stands in (its counts are then known)."""
+        if not self.inner.capabilities.select_sized or host_path(tensors[0]):
+            return None
+        residuals = self._added(tensors, slots)
+        with self._fresh_start_on_failure(slots):
+            inner = self.inner.select_sized(residuals, slots, step)
+            if inner is None:
+                messages = self.inner.compress_slots(residuals, slots, step)
+                inner = SizedSelection([[int(f.numel()) for f in m] for m in messages], lambda _: messages)
+
+        return SizedSelection(
+            inner.counts, lambda values: self._subtracted(lambda: inner.finish(values), residuals, slots, step)
+        )
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.inner!r})"

@@ -83,8 +83,9 @@ _TABLE: dict[str, tuple[int, int, str]] = {
             "decoded positions' checks (one Golomb section of known count: its length follows from the message's, "
             "decoded on the device like a fixed layout)"),
     "sbc": (3, 3, f"{_SIZES}{_STREAMS}"),
-    "threshold": (4, 4, f"1 read of all the slots' selection counts "
-                  f"(sparse.Threshold.compress_slots, once per message); {_SIZES}"),
+    "threshold": (3, 3, f"{_SIZES}; the size exchange's read brings this worker's selection counts too: the slots' "
+                  "masks |x| > threshold are counted on the device and compacted once the counts are read "
+                  "(compressors.base.SizedSelection: Threshold.select_sized, ErrorFeedback.select_sized)"),
     "stc": (4, 4, f"1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
             f"compress_slots, once per message); {_SIZES}{_STREAMS}"),
     "dgc": (5, 5, f"1 read of all the slots' counts of candidates above their sampled "

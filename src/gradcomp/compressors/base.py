@@ -135,9 +135,28 @@ class Capabilities:
     subtract_sent: bool = False  # subtract_sent(): out -= decompress(...) in place
     compress_sum: bool = False  # compress_sum(): into += x fused with compress (chunk by chunk, in cache)
     tally: bool = False  # new_tally(): a compact running aggregate (majority vote's count of sign bits)
+    select_sized: bool = False  # select_sized(): a message's selections with their sizes left on the device
 
 
 NO_CAPABILITIES = Capabilities()
+
+
+@dataclass
+class SizedSelection:
+    """The selections of one message's slots, made before their sizes are read (``select_sized``).
+
+    ``counts``: per slot, per field, the field's element count: an int where it does not depend on the data, a
+    0-d int64 tensor on the device where it does (not read). ``finish(values)`` makes the messages, given the
+    values of those device counts in the same order (read by the caller, with whatever else it reads: the size
+    exchange); they are ``compress_slots``'s messages, byte for byte, and the compressor's state moves as it does.
+    """
+
+    counts: list[list[int | Tensor]]
+    finish: Any  # Callable[[list[int]], list[Fields]]
+
+    def device_counts(self) -> list[Tensor]:
+        """The counts still on the device, in the order ``finish`` takes their values."""
+        return [c for per_slot in self.counts for c in per_slot if isinstance(c, Tensor)]
 
 
 class Compressor(ABC):
@@ -194,6 +213,13 @@ class Compressor(ABC):
         message sizes depend on the data may override it to read all the slots' sizes back from a GPU at once
         instead of one slot at a time (threshold); the messages are those of ``compress``, byte for byte."""
         return [self.compress(x, slot, step) for x, slot in zip(tensors, slots)]
+
+    def select_sized(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> SizedSelection | None:
+        """``compress_slots`` in two halves, for the device path of a message whose size depends on the data: the
+        selections with their counts left on the device, then (``SizedSelection.finish``) the messages once the
+        caller has read those counts with its size exchange, so that sizing the message costs no read of its own.
+        None where this compressor cannot (then ``compress_slots``). Callers go through :func:`select_sized`."""
+        return None
 
     def compress_sum(self, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
         """``into += x`` in place (``torch.add(x, into, out=into)``: x's operand first), then ``compress(into)``:
@@ -297,6 +323,15 @@ def subtract_sent(compressor: Compressor, fields: Fields, slot: Slot, step: int,
         compressor.subtract_sent(fields, slot, step, out)
     else:
         Compressor.subtract_sent(compressor, fields, slot, step, out)
+
+
+def select_sized(
+    compressor: Compressor, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int
+) -> SizedSelection | None:
+    """``compressor.select_sized(...)`` where its class declares it (``Capabilities.select_sized``), else None."""
+    if not compressor.capabilities.select_sized or not tensors:
+        return None
+    return compressor.select_sized(tensors, slots, step)
 
 
 def compress_sum(compressor: Compressor, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:

@@ -36,6 +36,7 @@ expressions produced before (tests/test_wire_stability.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Sequence
@@ -49,6 +50,7 @@ from gradcomp.compressors.base import (
     Capabilities,
     Compressor,
     Fields,
+    SizedSelection,
     Slot,
     check_bool,
     check_density,
@@ -562,7 +564,7 @@ class RandomK(_SharedRandomSelection):
 
 
 class Threshold(_PositionsAndValues):
-    capabilities = _PositionsAndValues.capabilities
+    capabilities = dataclasses.replace(_PositionsAndValues.capabilities, select_sized=True)
     name = "threshold"
 
     def __init__(self, threshold: float = 1e-3, positions: str = "fixed"):
@@ -598,6 +600,25 @@ class Threshold(_PositionsAndValues):
             return super().compress_slots(tensors, slots, step)
         masks = [flat.abs() > self.threshold for flat in flats]
         counts = torch.stack([mask.sum() for mask in masks]).tolist()  # the one read of this message's counts
+        return self._compacted(flats, masks, counts)
+
+    def select_sized(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> SizedSelection | None:
+        """The masks |x| > threshold of every slot with their counts left on the device; the positions are
+        compacted once the caller has read the counts (with the size exchange). Fixed-width positions only: a
+        Golomb stream's length depends on the positions themselves (None, then ``compress_slots``)."""
+        if self.positions != "fixed":
+            return None
+        flats = [x.reshape(-1) for x in tensors]
+        masks = [flat.abs() > self.threshold for flat in flats]
+        counts = [mask.sum() for mask in masks]
+
+        def finish(values: list[int]) -> list[Fields]:
+            return self._compacted(flats, masks, values[::2])  # (the positions' count, then the values')
+
+        return SizedSelection([[c, c] for c in counts], finish)
+
+    @staticmethod
+    def _compacted(flats: list[Tensor], masks: list[Tensor], counts: Sequence[int]) -> list[Fields]:
         out = []
         for flat, mask, count in zip(flats, masks, counts):
             positions = compact(mask, count)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, accumulate, new_tally
+from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, accumulate, new_tally, select_sized
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
 from gradcomp.finite import all_finite, finite_flags
@@ -42,7 +42,14 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.transport.requests import Rounds
 from gradcomp.transport.sim import computed_once
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
-from gradcomp.wire.container import DeviceChecks, StepAbandoned, deferring, fetch_together, length_on_device
+from gradcomp.wire.container import (
+    DeviceChecks,
+    StepAbandoned,
+    deferring,
+    fetch_together,
+    length_from_counts,
+    length_on_device,
+)
 from gradcomp.wire.bits import bits_needed, host_path, packed_nbytes
 
 TOPOLOGIES = ("auto", "allreduce", "allgather", "ps")  # what SingleRound carries
@@ -303,9 +310,17 @@ class SingleRound(Scheme):
         """The device path of a message whose size depends on the data: its length computed on the device, sent in
         the size exchange and read with the others' and with its Golomb streams' lengths (one read), then encoded
         without a read of its own. Returns (this worker's buffer, every worker's length); the bytes are encode's."""
+        specs = [spec for slot in slots for spec in self.compressor.specs(slot)]
+        sized = select_sized(self.compressor, tensors, slots, step)
+        if sized is not None:  # (threshold) the selections' counts are read with the size exchange too
+            counts = sized.device_counts()
+            length = length_from_counts(specs, [c for per_slot in sized.counts for c in per_slot])
+            read = torch.stack(counts) if counts else torch.zeros(0, dtype=torch.int64, device=tensors[0].device)
+            sizes, values = yield from exchange_lengths(length, read)
+            fields = [f for message in sized.finish(values) for f in message]
+            return encode(fields, specs), sizes
         messages = self.compressor.compress_slots(tensors, slots, step)
         fields = [f for message in messages for f in message]
-        specs = [spec for slot in slots for spec in self.compressor.specs(slot)]
         del messages
         length, which, bits = length_on_device(fields, specs)
         sizes, streams = yield from exchange_lengths(length, bits)

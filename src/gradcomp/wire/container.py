@@ -298,6 +298,29 @@ def _golomb_bits(fields: list, specs: list, codecs: list, device: torch.device) 
     return which, stacked
 
 
+def length_from_counts(specs: Sequence[FieldSpec], counts: Sequence[int | torch.Tensor]) -> torch.Tensor:
+    """The length in bytes (a one-element int64 tensor) of the message of these ``specs`` whose fields have these
+    element counts, some of them 0-d int64 tensors on the device (``compressors.base.SizedSelection``): computed
+    there, not read. For fields whose data length follows from their count (floats, BITS, POSITIONS); ConfigError
+    for a GOLOMB field, whose length depends on its positions (``length_on_device``)."""
+    specs = list(specs)
+    codecs = _check_specs(specs)
+    if len(counts) != len(specs):
+        raise ConfigError(f"{len(counts)} counts but {len(specs)} specs")
+    device = next((c.device for c in counts if isinstance(c, torch.Tensor)), torch.device("cpu"))
+    total = torch.full((1,), HEADER_BYTES + SECTION_HEADER_BYTES * len(specs), dtype=torch.int64, device=device)
+    for i, (count, spec, codec) in enumerate(zip(counts, specs, codecs)):
+        if codec == Codec.GOLOMB:
+            raise ConfigError(f"field {i}: a GOLOMB field's length depends on its positions, not on its count")
+        if codec in FLOAT_DTYPES:
+            nbytes = count * (4 if codec == Codec.F32 else 2)
+        else:
+            width = spec.width if codec == Codec.BITS else bits_needed(spec.universe)
+            nbytes = (count * width + 7) // 8
+        total = total + nbytes
+    return total
+
+
 def length_on_device(
     fields: Sequence[torch.Tensor], specs: Sequence[FieldSpec]
 ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
@@ -704,10 +727,10 @@ _fetched = threading.local()  # .hosts: {(data_ptr, length): (host copy, device 
 def fetch_together(messages: Sequence[tuple[torch.Tensor, Sequence[FieldSpec]]]):
     """While inside, :func:`decode` of any of the ``messages``' buffers (device buffers, each with its specs) on this
     thread takes the host copy made here: every buffer whose layout depends on the data comes to the host in ONE
-    transfer, with its checksum computed on the device (and the step's deferred verdict, if one is pending: StepAbandoned here
-    if it is bad), instead of one transfer per buffer. A buffer whose layout the specs fix needs none and is left
-    on the device. Nothing happens on the host path. The buffers must stay alive and unchanged inside (they are
-    known by their memory and length)."""
+    transfer, with its checksum computed on the device (and the step's deferred verdict, if one is pending:
+    StepAbandoned here if it is bad), instead of one transfer per buffer. A buffer whose layout the specs fix
+    needs none and is left on the device. Nothing happens on the host path. The buffers must stay alive and
+    unchanged inside (they are known by their memory and length)."""
     wanted = []
     for buf, specs in messages:
         total = buf.numel()
