@@ -288,3 +288,19 @@ def test_the_link_burst_is_credited_once_per_step():
     assert burst.step_seconds(ops, 1) == 0.0
     with pytest.raises(gradcomp.ConfigError, match="size must look like"):
         plan.run_plan(plan.PlanOptions(model="mlp", dataset="synthetic", burst="lots", methods=["none"]))
+
+
+@pytest.mark.parametrize("text, expected", [("256kb", 262144), ("256KiB", 262144), ("256k", 262144), ("1mb", 2**20),
+                                            ("2 MiB", 2**21), ("262144", 262144), ("0", 0), ("100b", 100)])
+def test_a_burst_is_read_as_tc_reads_it(text, expected):
+    from gradcomp.netmodel import parse_bytes
+
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["256i", "lots", "-1", "1gb"])
+def test_a_bad_burst_is_refused_with_a_config_error(text):
+    from gradcomp.netmodel import parse_bytes
+
+    with pytest.raises(gradcomp.ConfigError):
+        parse_bytes(text)

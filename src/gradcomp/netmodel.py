@@ -57,22 +57,23 @@ def parse_bandwidth(text: str | float) -> float:
 
 def parse_latency(text: str | float) -> float:
     """``"50us"``, ``"1ms"``, ``0.0001`` → seconds."""
-    value = _quantity(text, r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)?\s*", _TIME_UNITS, "s",
-                      "latency must look like 50us, 1ms or 0.0001")
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"latency must be >= 0, got {text!r}")
-    return value
+    return _non_negative(_quantity(text, r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)?\s*", _TIME_UNITS, "s",
+                                   "latency must look like 50us, 1ms or 0.0001"), text, "latency")
 
 
-_BYTE_UNITS = {"": 1.0, "b": 1.0, "kb": 1024.0, "kib": 1024.0, "mb": 1024.0**2, "mib": 1024.0**2}
+_BYTE_UNITS = {"": 1.0, "b": 1.0, **{k: 1024.0 for k in ("k", "ki", "kb", "kib")},
+               **{m: 1024.0**2 for m in ("m", "mi", "mb", "mib")}}  # tc's k, kb and m, mb are binary too
 
 
 def parse_bytes(text: str | float) -> float:
     """``"256kb"`` (tc's kb: KiB), ``"256KiB"``, ``"1mb"``, ``262144`` → bytes."""
-    value = _quantity(text, r"\s*([0-9.eE+-]+)\s*([kKmM]?[iI]?[bB]?)\s*", _BYTE_UNITS, "",
-                      "a size must look like 256kb, 256KiB or 262144")
+    return _non_negative(_quantity(text, r"\s*([0-9.eE+-]+)\s*((?:[kKmM][iI]?)?[bB]?)\s*", _BYTE_UNITS, "",
+                                   "a size must look like 256kb, 256KiB or 262144"), text, "a size")
+
+
+def _non_negative(value: float, text: str | float, what: str) -> float:
     if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"a size must be >= 0, got {text!r}")
+        raise ConfigError(f"{what} must be >= 0, got {text!r}")
     return value
 
 
