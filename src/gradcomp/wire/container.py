@@ -312,12 +312,7 @@ def length_from_counts(specs: Sequence[FieldSpec], counts: Sequence[int | torch.
     for i, (count, spec, codec) in enumerate(zip(counts, specs, codecs)):
         if codec == Codec.GOLOMB:
             raise ConfigError(f"field {i}: a GOLOMB field's length depends on its positions, not on its count")
-        if codec in FLOAT_DTYPES:
-            nbytes = count * (4 if codec == Codec.F32 else 2)
-        else:
-            width = spec.width if codec == Codec.BITS else bits_needed(spec.universe)
-            nbytes = (count * width + 7) // 8
-        total = total + nbytes
+        total = total + _expected_nbytes(codec, _fixed_param(spec, codec), count)  # (ints and tensors alike)
     return total
 
 
@@ -333,12 +328,12 @@ def length_on_device(
     codecs = _check_specs(specs)
     device = fields[0].device if fields else torch.device("cpu")
     which, bits = _golomb_bits(fields, specs, codecs, device)
-    streams = set(which)
     fixed = HEADER_BYTES + SECTION_HEADER_BYTES * len(specs)
-    for i, (f, spec, codec) in enumerate(zip(fields, specs, codecs)):
-        if i not in streams:
-            param = spec.width if codec == Codec.BITS else bits_needed(spec.universe) if codec == Codec.POSITIONS else 0
-            fixed += _expected_nbytes(codec, param, f.numel()) or 0
+    fixed += sum(
+        _expected_nbytes(codec, _fixed_param(spec, codec), f.numel())
+        for f, spec, codec in zip(fields, specs, codecs)
+        if codec != Codec.GOLOMB  # (a GOLOMB field encode() will refuse adds nothing: its error comes there)
+    )
     return ((bits + 7) // 8).sum().reshape(1) + fixed, which, bits
 
 
