@@ -593,19 +593,9 @@ def _decode(
     if on_host:
         host, computed = buf, None
         mem = host.numpy()
-    elif fetched is not None:  # it came to the host with the others of its exchange (fetch_together)
-        mem, computed = fetched
+    else:  # from fetch_together, or one transfer now (a view of this thread's staging buffer: this call only)
+        mem, computed = fetched if fetched is not None else _fetch([buf])[0]
         host = torch.from_numpy(mem)
-    else:
-        body_sum = checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8)
-        flag = take_verdict()  # the step's deferred verdict, if one is pending, rides in the same transfer
-        verdict = [] if flag is None else [flag.reshape(1).to(torch.uint8)]
-        host = to_host(torch.cat([buf, body_sum, *verdict]))  # this thread's pinned staging buffer, this call only
-        mem = host.numpy()
-        if verdict and mem[-1]:
-            raise StepAbandoned
-        computed = int.from_bytes(bytes(mem[total : total + 8]), "little")
-        host = host[:total]
     checks: list | None = None if on_host else []  # the device's data checks, read together at the end
     magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack_from(mem, 0)
     if magic != MAGIC:
@@ -738,22 +728,31 @@ def fetch_together(messages: Sequence[tuple[torch.Tensor, Sequence[FieldSpec]]])
     before = getattr(_fetched, "hosts", None)
     hosts = dict(before or {})
     if len(wanted) > 1:  # (one buffer: decode makes the same single transfer itself)
-        sums = [checksum64_tensor(b[HEADER_BYTES:]).reshape(1).view(torch.uint8) for b in wanted]
-        flag = take_verdict()
-        verdict = [] if flag is None else [flag.reshape(1).to(torch.uint8)]
-        staged = to_host(torch.cat([*wanted, *sums, *verdict])).numpy()
-        if verdict and staged[-1]:
-            raise StepAbandoned
-        at, end = 0, sum(b.numel() for b in wanted)
-        for i, b in enumerate(wanted):  # copies: the staging buffer is reused by this thread's next transfer
-            computed = int.from_bytes(staged[end + 8 * i : end + 8 * i + 8].tobytes(), "little")
-            hosts[(b.data_ptr(), b.numel())] = (staged[at : at + b.numel()].copy(), computed)
-            at += b.numel()
+        for b, (mem, computed) in zip(wanted, _fetch(wanted)):  # copies: the staging buffer is reused
+            hosts[(b.data_ptr(), b.numel())] = (mem.copy(), computed)
     _fetched.hosts = hosts
     try:
         yield
     finally:
         _fetched.hosts = before
+
+
+def _fetch(bufs: list[torch.Tensor]) -> list[tuple[np.ndarray, int]]:
+    """Device buffers to the host in ONE transfer, each with its body's checksum computed on the device, and the
+    step's deferred verdict if one is pending (StepAbandoned if it is bad): per buffer (its bytes, a view of this
+    thread's staging buffer valid until its next transfer; the checksum)."""
+    sums = [checksum64_tensor(b[HEADER_BYTES:]).reshape(1).view(torch.uint8) for b in bufs]
+    flag = take_verdict()
+    verdict = [] if flag is None else [flag.reshape(1).to(torch.uint8)]
+    staged = to_host(torch.cat([*bufs, *sums, *verdict])).numpy()
+    if verdict and staged[-1]:
+        raise StepAbandoned
+    out, at, end = [], 0, sum(b.numel() for b in bufs)
+    for i, b in enumerate(bufs):
+        computed = int.from_bytes(staged[end + 8 * i : end + 8 * i + 8].tobytes(), "little")
+        out.append((staged[at : at + b.numel()], computed))
+        at += b.numel()
+    return out
 
 
 def _fixed_layout(specs: list, codecs: list, total: int) -> tuple[list, int] | None:
