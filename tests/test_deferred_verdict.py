@@ -139,3 +139,25 @@ def test_a_message_that_overflows_inside_a_compressor_abandons_the_step_on_every
     with SimulatedCluster(2) as cluster:
         assert cluster.run(fn) == [[(2, 2, True)], [(2, 2, True)]]
     assert device_path.count(False) == 2
+
+
+@pytest.mark.parametrize("flag", ["bool", "device"])
+def test_a_step_of_broadcasts_only_agrees_in_one_flag_round_after_them(flag):
+    """A scheme whose every message is a broadcast (its root's data only) cannot carry the verdict: every worker
+    sends them as they are, then agrees in one all-reduce of a float32 flag, with a bool verdict and with a
+    device flag alike: a worker that was not finite stops every worker there, and the result is kept otherwise."""
+    from gradcomp.transport.requests import Broadcast
+    from gradcomp.transport.sim import SimulatedCluster
+
+    def rounds(rank):
+        got = yield Broadcast(torch.tensor([10.0 + rank]), root=0)
+        return float(got[0])
+
+    def fn(t, bad_rank):
+        finite = t.rank != bad_rank
+        verdict = finite if flag == "bool" else torch.tensor([finite])
+        return exchange.drive_agreeing(t, rounds(t.rank), verdict, after_rounds=False)
+
+    with SimulatedCluster(3) as cluster:
+        assert cluster.run(lambda t: fn(t, None)) == [(True, 10.0)] * 3
+        assert cluster.run(lambda t: fn(t, 2)) == [(False, None)] * 3

@@ -484,13 +484,9 @@ def drive_agreeing(
         request = next(rounds)
     except StopIteration as done:  # nothing to send (no slots): the same on every worker
         return True, done.value
-    while isinstance(request, Broadcast):
-        try:
-            request = rounds.send(execute(transport, request))
-        except StopIteration as done:  # broadcasts only: one flag round at the end
-            flag = torch.tensor([0.0 if finite else 1.0], device=request.tensor.device)
-            agreed = float(transport.all_reduce_sum(flag, kind=CONTROL)[0]) == 0.0
-            return agreed, done.value if agreed else None
+    request, ended = _past_broadcasts(transport, rounds, request, finite)
+    if ended is not None:
+        return ended
     try:
         chunks = world if isinstance(request, AllToAll) else 1
         t = request.tensor
@@ -516,19 +512,36 @@ def drive_agreeing(
         return True, done.value
 
 
+def _past_broadcasts(
+    transport: Transport, rounds: Rounds, request: Request, finite: bool | Tensor
+) -> tuple[Request | None, tuple[bool, Any] | None]:
+    """Broadcasts that come first (a leader's message: LGC's positions) carry only their root's data: they are sent
+    as they are, and the verdict rides on the next message every worker contributes to. Returns ``(that request,
+    None)``, or ``(None, (agreed, result))`` for a step of broadcasts only, agreed by one all-reduce of a float32
+    flag after them (read once; ``finite`` a bool or a device flag)."""
+    while isinstance(request, Broadcast):
+        try:
+            request = rounds.send(execute(transport, request))
+        except StopIteration as done:
+            device = request.tensor.device
+            if isinstance(finite, Tensor):
+                bad = (~finite.reshape(1)).to(device=device, dtype=torch.float32)
+            else:
+                bad = torch.tensor([0.0 if finite else 1.0], device=device)
+            agreed = float(transport.all_reduce_sum(bad, kind=CONTROL)[0]) == 0.0
+            return None, (agreed, done.value if agreed else None)
+    return request, None
+
+
 def _drive_deferred(transport: Transport, rounds: Rounds, finite: Tensor, after_rounds: bool) -> tuple[bool, Any]:
     """``drive_agreeing`` with a device flag: the verdict read with the sizes, after the rounds, or at once."""
     try:
         request = next(rounds)
     except StopIteration as done:
         return True, done.value
-    while isinstance(request, Broadcast):  # a leader's message (LGC's positions): its root's data only
-        try:
-            request = rounds.send(execute(transport, request))
-        except StopIteration as done:  # broadcasts only: one flag round at the end
-            bad = (~finite.reshape(1)).to(device=request.tensor.device, dtype=torch.float32)
-            agreed = float(transport.all_reduce_sum(bad, kind=CONTROL)[0]) == 0.0
-            return agreed, done.value if agreed else None
+    request, ended = _past_broadcasts(transport, rounds, request, finite)
+    if ended is not None:
+        return ended
     chunks = transport.world_size if isinstance(request, AllToAll) else 1
     t = request.tensor
     flag = finite.reshape(()).to(device=t.device)
