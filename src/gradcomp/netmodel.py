@@ -107,20 +107,21 @@ class NetworkModel:
 
     def step_seconds(self, ops: dict[str, list[float]], world: int) -> float:
         """One step's recorded calls (``ops`` as in :meth:`seconds`), with the token bucket's burst credited once."""
-        latency = transfer = 0.0
-        for op, (calls, nbytes) in ops.items():
-            if calls:
-                a, b = self.call_parts(op, nbytes / calls, world)
-                latency, transfer = latency + calls * a, transfer + calls * b
+        latency, transfer = self._priced(ops, world)
         if world > 1:
             transfer = max(0.0, transfer - 8.0 * self.burst_bytes / self.bandwidth_bps)
         return latency + transfer
 
     def seconds(self, ops: dict[str, list[int]], world: int) -> float:
         """Modelled time of all recorded calls: ops maps a collective to [calls, total bytes]."""
-        total = 0.0
+        return sum(self._priced(ops, world))
+
+    def _priced(self, ops: dict[str, list[float]], world: int) -> tuple[float, float]:
+        """(latency terms, bandwidth terms) of all the calls in ``ops``."""
+        latency = transfer = 0.0
         for op, (calls, nbytes) in ops.items():
             if calls:
                 # linear in bytes: calls × cost of the mean size is exact for the bandwidth term
-                total += calls * self.call_seconds(op, nbytes / calls, world)
-        return total
+                a, b = self.call_parts(op, nbytes / calls, world)
+                latency, transfer = latency + calls * a, transfer + calls * b
+        return latency, transfer
