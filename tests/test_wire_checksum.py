@@ -10,7 +10,10 @@ those tests guard the CRC against a weaker replacement rather than reproduce the
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -365,6 +368,40 @@ def test_the_torch_formulation_gives_the_host_checksum_for_every_size():
         checksum64_tensor(view.to(torch.int32))
 
 
+_KERNEL_SIZES = [0, 1, 63, 64, 65, 4095, 4096, 4097, 64**3 - 1, 64**3 + 1, 64**3 * 3 + 17, 1_000_003]
+
+
+_INTERPRETED = """
+import sys, torch
+from gradcomp.wire.checksum import checksum64, checksum64_tensor
+gen = torch.Generator().manual_seed(5)
+for n in [int(a) for a in sys.argv[1:]]:
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    got = int(checksum64_tensor(data, kernel="triton")) & (2**64 - 1)
+    assert got == checksum64(data), n
+for fill in (0, 255):
+    data = torch.full((5000,), fill, dtype=torch.uint8)
+    assert int(checksum64_tensor(data, kernel="triton")) & (2**64 - 1) == checksum64(data), fill
+print("ok")
+"""
+
+
+def test_the_triton_kernels_give_the_host_checksum_in_the_interpreter():
+    """gradcomp.wire.crc_triton run by Triton's interpreter on CPU tensors (a subprocess: TRITON_INTERPRET is read
+    when the kernels are defined). Triton ships with CUDA builds of torch only, so this runs where it is installed
+    (``pip install triton`` beside a CPU torch); scripts/gpu_check.sh runs the same kernels compiled, on a GPU."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED, *map(str, _KERNEL_SIZES)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_an_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="kernel"):
+        checksum64_tensor(torch.zeros(3, dtype=torch.uint8), kernel="cuda")
+
+
 def test_a_single_flipped_bit_changes_the_torch_checksum():
     gen = torch.Generator().manual_seed(3)
     data = torch.randint(0, 256, (5 * BLOCK_BYTES + 7,), dtype=torch.uint8, generator=gen)
@@ -484,6 +521,10 @@ def test_cuda_checksum_on_the_device_and_messages_across_devices():
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
         got = checksum64_tensor(data.cuda())
         assert got.is_cuda and _unsigned(got) == checksum64(data), n
+    for n in _KERNEL_SIZES:  # both device kernels, whichever the default is
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        for kernel in ("torch", "triton"):
+            assert _unsigned(checksum64_tensor(data.cuda(), kernel=kernel)) == checksum64(data), (kernel, n)
     for seed in range(2):
         fields, fixed, variable = _mixed_message(seed)
         for specs in (fixed, variable):

@@ -48,16 +48,17 @@ against zlib's 7.0 ms. If the package's C extension cannot load,
 
 Device buffers. :func:`checksum64` of a CUDA buffer copies it to the host first (:func:`to_host`, into pinned
 memory that each thread reuses) and costs a synchronisation. The wire container does not use it for device
-buffers: :func:`checksum64_tensor` computes the same 64 bits with torch operations where the buffer is and returns
-them as a device tensor (the formulation and why it was chosen over a Triton kernel or another dependency:
-docs/wire.md), so a message built on a GPU never crosses to the host for its checksum, and a message encoded on
-either side decodes on the other. On the CPU the torch formulation is far slower than the wheels above (measured
+buffers: :func:`checksum64_tensor` computes the same 64 bits where the buffer is and returns them as a device
+tensor, with Triton kernels on CUDA (gradcomp.wire.crc_triton) and torch operations elsewhere (the formulation and
+why: docs/wire.md), so a message built on a GPU never crosses to the host for its checksum, and a message encoded on
+either side decodes on the other. On the CPU both are far slower than the wheels above (measured
 in docs/wire.md), which therefore keep computing the checksum of host buffers. This is an integrity check against
 corruption, not a cryptographic MAC.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import zlib
 
@@ -191,6 +192,7 @@ def _shift_table(j: int) -> np.ndarray:
     return _shift_tables[j]
 
 
+@functools.lru_cache(maxsize=4096)  # about 0.1 ms of numpy calls for a large n; message lengths repeat
 def _affine_constant(n: int) -> int:
     """What init and final xor add to the linear part for an n-byte body: shift_n(all ones) ^ all ones."""
     state = np.array([_MASK64], dtype=np.uint64)
@@ -210,7 +212,29 @@ def _block_table() -> np.ndarray:
     return np.stack(rows[::-1])  # the last byte of the block is followed by no zero byte
 
 
+GROUP = 64  # entries combined per level above the first: log64 of the block count levels in all
+
+
+def _level_table(span: int) -> np.ndarray:
+    """(GROUP, 8, 256): [p, b, v] = the image of byte v in lane b of the entry at position p of a group whose
+    entries cover ``span`` bytes each, under "append (GROUP - 1 - p) * span zero bytes" (cached by span)."""
+    got = _level_tables.get(span)
+    if got is None:
+        step = _BASIS  # the identity map as a byte table
+        j = 0
+        while span >> j:
+            if span >> j & 1:
+                step = _apply(_shift_table(j), step)
+            j += 1
+        rows = [_BASIS]  # position GROUP - 1: no shift
+        for _ in range(GROUP - 1):
+            rows.append(_apply(step, rows[-1]))
+        got = _level_tables[span] = np.stack(rows[::-1])
+    return got
+
+
 _BLOCK_TABLE = _block_table()
+_level_tables: dict[int, np.ndarray] = {}
 _device_tables: dict = {}  # (device, key) -> int64 tensor on that device
 
 
@@ -231,35 +255,61 @@ def _xor_columns(v: torch.Tensor) -> torch.Tensor:
     return v[:, 0]
 
 
-def _byte_lanes(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    shifts = _device_tables.get((device, "shifts"))
-    if shifts is None:
+def _lane_offsets(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shifts that take the 8 bytes out of an int64 entry, and each (position, lane)'s offset in a level
+    table, as (8,) and (GROUP, 8) int64 tensors on ``device`` (made once)."""
+    got = _device_tables.get((device, "lanes"))
+    if got is None:
         shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=device)
-        _device_tables[(device, "shifts")] = shifts
-        _device_tables[(device, "lanes")] = torch.arange(0, 8 * 256, 256, dtype=torch.int64, device=device)
-    return shifts, _device_tables[(device, "lanes")]
+        offsets = torch.arange(0, GROUP * 8 * 256, 256, dtype=torch.int64, device=device).view(GROUP, 8)
+        got = _device_tables[(device, "lanes")] = (shifts, offsets)
+    return got
 
 
-def checksum64_tensor(buf: torch.Tensor) -> torch.Tensor:
-    """:func:`checksum64` of a uint8 tensor computed with torch operations on its own device.
+def _triton_kernel():
+    """gradcomp.wire.crc_triton, or None where Triton cannot be imported (CPU-only builds of torch)."""
+    global _TRITON
+    if _TRITON is False:
+        try:
+            from gradcomp.wire import crc_triton
+        except ImportError:
+            crc_triton = None
+        _TRITON = crc_triton
+    return _TRITON
+
+
+_TRITON = False  # not looked for yet
+
+
+def checksum64_tensor(buf: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+    """:func:`checksum64` of a uint8 tensor computed on its own device, with nothing read back to the host.
 
     Returns an int64 tensor of shape () on ``buf``'s device whose 64 bits are those of ``checksum64(buf)``
     (read as unsigned: ``int(t) & (2**64 - 1)``; its little-endian bytes are the header's checksum field).
-    Nothing is read back to the host. The formulation (docs/wire.md): the raw CRC (no init, no final xor) is
-    GF(2)-linear in the bytes, and leading zero bytes leave it at zero, so the body is zero-padded at the
-    front to whole blocks of BLOCK_BYTES; each block's raw CRC pair is one gather from a (BLOCK_BYTES, 256)
-    table (byte i of value v contributes the CRC of v followed by BLOCK_BYTES - 1 - i zero bytes) and a
-    6-level xor tree; adjacent block CRCs are then combined pairwise, level by level (a leading zero entry where
-    a level is odd), the left one advanced over the right one's bytes by the "2**j zero bytes" operator, itself
-    8 gathers from a 256-entry table per input byte of the 64-bit pair; finally the constant that init and
-    final xor contribute for this length (computed on the host from the length alone) is xored in.
+    ``kernel``: "triton" (gradcomp.wire.crc_triton: one fused kernel per level), "torch" (torch operations, any
+    device), or None: Triton for a CUDA buffer where it can be imported, else torch. Both compute the same levels
+    from the same tables (docs/wire.md): the raw CRC (no init, no final xor) is GF(2)-linear in the bytes and
+    leading zero bytes leave it at zero, so the body is zero-padded at the front to whole blocks of BLOCK_BYTES;
+    each block's raw CRC pair is the xor of one (BLOCK_BYTES, 256) table entry per byte (byte i of value v
+    contributes the CRC of v followed by BLOCK_BYTES - 1 - i zero bytes); then, level by level, groups of GROUP
+    entries (a leading group padded with zero entries) become one, each entry advanced over the bytes of the
+    entries after it in its group by a "zero bytes" operator applied as 8 lookups, one per byte of the 64-bit
+    pair, in a (GROUP, 8, 256) table; finally the constant that init and final xor contribute for this length
+    (computed on the host from the length alone) is xored in.
     """
     buf = _as_uint8_buffer(buf)
     device, n = buf.device, buf.numel()
     const = _affine_constant(n)
     const = const - (1 << 64) if const >> 63 else const  # as a signed int64
     if n == 0:
-        return torch.tensor(const, dtype=torch.int64, device=device)
+        return torch.full((), const, dtype=torch.int64, device=device)
+    if kernel is None:
+        kernel = "triton" if device.type == "cuda" and _triton_kernel() is not None else "torch"
+    if kernel == "triton":
+        tables = _on(device, "block", _BLOCK_TABLE), lambda span: _on(device, ("level", span), _level_table(span))
+        return _triton_kernel().checksum64(buf, const, *tables, BLOCK_BYTES, GROUP)
+    if kernel != "torch":
+        raise ValueError(f"kernel must be 'triton', 'torch' or None, not {kernel!r}")
     blocks = -(-n // BLOCK_BYTES)
     pad = blocks * BLOCK_BYTES - n
     index = torch.empty(blocks * BLOCK_BYTES, dtype=torch.int64, device=device)
@@ -268,16 +318,15 @@ def checksum64_tensor(buf: torch.Tensor) -> torch.Tensor:
     index[pad:] = buf
     index = index.view(blocks, BLOCK_BYTES)
     index += torch.arange(0, BLOCK_BYTES * 256, 256, dtype=torch.int64, device=device)
-    table = _on(device, "block", _BLOCK_TABLE)
-    crcs = _xor_columns(table[index])  # (blocks,): each block's raw CRC pair
-    shifts, lanes = _byte_lanes(device)
-    j = BLOCK_BYTES.bit_length() - 1  # each entry covers 2**j bytes
+    crcs = _xor_columns(_on(device, "block", _BLOCK_TABLE)[index])  # (blocks,): each block's raw CRC pair
+    shifts, offsets = _lane_offsets(device)
+    span = BLOCK_BYTES  # bytes covered by each entry of crcs
     while crcs.numel() > 1:
-        if crcs.numel() % 2:  # a leading all-zero group: raw CRC 0, and it changes nothing after it
-            crcs = torch.cat([crcs.new_zeros(1), crcs])
-        left, right = crcs[0::2], crcs[1::2]
-        step = _on(device, ("shift", j), _shift_table(j))
-        parts = step[((left[:, None] >> shifts) & 0xFF) + lanes]  # (m, 8): the images of the 8 bytes of left
-        crcs = torch.bitwise_xor(_xor_columns(parts), right)
-        j += 1
+        groups = -(-crcs.numel() // GROUP)
+        pad = groups * GROUP - crcs.numel()
+        if pad:  # leading all-zero entries: raw CRC 0, and they change nothing after them
+            crcs = torch.cat([crcs.new_zeros(pad), crcs])
+        index = ((crcs.view(groups, GROUP, 1) >> shifts) & 0xFF) + offsets  # (groups, GROUP, 8)
+        crcs = _xor_columns(_on(device, ("level", span), _level_table(span))[index].view(groups, GROUP * 8))
+        span *= GROUP
     return torch.bitwise_xor(crcs[0], const)
