@@ -214,3 +214,23 @@ def test_window_unpack_rejects_padding_bits(width, count):
         bad[bit // 8] |= 1 << (bit % 8)
         with pytest.raises(WireError, match="padding"):
             unpack_bits(bad, width, count)
+
+
+@pytest.mark.parametrize("width", [1, 3, 8, 9, 12, 16, 17, 23, 28, 31, 32])
+def test_the_device_path_writes_and_reads_the_reference_layout(width, monkeypatch):
+    """The torch formulation a GPU runs (GRADCOMP_DEVICE_PATH=1 sends CPU tensors down it): for widths above 8 a
+    fixed number of operations (gathered windows) instead of one per byte column; the same bytes as the
+    documented layout, the values back, extremes included, and padding bits refused."""
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    gen = torch.Generator().manual_seed(77 + width)
+    for n in (1, 7, 8, 9, 63, 300):
+        values = torch.randint(0, 1 << width, (n,), generator=gen, dtype=torch.int64)
+        values[0], values[-1] = (1 << width) - 1, (1 << width) - 1
+        packed = pack_bits(values, width)
+        assert bytes(packed.tolist()) == reference_pack(values.tolist(), width)
+        assert torch.equal(unpack_bits(packed, width, n), values)
+        if n * width % 8:
+            bad = packed.clone()
+            bad[-1] |= 0x80  # the last bit of the last byte: padding
+            with pytest.raises(WireError, match="padding"):
+                unpack_bits(bad, width, n)

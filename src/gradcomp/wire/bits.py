@@ -300,6 +300,8 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
         return _pack_small(values, width)
     if _chunked(values, width):
         return _pack_chunked(values, width, check=False)
+    if width > 8:
+        return _pack_gathered(values, width, n, nbytes)
     wd = _work_dtype(width)
     v = values.to(wd)
     groups = (n + 7) // 8
@@ -318,6 +320,39 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
         cols.append(acc.to(torch.uint8))
     out = torch.stack(cols, dim=1).reshape(-1)
     return out[:nbytes]
+
+
+def _pack_gathered(values: torch.Tensor, width: int, n: int, nbytes: int) -> torch.Tensor:
+    """``_pack`` in a fixed number of torch operations, for widths 9 to 32 (the device path's packer).
+
+    Byte t holds bits [8t, 8t + 8) of the stream, where value i holds bits [i·width, (i + 1)·width): it is
+    touched by value 8t // width and at most the next few (7 // width + 2 in all), whose sum after shifting each
+    to its place in a window is their or (their bits are disjoint: no carries; int64 wraps, bits kept); the byte is
+    that window shifted down by the first value's bits before it. One gather and a few elementwise passes, where the
+    per-byte-column loop below launches three or four operations per byte of a group (about 50 at width 16).
+    """
+    device = values.device
+    m = 7 // width + 2
+    v = values.reshape(-1).to(torch.int64)
+    v = torch.cat([v, v.new_zeros(8 * ((n + 7) // 8) - n + m)])  # padding values are zeros
+    bit = torch.arange(0, 8 * nbytes, 8, dtype=torch.int64, device=device)
+    first = bit // width
+    lanes = torch.arange(m, dtype=torch.int64, device=device)
+    window = (v[first[:, None] + lanes] << (lanes * width)).sum(1)
+    return ((window >> (bit - first * width)) & 0xFF).to(torch.uint8)
+
+
+def _unpack_gathered(buf: torch.Tensor, width: int, total: int) -> torch.Tensor:
+    """``total`` values of ``width`` bits (9 to 32) from the stream ``buf`` (whole groups), as int64, in a fixed
+    number of torch operations: value i's bits start at bit (i·width) % 8 of byte (i·width) // 8 and lie within
+    the ceil((width + 7) / 8) bytes from there, joined into one window (disjoint bits: the sum is the or)."""
+    device = buf.device
+    k = (width + 14) // 8
+    b = torch.cat([buf.reshape(-1), buf.new_zeros(total * width // 8 - buf.numel() + k)]).to(torch.int64)
+    bit = torch.arange(total, dtype=torch.int64, device=device) * width
+    lanes = torch.arange(k, dtype=torch.int64, device=device)
+    window = (b[(bit >> 3)[:, None] + lanes] << (lanes * 8)).sum(1)
+    return (window >> (bit & 7)) & ((1 << width) - 1)
 
 
 def _unpack_windows(buf: torch.Tensor, width: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -412,6 +447,24 @@ def _unpack(
     if 8 < width <= _CHUNKED_MAX_WIDTH and host and sys.byteorder == "little":
         return _unpack_windows(buf, width, count, direct)
     groups = (count + 7) // 8
+    if width > 8:
+        out = _unpack_gathered(buf, width, groups * 8)
+        out = out if dtype is not None else out.to(wd)
+    else:
+        out = _unpack_columns(buf, width, groups, wd)
+    if groups * 8 != count:
+        # Every bit after the last value lies in one of the padding value slots.
+        if flags is not None:
+            flags.append(out[count:].any().logical_not())
+        elif bool(out[count:].any()):
+            raise WireError(f"nonzero padding bits after {count} values of {width} bits")
+        out = out[:count]
+    return out if dtype is None else out.to(dtype)
+
+
+def _unpack_columns(buf: torch.Tensor, width: int, groups: int, wd: torch.dtype) -> torch.Tensor:
+    """``groups`` groups of 8 values of ``width`` bits (1 to 8) in the work dtype, one value column at a time."""
+    device = buf.device
     b = buf
     if groups * width != b.numel():
         b = torch.cat([b, torch.zeros(groups * width - b.numel(), dtype=torch.uint8, device=device)])
@@ -429,15 +482,7 @@ def _unpack(
         if width < 8 or wd != torch.uint8:
             acc = acc & mask
         cols.append(acc)
-    out = torch.stack(cols, dim=1).reshape(-1)
-    if groups * 8 != count:
-        # Every bit after the last value lies in one of the padding value slots.
-        if flags is not None:
-            flags.append(out[count:].any().logical_not())
-        elif bool(out[count:].any()):
-            raise WireError(f"nonzero padding bits after {count} values of {width} bits")
-        out = out[:count]
-    return out if dtype is None else out.to(dtype)
+    return torch.stack(cols, dim=1).reshape(-1)
 
 
 def _as_uint8_buffer(buf: object) -> torch.Tensor:
