@@ -153,8 +153,8 @@ class Momentum:
         u, v = self.state.get(self.u_field, slot), self.state.get(self.v_field, slot)
         if values is None:
             if only is None:
-                u[positions] = 0.0
-                v[positions] = 0.0
+                u.index_fill_(0, positions, 0.0)  # not u[positions] = 0.0: on a GPU that copies the 0 there
+                v.index_fill_(0, positions, 0.0)  # from the host and waits (a sync per slot)
             else:
                 for t in (u, v):
                     t.index_copy_(0, positions, torch.index_select(t, 0, positions).masked_fill_(only, 0.0))

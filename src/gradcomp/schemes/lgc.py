@@ -331,7 +331,7 @@ class LGC(Scheme):
             batch = torch.stack([decode(b, specs)[0] for b in gathered])  # (W, k): the same on every worker
             update = batch.mean(0)
             dense_mean = (yield AllReduce(dense, inplace=True)).div_(world) if dense.numel() else dense
-            acc[positions] = 0.0
+            acc.index_fill_(0, positions, 0.0)  # a scalar fill: no host-to-device copy of the 0
             scale = batch.pow(2).mean().sqrt().clamp_min(1e-30)
             layout.losses.append(trainer.train_step(_pad(batch / scale, layout.length),
                                                     leader if self.variant == "ps" else None))  # fmt: skip
