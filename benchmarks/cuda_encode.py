@@ -60,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=10_000 if CPU else 10_000_000)
     parser.add_argument("--only", nargs="*", help="these compressors only")
+    parser.add_argument("--profile", action="store_true", help="a torch.profiler table of encode + decode of none")
     args = parser.parse_args()
     if not CPU and not torch.cuda.is_available():
         print("benchmarks/cuda_encode.py: skipped, no CUDA device")
@@ -86,10 +87,26 @@ def main() -> None:
     host = buf.cpu()
     print(
         f"none, {buf.numel() / 1e6:.1f} MB: encode + decode {both:.3f} = {both / copy_ms:.2f} x the device copy "
-        f"(target <= 3); device checksum alone {median_ms(lambda: checksum64_tensor(body)):.3f}; host path: to "
-        f"pinned memory {median_ms(lambda: pinned.copy_(buf)):.3f} + CRC pair on the host "
+        f"(target <= 3); device checksum alone {median_ms(lambda: checksum64_tensor(body)):.3f} (default kernel)"
+        f"; host path: to pinned memory {median_ms(lambda: pinned.copy_(buf)):.3f} + CRC pair on the host "
         f"{median_ms(lambda: checksum64(host)):.3f}"
     )
+    for kernel in ("torch", "triton"):
+        try:
+            line = "  ".join(
+                f"{mb} MB {median_ms(lambda: checksum64_tensor(body[: int(mb * 10**6)], kernel=kernel)):.3f}"
+                for mb in (0.001, 1, 40) if mb * 10**6 <= body.numel()
+            )
+            print(f"device checksum, {kernel} kernel (ms): {line}")
+        except Exception as exc:  # noqa: BLE001 - Triton may be missing
+            print(f"device checksum, {kernel} kernel: {type(exc).__name__}: {exc}")
+    if args.profile:
+        with torch.profiler.profile() as prof:
+            for _ in range(5):
+                wire.decode(wire.encode([x], specs), specs)
+            _sync()
+        print("profile of 5 encode + decode of none (self CPU time, top 15):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=48))
 
 
 if __name__ == "__main__":

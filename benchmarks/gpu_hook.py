@@ -3,7 +3,7 @@ synchronisations a step makes (docs/gpu.md; run by scripts/gpu_check.sh).
 
     python benchmarks/gpu_hook.py step   [--rounds 10]   # world size 1 over NCCL: DDP step times, ratios to torch's
     python benchmarks/gpu_hook.py sim    [--workers 8]   # SimulatedCluster on one GPU: aggregator step per method
-    python benchmarks/gpu_hook.py sync                   # sync-debug warnings in one step, per fixed-size method
+    python benchmarks/gpu_hook.py sync   [--only M ...]  # sync-debug warnings in one step (default: fixed-size methods)
 
 ``step``: one MLP of 16.8M parameters (four 2048x2048 layers, 67 MB of fp32 gradients, DDP's default 25 MB buckets),
 batch 256; variants torch DDP (no hook), torch DDP with torch's fp16_compress_hook, and gradcomp's hook with none,
@@ -19,13 +19,16 @@ steady-state step of the aggregator and of the DDP hook (both threads), per fixe
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import os
 import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import traceback
 import warnings
 
 import torch
@@ -123,6 +126,14 @@ def part_step(args) -> None:
         print(f"  {n:11s} {med[n]:7.2f} ms  x{med[n] / med[ref]:.3f} of {ref}")
     print(f"  targets: none <= 1.05 x torch ({med['none'] / med['torch']:.3f}); "
           f"fp16 <= 1.05 x torch-fp16 ({med['fp16'] / med['torch-fp16']:.3f})")
+    for n in args.profile or ():
+        ddp, _, opt = variants[n]
+        with torch.profiler.profile() as prof:
+            for _ in range(5):
+                _step(ddp, opt, x, y)
+            _sync()
+        print(f"profile of 5 steps of {n} (self CPU time, top 15):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=48))
     for _, state, _ in variants.values():
         if state is not None:
             state.close()
@@ -157,9 +168,25 @@ def part_sim(args) -> None:
         print(f"  {name:9s} {results[name]:8.2f} ms  x{results[name] / results['none']:.2f} of none", flush=True)
 
 
-def _count_warnings(fn) -> int:
-    with warnings.catch_warnings(record=True) as caught:
+def _count_warnings(fn, where: collections.Counter) -> int:
+    """The sync-debug warnings while ``fn`` runs (on any thread); ``where`` counts the innermost gradcomp frame of
+    each (file:line function), which the warning's own location (inside torch) does not give."""
+    count = 0
+    lock = threading.Lock()
+
+    def show(message, *_args, **_kwargs):
+        nonlocal count
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack() if "gradcomp" in f.filename and "benchmarks" not in f.filename]
+        spot = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
+        with lock:
+            count += 1
+            where[spot] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show
         if not CPU:
             torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -167,7 +194,7 @@ def _count_warnings(fn) -> int:
         finally:
             if not CPU:
                 torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return count
 
 
 def part_sync(args) -> None:
@@ -190,18 +217,21 @@ def part_sync(args) -> None:
             model.zero_grad()
             F.cross_entropy(model(x), y).backward()
             _sync()
-            n_agg = _count_warnings(agg.step)
+            where: collections.Counter = collections.Counter()
+            n_agg = _count_warnings(agg.step, where)
             ddp = DDP(copy.deepcopy(base).to(DEVICE), device_ids=None if CPU else [0])
             state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name))
             for _ in range(2):
                 F.cross_entropy(ddp(x), y).backward()
             _sync()
-            n_ddp = _count_warnings(lambda: (F.cross_entropy(ddp(x), y).backward(), state.wait()))
+            n_ddp = _count_warnings(lambda: (F.cross_entropy(ddp(x), y).backward(), state.wait()), where)
             state.close()
             total += n_agg + n_ddp
             b = BUDGETS[name]
             print(f"  {name:18s} aggregator {n_agg:3d} (CPU count {b['aggregator']})  "
                   f"ddp {n_ddp:3d} (CPU count {b['ddp']})", flush=True)
+            for spot, k in where.most_common():
+                print(f"      {k:3d} at {spot}")
         except Exception as exc:  # noqa: BLE001 - report and go on to the next method
             print(f"  {name:18s} error {type(exc).__name__}: {exc}", flush=True)
     print(f"  total {total} (target 0)")
@@ -213,6 +243,7 @@ def main(argv=None) -> int:
     parser.add_argument("part", choices=["step", "sim", "sync"])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--profile", nargs="*", help="step: print a torch.profiler table of these variants")
     parser.add_argument("--only", nargs="*", help="sync: these methods only (default: every fixed-size one)")
     args = parser.parse_args(argv)
     if not CPU and not torch.cuda.is_available():

@@ -40,15 +40,18 @@ timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -k "cuda or pinned" tests/t
   tests/test_wire_golomb.py tests/test_wire_checksum.py 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
 
 echo "== 2. compress + encode + decode per compressor vs a device copy, 10M fp32 (timeout 100 s)"
-timeout 100 $PYTHON benchmarks/cuda_encode.py 2>&1 | tee "$OUT/encode.log"
+timeout 100 $PYTHON benchmarks/cuda_encode.py --profile 2>&1 | tee "$OUT/encode.log"
 
 echo "== 3. the DDP hook's step vs torch DDP's, world size 1 over NCCL (timeout 100 s)"
-timeout 100 $PYTHON benchmarks/gpu_hook.py step --rounds 10 2>&1 | tee "$OUT/step.log"
+timeout 100 $PYTHON benchmarks/gpu_hook.py step --rounds 10 --profile none fp16 topk 2>&1 | tee "$OUT/step.log"
 
 echo "== 4. compression cost: a simulated cluster of 8 on the GPU (timeout 70 s)"
 timeout 70 $PYTHON benchmarks/gpu_hook.py sim --workers 8 2>&1 | tee "$OUT/sim.log"
 
 echo "== 5. synchronisation warnings in one step per fixed-size method (timeout 50 s)"
 timeout 50 $PYTHON benchmarks/gpu_hook.py sync 2>&1 | tee "$OUT/sync.log"
+
+echo "== 6. the same for the variable-size methods (their budgets allow a size exchange; timeout 40 s)"
+timeout 40 $PYTHON benchmarks/gpu_hook.py sync --only threshold sbc stc dgc lgc 2>&1 | tee "$OUT/sync_variable.log"
 
 echo "done in $((SECONDS - START)) s; results in $OUT"
