@@ -46,7 +46,9 @@ METHODS = {
     "topk": {"density": 0.01, "error_feedback": True},
     "powersgd": {},
     "signum": {},
-}
+    "topk/bucket": {"density": 0.01, "error_feedback": True, "granularity": "bucket"},
+    "signum/bucket": {"granularity": "bucket"},
+}  # "/bucket": the hook compresses each DDP bucket as one slot instead of one slot per parameter (the default)
 
 
 # GRADCOMP_BENCH_CPU=1: the same code on the CPU over gloo, tiny and untimed in meaning (a check that the script
@@ -87,7 +89,9 @@ def _variant(name: str, base: nn.Module):
 
         ddp.register_comm_hook(None, fp16_compress_hook)
     elif name != "torch":
-        state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name, **METHODS[name]))
+        params = dict(METHODS[name])
+        granularity = params.pop("granularity", "layer")
+        state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name.split("/")[0], **params), granularity=granularity)
     return ddp, state, torch.optim.SGD(ddp.parameters(), lr=1e-3)
 
 
@@ -123,7 +127,7 @@ def part_step(args) -> None:
           f"median of {args.rounds}")
     for n in ["torch", "torch-fp16", *METHODS]:
         ref = "torch-fp16" if n == "fp16" else "torch"
-        print(f"  {n:11s} {med[n]:7.2f} ms  x{med[n] / med[ref]:.3f} of {ref}")
+        print(f"  {n:13s} {med[n]:7.2f} ms  x{med[n] / med[ref]:.3f} of {ref}")
     print(f"  targets: none <= 1.05 x torch ({med['none'] / med['torch']:.3f}); "
           f"fp16 <= 1.05 x torch-fp16 ({med['fp16'] / med['torch-fp16']:.3f})")
     for n in args.profile or ():
@@ -147,6 +151,9 @@ def part_sim(args) -> None:
     base = mlp(width=64 if CPU else 1024)
     results = {}
     for name, params in METHODS.items():
+        if "/" in name:  # the hook's granularity: not an aggregator setting
+            continue
+
         def work(transport, name=name, params=params):
             model = copy.deepcopy(base).to(DEVICE)
             agg = gradcomp.GradientAggregator(model, gradcomp.make(name, **params), transport)

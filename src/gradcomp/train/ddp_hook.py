@@ -313,7 +313,7 @@ class _CommThread:
         scale = loss_scale(self.scaler)
         if scale is not None and not here:
             job.buffer.div_(scale)  # error feedback and momentum see unscaled gradients (a power of 2: exact)
-        finite = finite_flag(job.tensors) if device_path else not here
+        finite = finite_flag([job.buffer]) if device_path else not here  # the views' buffer: one pass, few launches
         averages = self.exchange.exchange(job.slots, job.tensors, job.step, validate=False, finite=finite)
         if averages is None:  # some rank's gradients were not finite: every rank is here, at this bucket
             if device_path:  # (a division by the scale changes no entry's finiteness)
@@ -325,7 +325,8 @@ class _CommThread:
             job.buffer.fill_(float("nan"))  # GradScaler's found_inf, on every rank: scaler.step skips
             return
         for target, average in zip(job.tensors, averages):
-            target.copy_(average.view_as(target))
+            if average.data_ptr() != target.data_ptr():  # an in-place exchange left it there already
+                target.copy_(average.view_as(target))
         if scale is not None:
             job.buffer.mul_(scale)  # back in the scaler's units, for scaler.unscale_
         if job.retain is not None:
