@@ -61,7 +61,6 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=10_000 if CPU else 10_000_000)
     parser.add_argument("--only", nargs="*", help="these compressors only")
     parser.add_argument("--profile", action="store_true", help="a torch.profiler table of encode + decode of none")
-    parser.add_argument("--sweep", action="store_true", help="rows per program of the Triton checksum kernels")
     args = parser.parse_args()
     if not CPU and not torch.cuda.is_available():
         print("benchmarks/cuda_encode.py: skipped, no CUDA device")
@@ -101,16 +100,6 @@ def main() -> None:
             print(f"device checksum, {kernel} kernel (ms): {line}")
         except Exception as exc:  # noqa: BLE001 - Triton may be missing
             print(f"device checksum, {kernel} kernel: {type(exc).__name__}: {exc}")
-    if args.sweep:  # rows per program of the Triton checksum's levels, on the 40 MB body
-        from gradcomp.wire import crc_triton
-
-        kept = crc_triton._ROWS_BYTES, crc_triton._ROWS_GROUPS
-        for rows_bytes, rows_groups in ((16, 4), (32, 8), (64, 8), (128, 16), (256, 16)):
-            crc_triton._ROWS_BYTES, crc_triton._ROWS_GROUPS = rows_bytes, rows_groups
-            checksum64_tensor(body, kernel="triton")  # compile
-            ms = median_ms(lambda: checksum64_tensor(body, kernel="triton"))
-            print(f"triton checksum, 40 MB, {rows_bytes} blocks / {rows_groups} groups per program: {ms:.3f} ms")
-        crc_triton._ROWS_BYTES, crc_triton._ROWS_GROUPS = kept
     if args.profile:
         with torch.profiler.profile() as prof:
             for _ in range(5):

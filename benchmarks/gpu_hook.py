@@ -186,7 +186,12 @@ def _count_warnings(fn, where: collections.Counter) -> int:
         if "synchroniz" not in str(message):
             return
         frames = [f for f in traceback.extract_stack() if "gradcomp" in f.filename and "benchmarks" not in f.filename]
-        spot = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
+        if not frames:  # none of gradcomp's frames: the innermost three, whatever they are
+            frames = traceback.extract_stack()[-4:-1] or [None]
+            spot = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[::-1] if f)
+            spot = f"(not gradcomp: {threading.current_thread().name}) {spot}"
+        else:
+            spot = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].name}"
         with lock:
             count += 1
             where[spot] += 1

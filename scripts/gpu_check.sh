@@ -40,7 +40,7 @@ timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -k "cuda or pinned" tests/t
   tests/test_wire_golomb.py tests/test_wire_checksum.py 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
 
 echo "== 2. compress + encode + decode per compressor vs a device copy, 10M fp32 (timeout 100 s)"
-timeout 100 $PYTHON benchmarks/cuda_encode.py --profile --sweep 2>&1 | tee "$OUT/encode.log"
+timeout 100 $PYTHON benchmarks/cuda_encode.py --profile 2>&1 | tee "$OUT/encode.log"
 
 echo "== 3. the DDP hook's step vs torch DDP's, world size 1 over NCCL (timeout 100 s)"
 timeout 100 $PYTHON benchmarks/gpu_hook.py step --rounds 10 --profile none fp16 topk 2>&1 | tee "$OUT/step.log"
