@@ -8,7 +8,8 @@ On the CPU none of them waits, so they are counted instead: every tensor is trea
 Two mechanisms, because not everything goes through torch's dispatcher:
 - a ``TorchDispatchMode`` sees the aten operations (``_local_scalar_dense`` is what ``.item()`` / ``int()`` /
   ``bool()`` dispatch; ``nonzero``, ``masked_select``, the ``unique`` family; ``index.Tensor`` and ``index_put_``
-  with a boolean index). A dispatch mode is thread-local: :func:`counting` enters it on the calling thread and,
+  with a boolean index; ``index_put_`` of a Python number, ``t[positions] = 0.0``, whose value torch makes a host
+  tensor that a GPU copies over and waits for, as an H200 showed: ``index_fill_`` takes the number itself). A dispatch mode is thread-local: :func:`counting` enters it on the calling thread and,
   through :func:`count_on_this_thread`, on any other thread that the code under test runs (the DDP hook's
   communication thread);
 - ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.cpu`` and ``Tensor.to("cpu")`` do not dispatch (or are no-ops on
@@ -52,10 +53,14 @@ class _Mode(TorchDispatchMode):
     def __init__(self, record):
         super().__init__()
         self.record = record
+        self.lifted = None  # the last Python number made a tensor (``t[i] = 0.0`` makes one, on the host)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func.overloadpacket
+        if packet is aten.lift_fresh:
+            self.lifted = func(*args, **kwargs)
+            return self.lifted
         if packet is aten._local_scalar_dense:
             self.record("item")
         elif func in _SIZE_FROM_DATA:
@@ -64,6 +69,8 @@ class _Mode(TorchDispatchMode):
             args[1] if len(args) > 1 else kwargs.get("indices")
         ):
             self.record("bool-index")
+        elif packet is aten.index_put_ and self.lifted is not None and len(args) > 2 and args[2] is self.lifted:
+            self.record("host-scalar-put")  # t[positions] = 0.0: on a GPU the 0 is copied there and the host waits
         return func(*args, **kwargs)
 
 

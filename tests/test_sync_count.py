@@ -143,10 +143,15 @@ def test_the_counter_sees_every_kind_of_synchronisation(device_paths):
         t[t > 5]
         t.masked_select(t > 6)
         torch.unique(t)
+        t[torch.tensor([1, 2])] = 0.0  # a Python number put at positions: copied to the device
         t[3:5].clone()  # not a synchronisation
         t.to(torch.float16)  # nor is a cast
+        t.index_fill_(0, torch.tensor([1, 2]), 0.0)  # nor a fill with the number itself
+        t[torch.tensor([1, 2])] = t[4:6].clone()  # nor a put of device data
+        t[6:] = 0.0  # nor a slice's fill (the number is read on the host)
     assert counter.counts == {
         "item": 3, "tolist": 1, "numpy": 1, "cpu": 2, "nonzero": 1, "bool-index": 1, "masked_select": 1, "unique": 1,
+        "host-scalar-put": 1,
     }, counter
 
 
