@@ -26,6 +26,13 @@ START=$SECONDS
   git rev-parse --short HEAD 2>/dev/null
 } 2>&1 | tee "$OUT/env.log"
 
+# gradcomp's own dependencies, which a GPU machine's image may lack: say so at once, not in every part below
+if ! $PYTHON -c "import google_crc32c, isal, numba" 2>/dev/null; then
+  echo "== missing dependencies: $PYTHON cannot import google_crc32c, isal or numba;"
+  echo "   pip install -c constraints.txt google-crc32c isal numba (or install their wheels, carried, with --no-deps)"
+  exit 2
+fi
+
 if ! $PYTHON -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "== no CUDA device: every GPU part is skipped"
   $PYTHON benchmarks/cuda_encode.py

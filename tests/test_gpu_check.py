@@ -32,6 +32,15 @@ def test_without_a_gpu_every_part_says_it_is_skipped(tmp_path):
     assert "no CUDA device: every GPU part is skipped" in done.stdout
 
 
+def test_a_missing_dependency_is_named_before_any_part_runs(tmp_path):
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "google_crc32c.py").write_text("raise ImportError('not on this machine')\n")
+    done = _run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], PYTHONPATH=f"{shadow}{os.pathsep}{ROOT / 'src'}")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "missing dependencies" in done.stdout and "== 1." not in done.stdout, done.stdout
+
+
 def test_the_hook_benchmark_runs_on_the_cpu():
     done = _run([sys.executable, "benchmarks/gpu_hook.py", "sync", "--only", "none", "topk"], GRADCOMP_BENCH_CPU="1")
     assert done.returncode == 0, done.stderr
