@@ -9,7 +9,8 @@ Two mechanisms, because not everything goes through torch's dispatcher:
 - a ``TorchDispatchMode`` sees the aten operations (``_local_scalar_dense`` is what ``.item()`` / ``int()`` /
   ``bool()`` dispatch; ``nonzero``, ``masked_select``, the ``unique`` family; ``index.Tensor`` and ``index_put_``
   with a boolean index; ``index_put_`` of a Python number, ``t[positions] = 0.0``, whose value torch makes a host
-  tensor that a GPU copies over and waits for, as an H200 showed: ``index_fill_`` takes the number itself). A dispatch mode is thread-local: :func:`counting` enters it on the calling thread and,
+  tensor that a GPU copies over and waits for, as an H200 showed: ``index_fill_`` takes the number itself). A
+  dispatch mode is thread-local: :func:`counting` enters it on the calling thread and,
   through :func:`count_on_this_thread`, on any other thread that the code under test runs (the DDP hook's
   communication thread);
 - ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.cpu`` and ``Tensor.to("cpu")`` do not dispatch (or are no-ops on

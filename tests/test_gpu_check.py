@@ -36,7 +36,8 @@ def test_a_missing_dependency_is_named_before_any_part_runs(tmp_path):
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     (shadow / "google_crc32c.py").write_text("raise ImportError('not on this machine')\n")
-    done = _run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], PYTHONPATH=f"{shadow}{os.pathsep}{ROOT / 'src'}")
+    path = f"{shadow}{os.pathsep}{ROOT / 'src'}"
+    done = _run(["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], PYTHONPATH=path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "missing dependencies" in done.stdout and "== 1." not in done.stdout, done.stdout
 

@@ -293,8 +293,8 @@ def checksum64_tensor(buf: torch.Tensor, kernel: str | None = None) -> torch.Ten
 
     Returns an int64 tensor of shape () on ``buf``'s device whose 64 bits are those of ``checksum64(buf)``
     (read as unsigned: ``int(t) & (2**64 - 1)``; its little-endian bytes are the header's checksum field).
-    ``kernel``: "triton" (gradcomp.wire.crc_triton: one fused kernel per level), "torch" (torch operations, any
-    device), or None: Triton for a CUDA buffer where it can be imported, else torch. Both compute the same levels
+    ``kernel``: "triton" (gradcomp.wire.crc_triton: one fused launch per two levels), "torch" (torch operations,
+    any device), or None: Triton for a CUDA buffer where it can be imported, else torch. Both compute the same levels
     from the same tables (docs/wire.md): the raw CRC (no init, no final xor) is GF(2)-linear in the bytes and
     leading zero bytes leave it at zero, so the body is zero-padded at the front to whole blocks of BLOCK_BYTES;
     each block's raw CRC pair is the xor of one (BLOCK_BYTES, 256) table entry per byte (byte i of value v

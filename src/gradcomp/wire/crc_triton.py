@@ -27,6 +27,7 @@ import triton.language as tl
 
 __all__ = ["checksum64"]
 
+
 @triton.jit(do_not_specialize=["n", "pad", "final"])  # one compilation for every length
 def _bytes_kernel(body, block_table, group_table, out, n, pad, final, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """out[pid] = the raw CRC pair of the program's GROUP blocks of BLOCK bytes (two levels), xor ``final``."""
