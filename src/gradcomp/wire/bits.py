@@ -302,11 +302,10 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
         return _pack_chunked(values, width, check=False)
     if width > 8:
         return _pack_gathered(values, width, n, nbytes)
-    wd = _work_dtype(width)
-    v = values.to(wd)
+    v = values.to(torch.uint8)  # widths 1 to 7: uint8 arithmetic, whatever is shifted past bit 7 is dropped
     groups = (n + 7) // 8
     if groups * 8 != n:
-        v = torch.cat([v, torch.zeros(groups * 8 - n, dtype=wd, device=device)])
+        v = torch.cat([v, torch.zeros(groups * 8 - n, dtype=torch.uint8, device=device)])
     v = v.reshape(groups, 8)
     cols = []
     for t in range(width):  # byte t of each group covers bits [8t, 8t + 8) of the group
@@ -315,9 +314,7 @@ def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
             shift = j * width - 8 * t
             part = v[:, j] << shift if shift >= 0 else v[:, j] >> (-shift)
             acc = part if acc is None else acc | part
-        if wd != torch.uint8:
-            acc = acc & 0xFF
-        cols.append(acc.to(torch.uint8))
+        cols.append(acc)
     out = torch.stack(cols, dim=1).reshape(-1)
     return out[:nbytes]
 
@@ -451,7 +448,7 @@ def _unpack(
         out = _unpack_gathered(buf, width, groups * 8)
         out = out if dtype is not None else out.to(wd)
     else:
-        out = _unpack_columns(buf, width, groups, wd)
+        out = _unpack_columns(buf, width, groups)
     if groups * 8 != count:
         # Every bit after the last value lies in one of the padding value slots.
         if flags is not None:
@@ -462,15 +459,13 @@ def _unpack(
     return out if dtype is None else out.to(dtype)
 
 
-def _unpack_columns(buf: torch.Tensor, width: int, groups: int, wd: torch.dtype) -> torch.Tensor:
-    """``groups`` groups of 8 values of ``width`` bits (1 to 8) in the work dtype, one value column at a time."""
+def _unpack_columns(buf: torch.Tensor, width: int, groups: int) -> torch.Tensor:
+    """``groups`` groups of 8 values of ``width`` bits (1 to 7) as uint8, one value column at a time."""
     device = buf.device
     b = buf
     if groups * width != b.numel():
         b = torch.cat([b, torch.zeros(groups * width - b.numel(), dtype=torch.uint8, device=device)])
     b = b.reshape(groups, width)
-    if wd != torch.uint8:
-        b = b.to(wd)
     mask = (1 << width) - 1
     cols = []
     for j in range(8):  # value j of each group covers bits [j*width, (j+1)*width)
@@ -479,9 +474,7 @@ def _unpack_columns(buf: torch.Tensor, width: int, groups: int, wd: torch.dtype)
             shift = 8 * t - j * width
             part = b[:, t] << shift if shift >= 0 else b[:, t] >> (-shift)
             acc = part if acc is None else acc | part
-        if width < 8 or wd != torch.uint8:
-            acc = acc & mask
-        cols.append(acc)
+        cols.append(acc & mask)
     return torch.stack(cols, dim=1).reshape(-1)
 
 

@@ -133,7 +133,11 @@ def checksum64(buf: torch.Tensor) -> int:
 
     ``buf`` is a uint8 tensor of any shape (flattened) on any device; anything else raises WireError.
     """
-    data = _host_bytes(buf)
+    return _pair(_host_bytes(buf))
+
+
+def _pair(data) -> int:
+    """``crc32(data) << 32 | crc32c(data)`` of a host buffer (numpy array, bytes)."""
     return (_crc32(data) << 32) | google_crc32c.value(data)
 
 
@@ -200,8 +204,7 @@ def _affine_constant(n: int) -> int:
     short body; longer ones compose the "2**j zero bytes" tables (about 0.2 ms of numpy calls, hence the cache).
     """
     if n <= 1 << 16:
-        zeros = bytes(n)
-        return (_crc32(zeros) << 32) | google_crc32c.value(zeros)
+        return _pair(bytes(n))
     state = np.array([_MASK64], dtype=np.uint64)
     j = 0
     while n >> j:
