@@ -28,6 +28,16 @@ import triton.language as tl
 __all__ = ["checksum64"]
 
 
+@triton.jit
+def _advanced(entries, table, positions):
+    """Each raw CRC pair of ``entries`` advanced by its position's "zero bytes" map in the level ``table`` (8
+    lookups, one per byte of the 64-bit pair, xored); ``positions`` broadcasts to the entries' shape."""
+    acc = tl.zeros_like(entries)
+    for lane in tl.static_range(8):
+        acc ^= tl.load(table + (positions * 8 + lane) * 256 + ((entries >> (8 * lane)) & 0xFF))
+    return acc
+
+
 @triton.jit(do_not_specialize=["n", "pad", "final"])  # one compilation for every length
 def _bytes_kernel(body, block_table, group_table, out, n, pad, final, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """out[pid] = the raw CRC pair of the program's GROUP blocks of BLOCK bytes (two levels), xor ``final``."""
@@ -37,10 +47,7 @@ def _bytes_kernel(body, block_table, group_table, out, n, pad, final, BLOCK: tl.
     q = pid * (GROUP * BLOCK) + rows[:, None] * BLOCK + cols[None, :] - pad  # < 0: front padding
     byte = tl.load(body + q, mask=(q >= 0) & (q < n), other=0).to(tl.int64)
     crcs = tl.xor_sum(tl.load(block_table + cols[None, :] * 256 + byte), axis=1)  # a zero byte's entry is 0
-    acc = tl.zeros((GROUP,), dtype=tl.int64)
-    for lane in tl.static_range(8):
-        acc ^= tl.load(group_table + (rows * 8 + lane) * 256 + ((crcs >> (8 * lane)) & 0xFF))
-    tl.store(out + pid, tl.xor_sum(acc, axis=0) ^ final)
+    tl.store(out + pid, tl.xor_sum(_advanced(crcs, group_table, rows), axis=0) ^ final)
 
 
 @triton.jit(do_not_specialize=["m", "pad", "final"])
@@ -51,14 +58,8 @@ def _entries_kernel(entries, inner_table, outer_table, out, m, pad, final, GROUP
     rows = tl.arange(0, GROUP)
     q = pid * (GROUP * GROUP) + rows[:, None] * GROUP + rows[None, :] - pad
     entry = tl.load(entries + q, mask=(q >= 0) & (q < m), other=0)
-    acc = tl.zeros((GROUP, GROUP), dtype=tl.int64)
-    for lane in tl.static_range(8):
-        acc ^= tl.load(inner_table + (rows[None, :] * 8 + lane) * 256 + ((entry >> (8 * lane)) & 0xFF))
-    sub = tl.xor_sum(acc, axis=1)
-    acc2 = tl.zeros((GROUP,), dtype=tl.int64)
-    for lane in tl.static_range(8):
-        acc2 ^= tl.load(outer_table + (rows * 8 + lane) * 256 + ((sub >> (8 * lane)) & 0xFF))
-    tl.store(out + pid, tl.xor_sum(acc2, axis=0) ^ final)
+    sub = tl.xor_sum(_advanced(entry, inner_table, rows[None, :]), axis=1)
+    tl.store(out + pid, tl.xor_sum(_advanced(sub, outer_table, rows), axis=0) ^ final)
 
 
 def checksum64(buf: torch.Tensor, const: int, block_table: torch.Tensor, level_table: Callable[[int], torch.Tensor],
