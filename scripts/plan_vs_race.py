@@ -11,7 +11,8 @@ in the same run so that the two differ only in what the plan predicts (compressi
 
 - ``--compute-ms``: the race's compute-only step (forward, backward, optimizer; every worker at once);
 - ``--latency``: the race's per-message latency on the link (a one-float all-reduce, per ring message);
-- ``--colocated 4``: the race's hosts share this machine's cores, so the plan times compression 4 at once;
+- ``--colocated 4``: the race's hosts share this machine's cores, so the plan races each method on 4 local
+  processes joined by an unshaped network (``plan.measure_local``) for its compression and its wait in collectives;
 
 and one the race sets: ``--burst``, the token-bucket burst of its emulated links (``netns.TBF_BURST``).
 

@@ -182,18 +182,16 @@ def test_bad_input_is_refused_before_measuring(change, message, monkeypatch, tmp
 
 
 def test_colocated_workers_are_measured_at_once_in_their_own_processes(tmp_path):
-    """--colocated N times compute and compression in N processes at once; the traffic is the same bytes."""
-    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, link="1gbit", methods=["topk:density=0.05"],
+    """--colocated N below W times compute and compression in N processes at once; the traffic is the same bytes."""
+    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=3, link="1gbit", methods=["topk:density=0.05"],
                             cache_dir=str(tmp_path), batch_size=8)
     alone, shared = plan.run_plan(opts), plan.run_plan(dataclasses.replace(opts, colocated=2))
-    assert shared["cache"]["misses"] == 3  # not the cached single-worker ones; and the round cost
-    assert shared["colocated"] == 2 and alone["colocated"] == 1
-    assert alone["round_s"] == 0.0 and shared["round_s"] >= 0.0
-    for row in shared["rows"]:  # a collective call's cost with cores shared, once per call, in the communication
-        assert row["rounds_s"] == pytest.approx(shared["round_s"] * sum(row["calls"].values()))
+    assert shared["cache"]["misses"] == 2  # not the cached single-worker ones
+    assert shared["colocated"] == 2 and alone["colocated"] == 1 and not shared["local_race"]
     for a, b in zip(alone["rows"], shared["rows"]):
         assert (a["bits_up"], a["bits_down"], a["calls"]) == (b["bits_up"], b["bits_down"], b["calls"])
-        assert b["compress_s"] > 0 and b["compute_s"] > 0
+        assert b["compress_s"] > 0 and b["compute_s"] > 0 and b["local_collectives_s"] is None
+        assert b["communicate_s"] == b["priced_s"]
     assert "2 workers at once" in plan.format_text(shared) and "2 at once" in shared["compute_from"]
     each = plan.colocated(plan.measure_compute, 2, "mlp", "synthetic", None, 8, "cpu", 0)
     assert len(each) == 2 and all(m["threads"] == worker_threads(2) for m in each)
@@ -269,12 +267,37 @@ def test_a_small_margin_is_called_small():
     assert "hardly pays" not in plan.recommend([fp32, far]) and plan.recommend([fp32, far]).startswith("use topk")
 
 
-def test_the_round_cost_is_measured_in_a_real_group_of_colocated_workers():
-    """round_cost: n processes joined in a gloo group time steps with and without a collective round between
-    chunks of work; the result is a duration per round (>= 0, well under a second here) and 0 for one worker."""
-    assert plan.round_cost(1) == 0.0
-    got = plan.round_cost(2, chunk_s=0.001)
-    assert 0.0 <= got < 0.5
+def test_every_worker_on_this_machine_is_planned_from_a_local_race(tmp_path, monkeypatch):
+    """--colocated W with a model: each method's compute, compression and time in collectives come from a real
+    race of W processes on an unshaped network; the second plan takes them from the cache, races nothing."""
+    monkeypatch.setattr(plan, "LOCAL_STEPS", 4)
+    monkeypatch.setattr(plan, "LOCAL_COMPUTE_STEPS", 2)
+    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, colocated=2, link="1mbit",
+                            methods=["none", "powersgd:rank=2"], cache_dir=str(tmp_path), batch_size=8)
+    first = plan.run_plan(opts)
+    assert first["local_race"] and first["cache"]["misses"] == 4  # 2 local steps, 2 traffic measurements
+    for row in first["rows"]:
+        assert row["compute_s"] > 0 and row["local_collectives_s"] is not None and row["local_collectives_s"] >= 0
+        assert row["communicate_s"] == max(row["priced_s"], row["local_collectives_s"])
+    by = {r["label"]: r for r in first["rows"]}
+    assert by["none"]["compress_s"] == 0.0 < by["powersgd:rank=2"]["compress_s"]  # the hook's own all-reduce
+    assert "unshaped network" in plan.format_text(first)
+    monkeypatch.setattr(plan, "measure_local", lambda *a: pytest.fail("raced again"))
+    again = plan.run_plan(opts)
+    assert again["cache"]["misses"] == 0 and again["rows"] == first["rows"]
+
+
+def test_a_local_race_s_wait_overlaps_the_wire_time():
+    """With a local race the communication is the longer of the priced collectives and the race's wait."""
+    traffic = plan.Traffic(compress_s=0.5, ops_by_worker=[{"all_reduce": [1, 1000]}], bits_up=8e3, bits_down=8e3)
+    local = {"step_s": 0.030, "compute_s": 0.010, "compress_s": 0.005}  # 15 ms in collectives
+    slow, fast = NetworkModel(1e4, 0.0), NetworkModel(1e9, 0.0)  # 1 kB all-reduced by 2: 0.8 s and 8 us
+    for network, communicate in ((slow, slow.step_seconds({"all_reduce": [1, 1000]}, 2)), (fast, 0.015)):
+        row = plan.price("x", "x", traffic, network, 2, 0.010, local=local)
+        assert row.compress_s == 0.005 and row.communicate_s == pytest.approx(communicate)
+        assert row.step_s == pytest.approx(0.015 + communicate)
+    plain = plan.price("x", "x", traffic, fast, 2, 0.010)
+    assert plain.compress_s == 0.5 and plain.communicate_s == plain.priced_s
 
 
 def test_the_link_burst_is_credited_once_per_step():

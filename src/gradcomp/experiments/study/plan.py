@@ -16,12 +16,21 @@ For a model (``--model NAME``, any name ``experiments/run/models.py`` builds) or
 3. **measures compute**: forward + backward of the model on one batch (median of a few), or ``--compute-ms``;
 4. **prices the communication** with the latency-bandwidth model (:mod:`gradcomp.netmodel`: ring all-reduce,
    ring all-gather, pairwise all-to-all, gather to a root, binomial broadcast) on the recorded collectives, with
-   a token-bucket link's burst credited once per step (``--burst``) and, where N workers share this machine's
-   cores (``--colocated N``), the measured cost of a collective round among them once per call (``round_cost``);
+   a token-bucket link's burst credited once per step (``--burst``);
 5. predicts a step as compute + compression + communication (no overlap of communication with backward is
    assumed) and recommends the fastest method, saying so when uncompressed fp32 is the fastest.
 
-Measurements (2 and 1, 3) are cached under ``~/.cache/gradcomp/plan/`` (``GRADCOMP_CACHE_DIR`` moves it), keyed by
+Where every worker shares this machine's cores (``--colocated W`` with ``--model``: ``gradcomp race``'s emulated
+hosts), 2 and 3 are taken from a **local race** instead (``measure_local``): each method trains a few steps with
+its W workers on this machine joined by an unshaped network, and the race's clocks give its compute, its
+compression and the rest of its step, the time its collectives take when the bytes cost next to nothing. That
+rest is waiting: a collective ends when the last worker reaches it, and with two workers to a core some worker
+is always descheduled, at each of the method's rounds; a synthetic round of equal work on every worker
+underestimated it several times over for the methods with most rounds (docs/plan.md). On a shaped link the same wait overlaps the wire time, so the
+prediction's communication is the longer of the two. With ``--colocated N`` below W (or ``--shapes``), compute and
+compression are timed in N processes at once and priced as above.
+
+Measurements (1, 2, 3 and the local race) are cached under ``~/.cache/gradcomp/plan/`` (``GRADCOMP_CACHE_DIR`` moves it), keyed by
 the CPU model or GPU name, the torch and gradcomp versions (with a digest of gradcomp's source, so an edited
 compressor is measured again), the thread count, the shapes, W and the method; ``--no-cache`` measures again.
 
@@ -66,7 +75,7 @@ FP32 = "none"
 WARMUP_STEPS = 2
 TIMED_STEPS = 8  # a colocated timing of 3 steps moved by up to 2x between two plans of the same code
 COMPUTE_REPEATS = 5
-CACHE_FORMAT = 5  # bump when measure_method or measure_compute change what they measure
+CACHE_FORMAT = 6  # bump when measure_method or measure_compute change what they measure
 SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
 
 
@@ -112,7 +121,7 @@ class PlanOptions:
     shapes_source: str | None = None
     dataset: str = "mnist"
     data_root: str | None = None
-    batch_size: int = 32
+    batch_size: int | None = None  # None: the model's training default (gradcomp train's: 16 for a language model)
     workers: int = 4
     link: str | float = "1gbit"
     latency: str | float = 0.0
@@ -132,7 +141,7 @@ class PlanOptions:
                               f"{self.workers!r}")
         if (self.model is None) == (self.shapes is None):
             raise ConfigError("give --model NAME or --shapes FILE (one of the two)")
-        if self.batch_size < 1:
+        if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.compute_ms is not None and not (math.isfinite(self.compute_ms) and self.compute_ms >= 0):
             raise ConfigError(f"--compute-ms must be a number >= 0, got {self.compute_ms}")
@@ -200,9 +209,13 @@ class Cache:
         self.hits = 0
         self.misses = 0
 
-    def get_or_measure(self, key: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def _path(self, key: dict[str, Any]) -> Path:
         name = hashlib.sha256(json.dumps({"format": CACHE_FORMAT, **key}, sort_keys=True).encode()).hexdigest()
-        path = self.directory / f"{name[:32]}.json"
+        return self.directory / f"{name[:32]}.json"
+
+    def get(self, key: dict[str, Any]) -> dict[str, Any] | None:
+        """The stored value (a hit), or None (a miss: the caller measures and ``put``s it)."""
+        path = self._path(key)
         if self.enabled and path.is_file():
             try:
                 stored = json.loads(path.read_text())
@@ -212,15 +225,25 @@ class Cache:
             except (OSError, json.JSONDecodeError, AttributeError):
                 pass  # unreadable: measured again and overwritten
         self.misses += 1
-        value = measure()
-        if self.enabled:
-            try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps({"key": key, "value": value}))
-                tmp.replace(path)
-            except OSError:
-                pass  # a read-only home: the plan still works, uncached
+        return None
+
+    def put(self, key: dict[str, Any], value: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        path = self._path(key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"key": key, "value": value}))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home: the plan still works, uncached
+
+    def get_or_measure(self, key: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        value = self.get(key)
+        if value is None:
+            value = measure()
+            self.put(key, value)
         return value
 
 
@@ -355,81 +378,39 @@ def measure_method(
     return {"workers": per_worker}
 
 
-ROUND_CHUNK_S = 0.005  # the work between two collective rounds in measure_round_cost (a compression's order)
-ROUNDS = 4
-ROUND_REPEATS = 15
+LOCAL_STEPS = 20  # training steps of each method in the local race (its median step is taken)
+LOCAL_COMPUTE_STEPS = 8  # the race's compute-only steps before each method
 
 
-def measure_round_cost(store_path: str, n: int, chunk_s: float = ROUND_CHUNK_S) -> dict[str, Any]:
-    """What one more collective round costs a step when ``n`` workers share this machine's cores, beyond the
-    round's own latency: run in ``n`` colocated processes (``colocated``), joined in a gloo group through the file
-    store ``store_path``.
+def measure_local(opts: PlanOptions, methods: Sequence[Method], log: Callable[[str], None]) -> dict[str, Any]:
+    """Each method's training step with its ``opts.workers`` workers all on this machine, joined by an unshaped
+    network: ``gradcomp race --link none`` (network namespaces where it can make them, as the shaped race does;
+    plain local processes otherwise), ``LOCAL_STEPS`` steps of SGD per method, the model and batch of the plan.
 
-    A step of ``ROUNDS`` chunks of work (about ``chunk_s`` each, the same on every worker) is timed with a one-float
-    all-reduce after every chunk and with one all-reduce after the last chunk; the difference per extra round,
-    less the all-reduce's own time with every worker idle, is the round's cost: the wait for the worker that the
-    scheduler ran last, and the time a worker that a round woke takes to be scheduled again while the others
-    compute. With a core per worker it is about 0; it is what a multi-round method pays more than the network
-    model prices when the emulated hosts of ``gradcomp race`` share a few cores. Returns ``{"round_s",
-    "idle_allreduce_s", "chunk_s"}`` for this worker."""
-    import torch.distributed as dist
+    What the race measures per method is what a plan of colocated workers cannot price from parts: the median
+    step, the compute-only step (forward, backward, optimizer, every worker at once), the compression the
+    workers' own clocks count, and so the rest of the step, the time spent in collectives when moving the bytes
+    costs next to nothing: waiting for the worker the scheduler ran last, at every one of the method's rounds.
+    Returns ``{label: {"step_s", "compute_s", "compress_s"}}``.
+    """
+    from gradcomp.errors import GradcompError
+    from gradcomp.experiments.race import race as racing
 
-    store = dist.FileStore(store_path, n)
-    rank = int(store.add("rank", 1)) - 1
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
-    try:
-        a = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank)) / 8
-
-        def work(units: int) -> None:
-            x = a
-            for _ in range(units):
-                x = torch.tanh(x @ a)
-
-        started = time.perf_counter()
-        work(50)
-        units = torch.tensor([max(1, round(50 * chunk_s / (time.perf_counter() - started)))])
-        dist.all_reduce(units, op=dist.ReduceOp.MAX)  # the same work everywhere
-        units = int(units)
-        one = torch.zeros(1)
-        idle = []
-        for _ in range(20):
-            dist.barrier()
-            started = time.perf_counter()
-            dist.all_reduce(one)
-            idle.append(time.perf_counter() - started)
-
-        def step(rounds: bool) -> float:
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(ROUNDS):
-                work(units)
-                if rounds:
-                    dist.all_reduce(one)
-            if not rounds:
-                dist.all_reduce(one)
-            return time.perf_counter() - started
-
-        step(True), step(False)  # warm-up
-        with_rounds, without = [], []
-        for _ in range(ROUND_REPEATS):  # interleaved: a slow phase of the machine hits both alike
-            with_rounds.append(step(True))
-            without.append(step(False))
-        idle_s = statistics.median(idle)
-        extra = (statistics.median(with_rounds) - statistics.median(without)) / (ROUNDS - 1)
-        return {"round_s": max(0.0, extra - idle_s), "idle_allreduce_s": idle_s, "chunk_s": chunk_s}
-    finally:
-        dist.destroy_process_group()
-
-
-def round_cost(n: int, chunk_s: float = ROUND_CHUNK_S) -> float:
-    """``measure_round_cost`` in ``n`` colocated processes: the median over the workers (0 for one worker)."""
-    if n < 2:
-        return 0.0
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        results = colocated(measure_round_cost, n, os.path.join(tmp, "store"), n, chunk_s)
-    return statistics.median(r["round_s"] for r in results)
+    text = racing.is_text(racing.Options([], model=opts.model or ""))
+    ro = racing.Options(
+        methods=list(methods), hosts=opts.workers, link="none", steps=LOCAL_STEPS, batch_size=opts.batch_size,
+        dataset=opts.dataset, data_root=opts.data_root, model=opts.model or "", seed=opts.seed, device=opts.device,
+        target_loss=1.0 if text else None, eval_every=LOCAL_STEPS, compute_steps=LOCAL_COMPUTE_STEPS, out=None,
+        verbose=False)  # the target is not used: only step times are read
+    result = racing.race(ro, log=log)
+    local = {}
+    for m in result["methods"]:
+        if m.get("error"):
+            raise GradcompError(f"the local race of {m['label']} failed: {m['error']}")
+        compress = m.get("compress_s_per_step") or []
+        local[m["label"]] = {"step_s": m["median_step_s"], "compute_s": m["compute_only_step_s"],
+                             "compress_s": statistics.median(compress) if compress else 0.0}
+    return local
 
 
 def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any) -> list[dict[str, Any]]:
@@ -602,7 +583,8 @@ class PlanRow:
     bits_down: float
     calls: dict[str, float]
     note: str = ""
-    rounds_s: float = 0.0  # the collective calls' cost when workers share cores (round_cost), in communicate_s
+    priced_s: float = 0.0  # the network model's price of the step's collectives
+    local_collectives_s: float | None = None  # the local race's time in collectives (measure_local), if measured
 
     @property
     def step_s(self) -> float:
@@ -615,16 +597,22 @@ class PlanRow:
 
 
 def price(label: str, method: str, traffic: Traffic, network: NetworkModel, workers: int, compute_s: float,
-          note: str = "", round_s: float = 0.0) -> PlanRow:
-    """The predicted step; ``round_s``: what each collective call costs beyond the network when workers share
-    cores (``round_cost``), added to the communication once per call."""
-    calls: dict[str, float] = {}
-    for op, (n, _) in traffic.ops_by_worker[0].items():
-        calls[op] = n
-    rounds_s = round_s * sum(calls.values())
-    return PlanRow(label, method, compute_s, traffic.compress_s,
-                   communication_seconds(traffic, network, workers) + rounds_s, traffic.bits_up, traffic.bits_down,
-                   calls, note, rounds_s)
+          note: str = "", local: dict[str, float] | None = None) -> PlanRow:
+    """The predicted step: compute + compression + communication, the collectives priced by the network model.
+
+    With ``local`` (``measure_local``: the same method's step with every worker on this machine and an unshaped
+    network) compression is the local race's, and communication the longer of the priced collectives and the
+    local race's time in collectives (its step less compute and compression): where the workers share the cores,
+    a collective waits for the last worker to arrive whatever the link, and that wait overlaps the wire time
+    instead of adding to it."""
+    calls = {op: n for op, (n, _) in traffic.ops_by_worker[0].items()}
+    priced = communication_seconds(traffic, network, workers)
+    if local is None:
+        return PlanRow(label, method, compute_s, traffic.compress_s, priced, traffic.bits_up, traffic.bits_down,
+                       calls, note, priced)
+    waited = max(0.0, local["step_s"] - local["compute_s"] - local["compress_s"])
+    return PlanRow(label, method, compute_s, local["compress_s"], max(priced, waited), traffic.bits_up,
+                   traffic.bits_down, calls, note, priced, waited)
 
 
 def recommend(rows: Sequence[PlanRow]) -> str:
@@ -703,6 +691,12 @@ def fit_in_workers(traffic: dict[int, Traffic], scale: float = 1.0) -> Fitted:
 def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Check everything, measure (or read the cache), price; returns the plan as a dict (``--json``)."""
     network, methods = opts.checked()
+    if opts.batch_size is None:
+        from gradcomp.experiments.run.models import TEXT_MODELS
+        from gradcomp.experiments.run.runner import TRANSFORMER_DEFAULTS
+
+        text = opts.model is not None and opts.model.strip().lower() in TEXT_MODELS
+        opts = dataclasses.replace(opts, batch_size=TRANSFORMER_DEFAULTS["batch_size"] if text else 32)
     if opts.model is not None:
         shapes = model_shapes(opts.model, opts.dataset, opts.data_root, opts.seed)  # unknown model: ConfigError
         source = f"model {opts.model} on {opts.dataset}"
@@ -713,40 +707,60 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
     cache = Cache(opts.cache_dir, opts.cache)
     machine = machine_identity(opts.device)
     shape_key = [list(s) for s in shapes]
+    # every worker on this machine (gradcomp race's emulated hosts): the local race measures each method's step
+    local_race = opts.model is not None and opts.colocated > 1 and opts.colocated == opts.workers
+    sharing = opts.colocated if opts.colocated > 1 and not local_race else 1  # parts timed n processes at once
+    local: dict[str, dict[str, float]] = {}
+    if local_race:
+        def local_key(m: Method) -> dict[str, Any]:
+            return {"what": "local", "machine": machine, "model": opts.model, "dataset": opts.dataset,
+                    "batch_size": opts.batch_size, "device": opts.device, "seed": opts.seed,
+                    "workers": opts.workers, "method": m.key(), "steps": [LOCAL_STEPS, LOCAL_COMPUTE_STEPS]}
+
+        local = {m.label: v for m in methods if (v := cache.get(local_key(m))) is not None}
+        todo = [m for m in methods if m.label not in local]
+        if todo:
+            log(f"measuring {len(todo)} methods' steps with {opts.workers} workers on this machine, unshaped "
+                f"(gradcomp race --link none, {LOCAL_STEPS} steps each)")
+            measured = measure_local(opts, todo, log)
+            for m in todo:
+                cache.put(local_key(m), measured[m.label])
+            local.update(measured)
     if opts.compute_ms is not None:
         compute_s, compute_from = opts.compute_ms / 1e3, "--compute-ms"
+    elif local_race:
+        compute_s = statistics.median(v["compute_s"] for v in local.values())
+        compute_from = (f"measured per method in the local race: forward, backward and SGD, {opts.workers} workers "
+                        f"at once, batch {opts.batch_size}; the median")
     elif opts.model is not None:
         log(f"measuring forward + backward of {opts.model} (batch {opts.batch_size})")
         key = {"what": "compute", "machine": machine, "model": opts.model, "dataset": opts.dataset,
                "batch_size": opts.batch_size, "device": opts.device, "seed": opts.seed}
-        if opts.colocated > 1:
-            key["colocated"] = opts.colocated
+        if sharing > 1:
+            key["colocated"] = sharing
         compute_s = cache.get_or_measure(key, lambda: {"compute_s": statistics.median(
-            m["compute_s"] for m in colocated(measure_compute, opts.colocated, opts.model, opts.dataset,
+            m["compute_s"] for m in colocated(measure_compute, sharing, opts.model, opts.dataset,
                                               opts.data_root, opts.batch_size, opts.device, opts.seed))})["compute_s"]
         compute_from = f"measured: forward + backward, batch {opts.batch_size}"
-        if opts.colocated > 1:
-            compute_from += f", {opts.colocated} at once"
+        if sharing > 1:
+            compute_from += f", {sharing} at once"
     else:
         compute_s, compute_from = 0.0, "not included (--shapes without --compute-ms)"
-    round_s = 0.0
-    if opts.colocated > 1:
-        log(f"measuring the cost of a collective round with {opts.colocated} workers sharing the cores")
-        key = {"what": "round", "machine": machine, "colocated": opts.colocated, "chunk_s": ROUND_CHUNK_S}
-        round_s = cache.get_or_measure(key, lambda: {"round_s": round_cost(opts.colocated)})["round_s"]
     rows = []
     for method in methods:
         log(f"measuring {method.label} on {opts.workers} simulated workers")
         key = {"what": "method", "machine": machine, "shapes": shape_key, "workers": opts.workers,
                "device": opts.device, "seed": opts.seed, "method": method.key(),
                "steps": [WARMUP_STEPS, TIMED_STEPS]}
-        if opts.colocated > 1:
-            key["colocated"] = opts.colocated
+        if sharing > 1:
+            key["colocated"] = sharing
         measured = cache.get_or_measure(key, lambda m=method: merge_colocated(colocated(
-            measure_method, opts.colocated, m, shapes, opts.workers, opts.device, opts.seed)))
+            measure_method, sharing, m, shapes, opts.workers, opts.device, opts.seed)))
         traffic = Traffic.from_measurement(measured)
-        rows.append(price(method.label, method.name, traffic, network, opts.workers, compute_s, method.note,
-                          round_s))
+        mine = local.get(method.label)
+        row_compute = compute_s if opts.compute_ms is not None or mine is None else mine["compute_s"]
+        rows.append(price(method.label, method.name, traffic, network, opts.workers, row_compute, method.note,
+                          mine))
     return {
         "source": source,
         "num_parameters": sum(math.prod(s) for s in shapes),
@@ -756,7 +770,7 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
                     "burst_bytes": network.burst_bytes},
         "device": opts.device,
         "colocated": opts.colocated,
-        "round_s": round_s,
+        "local_race": local_race,
         "machine": machine,
         "compute_s": compute_s,
         "compute_from": compute_from,
@@ -829,9 +843,10 @@ def _footer(plan: dict[str, Any]) -> list[str]:
              "the exchange is timed as the DDP hook runs it, bucket by bucket (a method with ddp=off: as "
              "GradientAggregator runs it, once after backward); the hook's hand-over of each bucket to its "
              "communication thread is not in the model (docs/plan.md)"]
-    if plan.get("round_s"):
-        lines.append(f"communication includes {1e3 * plan['round_s']:.2f} ms per collective call: what a round costs "
-                     f"when {plan['colocated']} workers share this machine's cores (measured, plan.round_cost)")
+    if plan.get("local_race"):
+        lines.append(f"compute and compression from the local race: each method's step with the {plan['workers']} "
+                     "workers on this machine and an unshaped network (gradcomp race --link none); communication "
+                     "is the longer of the priced collectives and that race's time in collectives")
     notes = sorted({(r["label"], r["note"]) for r in plan["rows"] if r["note"]})
     lines += [f"* {label}: {note}" for label, note in notes]
     cache = plan["cache"]
@@ -875,7 +890,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "terngrad)")
     p.add_argument("--dataset", default="mnist", help="the dataset the model is built for and timed on")
     p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
-    p.add_argument("--batch-size", type=int, default=32, help="per worker, for the measured compute")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="per worker, for the measured compute (default: gradcomp train's, 32; 16 for a language model)")
     p.add_argument("--compute-ms", type=float, default=None, help="forward + backward per step instead of measuring")
     p.add_argument("--colocated", type=int, default=1, metavar="N",
                    help="workers that share this machine's cores, as gradcomp race's emulated hosts do: compute and "
