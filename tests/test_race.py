@@ -340,6 +340,9 @@ def test_tiny_race_writes_table_and_json(tmp_path, capsys, no_leftovers):
     topk = rec["topk:density=0.1,feedback=residual"]  # each worker's own clock of its exchange, per step
     assert len(topk["compress_s_per_step"]) == 2 and min(topk["compress_s_per_step"]) > 0
     assert len(topk["communicate_s_per_step"]) == 2 and min(topk["communicate_s_per_step"]) >= 0
+    # and its compression in a median step: the first steps' one-off costs (kernels loaded) left out
+    assert len(topk["median_compress_s"]) == 2 and all(0 < c < 1 for c in topk["median_compress_s"])
+    assert rec["torch-fp32"]["median_compress_s"] == [0.0, 0.0]  # torch's hooks: no gradcomp clock
     in_netns = netns.missing_tools(shaped=False) is None
     assert (rec["torch-fp32"]["wire_tx_bytes_per_step"] is not None) == in_netns
     if in_netns:  # fp32's allreduce of the MLP's gradient crosses each host's veth

@@ -6,6 +6,7 @@ In one process (a gloo group of one), no worker started.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -36,6 +37,7 @@ def test_the_clock_starts_after_ddp_s_set_up(monkeypatch, one_process_group):
 
     plain = torch.nn.parallel.DistributedDataParallel.__init__
 
+    @functools.wraps(plain)  # its signature, which the runner reads to pick DDP's buffer option
     def slow(self, *args, **kwargs):
         time.sleep(1.0)  # as a broadcast of the parameters over a slow link
         plain(self, *args, **kwargs)

@@ -136,6 +136,7 @@ class RaceClock:
         n = data.test_x.shape[0]
         self.test = slice(rank * n // world, (rank + 1) * n // world)  # this worker's share of the test set
         self.step_end: list[float] = []
+        self.compress_end: list[float] = []  # the exchange's compression clock at each step's end
         self.curve: list[list[float]] = []  # [step, training seconds, accuracy]
         self.eval_s = 0.0
         self._t0 = 0.0
@@ -148,10 +149,11 @@ class RaceClock:
     def now(self) -> float:
         return time.perf_counter() - self._t0 - self._paused
 
-    def after_step(self, step: int, model: torch.nn.Module) -> None:
+    def after_step(self, step: int, model: torch.nn.Module, exchange: Any = None) -> None:
         _sync(self.device)
         now = self.now()
         self.step_end.append(now)
+        self.compress_end.append(exchange.compress_s if exchange is not None else 0.0)
         if step + 1 >= self.total:
             self.memory.read()  # before run_worker's final evaluation
             if self.rank == 0:  # which rank 0 runs alone while the others wait: give it every core
@@ -308,12 +310,16 @@ def work(job: dict[str, Any]) -> dict[str, Any]:
         final = stats["val_bits_per_byte"] if isinstance(data, TextDataset) else stats["test_accuracy"]
         curve.append([total, clock.step_end[-1], final])
     durations = [b - a for a, b in zip([0.0] + clock.step_end[:-1], clock.step_end)]
+    compressing = [b - a for a, b in zip([0.0] + clock.compress_end[:-1], clock.compress_end)]
     return {
         "rank": rank,
         "host": os.environ.get("GLOO_SOCKET_IFNAME"),
         "steps": total,
         "step_end_s": clock.step_end,
         "median_step_s": statistics.median(durations) if durations else None,
+        # a step's compression, as the median step is taken: the first steps' one-off costs (kernels compiled or
+        # loaded, DDP's bucket rebuild) stay out of it, as they do not stay out of stats["compress_s"] / steps
+        "median_compress_s": statistics.median(compressing) if compressing else None,
         "train_s": clock.step_end[-1] if clock.step_end else 0.0,
         "eval_s": clock.eval_s,
         "curve": curve,

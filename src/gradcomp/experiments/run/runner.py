@@ -580,7 +580,8 @@ def run_worker(
     ``register_hook`` (with ``cfg.ddp``) replaces ``register_ddp_hook`` (torch's own hooks, ``gradcomp race``);
     ``before_training()`` is called once, after the set-up (data, model, optimizer, DDP's constructor with its
     broadcast of the parameters, the hook, a resumed checkpoint) and before the first step; ``after_step(step,
-    model)`` at the end of every step (both: ``gradcomp race``'s clock, wire counters and evaluation).
+    model, exchange)`` at the end of every step (both: ``gradcomp race``'s clock, wire counters and evaluation;
+    the exchange for its compression clock).
     """
     data = cfg.load_data()
     model = build_model(cfg.model, data, cfg.seed).to(device)
@@ -646,7 +647,7 @@ def run_worker(
         progress.update(loss, transport.counter)
         checkpoints.after_step(step + 1, compute_s, loss)  # --checkpoint: every N steps and after the last
         if after_step is not None:
-            after_step(step, model)
+            after_step(step, model, exchange)
     if delayed is not None:
         delayed.sync()  # a last, shorter round so the replicas end identical
     if buffers:  # the last step's running statistics too, so the replicas end identical

@@ -407,7 +407,7 @@ def measure_local(opts: PlanOptions, methods: Sequence[Method], log: Callable[[s
     for m in result["methods"]:
         if m.get("error"):
             raise GradcompError(f"the local race of {m['label']} failed: {m['error']}")
-        compress = m.get("compress_s_per_step") or []
+        compress = [c for c in m.get("median_compress_s") or [] if c is not None]
         local[m["label"]] = {"step_s": m["median_step_s"], "compute_s": m["compute_only_step_s"],
                              "compress_s": statistics.median(compress) if compress else 0.0}
     return local
