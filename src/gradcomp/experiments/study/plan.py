@@ -839,13 +839,15 @@ def _sharing(plan: dict[str, Any]) -> str:
 def _footer(plan: dict[str, Any]) -> list[str]:
     lines = [f"compute: {1e3 * plan['compute_s']:.2f} ms ({plan['compute_from']}); compression measured on "
              f"{plan['machine']['gpu'] or plan['machine']['cpu']} ({_sharing(plan)}); "
-             "communication priced by the latency-bandwidth model on the collectives each method really issued",
-             "the exchange is timed as the DDP hook runs it, bucket by bucket (a method with ddp=off: as "
-             "GradientAggregator runs it, once after backward); the hook's hand-over of each bucket to its "
-             "communication thread is not in the model (docs/plan.md)"]
-    if plan.get("local_race"):
+             "communication priced by the latency-bandwidth model on the collectives each method really issued"]
+    if not plan.get("local_race"):
+        lines.append("the exchange is timed as the DDP hook runs it, bucket by bucket (a method with ddp=off: as "
+                     "GradientAggregator runs it, once after backward); the hook's hand-over of each bucket to its "
+                     "communication thread is not in the model (docs/plan.md)")
+    else:
         lines.append(f"compute and compression from the local race: each method's step with the {plan['workers']} "
-                     "workers on this machine and an unshaped network (gradcomp race --link none); communication "
+                     "workers on this machine and an unshaped network (gradcomp race --link none: DDP, the hook's "
+                     "thread and its overlap included); communication "
                      "is the longer of the priced collectives and that race's time in collectives")
     notes = sorted({(r["label"], r["note"]) for r in plan["rows"] if r["note"]})
     lines += [f"* {label}: {note}" for label, note in notes]
