@@ -5,7 +5,8 @@
 Two hosts in network namespaces with tbf-shaped links (the race's ``NamespaceNetwork``); each collective runs
 after a barrier and a pause as long as a step's compute (so tbf's bucket refills as in training), 12 times; the
 medians of the last 10 are printed, in ms: an all-gather of BYTES per host (uint8 and float32 lists, and into one
-tensor) and an all-reduce that moves the same bytes (fp16, BYTES / 2 entries: a 2-host ring sends each its size).
+tensor) and an all-reduce that moves the same bytes (fp16, BYTES / 2 entries: a 2-host ring sends each its size);
+then each tbf's counters (bytes sent, packets dropped: the queue holds about 50 ms of the rate).
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ def main(argv: list[str]) -> int:
         with open(out) as f:
             for name, ms in json.load(f).items():
                 print(f"{name:30s} {ms:8.1f} ms")
+        for h in net.hosts:  # tbf's own count of packets it dropped (its queue holds about 50 ms of the rate)
+            for ns, dev in ((h.namespace, h.ifname), (net.switch, net.port(h))):
+                stats = subprocess.run(["tc", "-s", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
+                                       text=True).stdout
+                sent = next((line.strip() for line in stats.splitlines() if "dropped" in line), "?")
+                print(f"tbf on {dev}: {sent}")
     return 0
 
 
