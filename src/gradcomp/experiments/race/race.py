@@ -380,7 +380,7 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
         # outside collectives, communication the time inside them (waits for the other workers included); what
         # `gradcomp plan` predicts beside what the race's workers spent (docs/plan.md)
         "compress_s_per_step": [w["stats"].get("compress_s", 0.0) / steps for w in workers] if steps else None,
-        "median_compress_s": [w.get("median_compress_s") for w in workers],  # per worker, of the steps' own
+        "median_compress_s": [w.get("median_compress_s") for w in workers],  # per worker, in its median step
         "communicate_s_per_step": [w["stats"].get("communicate_s", 0.0) / steps for w in workers] if steps else None,
     }
 

@@ -26,13 +26,14 @@ its W workers on this machine joined by an unshaped network, and the race's cloc
 compression and the rest of its step, the time its collectives take when the bytes cost next to nothing. That
 rest is waiting: a collective ends when the last worker reaches it, and with two workers to a core some worker
 is always descheduled, at each of the method's rounds; a synthetic round of equal work on every worker
-underestimated it several times over for the methods with most rounds (docs/plan.md). On a shaped link the same wait overlaps the wire time, so the
-prediction's communication is the longer of the two. With ``--colocated N`` below W (or ``--shapes``), compute and
-compression are timed in N processes at once and priced as above.
+underestimated it several times over for the methods with most rounds (docs/plan.md). On a shaped link the same
+wait overlaps the wire time, so the prediction's communication is the longer of the two. With ``--colocated N``
+below W (or ``--shapes``), compute and compression are timed in N processes at once and priced as above.
 
-Measurements (1, 2, 3 and the local race) are cached under ``~/.cache/gradcomp/plan/`` (``GRADCOMP_CACHE_DIR`` moves it), keyed by
-the CPU model or GPU name, the torch and gradcomp versions (with a digest of gradcomp's source, so an edited
-compressor is measured again), the thread count, the shapes, W and the method; ``--no-cache`` measures again.
+Measurements (1, 2, 3 and the local race) are cached under ``~/.cache/gradcomp/plan/`` (``GRADCOMP_CACHE_DIR``
+moves it), keyed by the CPU model or GPU name, the torch and gradcomp versions (with a digest of gradcomp's source,
+so an edited compressor is measured again), the thread count, the shapes (for a local race: the model, dataset
+and batch), W and the method; ``--no-cache`` measures again.
 
 torch's DDP baselines of ``gradcomp race`` are planned as the gradcomp method that sends the same messages:
 ``torch-fp32`` as ``none`` (one fp32 all-reduce), ``torch-fp16`` as ``fp16`` (an fp16 all-reduce).
@@ -75,7 +76,7 @@ FP32 = "none"
 WARMUP_STEPS = 2
 TIMED_STEPS = 8  # a colocated timing of 3 steps moved by up to 2x between two plans of the same code
 COMPUTE_REPEATS = 5
-CACHE_FORMAT = 6  # bump when measure_method or measure_compute change what they measure
+CACHE_FORMAT = 6  # bump when measure_method, measure_compute or measure_local change what they measure
 SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
 
 
@@ -382,6 +383,13 @@ LOCAL_STEPS = 20  # training steps of each method in the local race (its median 
 LOCAL_COMPUTE_STEPS = 8  # the race's compute-only steps before each method
 
 
+def _is_text(model: str | None) -> bool:
+    """A language model (trained and raced to a loss, with its own training defaults)."""
+    from gradcomp.experiments.run.models import TEXT_MODELS
+
+    return model is not None and model.strip().lower() in TEXT_MODELS
+
+
 def measure_local(opts: PlanOptions, methods: Sequence[Method], log: Callable[[str], None]) -> dict[str, Any]:
     """Each method's training step with its ``opts.workers`` workers all on this machine, joined by an unshaped
     network: ``gradcomp race --link none`` (network namespaces where it can make them, as the shaped race does;
@@ -396,12 +404,11 @@ def measure_local(opts: PlanOptions, methods: Sequence[Method], log: Callable[[s
     from gradcomp.errors import GradcompError
     from gradcomp.experiments.race import race as racing
 
-    text = racing.is_text(racing.Options([], model=opts.model or ""))
     ro = racing.Options(
         methods=list(methods), hosts=opts.workers, link="none", steps=LOCAL_STEPS, batch_size=opts.batch_size,
         dataset=opts.dataset, data_root=opts.data_root, model=opts.model or "", seed=opts.seed, device=opts.device,
-        target_loss=1.0 if text else None, eval_every=LOCAL_STEPS, compute_steps=LOCAL_COMPUTE_STEPS, out=None,
-        verbose=False)  # the target is not used: only step times are read
+        target_loss=1.0 if _is_text(opts.model) else None, eval_every=LOCAL_STEPS,
+        compute_steps=LOCAL_COMPUTE_STEPS, out=None, verbose=False)  # no target is used: only step times are read
     result = racing.race(ro, log=log)
     local = {}
     for m in result["methods"]:
@@ -692,11 +699,9 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
     """Check everything, measure (or read the cache), price; returns the plan as a dict (``--json``)."""
     network, methods = opts.checked()
     if opts.batch_size is None:
-        from gradcomp.experiments.run.models import TEXT_MODELS
         from gradcomp.experiments.run.runner import TRANSFORMER_DEFAULTS
 
-        text = opts.model is not None and opts.model.strip().lower() in TEXT_MODELS
-        opts = dataclasses.replace(opts, batch_size=TRANSFORMER_DEFAULTS["batch_size"] if text else 32)
+        opts = dataclasses.replace(opts, batch_size=TRANSFORMER_DEFAULTS["batch_size"] if _is_text(opts.model) else 32)
     if opts.model is not None:
         shapes = model_shapes(opts.model, opts.dataset, opts.data_root, opts.seed)  # unknown model: ConfigError
         source = f"model {opts.model} on {opts.dataset}"
@@ -896,7 +901,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per worker, for the measured compute (default: gradcomp train's, 32; 16 for a language model)")
     p.add_argument("--compute-ms", type=float, default=None, help="forward + backward per step instead of measuring")
     p.add_argument("--colocated", type=int, default=1, metavar="N",
-                   help="workers that share this machine's cores, as gradcomp race's emulated hosts do: compute and "
+                   help="workers that share this machine's cores, as gradcomp race's emulated hosts do (N = --workers "
+                        "with --model: a local race measures each method's step, docs/plan.md); compute and "
                         "compression are timed in N processes at once (default 1: each worker has a machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="measure again instead of reusing cached measurements")
