@@ -34,8 +34,8 @@ import sys
 from gradcomp.experiments.race.netns import TBF_BURST
 from gradcomp.experiments.race.race import DEFAULT_METHODS
 
-# the race's default set; torch's PowerSGD hook has no gradcomp counterpart that sends the same messages
-METHODS = [m for m in DEFAULT_METHODS if not m.startswith("torch-powersgd")]
+# the race's default set (torch's PowerSGD hook planned as itself: plan.measure_torch_powersgd)
+METHODS = list(DEFAULT_METHODS)
 PLANNED_AS = {"torch-fp32": "none", "torch-fp16": "fp16"}
 
 

@@ -161,7 +161,7 @@ def test_cache_hit_and_miss(tmp_path, monkeypatch):
     ({"model": "no-such-model"}, "unknown model"),
     ({"methods": ["nosuchmethod"]}, "nosuchmethod"),
     ({"methods": ["topk:density=2"]}, "density"),
-    ({"methods": ["torch-powersgd"]}, "powersgd"),
+    ({"methods": ["torch-powersgd:rank=0"]}, "rank must be a positive integer"),
     ({"link": "fast"}, "bandwidth must"),
     ({"link": "-1gbit"}, "bandwidth must"),
     ({"latency": "-1ms"}, "latency must"),
@@ -327,3 +327,22 @@ def test_a_bad_burst_is_refused_with_a_config_error(text):
 
     with pytest.raises(gradcomp.ConfigError):
         parse_bytes(text)
+
+
+def test_torch_s_powersgd_hook_is_planned_from_its_own_all_reduces(tmp_path):
+    """torch-powersgd: torch's hook runs (DDP, one bucket, a gloo group of one process) and every all-reduce it
+    issues after its start_iter is recorded. For the mlp at rank 2 torch's rule (compress a matrix n x m when
+    (n + m) * rank * min_compression_rate < n * m) compresses both weights: one all-reduce of the two biases
+    (138 floats), one of the P factors (128*2 + 10*2) and one of the Q factors (64*2 + 128*2)."""
+    method = plan.parse_method("torch-powersgd:rank=2")
+    measured = plan.colocated(plan.measure_torch_powersgd, 1, method, TINY, 3, 0, 1, 2, spawn=True)[0]
+    assert len(measured["workers"]) == 3
+    for step in measured["workers"][0]:
+        assert step["ops"] == {"all_reduce": [3, 4 * (138 + 276 + 384)]}
+        assert step["bytes_up"] == step["bytes_down"] == 4 * (138 + 276 + 384) and step["compress_s"] >= 0
+    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, link="1mbit", batch_size=8,
+                            methods=["torch-powersgd:rank=2", "torch-fp32"], cache_dir=str(tmp_path))
+    rows = {r["label"]: r for r in plan.run_plan(opts)["rows"]}
+    assert rows["torch-powersgd:rank=2"]["bits_up"] == 8 * 4 * (138 + 276 + 384)
+    assert rows["torch-powersgd:rank=2"]["step_s"] < rows["torch-fp32"]["step_s"]  # 1 Mbit/s: bytes decide
+    assert "powerSGD_hook itself" in rows["torch-powersgd:rank=2"]["note"]

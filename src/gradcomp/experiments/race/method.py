@@ -159,16 +159,14 @@ def parse_method(text: str) -> Method:
 
 def planned(text: str, equivalents: dict[str, str]) -> Method:
     """``text`` parsed for the planner: a torch baseline as the gradcomp method of ``equivalents`` that sends the
-    same messages (ConfigError for one without); the compressor and its parameters checked now. ``ddp`` stays as
+    same messages (one without, torch's PowerSGD hook, as itself: the planner runs the hook); the compressor and its parameters checked now. ``ddp`` stays as
     given (on unless ``ddp=off``): the planner times a DDP method bucket by bucket as the hook runs it, and one
     with ``ddp=off`` as the aggregator runs it after backward; torch's baselines are DDP."""
     m = parse_method(text)
     if m.baseline is not None:
-        if m.baseline not in equivalents:
-            raise ConfigError(
-                f"--methods {text!r}: {m.baseline} has no gradcomp method that sends the same messages; plan "
-                "'powersgd:rank=R' instead"
-            )
+        if m.baseline not in equivalents:  # torch's PowerSGD hook: no gradcomp twin, its own messages are measured
+            m.note = "torch's powerSGD_hook itself, its all-reduces recorded (plan.measure_torch_powersgd)"
+            return m
         name = equivalents[m.baseline]
         return Method(text=m.text, name=name, label=m.label, bucket_cap_mb=m.bucket_cap_mb,
                       note=f"planned as gradcomp's {name} (the same messages)")

@@ -37,7 +37,8 @@ and batch), W and the method; ``--no-cache`` measures again.
 
 torch's DDP baselines of ``gradcomp race`` are planned as the gradcomp method that sends the same messages:
 ``torch-fp32`` as ``none`` (one fp32 all-reduce), ``torch-fp16`` as ``fp16`` (an fp16 all-reduce).
-``torch-powersgd`` has no gradcomp counterpart with identical messages and is refused: plan ``powersgd``.
+``torch-powersgd`` has no gradcomp counterpart with identical messages: torch's hook itself runs, on a gloo group
+of one process, and its all-reduces are recorded (``measure_torch_powersgd``; CPU only).
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_bytes, parse_
 
 BASELINE_EQUIVALENTS = {"torch-fp32": "none", "torch-fp16": "fp16"}
 # the race's default methods (experiments/race/race.py, read from there so the two never drift apart) with torch's DDP
-# baselines as the gradcomp method that sends the same messages (torch's PowerSGD hook has none: the race's
-# powersgd:rank=2 stands for it), plus cheap ones: bf16, terngrad
+# baselines as the gradcomp method that sends the same messages (torch's PowerSGD hook has none: measured itself),
+# plus cheap ones: bf16, terngrad
 DEFAULT_METHODS = (
-    *(BASELINE_EQUIVALENTS.get(m, m) for m in race.DEFAULT_METHODS if not m.startswith("torch-powersgd")),
+    *(BASELINE_EQUIVALENTS.get(m, m) for m in race.DEFAULT_METHODS),
     "bf16",
     "terngrad",
 )
@@ -158,6 +159,8 @@ class PlanOptions:
         if not self.methods:
             raise ConfigError("--methods: give at least one method")
         methods = [parse_method(m) for m in self.methods]
+        if self.device != "cpu" and any(m.baseline == "torch-powersgd" for m in methods):
+            raise ConfigError("--methods torch-powersgd: the planner runs torch's hook on the CPU only")
         labels = [m.label for m in methods]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"--methods: a method is given twice ({', '.join(labels)})")
@@ -379,6 +382,70 @@ def measure_method(
     return {"workers": per_worker}
 
 
+def measure_torch_powersgd(method: Method, shapes: Sequence[tuple[int, ...]], workers: int, seed: int = 0,
+                           warmup: int = WARMUP_STEPS, timed: int = TIMED_STEPS) -> dict[str, Any]:
+    """torch's ``powerSGD_hook`` (``gradcomp race``'s ``torch-powersgd``), measured as ``measure_method`` measures
+    a gradcomp method: DDP with the hook, one bucket as the race runs it, on a gloo group of this one process, and
+    parameters of these shapes whose gradients are seeded random values. Every ``all_reduce`` the hook issues is
+    recorded (calls and bytes: torch's messages, whatever its rules for which tensors it compresses and at what
+    rank), in the timed steps after its ``start_iter`` (before it, the hook sends plain fp32). An all-reduce's
+    sizes do not depend on the world size, so each of ``workers`` gets the same record. ``compress_s``: the
+    backward with the hook less the same backward with DDP's own allreduce, the median over the timed steps
+    (torch's hook is not timed apart). Run it in a process of its own (``colocated(..., spawn=True)``)."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradcomp.experiments.race.torch_baselines import torch_hook_registrar
+
+    class Grads(torch.nn.Module):  # loss = sum(p * g): the gradient of p is g
+        def __init__(self):
+            super().__init__()
+            self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(shape)) for shape in shapes)
+
+        def forward(self, gs):
+            return sum((p * g).sum() for p, g in zip(self.ps, gs))
+
+    numel = sum(math.prod(s) for s in shapes)
+    cap = method.config(num_parameters=numel).bucket_cap_mb
+    start = method.params["start_iter"]
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            plain, hooked = (DistributedDataParallel(Grads(), bucket_cap_mb=cap) for _ in range(2))
+            torch_hook_registrar(method.baseline, method.params)(hooked, None)
+            gen = torch.Generator().manual_seed(seed)
+            record: list[int] = []
+            reduce = dist.all_reduce
+
+            def recording(tensor, *args, **kwargs):
+                record.append(tensor.numel() * tensor.element_size())
+                return reduce(tensor, *args, **kwargs)
+
+            dist.all_reduce = recording
+            steps = []
+            try:
+                for step in range(start + warmup + timed):
+                    gs = [torch.randn(shape, generator=gen) * (1e-3 * math.exp(float(torch.randn((), generator=gen))))
+                          for shape in shapes]
+                    seconds = []
+                    for model in (plain, hooked):
+                        record.clear()
+                        started = time.perf_counter()
+                        model(gs).backward()
+                        seconds.append(time.perf_counter() - started)
+                    if step >= start + warmup:
+                        nbytes = sum(record)
+                        steps.append({"compress_s": max(0.0, seconds[1] - seconds[0]), "bytes_up": nbytes,
+                                      "bytes_down": nbytes, "ops": {"all_reduce": [len(record), nbytes]}})
+            finally:
+                dist.all_reduce = reduce
+        finally:
+            dist.destroy_process_group()
+    return {"workers": [steps] * workers}
+
+
 LOCAL_STEPS = 20  # training steps of each method in the local race (its median step is taken)
 LOCAL_COMPUTE_STEPS = 8  # the race's compute-only steps before each method
 
@@ -420,16 +487,17 @@ def measure_local(opts: PlanOptions, methods: Sequence[Method], log: Callable[[s
     return local
 
 
-def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any) -> list[dict[str, Any]]:
+def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any, spawn: bool = False) -> list[dict[str, Any]]:
     """``measure(*args)`` in ``n`` processes at once: what it costs when ``n`` workers share this machine's cores.
 
     On a real cluster each worker has its machine to itself; where ``n`` workers share one (``gradcomp race``'s
     emulated hosts, several ranks per node) they compress at the same time on the same cores, and one worker's
     compression takes longer than the same work timed alone with every core. Each process gets the torch threads
     a spawned worker of ``n`` gets (``runner.worker_threads``), and a barrier releases them together, so the
-    timings include exactly that contention. Returns the ``n`` results.
+    timings include exactly that contention. Returns the ``n`` results. ``spawn``: a process even for ``n`` = 1
+    (a measurement that makes its own process group).
     """
-    if n == 1:
+    if n == 1 and not spawn:
         return [measure(*args)]
     import multiprocessing
     import queue
@@ -759,8 +827,12 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
                "steps": [WARMUP_STEPS, TIMED_STEPS]}
         if sharing > 1:
             key["colocated"] = sharing
-        measured = cache.get_or_measure(key, lambda m=method: merge_colocated(colocated(
-            measure_method, sharing, m, shapes, opts.workers, opts.device, opts.seed)))
+        if method.baseline == "torch-powersgd":  # torch's own hook: its all-reduces recorded, in a process
+            measured = cache.get_or_measure(key, lambda m=method: merge_colocated(colocated(
+                measure_torch_powersgd, sharing, m, shapes, opts.workers, opts.seed, spawn=True)))
+        else:
+            measured = cache.get_or_measure(key, lambda m=method: merge_colocated(colocated(
+                measure_method, sharing, m, shapes, opts.workers, opts.device, opts.seed)))
         traffic = Traffic.from_measurement(measured)
         mine = local.get(method.label)
         row_compute = compute_s if opts.compute_ms is not None or mine is None else mine["compute_s"]
