@@ -159,9 +159,10 @@ def parse_method(text: str) -> Method:
 
 def planned(text: str, equivalents: dict[str, str]) -> Method:
     """``text`` parsed for the planner: a torch baseline as the gradcomp method of ``equivalents`` that sends the
-    same messages (one without, torch's PowerSGD hook, as itself: the planner runs the hook); the compressor and its parameters checked now. ``ddp`` stays as
-    given (on unless ``ddp=off``): the planner times a DDP method bucket by bucket as the hook runs it, and one
-    with ``ddp=off`` as the aggregator runs it after backward; torch's baselines are DDP."""
+    same messages (one without, torch's PowerSGD hook, as itself: the planner runs the hook); the compressor and
+    its parameters checked now. ``ddp`` stays as given (on unless ``ddp=off``): the planner times a DDP method
+    bucket by bucket as the hook runs it, and one with ``ddp=off`` as the aggregator runs it after backward;
+    torch's baselines are DDP."""
     m = parse_method(text)
     if m.baseline is not None:
         if m.baseline not in equivalents:  # torch's PowerSGD hook: no gradcomp twin, its own messages are measured
