@@ -271,6 +271,16 @@ def ddp_buckets(shapes: Sequence[tuple[int, ...]], bucket_cap_mb: float | None =
     return [[order[j] for j in bucket] for bucket in assigned]
 
 
+def random_gradients(shapes: Sequence[tuple[int, ...]], gen: torch.Generator,
+                     device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """One step's gradients: standard normal times a per-tensor scale drawn from a log-normal (times 1e-3)."""
+    grads = []
+    for shape in shapes:
+        scale = math.exp(float(torch.randn((), generator=gen)))
+        grads.append((torch.randn(shape, generator=gen) * (1e-3 * scale)).to(device))
+    return grads
+
+
 def measure_method(
     method: Method, shapes: Sequence[tuple[int, ...]], workers: int, device: str = "cpu", seed: int = 0,
     warmup: int = WARMUP_STEPS, timed: int = TIMED_STEPS,
@@ -360,10 +370,7 @@ def measure_method(
         gen = torch.Generator().manual_seed(seed * 1_000_003 + transport.rank)
         steps = []
         for step in range(warmup + timed):
-            grads = []
-            for shape in shapes:
-                scale = math.exp(float(torch.randn((), generator=gen)))
-                grads.append((torch.randn(shape, generator=gen) * (1e-3 * scale)).to(dev))
+            grads = random_gradients(shapes, gen, dev)
             before, compress_before = transport.counter.snapshot(), exchange.compress_s
             outside = one_step(grads, step)
             if step >= warmup:
@@ -427,8 +434,7 @@ def measure_torch_powersgd(method: Method, shapes: Sequence[tuple[int, ...]], wo
             steps = []
             try:
                 for step in range(start + warmup + timed):
-                    gs = [torch.randn(shape, generator=gen) * (1e-3 * math.exp(float(torch.randn((), generator=gen))))
-                          for shape in shapes]
+                    gs = random_gradients(shapes, gen)
                     seconds = []
                     for model in (plain, hooked):
                         record.clear()
@@ -487,7 +493,8 @@ def measure_local(opts: PlanOptions, methods: Sequence[Method], log: Callable[[s
     return local
 
 
-def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any, spawn: bool = False) -> list[dict[str, Any]]:
+def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any,
+              spawn: bool = False) -> list[dict[str, Any]]:
     """``measure(*args)`` in ``n`` processes at once: what it costs when ``n`` workers share this machine's cores.
 
     On a real cluster each worker has its machine to itself; where ``n`` workers share one (``gradcomp race``'s
