@@ -122,7 +122,7 @@ def _base_config(opts: Options):
 
 
 def is_text(opts: Options) -> bool:
-    return _text_model(opts.model)
+    return text_model(opts.model)
 
 
 def goal(opts: Options) -> float:
@@ -335,7 +335,8 @@ def first_reaching(curve: list[list[float]], target: float, lower: bool = False)
     return None
 
 
-def _text_model(name: str) -> bool:
+def text_model(name: str) -> bool:
+    """Whether ``name`` is a language model (raced to a validation loss; the planner's batch default too)."""
     from gradcomp.experiments.run.models import TEXT_MODELS
 
     return name.strip().lower() in TEXT_MODELS
@@ -358,9 +359,9 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
         "curve": lead["curve"],
         "final_accuracy": lead["curve"][-1][2] if lead["curve"] else None,
         # the curve holds validation bits per byte for a language model: its best is the lowest
-        "best_accuracy": (min if _text_model(cfg.model) else max)((a for _, _, a in lead["curve"]),
+        "best_accuracy": (min if text_model(cfg.model) else max)((a for _, _, a in lead["curve"]),
                                                                           default=None),
-        "metric": "bits_per_byte" if _text_model(cfg.model) else "accuracy",
+        "metric": "bits_per_byte" if text_model(cfg.model) else "accuracy",
         "train_s": lead["train_s"], "eval_s": lead["eval_s"], "wall_s": raw["wall_s"],
         "median_step_s": lead["median_step_s"],
         "compute_only_step_s": statistics.median(compute) if compute else None,

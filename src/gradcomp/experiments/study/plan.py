@@ -77,7 +77,7 @@ FP32 = "none"
 WARMUP_STEPS = 2
 TIMED_STEPS = 8  # a colocated timing of 3 steps moved by up to 2x between two plans of the same code
 COMPUTE_REPEATS = 5
-CACHE_FORMAT = 6  # bump when measure_method, measure_compute or measure_local change what they measure
+CACHE_FORMAT = 6  # bump when a measure_* function below changes what it measures
 SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
 
 
@@ -456,13 +456,6 @@ LOCAL_STEPS = 20  # training steps of each method in the local race (its median 
 LOCAL_COMPUTE_STEPS = 8  # the race's compute-only steps before each method
 
 
-def _is_text(model: str | None) -> bool:
-    """A language model (trained and raced to a loss, with its own training defaults)."""
-    from gradcomp.experiments.run.models import TEXT_MODELS
-
-    return model is not None and model.strip().lower() in TEXT_MODELS
-
-
 def measure_local(opts: PlanOptions, methods: Sequence[Method], log: Callable[[str], None]) -> dict[str, Any]:
     """Each method's training step with its ``opts.workers`` workers all on this machine, joined by an unshaped
     network: ``gradcomp race --link none`` (network namespaces where it can make them, as the shaped race does;
@@ -480,7 +473,7 @@ def measure_local(opts: PlanOptions, methods: Sequence[Method], log: Callable[[s
     ro = racing.Options(
         methods=list(methods), hosts=opts.workers, link="none", steps=LOCAL_STEPS, batch_size=opts.batch_size,
         dataset=opts.dataset, data_root=opts.data_root, model=opts.model or "", seed=opts.seed, device=opts.device,
-        target_loss=1.0 if _is_text(opts.model) else None, eval_every=LOCAL_STEPS,
+        target_loss=1.0 if race.text_model(opts.model or "") else None, eval_every=LOCAL_STEPS,
         compute_steps=LOCAL_COMPUTE_STEPS, out=None, verbose=False)  # no target is used: only step times are read
     result = racing.race(ro, log=log)
     local = {}
@@ -776,7 +769,8 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
     if opts.batch_size is None:
         from gradcomp.experiments.run.runner import TRANSFORMER_DEFAULTS
 
-        opts = dataclasses.replace(opts, batch_size=TRANSFORMER_DEFAULTS["batch_size"] if _is_text(opts.model) else 32)
+        text = race.text_model(opts.model or "")
+        opts = dataclasses.replace(opts, batch_size=TRANSFORMER_DEFAULTS["batch_size"] if text else 32)
     if opts.model is not None:
         shapes = model_shapes(opts.model, opts.dataset, opts.data_root, opts.seed)  # unknown model: ConfigError
         source = f"model {opts.model} on {opts.dataset}"
