@@ -81,6 +81,7 @@ class SyncCounter:
     def __init__(self):
         self.counts: Counter = Counter()
         self.sites: dict[str, list[str]] = {}
+        self.threads: Counter = Counter()  # reads by the thread that made them (threading.get_ident())
         self._lock = threading.Lock()
         self._busy = threading.local()  # inside a wrapper: what it calls is not counted again
 
@@ -99,6 +100,7 @@ class SyncCounter:
         with self._lock:
             self.counts[kind] += 1
             self.sites.setdefault(kind, []).append(site)
+            self.threads[threading.get_ident()] += 1
 
     def __str__(self) -> str:
         parts = []

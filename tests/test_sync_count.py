@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,23 +81,38 @@ def count_aggregator_step(name: str):
     return counter
 
 
-def count_ddp_step(name: str, monkeypatch):
+def count_ddp_step(name: str, monkeypatch, *, scaler=None, hook_threads: set | None = None):
+    """The counts of one steady-state DDP step; ``hook_threads`` collects the threads the hook was called on."""
     monkeypatch.setattr(ddp_hook._CommThread, "_run", count_on_this_thread(ddp_hook._CommThread._run))
+    if hook_threads is not None:
+        submit = ddp_hook.CompressionHookState.submit
+
+        def recorded(self, bucket):
+            hook_threads.add(threading.get_ident())
+            return submit(self, bucket)
+
+        monkeypatch.setattr(ddp_hook.CompressionHookState, "submit", recorded)
     model = DDP(_model(), bucket_cap_mb=0.005)
-    state = gradcomp.register_ddp_hook(model, _method(name))
+    state = gradcomp.register_ddp_hook(model, _method(name), scaler=scaler)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     try:
         for step in range(WARMUP + 1):
             x, y = _batch(step)
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
+            if scaler is not None:
+                loss = scaler.scale(loss)
             if step == WARMUP:
                 with counting() as counter:
                     loss.backward()
                     state.wait()
             else:
                 loss.backward()
-            opt.step()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
     finally:
         state.close()
     return counter
@@ -117,6 +133,43 @@ def test_aggregator_step_stays_within_the_budget(name, group, device_paths):
 @pytest.mark.parametrize("name", sorted(BUDGETS))
 def test_ddp_hook_step_stays_within_the_budget(name, group, device_paths, monkeypatch):
     _check("ddp", name, count_ddp_step(name, monkeypatch))
+
+
+def _complete_at_issue(monkeypatch):
+    """Make every async collective's future complete before it is returned, as NCCL's does (it is marked
+    completed once the collective is enqueued on the device): a callback chained to it then runs at once, on the
+    issuing thread."""
+    real = dist.all_reduce
+
+    def all_reduce(tensor, *args, async_op=False, **kwargs):
+        work = real(tensor, *args, async_op=async_op, **kwargs)
+        if async_op:
+            work.wait()
+            assert work.get_future().done()
+        return work
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+
+
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_the_ddp_hook_reads_nothing_on_the_autograd_thread(name, group, device_paths, monkeypatch):
+    """The hook's reads happen on its communication thread, never on the thread that runs backward, even when a
+    collective's future is complete before the hook chains to it (NCCL), and the budget holds there too."""
+    _complete_at_issue(monkeypatch)
+    hook_threads: set = set()
+    counter = count_ddp_step(name, monkeypatch, hook_threads=hook_threads)
+    assert hook_threads and not hook_threads & set(counter.threads), f"{name}: read on the autograd thread: {counter}"
+    _check("ddp", name, counter)
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["gloo", "completed-at-issue"])
+def test_none_reads_nothing_with_a_scaler(at_once, group, device_paths, monkeypatch):
+    """``none`` under a GradScaler: the NaN its allreduce leaves in the gradients is the verdict (scaler.step reads
+    it), so the hook reads nothing."""
+    if at_once:
+        _complete_at_issue(monkeypatch)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    assert count_ddp_step("none", monkeypatch, scaler=scaler).total == 0
 
 
 def test_fixed_size_methods_read_once_per_step():

@@ -52,8 +52,8 @@ _STREAMS = (
 
 # name: (aggregator, ddp, notes)
 _TABLE: dict[str, tuple[int, int, str]] = {
-    "none": (1, 1, f"{_VERDICT}; the DDP hook all-reduces the bucket itself and reads the reduced first entry in "
-             "the collective's callback, off the autograd thread"),
+    "none": (1, 1, f"{_VERDICT}; the DDP hook all-reduces the bucket itself and its communication thread reads "
+             "the reduced first entry (a callback would run on the autograd thread under NCCL); with a scaler, 0"),
     "fp16": (1, 1, _VERDICT),
     "bf16": (1, 1, _VERDICT),
     "randomblock": (1, 1, _VERDICT),

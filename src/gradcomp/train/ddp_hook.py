@@ -41,12 +41,13 @@ fp32 values (a tiny tensor, a density that keeps most entries) travels uncompres
 the gathered round. Summed compressors (random-k, fp16) ignore it, and methods that own their rounds have
 their own (``make("powersgd", min_compression_rate=...)``). ``None`` turns it off.
 
-``none`` (uncompressed fp32 by allreduce) needs no thread: its only collective is one allreduce per bucket,
-so the hook issues it itself, asynchronously, in DDP's bucket order, as torch's own allreduce does (this
-state then never uses the thread, so the order is the same on every rank). The bucket buffer *is* its
-parameters' gradients back to back, i.e. the scheme's message: it is divided by W and all-reduced in place,
-with no copy; the bytes and the average are the scheme's. Issued directly it runs as fast as torch's own
-Python allreduce hook, where the thread's wake-ups cost a few percent (docs/ddp.md has the timings).
+``none`` (uncompressed fp32 by allreduce) sends nothing from the thread: its only collective is one allreduce
+per bucket, so the hook issues it itself, asynchronously, in DDP's bucket order, as torch's own allreduce does
+(the order is the same on every rank). The bucket buffer *is* its parameters' gradients back to back, i.e. the
+scheme's message: it is divided by W and all-reduced in place, with no copy; the bytes and the average are the
+scheme's. Issued directly it runs as fast as torch's own Python allreduce hook, where the thread's wake-ups cost
+a few percent (docs/ddp.md has the timings). On the device path the thread still reads the allreduce's
+finiteness verdict (``CompressionHookState._direct`` says why not in a callback); with a scaler nothing reads it.
 
 Non-finite. Every rank's verdict on a bucket rides on the bucket's first message (``drive_agreeing``): if any
 rank's bucket held a NaN / Inf, every rank learns it at that message and stops there. The method's state is then
@@ -151,6 +152,7 @@ class _Job:
     first: bool = False  # the first bucket of a backward pass
     names: list[str] | None = None  # the bucket's parameters (to name a non-finite one)
     grads: list[Tensor] | None = None  # granularity "bucket": the parameters' gradients (to name a non-finite one)
+    finish: Any = None  # ``none``'s direct path: the read of its allreduce's verdict, run here instead of an exchange
 
 
 class _CommThread:
@@ -293,7 +295,10 @@ class _CommThread:
                 if failure is not None:
                     raise _refusal(failure, "an earlier exchange of this DDP hook failed")
                 with torch.no_grad():
-                    self._exchange(job)
+                    if job.finish is not None:
+                        job.finish()
+                    else:
+                        self._exchange(job)
                 _set_result(job.future, job.buffer)
             except Exception as exc:
                 self.fail(exc)
@@ -510,14 +515,21 @@ class CompressionHookState:
 
         Divided by W in place and all-reduced in place, asynchronously, straight from the hook, as torch's
         own allreduce does: the same bytes and the same average as the scheme, without a copy or a hop
-        through the communication thread (which this state never uses, so the order of collectives is
-        still DDP's bucket order on every rank). A buffer that is not fp32 is sent as fp32, like the scheme.
+        through the communication thread for the collective (the thread never issues one for this state, so the
+        order of collectives is still DDP's bucket order on every rank). A buffer that is not fp32 is sent as fp32,
+        like the scheme.
 
         Finiteness rides on the allreduce without a byte more and without a host read here: the first entry gets
         ``total - total`` added (total: the buffer's sum), which is 0 when every entry is finite and NaN when one
         is not (or their sum overflows), so every rank's reduced first entry is NaN when any rank's bucket held a
-        NaN / Inf. gloo's callback thread reads it: NonFiniteGradientError on every rank, or, with a scaler, the
-        NaN left in every rank's gradients (``scaler.step`` skips the step on every rank).
+        NaN / Inf. With a scaler nothing reads it: the NaN left in every rank's gradients is the verdict
+        (``scaler.step`` skips the step on every rank, from its own read). Without one the reduced first entry is
+        read and a NaN raises NonFiniteGradientError on every rank. Where that read happens matters on a GPU:
+        NCCL completes a collective's future as soon as it has enqueued it, so a callback chained to it runs at
+        once on the calling thread, here the autograd thread, and a read there would make backward wait for the
+        device at every bucket. On the device path the read is therefore the communication thread's (a job that
+        waits for the allreduce and reads the entry); on the host path (gloo) it stays in the collective's
+        callback, which gloo runs on its own thread once the allreduce is done.
         """
         transport = self.transport
         failure = self._worker.failure
@@ -534,6 +546,7 @@ class CompressionHookState:
             transport.counter.book(PAYLOAD, up=flat.nbytes, down=flat.nbytes)
             transport.counter.record("all_reduce", flat.nbytes)
             transport.counter.collectives += 1
+        read = self._worker.scaler is None and flat.numel() > 0
 
         def done(future: torch.futures.Future) -> Tensor:
             try:
@@ -547,7 +560,7 @@ class CompressionHookState:
                 raise lost from exc
             with self._counter_lock:
                 transport.counter.seconds += time.perf_counter() - started
-            if flat.numel() and not math.isfinite(float(flat[0])) and self._worker.scaler is None:
+            if read and not math.isfinite(float(flat[0])):
                 here = [f"bucket {index}"] if not math.isfinite(float(total)) else []
                 error = agreed_non_finite(step, here)
                 self._worker.fail(error)
@@ -556,7 +569,19 @@ class CompressionHookState:
                 buffer.copy_(flat)
             return buffer
 
-        return work.get_future().then(done)
+        if not read or host_path(flat):
+            return work.get_future().then(done)
+        device = buffer.device
+        on_cuda = device.type == "cuda"
+        future: torch.futures.Future = torch.futures.Future(devices=[device]) if on_cuda else torch.futures.Future()
+
+        def finish() -> None:
+            work.wait()  # on NCCL: the job's stream (the autograd thread's) waits for the allreduce; no host wait
+            done(work.get_future())
+
+        stream = torch.cuda.current_stream(device) if on_cuda else None
+        self._worker.submit(_Job([], [], buffer, step, future, None, stream=stream, finish=finish))
+        return future.then(_unwrap)
 
     # -- checkpoints and shutdown ---------------------------------------------------------------------------
 
