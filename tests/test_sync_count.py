@@ -162,14 +162,36 @@ def test_the_ddp_hook_reads_nothing_on_the_autograd_thread(name, group, device_p
     _check("ddp", name, counter)
 
 
+VERDICT_IN_RESULT = ["bf16", "fp16", "none", "randomblock", "randomk"]
+
+
 @pytest.mark.parametrize("at_once", [False, True], ids=["gloo", "completed-at-issue"])
-def test_none_reads_nothing_with_a_scaler(at_once, group, device_paths, monkeypatch):
-    """``none`` under a GradScaler: the NaN its allreduce leaves in the gradients is the verdict (scaler.step reads
-    it), so the hook reads nothing."""
+@pytest.mark.parametrize("name", VERDICT_IN_RESULT)
+def test_the_hook_reads_nothing_with_a_scaler_where_the_sum_carries_the_verdict(name, at_once, group, device_paths,
+                                                                                 monkeypatch):
+    """Under a GradScaler, a stateless all-reduce (Scheme.verdict_in_result) leaves a bad step's NaN in every
+    rank's gradients, which is the verdict scaler.step reads anyway: the hook reads nothing. (That the step is then
+    skipped on every rank: tests/test_gradscaler.py, on the device path in tests/test_deferred_verdict.py.)"""
     if at_once:
         _complete_at_issue(monkeypatch)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
-    assert count_ddp_step("none", monkeypatch, scaler=scaler).total == 0
+    assert count_ddp_step(name, monkeypatch, scaler=scaler).total == 0
+
+
+def test_the_methods_whose_sum_carries_the_verdict():
+    from gradcomp.schemes.base import Scheme
+    from gradcomp.schemes.single_round import SingleRound
+
+    slots = [gradcomp.Slot("w", 0, 100)]
+    carried = []
+    for name in sorted(BUDGETS):
+        scheme = _method(name)
+        if not isinstance(scheme, Scheme):
+            scheme = SingleRound(scheme)
+        carried += [name] if scheme.verdict_in_result(slots) else []
+    assert carried == VERDICT_IN_RESULT
+    stateful = SingleRound(gradcomp.make("randomk", density=0.25, error_feedback=True))
+    assert not stateful.verdict_in_result(slots)  # a residual would keep the NaN: the verdict is read, and undone
 
 
 def test_fixed_size_methods_read_once_per_step():

@@ -164,6 +164,10 @@ class Compressor(ABC):
 
     name: ClassVar[str] = ""
     summable: ClassVar[bool] = False
+    # summable, keeps no state, and a NaN anywhere in a summed message decodes to a NaN in the result: a step that
+    # a bad worker spoiled shows in every worker's result, so under a GradScaler no verdict need be read
+    # (Scheme.verdict_in_result). Declared by each class: subclasses that keep state must not inherit it blindly.
+    nan_in_result: ClassVar[bool] = False
     unbiased: ClassVar[bool] = False
     omega: float | None = None
     default_error_feedback: ClassVar[bool] = False  # what make() does when error_feedback is not given

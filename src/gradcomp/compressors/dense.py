@@ -31,6 +31,7 @@ class _DenseCast(Compressor):
 
     capabilities = Capabilities(subtract_sent=True)
     summable = True
+    nan_in_result = True  # a NaN entry of the summed message is a NaN of the average
     codec: Codec = Codec.F32
     dtype: torch.dtype = torch.float32
     limit: float | None = None

@@ -491,6 +491,7 @@ class _SharedRandomSelection(Compressor):
     """
 
     summable = True
+    nan_in_result = True  # a NaN value of the summed message lands at its (shared) position of the average
 
     def __init__(
         self, density: float | None = None, scale: bool = False, seed: int = 0, *, k: int | None = None

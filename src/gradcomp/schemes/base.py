@@ -61,6 +61,12 @@ class Scheme(ABC):
         at that read. False (read at the first message) unless a scheme says otherwise."""
         return False
 
+    def verdict_in_result(self, slots: Sequence[Slot]) -> bool:
+        """Whether a step that one worker's non-finite gradients spoil ends with a NaN in every worker's result
+        and changes no state: a GradScaler's own check of the result is then the workers' verdict, and the
+        exchange need not read it (``GradientExchange.exchange(scaled=True)``). False unless a scheme says so."""
+        return False
+
     def check_slots(self, slots: Sequence[Slot]) -> None:  # noqa: B027 - optional hook
         """Raise ConfigError, before anything is sent, if this scheme cannot carry these slots."""
 

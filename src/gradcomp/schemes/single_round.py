@@ -231,6 +231,11 @@ class SingleRound(Scheme):
         """Messages of a size the specs fix, all-reduced or all-gathered (a parameter server's root decides alone)."""
         return self.topology in ("allreduce", "allgather") and self._fixed_size(self.compressor, slots) is not None
 
+    def verdict_in_result(self, slots: Sequence[Slot]) -> bool:
+        """All-reduced by a compressor that declares it (``nan_in_result``: none, fp16, bf16, random-k and random
+        block without error feedback): the NaN that marks a bad worker's first message is in every worker's sum."""
+        return self.topology == "allreduce" and self.compressor.nan_in_result and self.defers_verdict(slots)
+
     def check_slots(self, slots: Sequence[Slot]) -> None:
         for slot in slots:
             self.compressor.specs(slot)

@@ -319,7 +319,9 @@ class _CommThread:
         if scale is not None and not here:
             job.buffer.div_(scale)  # error feedback and momentum see unscaled gradients (a power of 2: exact)
         finite = finite_flag([job.buffer]) if device_path else not here  # the views' buffer: one pass, few launches
-        averages = self.exchange.exchange(job.slots, job.tensors, job.step, validate=False, finite=finite)
+        averages = self.exchange.exchange(
+            job.slots, job.tensors, job.step, validate=False, finite=finite, scaled=scale is not None
+        )
         if averages is None:  # some rank's gradients were not finite: every rank is here, at this bucket
             if device_path:  # (a division by the scale changes no entry's finiteness)
                 here = self._not_finite(job)

@@ -229,6 +229,7 @@ class GradientExchange:
         *,
         validate: bool = True,
         finite: bool | Tensor | None = None,
+        scaled: bool = False,
     ) -> list[Tensor] | None:
         """The aggregate over workers of the decompressed messages; ``validate=False`` if the caller checked.
 
@@ -245,6 +246,11 @@ class GradientExchange:
         worker's tensors as zeros (``torch.where`` on the device) and reads the verdict at its first message: with
         the sizes when that message is a size exchange (one read for both). Without ``finite``, non-finite tensors
         raise NonFiniteGradientError here, on this worker only, before anything is sent (``validate``).
+
+        ``scaled``: a GradScaler checks the result (the caller hands it on, NaN and all, and keeps no count of
+        skipped steps). Where the verdict is deferred and the scheme's result carries it
+        (``Scheme.verdict_in_result``: a stateless all-reduce), nothing is read: a bad step's result holds a NaN
+        on every worker, and ``scaler.step`` skips it on every worker from its own read.
         """
         self.check(slots, tensors, validate and finite is None)
         started, blocked_before = time.perf_counter(), self._blocked_seconds()
@@ -262,7 +268,8 @@ class GradientExchange:
             else:
                 inputs = tensors if finite else [torch.zeros_like(t) for t in tensors]
             rounds = self.scheme.run(slots, inputs, step)
-            agreed, result = drive_agreeing(self.transport, rounds, finite, after_rounds=defer)
+            read = not (defer and scaled and self.scheme.verdict_in_result(slots))
+            agreed, result = drive_agreeing(self.transport, rounds, finite, after_rounds=defer, read=read)
             if not agreed:
                 result = None
         blocked = self._blocked_seconds() - blocked_before
@@ -454,7 +461,7 @@ def _flag_round(transport: Transport, rounds: Rounds, request: Request, bad: boo
 
 
 def drive_agreeing(
-    transport: Transport, rounds: Rounds, finite: bool | Tensor, *, after_rounds: bool = True
+    transport: Transport, rounds: Rounds, finite: bool | Tensor, *, after_rounds: bool = True, read: bool = True
 ) -> tuple[bool, Any]:
     """Run a scheme's rounds like ``drive``, with this worker's finiteness riding on the step's first message.
 
@@ -475,10 +482,11 @@ def drive_agreeing(
     last round if no such read came (not with ``after_rounds=False``: the scheme's sizes vary). A first message
     that is a size exchange (``AllGather(read=True)``, int64) carries the device flag as its mark (every length n
     becomes −1 − n, ``torch.where``), and the verdict is read with the lengths, in the one transfer the size
-    exchange makes anyway. Elsewhere ``finite`` is read at once and all goes as above.
+    exchange makes anyway. Elsewhere ``finite`` is read at once and all goes as above. ``read=False`` (a deferred
+    verdict that the result carries, for a GradScaler to read): the verdict left after the rounds is not read.
     """
     if isinstance(finite, Tensor):
-        return _drive_deferred(transport, rounds, finite, after_rounds)
+        return _drive_deferred(transport, rounds, finite, after_rounds, read)
     world = transport.world_size
     try:
         request = next(rounds)
@@ -533,8 +541,11 @@ def _past_broadcasts(
     return request, None
 
 
-def _drive_deferred(transport: Transport, rounds: Rounds, finite: Tensor, after_rounds: bool) -> tuple[bool, Any]:
-    """``drive_agreeing`` with a device flag: the verdict read with the sizes, after the rounds, or at once."""
+def _drive_deferred(
+    transport: Transport, rounds: Rounds, finite: Tensor, after_rounds: bool, read: bool = True
+) -> tuple[bool, Any]:
+    """``drive_agreeing`` with a device flag: the verdict read with the sizes, after the rounds, or at once (or,
+    after the rounds, not at all: ``read=False``)."""
     try:
         request = next(rounds)
     except StopIteration as done:
@@ -575,7 +586,7 @@ def _drive_deferred(transport: Transport, rounds: Rounds, finite: Tensor, after_
     finally:
         pending = take_verdict()
         defer_verdict(None)
-    if pending is not None and bool(pending):  # no read of the wire took it: the one read of the step
+    if read and pending is not None and bool(pending):  # no read of the wire took it: the one read of the step
         return False, None
     return True, result
 
