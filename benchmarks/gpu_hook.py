@@ -5,15 +5,17 @@ synchronisations a step makes (docs/gpu.md; run by scripts/gpu_check.sh).
     python benchmarks/gpu_hook.py sim    [--workers 8]   # SimulatedCluster on one GPU: aggregator step per method
     python benchmarks/gpu_hook.py sync   [--only M ...]  # sync-debug warnings in one step (default: fixed-size methods)
 
-``step``: one MLP of 16.8M parameters (four 2048x2048 layers, 67 MB of fp32 gradients, DDP's default 25 MB buckets),
-batch 256; variants torch DDP (no hook), torch DDP with torch's fp16_compress_hook, and gradcomp's hook with none,
-fp16, top-k 1 % with error feedback, PowerSGD and Signum. Every round times 5 consecutive steps of each variant in a
-new random order (median per step over the rounds); reported with its ratio to torch DDP's step, and fp16's to
-torch's fp16 hook (targets: <= 1.05 for both). ``sim``: ``--workers`` simulated workers on the GPU, each a
+``step``: one MLP of 12.6M parameters (three 2048x2048 layers and a 2048x10 one, 50 MB of fp32 gradients, DDP's
+default 25 MB buckets), batch 256; variants torch DDP (no hook), torch DDP with torch's fp16_compress_hook, and
+gradcomp's hook with none, fp16, top-k 1 % with error feedback, PowerSGD and Signum; then torch DDP, torch's fp16
+hook, gradcomp's none and fp16 under a GradScaler (``+scaler``). Every round times 5 consecutive steps of each
+variant in a new random order (median per step over the rounds); reported with its ratio to torch DDP's step, and
+fp16's to torch's fp16 hook (targets: <= 1.05 for both). ``sim``: ``--workers`` simulated workers on the GPU, each a
 GradientAggregator over the same MLP; the median step of rank 0 per method and its ratio to ``none``'s, which is the
 compression's cost (a simulated exchange moves tensors in device memory). ``sync``: the number of
 "called a synchronizing CUDA operation" warnings under ``torch.cuda.set_sync_debug_mode("warn")`` during one
-steady-state step of the aggregator and of the DDP hook (both threads), per fixed-size method (target: 0).
+steady-state step of the aggregator and of the DDP hook (both threads), per fixed-size method (target: 0);
+``sync --scaler --only none fp16 bf16 randomk randomblock``: the hook under a GradScaler, where these read nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ METHODS = {
     "topk/bucket": {"density": 0.01, "error_feedback": True, "granularity": "bucket"},
     "signum/bucket": {"granularity": "bucket"},
 }  # "/bucket": the hook compresses each DDP bucket as one slot instead of one slot per parameter (the default)
+# "+scaler": the step under a torch.amp.GradScaler (scaled loss, scaler.step / update), beside torch's own under one;
+# there none and fp16 read no finiteness verdict of their own (docs/gpu.md)
+SCALED = ["torch+scaler", "torch-fp16+scaler", "none+scaler", "fp16+scaler"]
 
 
 # GRADCOMP_BENCH_CPU=1: the same code on the CPU over gloo, tiny and untimed in meaning (a check that the script
@@ -84,6 +89,8 @@ def _variant(name: str, base: nn.Module):
     model = copy.deepcopy(base).to(DEVICE)
     ddp = DDP(model, device_ids=None if CPU else [0])
     state = None
+    name, scaled = name.removesuffix("+scaler"), name.endswith("+scaler")
+    scaler = torch.amp.GradScaler(DEVICE.type) if scaled else None
     if name == "torch-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
@@ -91,54 +98,63 @@ def _variant(name: str, base: nn.Module):
     elif name != "torch":
         params = dict(METHODS[name])
         granularity = params.pop("granularity", "layer")
-        state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name.split("/")[0], **params), granularity=granularity)
-    return ddp, state, torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        method = gradcomp.make(name.split("/")[0], **params)
+        state = gradcomp.register_ddp_hook(ddp, method, granularity=granularity, scaler=scaler)
+    return ddp, state, torch.optim.SGD(ddp.parameters(), lr=1e-3), scaler
 
 
-def _step(ddp, opt, x, y) -> None:
+def _step(ddp, opt, x, y, scaler=None) -> None:
     opt.zero_grad(set_to_none=False)
-    F.cross_entropy(ddp(x), y).backward()
-    opt.step()
+    loss = F.cross_entropy(ddp(x), y)
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
 
 
 def part_step(args) -> None:
     _group()
     base = mlp(width=64) if CPU else mlp()
     x, y = torch.randn(256, base[0].in_features, device=DEVICE), torch.randint(0, 10, (256,), device=DEVICE)
-    names = ["torch", "torch-fp16", *METHODS]
+    names = ["torch", "torch-fp16", *METHODS, *SCALED]
     variants = {n: _variant(n, base) for n in names}
-    for ddp, _, opt in variants.values():
+    for ddp, _, opt, scaler in variants.values():
         for _ in range(3):
-            _step(ddp, opt, x, y)
+            _step(ddp, opt, x, y, scaler)
     times = {n: [] for n in names}
     for _ in range(args.rounds):
         random.shuffle(names)
         for n in names:
-            ddp, _, opt = variants[n]
+            ddp, _, opt, scaler = variants[n]
             _sync()
             began = time.perf_counter()
             for _ in range(5):
-                _step(ddp, opt, x, y)
+                _step(ddp, opt, x, y, scaler)
             _sync()
             times[n].append((time.perf_counter() - began) / 5)
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     size = sum(p.numel() for p in base.parameters()) / 1e6
     print(f"{_name()}: DDP step, world size 1 ({dist.get_backend()}), {size:.1f}M-parameter MLP, "
           f"median of {args.rounds}")
-    for n in ["torch", "torch-fp16", *METHODS]:
-        ref = "torch-fp16" if n == "fp16" else "torch"
-        print(f"  {n:13s} {med[n]:7.2f} ms  x{med[n] / med[ref]:.3f} of {ref}")
+    for n in ["torch", "torch-fp16", *METHODS, *SCALED]:
+        ref = "torch-fp16" if n.startswith("fp16") else "torch"
+        ref += "+scaler" if n.endswith("+scaler") else ""
+        print(f"  {n:17s} {med[n]:7.2f} ms  x{med[n] / med[ref]:.3f} of {ref}")
     print(f"  targets: none <= 1.05 x torch ({med['none'] / med['torch']:.3f}); "
-          f"fp16 <= 1.05 x torch-fp16 ({med['fp16'] / med['torch-fp16']:.3f})")
+          f"fp16 <= 1.05 x torch-fp16 ({med['fp16'] / med['torch-fp16']:.3f}); under a GradScaler "
+          f"{med['none+scaler'] / med['torch+scaler']:.3f} and {med['fp16+scaler'] / med['torch-fp16+scaler']:.3f}")
     for n in args.profile or ():
-        ddp, _, opt = variants[n]
+        ddp, _, opt, scaler = variants[n]
         with torch.profiler.profile() as prof:
             for _ in range(5):
-                _step(ddp, opt, x, y)
+                _step(ddp, opt, x, y, scaler)
             _sync()
         print(f"profile of 5 steps of {n} (self CPU time, top 15):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=48))
-    for _, state, _ in variants.values():
+    for _, state, _, _ in variants.values():
         if state is not None:
             state.close()
     dist.destroy_process_group()
@@ -232,16 +248,23 @@ def part_sync(args) -> None:
             where: collections.Counter = collections.Counter()
             n_agg = _count_warnings(agg.step, where)
             ddp = DDP(copy.deepcopy(base).to(DEVICE), device_ids=None if CPU else [0])
-            state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name))
+            scaler = torch.amp.GradScaler(DEVICE.type) if args.scaler else None
+            state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name), scaler=scaler)
+
+            def backward():
+                loss = F.cross_entropy(ddp(x), y)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+
             for _ in range(2):
-                F.cross_entropy(ddp(x), y).backward()
+                backward()
             _sync()
-            n_ddp = _count_warnings(lambda: (F.cross_entropy(ddp(x), y).backward(), state.wait()), where)
+            n_ddp = _count_warnings(lambda: (backward(), state.wait()), where)
             state.close()
             total += n_agg + n_ddp
             b = BUDGETS[name]
+            ddp_budget = 0 if args.scaler else b["ddp"]  # under a scaler: the methods tests/test_sync_count.py counts
             print(f"  {name:18s} aggregator {n_agg:3d} (CPU count {b['aggregator']})  "
-                  f"ddp {n_ddp:3d} (CPU count {b['ddp']})", flush=True)
+                  f"ddp{'+scaler' if args.scaler else ''} {n_ddp:3d} (CPU count {ddp_budget})", flush=True)
             for spot, k in where.most_common():
                 print(f"      {k:3d} at {spot}")
         except Exception as exc:  # noqa: BLE001 - report and go on to the next method
@@ -257,6 +280,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--profile", nargs="*", help="step: print a torch.profiler table of these variants")
     parser.add_argument("--only", nargs="*", help="sync: these methods only (default: every fixed-size one)")
+    parser.add_argument("--scaler", action="store_true", help="sync: the DDP hook under a GradScaler")
     args = parser.parse_args(argv)
     if not CPU and not torch.cuda.is_available():
         print(f"benchmarks/gpu_hook.py {args.part}: skipped, no CUDA device")

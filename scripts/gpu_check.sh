@@ -58,6 +58,10 @@ timeout 70 $PYTHON benchmarks/gpu_hook.py sim --workers 8 2>&1 | tee "$OUT/sim.l
 echo "== 5. synchronisation warnings in one step per fixed-size method (timeout 50 s)"
 timeout 50 $PYTHON benchmarks/gpu_hook.py sync 2>&1 | tee "$OUT/sync.log"
 
+echo "== 5b. the same under a GradScaler, for the methods whose sum carries the verdict (timeout 30 s)"
+timeout 30 $PYTHON benchmarks/gpu_hook.py sync --scaler --only none fp16 bf16 randomk randomblock 2>&1 \
+  | tee "$OUT/sync_scaler.log"
+
 echo "== 6. the same for the variable-size methods (their budgets allow a size exchange; timeout 40 s)"
 timeout 40 $PYTHON benchmarks/gpu_hook.py sync --only threshold sbc stc dgc lgc 2>&1 | tee "$OUT/sync_variable.log"
 
