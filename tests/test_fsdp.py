@@ -207,6 +207,56 @@ def test_resume_from_state_dict_continues_identically():
     assert not all(torch.equal(a, b) for a, b in zip(results[0][0], results[0][1]))
 
 
+BAD_STEP = 2
+
+
+def _nan_run(rank, world, name, params, bad):
+    """Five steps; at BAD_STEP rank 1's input holds a NaN ("nan on rank 1") or every rank skips it ("never
+    happened"). Returns what each failed backward raised, whether the residuals stayed as they were, and the full
+    parameters at the end."""
+    import gradcomp
+    from distributed import same
+
+    model = _shard(_model(), world)
+    state = gradcomp.compress_fsdp(model, gradcomp.make(name, **params))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    raised, unchanged = [], []
+    for step in range(5):
+        if step == BAD_STEP and bad == "never happened":
+            continue
+        x, y = _batch(rank, step)
+        if step == BAD_STEP and rank == 1:
+            x[0, 0] = float("nan")
+        before = state.state_dict()
+        try:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        except gradcomp.NonFiniteGradientError as exc:
+            raised.append((step, exc.step, "on this worker" in str(exc)))
+            unchanged.append(same(before, state.state_dict()))
+            model.reset_iter_state()  # FSDP2's recovery after an exception in backward (on the root module)
+            optimizer.zero_grad()
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+    return raised, unchanged, _full(model)
+
+
+@pytest.mark.parametrize("name,params", [("topk", {"density": 0.3, "error_feedback": True}), ("efsignsgd", {}),
+                                         ("cnat", {})])
+def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_nothing(name, params):
+    """Every rank raises the same error at the same step (no rank waits for the time-out), only the bad rank names
+    its parameters, no residual moved, and the run goes on as if the step had never been."""
+    with_nan = run_workers(_nan_run, 2, name, params, "nan on rank 1", timeout=120)
+    without = run_workers(_nan_run, 2, name, params, "never happened", timeout=120)
+    for rank in range(2):
+        raised, unchanged, final = with_nan[rank]
+        assert [(s, e) for s, e, _ in raised] == [(BAD_STEP, BAD_STEP)], raised  # the module's count of its calls
+        assert [named for _, _, named in raised] == [rank == 1]
+        assert unchanged == [True]
+        for a, b in zip(final, without[rank][2]):
+            assert torch.equal(a, b), f"{name}: the run with the undone step differs from one without it"
+
+
 def _refusals(rank, world):
     import gradcomp
 

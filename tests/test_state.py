@@ -1,5 +1,6 @@
-"""gradcomp.compressors.state: the one per-slot store (keys, retain, state dict, checked loading) and the momentum arithmetic
-that feedback.MomentumCorrection, DGC and the sketched-SGD methods share."""
+"""gradcomp.compressors.state: the one per-slot store (keys, retain, state dict, checked loading, the journal that
+undoes one call) and the momentum arithmetic that feedback.MomentumCorrection, DGC and the sketched-SGD methods
+share."""
 
 from __future__ import annotations
 
@@ -126,3 +127,39 @@ def test_no_cycle_between_dgc_and_feedback():
         "gradcomp.compressors.base",
         "gradcomp.errors",
     }
+
+
+# single-message compressors that keep per-slot state, as make() builds them (what compress_fsdp may carry)
+STATEFUL = {
+    "topk-ef": ("topk", {"density": 0.3, "error_feedback": True}),
+    "efsignsgd": ("efsignsgd", {}),
+    "onebit": ("onebit", {}),
+    "signum": ("signum", {}),
+    "dgc": ("dgc", {"density": 0.3}),
+    "topk-momentum-masking": ("topk", {"density": 0.3, "feedback": "momentum_masking"}),
+    "randomk-ef": ("randomk", {"density": 0.3, "error_feedback": True}),
+}
+
+
+@pytest.mark.parametrize("label", sorted(STATEFUL))
+def test_a_journal_undoes_exactly_what_a_step_changed(label):
+    """Two steps make state; a third, compressed inside ``journal()`` over A and a slot seen for the first time,
+    is undone: the state dict is the one before it, bit for bit, and the new slot has no state again."""
+    from distributed import same
+
+    from gradcomp.compressors.state import journal
+
+    name, params = STATEFUL[label]
+    compressor = gradcomp.make(name, **params)
+    g = torch.Generator().manual_seed(0)
+    big_a, new = Slot("a.weight", 0, 60), Slot("c.weight", 2, 40)
+    for step in range(2):
+        compressor.compress(torch.randn(60, generator=g), big_a, step)
+    before = compressor.state_dict()
+    with journal() as touched:
+        compressor.compress(torch.randn(60, generator=g), big_a, 2)
+        compressor.compress(torch.randn(40, generator=g), new, 2)
+    assert not same(before, compressor.state_dict())  # the step did change it
+    touched.undo()
+    assert same(before, compressor.state_dict())
+    compressor.compress(torch.randn(60, generator=g), big_a, 2)  # and the slots go on from there

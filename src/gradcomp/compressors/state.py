@@ -12,6 +12,13 @@ content); the size, because the same name can hold another tensor (a flattened D
 its buckets): a slot whose size changed starts afresh instead of meeting a tensor of another shape, and
 ``load_state_dict`` can check a tensor's size before its slot is ever seen.
 
+``journal()`` records, while it is open on a thread, every slot's state as it was before the first time any
+``SlotState`` touched it there (a copy of that slot's tensors, or their absence), so that ``undo()`` puts back
+exactly the state of the slots a step changed, at the price of one copy of those slots' state and nothing for
+the others: what FSDP's compressed reduce-scatter needs to undo one module's compression when the ranks learn,
+at its first message, that some rank's gradients were not finite (``train.fsdp``; ``snapshot``/``restore`` of
+the whole state serve the other drivers, which undo a whole step).
+
 ``Momentum`` is the worker momentum with error accumulation that DGC's momentum correction
 (``feedback.MomentumCorrection``, ``compressors.dgc``) and the sketched-SGD paper's methods
 (``schemes.accumulation``) share, in place on a ``SlotState`` (no d-sized temporary per step):
@@ -24,7 +31,9 @@ its buckets): a slot whose size changed starts afresh instead of meeting a tenso
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -53,6 +62,48 @@ def flat_of_numel(field: str, key: str, numel: int, t: Tensor) -> str | None:
     return None if tuple(t.shape) == (numel,) else f"shape {tuple(t.shape)}, expected ({numel},)"
 
 
+class Journal:
+    """The slots' state as it was before the open journal's first touch of each (``journal()``)."""
+
+    def __init__(self) -> None:
+        self._before: dict[tuple[int, str, str], tuple[SlotState, str, str, Tensor | None]] = {}
+
+    def note(self, state: SlotState, field: str, key: str) -> None:
+        if (id(state), field, key) not in self._before:
+            t = state._fields[field].get(key)
+            self._before[id(state), field, key] = (state, field, key, None if t is None else t.detach().clone())
+
+    def undo(self) -> None:
+        """Put every noted slot's tensors back as they were (a slot that had none has none again)."""
+        for state, field, key, t in self._before.values():
+            if t is None:
+                state._fields[field].pop(key, None)
+            else:
+                state._fields[field][key] = t
+        self._before.clear()
+
+
+_journals = threading.local()  # .open: the journal recording on this thread, or None
+
+
+@contextlib.contextmanager
+def journal() -> Iterator[Journal]:
+    """While open on this thread, every ``SlotState`` notes a slot's state before it first touches it."""
+    record, before = Journal(), getattr(_journals, "open", None)
+    _journals.open = record
+    try:
+        yield record
+    finally:
+        _journals.open = before
+
+
+def _note(state: SlotState, fields: Iterable[str], key: str) -> None:
+    record = getattr(_journals, "open", None)
+    if record is not None:
+        for field in fields:
+            record.note(state, field, key)
+
+
 class SlotState:
     """Per-slot float32 tensors of one method, in named ``fields``, keyed by ``slot_key``; ``owner`` names the
     method in errors, ``check`` (field, key, numel, tensor) → reason or None is the shape a loaded tensor must
@@ -70,6 +121,7 @@ class SlotState:
         """The slot's tensor, or None. With ``like`` (a flat float32 tensor): ready to be updated in place next
         to it, a tensor restored elsewhere being moved to its device, flat, contiguous, once and kept so."""
         key = slot_key(slot)
+        _note(self, (field,), key)
         t = self._fields[field].get(key)
         if t is not None and like is not None:
             if t.device != like.device or t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous():
@@ -77,13 +129,17 @@ class SlotState:
         return t
 
     def put(self, field: str, slot: Slot, t: Tensor) -> Tensor:
-        self._fields[field][slot_key(slot)] = t
+        key = slot_key(slot)
+        _note(self, (field,), key)
+        self._fields[field][key] = t
         return t
 
     def drop(self, slot: Slot) -> None:
         """Forget every field of the slot (a step that failed half way starts the slot afresh)."""
+        key = slot_key(slot)
+        _note(self, self._fields, key)
         for tensors in self._fields.values():
-            tensors.pop(slot_key(slot), None)
+            tensors.pop(key, None)
 
     def retain(self, slots: Sequence[Slot]) -> None:
         """Keep only the state of ``slots`` (the slots still exchanged)."""

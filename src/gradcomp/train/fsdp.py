@@ -59,9 +59,15 @@ Other choices:
 - Step: each FSDP module counts its own reduce-scatters; the count seeds shared randomness and is saved.
 - Sharding: only FSDP2's default dim-0 sharding (``Shard(0)``) is carried; a ``shard_placement_fn`` that
   shards another dim is refused at registration (FSDP reorders such gradients before the copy-in).
-- NaN / Inf in a gradient raise ``NonFiniteGradientError`` (from ``backward``) before anything is sent; a
-  rank with a finite gradient then waits at the all-to-all until the process group's time-out, as with the
-  DDP hook.
+- NaN / Inf in a gradient on any rank: every rank raises the same ``NonFiniteGradientError`` (from
+  ``backward``) at the same module's reduce-scatter, and no rank's residual changes. The ranks learn it from the
+  call's first message, without a round of its own (``drive_agreeing``: a rank whose gradients are not finite
+  compresses zeros in their place and marks its buffers, which every rank receives a chunk of); the residuals
+  that this call's compression had already moved are put back from a journal of the slots it touched
+  (``compressors.state.journal``: one copy of those slots' state, nothing for the others). The step counter of
+  that module does not advance. Catch the error, call FSDP2's ``reset_iter_state()`` on the root module (its
+  recovery after an exception in backward) and ``zero_grad()``, and go on: the run is then the run without that
+  step, bit for bit (tests/test_fsdp.py).
 - Methods that own their rounds (PowerSGD, sketched SGD, LGC, ...) are refused: their rounds assume every
   rank ends with the whole aggregate, which a reduce-scatter does not give.
 """
@@ -78,12 +84,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.compressors.state import journal
 from gradcomp.errors import ConfigError
 from gradcomp.finite import all_finite
-from gradcomp.transport.requests import drive
 from gradcomp.schemes.sharded import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
-from gradcomp.train.exchange import check_gradients, check_state
+from gradcomp.train.exchange import agreed_non_finite, check_gradients, check_state, drive_agreeing
 from gradcomp.transport.dist import DistTransport
 
 try:  # torch >= 2.6 (FSDP2's custom collectives: 2.8)
@@ -159,27 +165,34 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                 f"{world} x {self.row}; were parameters frozen or unfrozen after compress_fsdp? Call it again"
             )
         rows = input_tensor.reshape(world, self.row)
-        if not input_tensor.is_floating_point() or not all_finite(input_tensor):
-            names, views = [], []
-            for p in self.pieces:
-                names.append(p.name)
-                views.append(rows[:, p.offset : p.offset + p.padded])
-            check_gradients(names, views, self.step)
+        names = [p.name for p in self.pieces]
+        if not input_tensor.is_floating_point():  # the same dtype on every rank: every rank refuses it here
+            check_gradients(names, [rows], self.step)
+        finite = all_finite(input_tensor)
         step, compressor = self.step, state.compressor
         started = time.perf_counter()
         blocked_before = state.transport.counter.seconds
         with torch.no_grad():
+            source = rows if finite else torch.zeros_like(rows)  # (only the messages' sizes matter then)
             up = []
-            for j, owned in enumerate(self.owned):
-                if not owned:
-                    up.append(torch.empty(0, dtype=torch.uint8, device=input_tensor.device))
-                    continue
-                messages = []
-                for piece, slot in owned:
-                    chunk = rows[j, piece.offset : piece.offset + slot.numel]
-                    messages.append(compressor.compress(chunk.to(torch.float32), slot, step))
-                up.append(encode_slots(compressor, [s for _, s in owned], messages))
-            received = drive(state.transport, alltoall_buffers(rank, up, self.known))
+            with journal() as touched:  # each slot's state before this call changes it
+                for j, owned in enumerate(self.owned):
+                    if not owned:
+                        up.append(torch.empty(0, dtype=torch.uint8, device=input_tensor.device))
+                        continue
+                    messages = []
+                    for piece, slot in owned:
+                        chunk = source[j, piece.offset : piece.offset + slot.numel]
+                        messages.append(compressor.compress(chunk.to(torch.float32), slot, step))
+                    up.append(encode_slots(compressor, [s for _, s in owned], messages))
+            agreed, received = drive_agreeing(state.transport, alltoall_buffers(rank, up, self.known), finite)
+            if not agreed:  # some rank's gradients were not finite: every rank is here, at this call
+                touched.undo()
+                here = [] if finite else [
+                    name for name, p in zip(names, self.pieces)
+                    if not all_finite(rows[:, p.offset : p.offset + p.padded])
+                ]
+                raise agreed_non_finite(step, here)
             mine = self.owned[rank]
             output_tensor.zero_()
             if mine:
