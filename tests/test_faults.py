@@ -25,6 +25,9 @@ METHODS = {
     "signum": lambda: gradcomp.make("signum"),
     "topk-ef-ps": lambda: gradcomp.make("topk", density=0.25, error_feedback=True),
     "none": lambda: gradcomp.make("none"),
+    # all-reduce only: on the device path the DDP hook reads their verdict once per backward pass, at the last bucket
+    "powersgd": lambda: gradcomp.make("powersgd"),
+    "fp16": lambda: gradcomp.make("fp16"),
 }
 TOPOLOGY = {"topk-ef-ps": "ps"}
 

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.registry import BUILTIN
-from gradcomp.sync_budget import BUDGETS, FIXED_SIZE
+from gradcomp.sync_budget import BUDGETS, FIXED_SIZE, NOTES
 from gradcomp.train import ddp_hook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,18 +81,22 @@ def count_aggregator_step(name: str):
     return counter
 
 
-def count_ddp_step(name: str, monkeypatch, *, scaler=None, hook_threads: set | None = None):
-    """The counts of one steady-state DDP step; ``hook_threads`` collects the threads the hook was called on."""
+def count_ddp_step(name: str, monkeypatch, *, scaler=None, hook_threads: set | None = None,
+                   buckets: list | None = None, bucket_cap_mb: float = 0.005):
+    """The counts of one steady-state DDP step; ``hook_threads`` collects the threads the hook was called on,
+    ``buckets`` the index of every bucket of the counted step."""
     monkeypatch.setattr(ddp_hook._CommThread, "_run", count_on_this_thread(ddp_hook._CommThread._run))
-    if hook_threads is not None:
-        submit = ddp_hook.CompressionHookState.submit
+    submit = ddp_hook.CompressionHookState.submit
 
-        def recorded(self, bucket):
+    def recorded(self, bucket):
+        if hook_threads is not None:
             hook_threads.add(threading.get_ident())
-            return submit(self, bucket)
+        if buckets is not None:
+            buckets.append(bucket.index())
+        return submit(self, bucket)
 
-        monkeypatch.setattr(ddp_hook.CompressionHookState, "submit", recorded)
-    model = DDP(_model(), bucket_cap_mb=0.005)
+    monkeypatch.setattr(ddp_hook.CompressionHookState, "submit", recorded)
+    model = DDP(_model(), bucket_cap_mb=bucket_cap_mb)
     state = gradcomp.register_ddp_hook(model, _method(name), scaler=scaler)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     try:
@@ -103,6 +107,8 @@ def count_ddp_step(name: str, monkeypatch, *, scaler=None, hook_threads: set | N
             if scaler is not None:
                 loss = scaler.scale(loss)
             if step == WARMUP:
+                if buckets is not None:
+                    buckets.clear()
                 with counting() as counter:
                     loss.backward()
                     state.wait()
@@ -160,6 +166,23 @@ def test_the_ddp_hook_reads_nothing_on_the_autograd_thread(name, group, device_p
     counter = count_ddp_step(name, monkeypatch, hook_threads=hook_threads)
     assert hook_threads and not hook_threads & set(counter.threads), f"{name}: read on the autograd thread: {counter}"
     _check("ddp", name, counter)
+
+
+# the fixed-size methods whose one read is the verdict after the last round (no message of theirs is decoded by the
+# wire): the DDP hook reads it once per backward pass, at the last bucket, however many buckets the pass has
+READ_AFTER_ROUNDS = ["bf16", "fp16", "none", "powersgd", "randomblock", "randomk", "sketch", "true_topk"]
+
+
+@pytest.mark.parametrize("name", READ_AFTER_ROUNDS)
+def test_the_hook_reads_the_verdict_once_per_pass_whatever_the_buckets(name, group, device_paths, monkeypatch):
+    buckets: list = []
+    counter = count_ddp_step(name, monkeypatch, buckets=buckets, bucket_cap_mb=0.001)
+    assert len(buckets) >= 2, buckets  # several buckets in the counted step
+    assert counter.total == 1, f"{name}: {counter.total} reads for {len(buckets)} buckets: {counter}"
+
+
+def test_the_methods_that_read_after_the_rounds_are_the_budget_tables():
+    assert sorted(n for n in FIXED_SIZE if "after the last round" in NOTES[n]) == READ_AFTER_ROUNDS
 
 
 VERDICT_IN_RESULT = ["bf16", "fp16", "none", "randomblock", "randomk"]

@@ -8,7 +8,8 @@ per slot (the notes say where). docs/gpu.md shows the same numbers in a table th
 against this module.
 
 ``FIXED_SIZE`` are the methods whose messages have a size known from the configuration alone: one read per
-exchange each (per step for the aggregator, per bucket for the DDP hook), the workers' finiteness verdict
+exchange each (per step for the aggregator, per bucket for the DDP hook; once per backward pass where no message is
+decoded by the wire: the verdict read after the last round), the workers' finiteness verdict
 (with the wire's checks where there are any), which decides, before
 anything of the step is applied, whether the step stands (docs/gpu.md says why it is not zero). What each count
 is made of is in ``NOTES``; the budgets are the measured counts exactly (tests/test_sync_count.py fails on a count
@@ -28,7 +29,8 @@ FIXED_SIZE = (
 
 _VERDICT = (
     "1 read, after the last round, of the workers' agreed finiteness verdict, a device flag that rode on the step's "
-    "first message (exchange._drive_deferred)"
+    "first message (exchange._drive_deferred); the DDP hook reads it once per backward pass, at its last bucket, "
+    "whatever the number of buckets"
 )
 _WITH_CHECKS = (
     "1 read of the agreed finiteness verdict (a device flag that rode on the step's first message) in the same "

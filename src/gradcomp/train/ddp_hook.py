@@ -50,7 +50,13 @@ a few percent (docs/ddp.md has the timings). On the device path the thread still
 finiteness verdict (``CompressionHookState._direct`` says why not in a callback); with a scaler nothing reads it.
 
 Non-finite. Every rank's verdict on a bucket rides on the bucket's first message (``drive_agreeing``): if any
-rank's bucket held a NaN / Inf, every rank learns it at that message and stops there. The method's state is then
+rank's bucket held a NaN / Inf, every rank learns it at that message and stops there. (On the device path a scheme
+whose messages the wire does not decode — all-reduces only: none, fp16, bf16, random-k, random block, PowerSGD,
+sketched SGD, true top-k — leaves each bucket's agreed verdict on the device, and the thread reads the whole pass's
+in one transfer at its last bucket, before that bucket's future, which DDP waits for at the end of backward, is
+completed: one read per backward pass instead of one per bucket, so the thread never waits for the device before
+the last bucket. A bad pass then fails or is skipped at its last bucket, with the earlier buckets' results already
+in their buffers: backward raises, or the scaler skips, before anything is applied.) The method's state is then
 put back to what it was at the start of the pass (a ``snapshot`` taken at the first bucket of every pass: one
 copy of the state per step). Without a scaler every rank raises the same NonFiniteGradientError (DDP raises it
 from ``backward`` as a RuntimeError naming it; ``state.failure`` is the original), and later buckets are
@@ -172,6 +178,10 @@ class _CommThread:
         self.scaler = scaler
         self._snapshot: dict | None = None  # the method's state at the start of the pass (taken on this thread)
         self._skipping = False  # the pass overflowed on some rank (with a scaler): its later buckets are skipped
+        # the pass's deferred verdicts (device flags, True: abandon) that no read has taken, read once at its last
+        # bucket; and, per bucket of the pass, its buffer, this rank's own flag and its parameters' names
+        self._pass_flags: list[Tensor] = []
+        self._pass_buckets: list[tuple[Tensor, Tensor | bool, list[str]]] = []
         self._failure: BaseException | None = None
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
@@ -308,6 +318,7 @@ class _CommThread:
         """The bucket's exchange, agreed finite on every rank (see the module docstring, "Non-finite")."""
         if job.first:
             self._snapshot, self._skipping = self.exchange.snapshot(), False
+            self._pass_flags, self._pass_buckets = [], []
         if self._skipping:  # an earlier bucket of this pass overflowed on some rank: every rank skips the rest
             job.buffer.fill_(float("nan"))
             return
@@ -319,8 +330,10 @@ class _CommThread:
         if scale is not None and not here:
             job.buffer.div_(scale)  # error feedback and momentum see unscaled gradients (a power of 2: exact)
         finite = finite_flag([job.buffer]) if device_path else not here  # the views' buffer: one pass, few launches
+        self._pass_buckets.append((job.buffer, finite, list(job.names or [])))
         averages = self.exchange.exchange(
-            job.slots, job.tensors, job.step, validate=False, finite=finite, scaled=scale is not None
+            job.slots, job.tensors, job.step, validate=False, finite=finite, scaled=scale is not None,
+            verdicts=self._pass_flags if device_path else None,
         )
         if averages is None:  # some rank's gradients were not finite: every rank is here, at this bucket
             if device_path:  # (a division by the scale changes no entry's finiteness)
@@ -336,8 +349,29 @@ class _CommThread:
                 target.copy_(average.view_as(target))
         if scale is not None:
             job.buffer.mul_(scale)  # back in the scaler's units, for scaler.unscale_
+        if job.retain is not None and self._pass_flags and self._pass_abandoned():
+            self.exchange.restore(self._snapshot)
+            if self.scaler is None:
+                raise agreed_non_finite(job.step, self._locally_bad())
+            for buffer, _, _ in self._pass_buckets:
+                buffer.fill_(float("nan"))  # every bucket of the pass, on every rank: scaler.step skips
+            return
         if job.retain is not None:
             self.exchange.scheme.retain(job.retain)
+
+    def _pass_abandoned(self) -> bool:
+        """The pass's one read of its deferred verdicts (all-reduce-only schemes, on the device path): whether
+        some rank's gradients were not finite in some bucket. The same answer on every rank, at the same bucket."""
+        flags, self._pass_flags = self._pass_flags, []
+        return bool(torch.stack([f.reshape(()) for f in flags]).any())
+
+    def _locally_bad(self) -> list[str]:
+        """This rank's buckets of the pass whose gradients were not finite (read on a failure only), named by their
+        parameters: their gradients are averages by now, so no closer than the bucket."""
+        flags = [f for _, f, _ in self._pass_buckets]
+        values = [bool(v) for v in torch.stack([torch.as_tensor(f).reshape(()) for f in flags]).tolist()]
+        return [f"one of {', '.join(names) or '(unnamed)'}" for (_, _, names), ok in zip(self._pass_buckets, values)
+                if not ok]
 
 
     @staticmethod
@@ -421,6 +455,7 @@ class CompressionHookState:
         self._layouts: dict[tuple, tuple[list[Slot], list[str]]] = {}
         self._pass_slots: list[Slot] = []
         self._pass_sizes: dict[int, int] = {}
+        self._direct_pass: list[tuple[Tensor, Tensor, int]] = []  # ``none`` on the device path: read at the last bucket
 
     @property
     def transport(self) -> DistTransport:
@@ -465,7 +500,7 @@ class CompressionHookState:
         if self._worker.closed:
             raise CommunicationError("this DDP hook state was closed; register a new hook")
         if bucket.index() == 0:  # DDP hands buckets over in index order: a new backward pass
-            self._pass_slots, self._pass_sizes = [], {}
+            self._pass_slots, self._pass_sizes, self._direct_pass = [], {}, []
         buffer = bucket.buffer()
         if self.direct:  # finiteness rides on the allreduce itself (see ``_direct``)
             slots, names = [], []
@@ -483,7 +518,7 @@ class CompressionHookState:
                 self.step += 1
                 self.bucket_sizes = self._pass_sizes
                 self._pass_sizes = {}
-            return self._direct(buffer, step, bucket.index())
+            return self._direct(buffer, step, bucket.index(), bucket.is_last())
         self._pass_slots.extend(slots)
         device = buffer.device
         on_cuda = device.type == "cuda"
@@ -512,7 +547,7 @@ class CompressionHookState:
         self._worker.submit(job)
         return chained
 
-    def _direct(self, buffer: Tensor, step: int, index: int) -> torch.futures.Future:
+    def _direct(self, buffer: Tensor, step: int, index: int, last: bool = True) -> torch.futures.Future:
         """``none``: the bucket buffer *is* its parameters' gradients back to back, i.e. SingleRound's message.
 
         Divided by W in place and all-reduced in place, asynchronously, straight from the hook, as torch's
@@ -530,8 +565,10 @@ class CompressionHookState:
         NCCL completes a collective's future as soon as it has enqueued it, so a callback chained to it runs at
         once on the calling thread, here the autograd thread, and a read there would make backward wait for the
         device at every bucket. On the device path the read is therefore the communication thread's (a job that
-        waits for the allreduce and reads the entry); on the host path (gloo) it stays in the collective's
-        callback, which gloo runs on its own thread once the allreduce is done.
+        waits for the allreduce), once per backward pass: the last bucket's job reads every bucket's reduced first
+        entry in one transfer, before its future, which DDP waits for at the end of backward, is completed. On the
+        host path (gloo) the read stays in each collective's callback, which gloo runs on its own thread once the
+        allreduce is done.
         """
         transport = self.transport
         failure = self._worker.failure
@@ -549,6 +586,10 @@ class CompressionHookState:
             transport.counter.record("all_reduce", flat.nbytes)
             transport.counter.collectives += 1
         read = self._worker.scaler is None and flat.numel() > 0
+        device_path = not host_path(flat)
+        if read and device_path:
+            self._direct_pass.append((flat, total, index))
+        pass_reads = self._direct_pass if last else []
 
         def done(future: torch.futures.Future) -> Tensor:
             try:
@@ -562,16 +603,24 @@ class CompressionHookState:
                 raise lost from exc
             with self._counter_lock:
                 transport.counter.seconds += time.perf_counter() - started
-            if read and not math.isfinite(float(flat[0])):
+            if read and not device_path and not math.isfinite(float(flat[0])):
                 here = [f"bucket {index}"] if not math.isfinite(float(total)) else []
                 error = agreed_non_finite(step, here)
                 self._worker.fail(error)
                 raise error
+            if pass_reads:  # the pass's one read: every bucket's reduced first entry
+                firsts = torch.cat([reduced[:1] for reduced, _, _ in pass_reads])
+                if not bool(torch.isfinite(firsts).all()):
+                    sums = torch.stack([t for _, t, _ in pass_reads])
+                    here = [f"bucket {i}" for (_, _, i), ok in zip(pass_reads, torch.isfinite(sums).tolist()) if not ok]
+                    error = agreed_non_finite(step, here)
+                    self._worker.fail(error)
+                    raise error
             if flat is not buffer:
                 buffer.copy_(flat)
             return buffer
 
-        if not read or host_path(flat):
+        if not device_path or not (read or pass_reads):
             return work.get_future().then(done)
         device = buffer.device
         on_cuda = device.type == "cuda"

@@ -230,6 +230,7 @@ class GradientExchange:
         validate: bool = True,
         finite: bool | Tensor | None = None,
         scaled: bool = False,
+        verdicts: list[Tensor] | None = None,
     ) -> list[Tensor] | None:
         """The aggregate over workers of the decompressed messages; ``validate=False`` if the caller checked.
 
@@ -251,6 +252,11 @@ class GradientExchange:
         skipped steps). Where the verdict is deferred and the scheme's result carries it
         (``Scheme.verdict_in_result``: a stateless all-reduce), nothing is read: a bad step's result holds a NaN
         on every worker, and ``scaler.step`` skips it on every worker from its own read.
+
+        ``verdicts``: a list to which a deferred verdict that no read of the wire has taken by the end of the rounds
+        (an all-reduce-only scheme's) is appended, as a device flag (True: abandon), instead of being read here.
+        The caller must then read it before anything of the step is applied and, if it is True, restore the state
+        from its snapshot on every worker: the DDP hook reads a backward pass's flags once, at its last bucket.
         """
         self.check(slots, tensors, validate and finite is None)
         started, blocked_before = time.perf_counter(), self._blocked_seconds()
@@ -269,7 +275,9 @@ class GradientExchange:
                 inputs = tensors if finite else [torch.zeros_like(t) for t in tensors]
             rounds = self.scheme.run(slots, inputs, step)
             read = not (defer and scaled and self.scheme.verdict_in_result(slots))
-            agreed, result = drive_agreeing(self.transport, rounds, finite, after_rounds=defer, read=read)
+            agreed, result = drive_agreeing(
+                self.transport, rounds, finite, after_rounds=defer, read=verdicts if read and defer else read
+            )
             if not agreed:
                 result = None
         blocked = self._blocked_seconds() - blocked_before
@@ -461,7 +469,8 @@ def _flag_round(transport: Transport, rounds: Rounds, request: Request, bad: boo
 
 
 def drive_agreeing(
-    transport: Transport, rounds: Rounds, finite: bool | Tensor, *, after_rounds: bool = True, read: bool = True
+    transport: Transport, rounds: Rounds, finite: bool | Tensor, *, after_rounds: bool = True,
+    read: bool | list[Tensor] | None = True,
 ) -> tuple[bool, Any]:
     """Run a scheme's rounds like ``drive``, with this worker's finiteness riding on the step's first message.
 
@@ -483,7 +492,9 @@ def drive_agreeing(
     that is a size exchange (``AllGather(read=True)``, int64) carries the device flag as its mark (every length n
     becomes −1 − n, ``torch.where``), and the verdict is read with the lengths, in the one transfer the size
     exchange makes anyway. Elsewhere ``finite`` is read at once and all goes as above. ``read=False`` (a deferred
-    verdict that the result carries, for a GradScaler to read): the verdict left after the rounds is not read.
+    verdict that the result carries, for a GradScaler to read): the verdict left after the rounds is not read; a
+    list: it is appended there, for the caller to read later (``GradientExchange.exchange(verdicts=...)``); None:
+    read, as True.
     """
     if isinstance(finite, Tensor):
         return _drive_deferred(transport, rounds, finite, after_rounds, read)
@@ -542,10 +553,10 @@ def _past_broadcasts(
 
 
 def _drive_deferred(
-    transport: Transport, rounds: Rounds, finite: Tensor, after_rounds: bool, read: bool = True
+    transport: Transport, rounds: Rounds, finite: Tensor, after_rounds: bool, read: bool | list[Tensor] | None = True
 ) -> tuple[bool, Any]:
     """``drive_agreeing`` with a device flag: the verdict read with the sizes, after the rounds, or at once (or,
-    after the rounds, not at all: ``read=False``)."""
+    after the rounds, not at all: ``read=False``; handed to the caller: ``read`` a list)."""
     try:
         request = next(rounds)
     except StopIteration as done:
@@ -586,8 +597,11 @@ def _drive_deferred(
     finally:
         pending = take_verdict()
         defer_verdict(None)
-    if read and pending is not None and bool(pending):  # no read of the wire took it: the one read of the step
-        return False, None
+    if pending is not None and read is not False:  # no read of the wire took it
+        if isinstance(read, list):
+            read.append(pending)  # the caller's to read, before anything of the step is applied
+        elif bool(pending):  # the one read of the step
+            return False, None
     return True, result
 
 
