@@ -55,7 +55,10 @@ from gradcomp.experiments.run.launch import join_group, rendezvous_store
 from gradcomp.train.exchange import GradientExchange, check_gradients
 from gradcomp.transport.dist import DistTransport
 
-VARIANTS = ("torch", "torch-again", "torch-pyhook", "none", "none-blocking", "topk", "topk-blocking", "topk-bucket")
+VARIANTS = ("torch", "torch-again", "torch-pyhook", "none", "none-blocking", "topk", "topk-blocking", "topk-bucket",
+            "torch-fp16", "fp16", "fp16-thread")
+# torch-fp16: torch's fp16_compress_hook; fp16: this hook (its direct path: the bucket's cast all-reduced from the
+# hook); fp16-thread: the same method through the communication thread's generic exchange (the path before)
 
 
 class Net(nn.Module):
@@ -116,6 +119,8 @@ def blocking_hook(state: BlockingState, bucket: dist.GradBucket) -> torch.future
 def _method(variant: str):
     if variant.startswith("topk"):
         return gradcomp.make("topk", density=0.01, error_feedback=True)
+    if variant.startswith("fp16"):
+        return gradcomp.make("fp16")
     return gradcomp.make("none")
 
 
@@ -129,8 +134,15 @@ def _build(variant: str, bucket_cap_mb: float):
         ddp.register_comm_hook(state, blocking_hook)
     elif variant == "torch-pyhook":
         ddp.register_comm_hook(None, allreduce_hook)
+    elif variant == "torch-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        ddp.register_comm_hook(None, fp16_compress_hook)
     elif variant == "topk-bucket":
         state = gradcomp.register_ddp_hook(ddp, _method(variant), granularity="bucket")
+    elif variant == "fp16-thread":
+        state = gradcomp.register_ddp_hook(ddp, _method(variant))
+        state.direct = False  # every bucket through the thread's exchange
     elif variant not in ("torch", "torch-again"):
         state = gradcomp.register_ddp_hook(ddp, _method(variant))
     return ddp, state

@@ -32,8 +32,8 @@ NO_POWERSGD = "powersgd is not registered yet (gradcomp.make('powersgd') lands w
 
 
 def _method(name: str):
-    if name == "none":
-        return gradcomp.make("none")
+    if name in ("none", "fp16", "bf16"):
+        return gradcomp.make(name)
     if name.startswith("topk"):
         return gradcomp.make("topk", density=0.4 if name == "topk-mixed" else 0.05, error_feedback=True)
     if name == "randomk":
@@ -164,9 +164,13 @@ def test_residuals_belong_to_parameters_and_survive_the_rebuild(ddp_runs):
 # -- the same numbers as GradientAggregator -------------------------------------------------------------------
 
 
+# fp16 and bf16 go by the hook's direct path (a cast of the bucket buffer), none too; the others by its thread
+VERSUS = ("none", "fp16", "bf16", "topk", "randomk") + (("powersgd",) if HAS_POWERSGD else ())
+
+
 def _versus_aggregator(rank: int, world: int) -> dict:
     out = {}
-    for name in ("none", "topk", "randomk") + (("powersgd",) if HAS_POWERSGD else ()):
+    for name in VERSUS:
         data, batches = _batches(rank, world, 12)
         ddp_model = build_model("cnn", data, seed=0)
         ddp = DDP(ddp_model, bucket_cap_mb=CAP)
@@ -205,7 +209,7 @@ def test_layer_slots_give_gradient_aggregators_result():
     whole model in the aggregator, one per bucket in DDP): the results agree bit for bit.
     """
     results = run_workers(_versus_aggregator, 2, timeout=300)
-    for name in ("none", "topk", "randomk") + (("powersgd",) if HAS_POWERSGD else ()):
+    for name in VERSUS:
         for r in results:
             assert r[name]["ddp"] == r[name]["aggregator"], f"{name}: DDP hook and GradientAggregator differ"
             assert r[name]["steps"] == (12, 12)

@@ -114,7 +114,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
-from gradcomp.compressors.dense import NoCompression
+from gradcomp.compressors.dense import BFloat16, Float16, NoCompression
 from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
@@ -384,9 +384,10 @@ class _CommThread:
 
 
 def sends_directly(scheme: Scheme) -> bool:
-    """Whether the hook all-reduces a bucket itself, in place, without its thread (uncompressed fp32 by
-    allreduce: ``CompressionHookState._direct``); ``gradcomp plan`` times that path for such a scheme."""
-    return (isinstance(scheme, SingleRound) and type(scheme.compressor) is NoCompression
+    """Whether the hook all-reduces a bucket itself, without the thread's exchange (fp32, fp16 or bf16 by
+    allreduce, no error feedback: ``CompressionHookState._direct``); ``gradcomp plan`` times that path for such a
+    scheme."""
+    return (isinstance(scheme, SingleRound) and type(scheme.compressor) in (NoCompression, Float16, BFloat16)
             and scheme.topology == "allreduce")
 
 
@@ -548,13 +549,18 @@ class CompressionHookState:
         return chained
 
     def _direct(self, buffer: Tensor, step: int, index: int, last: bool = True) -> torch.futures.Future:
-        """``none``: the bucket buffer *is* its parameters' gradients back to back, i.e. SingleRound's message.
+        """``none``, ``fp16``, ``bf16``: the bucket buffer *is* its parameters' gradients back to back, so the
+        scheme's message is the buffer itself (``none``) or its cast (the cast of the concatenation is the
+        concatenation of the slots' casts: an elementwise, stateless compressor).
 
-        Divided by W in place and all-reduced in place, asynchronously, straight from the hook, as torch's
+        ``none``: divided by W in place and all-reduced in place, asynchronously, straight from the hook, as torch's
         own allreduce does: the same bytes and the same average as the scheme, without a copy or a hop
         through the communication thread for the collective (the thread never issues one for this state, so the
         order of collectives is still DDP's bucket order on every rank). A buffer that is not fp32 is sent as fp32,
-        like the scheme.
+        like the scheme. ``fp16`` / ``bf16``, as torch's fp16 hook: the buffer (divided by the scaler's scale first,
+        as the thread does) cast with the compressor's saturation, divided by W, all-reduced, and written back
+        (times the scale): the scheme's bytes and average, in a handful of operations on the autograd thread
+        instead of the thread's exchange.
 
         Finiteness rides on the allreduce without a byte more and without a host read here: the first entry gets
         ``total - total`` added (total: the buffer's sum), which is 0 when every entry is finite and NaN when one
@@ -564,21 +570,33 @@ class CompressionHookState:
         read and a NaN raises NonFiniteGradientError on every rank. Where that read happens matters on a GPU:
         NCCL completes a collective's future as soon as it has enqueued it, so a callback chained to it runs at
         once on the calling thread, here the autograd thread, and a read there would make backward wait for the
-        device at every bucket. On the device path the read is therefore the communication thread's (a job that
-        waits for the allreduce), once per backward pass: the last bucket's job reads every bucket's reduced first
-        entry in one transfer, before its future, which DDP waits for at the end of backward, is completed. On the
-        host path (gloo) the read stays in each collective's callback, which gloo runs on its own thread once the
-        allreduce is done.
+        device at every bucket. On the device path the read is therefore the communication thread's, once per
+        backward pass: the last bucket's all-reduce is handed to the thread (a job that waits for it and reads every
+        bucket's reduced first entry in one transfer) before its future, which DDP waits for at the end of backward,
+        is completed; the other buckets' callbacks read nothing. On the host path (gloo) the read stays in each
+        collective's callback, which gloo runs on its own thread once the allreduce is done.
         """
         transport = self.transport
         failure = self._worker.failure
         if failure is not None:  # the ranks' collective sequences may no longer agree
             raise _refusal(failure, "an earlier exchange of this DDP hook failed")
+        compressor = self.scheme.compressor
         flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
-        flat.div_(transport.world_size)
-        if flat.numel():
-            total = flat.sum()
-            flat[:1].add_(total - total)  # +0 (exact), or NaN: this rank's bucket is not finite
+        scale = None
+        if compressor.dtype != torch.float32:  # fp16 / bf16: the message is the cast
+            scale = loss_scale(self._worker.scaler)
+            if scale is not None:
+                flat.div_(scale)  # unscaled gradients, as the thread's exchange sees them (a power of 2: exact)
+            total = flat.sum() if flat.numel() else None
+            flat = flat.to(compressor.dtype).clamp_(-compressor.limit, compressor.limit)
+            flat.div_(transport.world_size)
+            if total is not None:
+                flat[:1].add_((total - total).to(flat.dtype))  # +0, or NaN: this rank's bucket is not finite
+        else:
+            flat.div_(transport.world_size)
+            if flat.numel():
+                total = flat.sum()
+                flat[:1].add_(total - total)  # +0 (exact), or NaN: this rank's bucket is not finite
         started = time.perf_counter()
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=transport.group, async_op=True)
         with self._counter_lock:
@@ -618,9 +636,11 @@ class CompressionHookState:
                     raise error
             if flat is not buffer:
                 buffer.copy_(flat)
+            if scale is not None:
+                buffer.mul_(scale)  # back in the scaler's units
             return buffer
 
-        if not device_path or not (read or pass_reads):
+        if not pass_reads:  # no read in ``done``: a callback, wherever it runs, waits for nothing
             return work.get_future().then(done)
         device = buffer.device
         on_cuda = device.type == "cuda"

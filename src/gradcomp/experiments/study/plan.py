@@ -77,7 +77,7 @@ FP32 = "none"
 WARMUP_STEPS = 2
 TIMED_STEPS = 8  # a colocated timing of 3 steps moved by up to 2x between two plans of the same code
 COMPUTE_REPEATS = 5
-CACHE_FORMAT = 6  # bump when a measure_* function below changes what it measures
+CACHE_FORMAT = 7  # bump when a measure_* function below changes what it measures
 SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
 
 
@@ -296,8 +296,9 @@ def measure_method(
     (``ddp_buckets``): per bucket the hook's finiteness check, one ``GradientExchange.exchange`` of the
     bucket's slots with the hook's ``min_compression_rate`` (a small tensor that would not compress travels in a
     dense all-reduce), the copy of the averages back into the bucket, and the scheme told at the last bucket
-    which slots the pass held; for ``none`` the hook's own in-place all-reduce of the bucket buffer (divided by
-    W, its finiteness folded into the first entry and read back), with no exchange and no copy. A multi-round
+    which slots the pass held; for ``none``, ``fp16`` and ``bf16`` the hook's own all-reduce of the bucket buffer
+    (in place, or of its cast; divided by W, its finiteness folded into the first entry and read back), with no
+    exchange. A multi-round
     method (PowerSGD) then runs its rounds once per bucket, and a variable-size one (SBC) its size round once
     per bucket, as in the race. What the hook does on top, handing each bucket to its communication thread
     while backward runs, is not in this measurement. With
@@ -335,15 +336,22 @@ def measure_method(
 
             def one_step(grads: list[torch.Tensor], step: int) -> float:
                 outside, seen = 0.0, []
-                if direct:  # the hook's own all-reduce of the bucket buffer, in place (CompressionHookState._direct)
+                if direct:  # the hook's own all-reduce of the bucket buffer (CompressionHookState._direct)
+                    cast = exchange.scheme.compressor
                     for indices in buckets:
                         flat = torch.cat([grads[i].reshape(-1) for i in indices])  # DDP's bucket buffer
                         started, blocked = time.perf_counter(), transport.counter.seconds + transport.idle_seconds()
-                        flat.div_(transport.world_size)
                         total = flat.sum()
-                        flat[:1].add_(total - total)
-                        transport.all_reduce_sum(flat, inplace=True)
-                        math.isfinite(float(flat[0]))
+                        if cast.dtype != torch.float32:  # fp16 / bf16: the buffer's cast is the message
+                            message = flat.to(cast.dtype).clamp_(-cast.limit, cast.limit).div_(transport.world_size)
+                            message[:1].add_((total - total).to(message.dtype))
+                        else:
+                            message = flat.div_(transport.world_size)
+                            message[:1].add_(total - total)
+                        transport.all_reduce_sum(message, inplace=True)
+                        math.isfinite(float(message[0]))
+                        if message is not flat:
+                            flat.copy_(message)
                         waited = transport.counter.seconds + transport.idle_seconds() - blocked
                         outside += time.perf_counter() - started - waited  # the all-reduce is communication
                     return outside
