@@ -195,3 +195,47 @@ def test_a_non_finite_step_is_undone_exactly(label):
     for (raised, p), (none_raised, q) in zip(with_nan, without):
         assert raised == [2] and none_raised == []
         assert torch.equal(p, q), "the state after the undone step differs from never having had it"
+
+
+# -- finite gradients whose compression is not finite, on one worker ---------------------------------------------
+
+
+def overflow_run(name: str) -> list[list[tuple]]:
+    """Two simulated workers; at step 2 worker 1's gradients are finite (3e38) but their compression is not (QSGD:
+    the 2-norm above float32's range; EF-signSGD: gradient plus a residual of about 1e38, left by step 1).
+    Per worker: (step, the error's step, state unchanged, the error's message) of every error raised."""
+    from distributed import same
+
+    from gradcomp.transport.sim import SimulatedCluster
+
+    def fn(t):
+        model = nn.Linear(4, 3)
+        agg = gradcomp.GradientAggregator(model, gradcomp.make(name), t)
+        events = []
+        for step in range(4):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.5 + t.rank)
+                if step == 1 and t.rank == 1 and name == "efsignsgd":  # leaves residuals of about ±1e38
+                    p.grad.view(-1)[::2] = 3e38
+                if step == 2 and t.rank == 1:
+                    p.grad.fill_(3e38)  # finite, but its 2-norm (EF-signSGD: its sum with the residual) is not
+            before = agg.state_dict()["exchange"]
+            try:
+                agg.step()
+            except gradcomp.NonFiniteGradientError as exc:
+                events.append((step, exc.step, same(before, agg.state_dict()["exchange"]), str(exc)))
+        return events
+
+    with SimulatedCluster(2) as cluster:
+        return cluster.run(fn)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "efsignsgd"])
+def test_a_compression_that_overflows_on_one_worker_stops_every_worker(name):
+    """The host path's compressor refuses such gradients on worker 1 only, before its first message; worker 1 then
+    sends a "not finite" verdict instead, so both workers abandon step 2 with the same error and no state changed
+    (the code before this waited forever in the simulated cluster, until the time-out over gloo), and only worker 1
+    says why."""
+    per_worker = overflow_run(name)
+    assert [[event[:3] for event in events] for events in per_worker] == [[(2, 2, True)], [(2, 2, True)]]
+    assert [("compression of its finite gradients" in events[0][3]) for events in per_worker] == [False, True]

@@ -257,6 +257,32 @@ def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_nothing(name, params
             assert torch.equal(a, b), f"{name}: the run with the undone step differs from one without it"
 
 
+def _overflowing_reduce_scatter(rank, world, name):
+    """One compressed reduce-scatter whose input is finite on both ranks, but on rank 1 so large (3e38) that its
+    compression is not (QSGD's 2-norm): what each rank raised, and whether the compressor's state is unchanged."""
+    import gradcomp
+    from distributed import same
+
+    model = _shard(_model(), world)
+    state = gradcomp.compress_fsdp(model, gradcomp.make(name))
+    comm = state.comms[-1]
+    inp = torch.full((world * comm.row,), 3e38 if rank == 1 else 0.5)
+    before = state.state_dict()
+    try:
+        comm(output_tensor=torch.zeros(comm.row), input_tensor=inp, group=None, op=dist.ReduceOp.AVG)
+    except gradcomp.NonFiniteGradientError as exc:
+        return exc.step, "compression of its finite gradients" in str(exc), same(before, state.state_dict())
+    return None
+
+
+@pytest.mark.parametrize("name", ["qsgd"])
+def test_a_compression_that_overflows_on_one_rank_stops_every_rank(name):
+    """The host path's compressor refuses the finite input on rank 1 only; rank 1 sends a "not finite" verdict in
+    its place, so both ranks raise at that call (the code before this left rank 0 in the all-to-all until the
+    time-out), only rank 1 says why, and no state changed."""
+    assert run_workers(_overflowing_reduce_scatter, 2, name, timeout=120) == [(0, False, True), (0, True, True)]
+
+
 def _refusals(rank, world):
     import gradcomp
 

@@ -143,7 +143,7 @@ class GradientAggregator:
             if device_path:  # which of this worker's tensors were not finite (reads on a failed step only)
                 here = [name for name, ok in zip(self.names, finite_flags(grads)) if not ok]
             if self.scaler is None:
-                raise agreed_non_finite(self.steps, here)
+                raise agreed_non_finite(self.steps, here + self.exchange.refusal())
             self.steps += 1
             self.skipped += 1
             return None

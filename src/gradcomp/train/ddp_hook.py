@@ -340,7 +340,7 @@ class _CommThread:
                 here = self._not_finite(job)
             self.exchange.restore(self._snapshot)
             if self.scaler is None:
-                raise agreed_non_finite(job.step, here)
+                raise agreed_non_finite(job.step, here + self.exchange.refusal())
             self._skipping = True
             job.buffer.fill_(float("nan"))  # GradScaler's found_inf, on every rank: scaler.step skips
             return

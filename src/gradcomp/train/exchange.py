@@ -156,6 +156,7 @@ class GradientExchange:
         self.method = method
         self.transport = transport
         self.compress_s = 0.0
+        self.refused: NonFiniteGradientError | None = None  # this worker's compressor refused its last exchange
         self._checked: set[tuple[Slot, ...]] = set()  # slot lists whose limits check_slots passed (DDP: per bucket)
 
     @property
@@ -260,6 +261,7 @@ class GradientExchange:
         """
         self.check(slots, tensors, validate and finite is None)
         started, blocked_before = time.perf_counter(), self._blocked_seconds()
+        self.refused = None
         if finite is None:
             result = drive(self.transport, self.scheme.run(slots, tensors, step))
         else:
@@ -273,16 +275,34 @@ class GradientExchange:
                 inputs = [torch.where(finite.reshape(()), t, 0) for t in tensors]
             else:
                 inputs = tensors if finite else [torch.zeros_like(t) for t in tensors]
-            rounds = self.scheme.run(slots, inputs, step)
             read = not (defer and scaled and self.scheme.verdict_in_result(slots))
-            agreed, result = drive_agreeing(
-                self.transport, rounds, finite, after_rounds=defer, read=verdicts if read and defer else read
-            )
+            read = verdicts if read and defer else read
+            started_sending: list[bool] = []
+            rounds = _watched(self.scheme.run(slots, inputs, step), started_sending)
+            try:
+                agreed, result = drive_agreeing(self.transport, rounds, finite, after_rounds=defer, read=read)
+            except NonFiniteGradientError as refused:
+                # The host path's compressors refuse a finite input whose compression is not finite (QSGD's
+                # 2-norm above float32's range, EF-signSGD's g + residual overflowing), on this worker only. Raised
+                # before its first message, it would leave the others waiting in that collective until the time-out:
+                # this worker's verdict becomes "not finite" instead, on zeros, so every worker abandons the step.
+                if started_sending or finite is not True:
+                    raise
+                self.refused = refused
+                zeros = [torch.zeros_like(t) for t in tensors]
+                agreed, result = drive_agreeing(
+                    self.transport, self.scheme.run(slots, zeros, step), False, after_rounds=defer, read=read
+                )
             if not agreed:
                 result = None
         blocked = self._blocked_seconds() - blocked_before
         self.compress_s += time.perf_counter() - started - blocked
         return result
+
+    def refusal(self) -> list[str]:
+        """For the error of a step abandoned because this worker's compressor refused its finite gradients
+        (``refused``): what to name on this worker, or nothing."""
+        return [] if self.refused is None else [f"the compression of its finite gradients ({self.refused})"]
 
     def _blocked_seconds(self) -> float:
         return self.transport.counter.seconds + self.transport.idle_seconds()
@@ -603,6 +623,18 @@ def _drive_deferred(
         elif bool(pending):  # the one read of the step
             return False, None
     return True, result
+
+
+def _watched(rounds: Rounds, started: list[bool]) -> Rounds:
+    """``rounds``, noting in ``started`` once its first request is made (a single-round scheme has compressed by
+    then): an error before it is raised before anything of the step was sent."""
+    try:
+        request = next(rounds)
+    except StopIteration as done:
+        return done.value
+    started.append(True)
+    sent = yield request
+    return (yield from _rest(rounds, sent))
 
 
 def _agree_now(transport: Transport, rounds: Rounds, request: Request, finite: bool) -> tuple[bool, Any]:

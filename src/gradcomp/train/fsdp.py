@@ -85,7 +85,7 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.state import journal
-from gradcomp.errors import ConfigError
+from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.finite import all_finite
 from gradcomp.schemes.sharded import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
@@ -141,6 +141,20 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         self.known: list[int] | None = None if any(s is None for s in sizes) else sizes  # type: ignore[misc]
         self.step = 0
 
+    def _messages(self, rows: Tensor, step: int) -> list[Tensor]:
+        """This rank's wire buffer for every rank j: its chunk j of every parameter, compressed and encoded."""
+        compressor, up = self.state.compressor, []
+        for j, owned in enumerate(self.owned):
+            if not owned:
+                up.append(torch.empty(0, dtype=torch.uint8, device=rows.device))
+                continue
+            messages = []
+            for piece, slot in owned:
+                chunk = rows[j, piece.offset : piece.offset + slot.numel]
+                messages.append(compressor.compress(chunk.to(torch.float32), slot, step))
+            up.append(encode_slots(compressor, [s for _, s in owned], messages))
+        return up
+
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
@@ -173,18 +187,13 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         started = time.perf_counter()
         blocked_before = state.transport.counter.seconds
         with torch.no_grad():
-            source = rows if finite else torch.zeros_like(rows)  # (only the messages' sizes matter then)
-            up = []
+            refused = None
             with journal() as touched:  # each slot's state before this call changes it
-                for j, owned in enumerate(self.owned):
-                    if not owned:
-                        up.append(torch.empty(0, dtype=torch.uint8, device=input_tensor.device))
-                        continue
-                    messages = []
-                    for piece, slot in owned:
-                        chunk = source[j, piece.offset : piece.offset + slot.numel]
-                        messages.append(compressor.compress(chunk.to(torch.float32), slot, step))
-                    up.append(encode_slots(compressor, [s for _, s in owned], messages))
+                try:
+                    up = self._messages(rows if finite else torch.zeros_like(rows), step)
+                except NonFiniteGradientError as exc:  # finite rows whose compression is not (QSGD's norm, ...):
+                    refused, finite = exc, False  # refused on this rank only, so it is this rank's verdict
+                    up = self._messages(torch.zeros_like(rows), step)  # (only the messages' sizes matter then)
             agreed, received = drive_agreeing(state.transport, alltoall_buffers(rank, up, self.known), finite)
             if not agreed:  # some rank's gradients were not finite: every rank is here, at this call
                 touched.undo()
@@ -192,6 +201,8 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                     name for name, p in zip(names, self.pieces)
                     if not all_finite(rows[:, p.offset : p.offset + p.padded])
                 ]
+                if refused is not None:
+                    here.append(f"the compression of its finite gradients ({refused})")
                 raise agreed_non_finite(step, here)
             mine = self.owned[rank]
             output_tensor.zero_()
