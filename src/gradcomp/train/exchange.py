@@ -105,6 +105,11 @@ def check_gradients(names: Sequence[str], tensors: Sequence[Tensor], exchange: i
         )
 
 
+def refusal_note(refused: NonFiniteGradientError) -> str:
+    """What a worker whose compressor refused its finite gradients names in the agreed error."""
+    return f"the compression of its finite gradients ({refused})"
+
+
 def agreed_non_finite(step: int, here: Sequence[str] = ()) -> NonFiniteGradientError:
     """The error every worker raises, at the same exchange, when the workers agreed that some worker's gradients
     were not finite; ``here``: this worker's non-finite tensors, if any (only their own worker names them)."""
@@ -302,7 +307,7 @@ class GradientExchange:
     def refusal(self) -> list[str]:
         """For the error of a step abandoned because this worker's compressor refused its finite gradients
         (``refused``): what to name on this worker, or nothing."""
-        return [] if self.refused is None else [f"the compression of its finite gradients ({self.refused})"]
+        return [] if self.refused is None else [refusal_note(self.refused)]
 
     def _blocked_seconds(self) -> float:
         return self.transport.counter.seconds + self.transport.idle_seconds()

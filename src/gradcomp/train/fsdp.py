@@ -89,7 +89,7 @@ from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.finite import all_finite
 from gradcomp.schemes.sharded import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
-from gradcomp.train.exchange import agreed_non_finite, check_gradients, check_state, drive_agreeing
+from gradcomp.train.exchange import agreed_non_finite, check_gradients, check_state, drive_agreeing, refusal_note
 from gradcomp.transport.dist import DistTransport
 
 try:  # torch >= 2.6 (FSDP2's custom collectives: 2.8)
@@ -181,7 +181,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         rows = input_tensor.reshape(world, self.row)
         names = [p.name for p in self.pieces]
         if not input_tensor.is_floating_point():  # the same dtype on every rank: every rank refuses it here
-            check_gradients(names, [rows], self.step)
+            check_gradients(names, [rows[:, p.offset : p.offset + p.padded] for p in self.pieces], self.step)
         finite = all_finite(input_tensor)
         step, compressor = self.step, state.compressor
         started = time.perf_counter()
@@ -202,7 +202,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                     if not all_finite(rows[:, p.offset : p.offset + p.padded])
                 ]
                 if refused is not None:
-                    here.append(f"the compression of its finite gradients ({refused})")
+                    here.append(refusal_note(refused))
                 raise agreed_non_finite(step, here)
             mine = self.owned[rank]
             output_tensor.zero_()
