@@ -369,7 +369,7 @@ class _CommThread:
         """This rank's buckets of the pass whose gradients were not finite (read on a failure only), named by their
         parameters: their gradients are averages by now, so no closer than the bucket."""
         flags = [f for _, f, _ in self._pass_buckets]
-        values = [bool(v) for v in torch.stack([torch.as_tensor(f).reshape(()) for f in flags]).tolist()]
+        values = torch.stack([f.reshape(()) for f in flags]).tolist()  # (device flags: the device path only)
         return [f"one of {', '.join(names) or '(unnamed)'}" for (_, _, names), ok in zip(self._pass_buckets, values)
                 if not ok]
 
@@ -389,6 +389,23 @@ def sends_directly(scheme: Scheme) -> bool:
     scheme."""
     return (isinstance(scheme, SingleRound) and type(scheme.compressor) in (NoCompression, Float16, BFloat16)
             and scheme.topology == "allreduce")
+
+
+def direct_message(flat: Tensor, compressor: Compressor, world: int) -> tuple[Tensor, Tensor | None]:
+    """The direct path's message (``CompressionHookState._direct``) of a bucket's fp32 values ``flat``: ``flat``
+    itself (``none``, divided in place) or its saturating cast (``fp16``, ``bf16``), divided by ``world``, with this
+    rank's finiteness folded into its first entry (``total - total`` added: +0, or NaN when an entry is not finite
+    or their sum overflows); and ``total``, the sum it came from (None for an empty bucket). ``gradcomp plan``
+    times the same operations."""
+    total = None
+    if compressor.dtype != torch.float32:  # the message is the cast: its mark comes from the fp32 values
+        total = flat.sum() if flat.numel() else None
+        flat = flat.to(compressor.dtype).clamp_(-compressor.limit, compressor.limit)
+    flat.div_(world)
+    if flat.numel():
+        total = flat.sum() if total is None else total
+        flat[:1].add_((total - total).to(flat.dtype))
+    return flat, total
 
 
 def _set_result(future: torch.futures.Future, value: Tensor) -> None:
@@ -582,21 +599,10 @@ class CompressionHookState:
             raise _refusal(failure, "an earlier exchange of this DDP hook failed")
         compressor = self.scheme.compressor
         flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
-        scale = None
-        if compressor.dtype != torch.float32:  # fp16 / bf16: the message is the cast
-            scale = loss_scale(self._worker.scaler)
-            if scale is not None:
-                flat.div_(scale)  # unscaled gradients, as the thread's exchange sees them (a power of 2: exact)
-            total = flat.sum() if flat.numel() else None
-            flat = flat.to(compressor.dtype).clamp_(-compressor.limit, compressor.limit)
-            flat.div_(transport.world_size)
-            if total is not None:
-                flat[:1].add_((total - total).to(flat.dtype))  # +0, or NaN: this rank's bucket is not finite
-        else:
-            flat.div_(transport.world_size)
-            if flat.numel():
-                total = flat.sum()
-                flat[:1].add_(total - total)  # +0 (exact), or NaN: this rank's bucket is not finite
+        scale = None if compressor.dtype == torch.float32 else loss_scale(self._worker.scaler)
+        if scale is not None:
+            flat.div_(scale)  # unscaled gradients, as the thread's exchange sees them (a power of 2: exact)
+        flat, total = direct_message(flat, compressor, transport.world_size)
         started = time.perf_counter()
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=transport.group, async_op=True)
         with self._counter_lock:
@@ -621,19 +627,18 @@ class CompressionHookState:
                 raise lost from exc
             with self._counter_lock:
                 transport.counter.seconds += time.perf_counter() - started
+            here = None  # set when some rank's bucket was not finite: this rank's bad buckets
             if read and not device_path and not math.isfinite(float(flat[0])):
                 here = [f"bucket {index}"] if not math.isfinite(float(total)) else []
+            elif pass_reads:  # the pass's one read: every bucket's reduced first entry
+                firsts = torch.cat([reduced[:1] for reduced, _, _ in pass_reads])
+                if not bool(torch.isfinite(firsts).all()):
+                    sums = torch.isfinite(torch.stack([t for _, t, _ in pass_reads])).tolist()
+                    here = [f"bucket {i}" for (_, _, i), ok in zip(pass_reads, sums) if not ok]
+            if here is not None:
                 error = agreed_non_finite(step, here)
                 self._worker.fail(error)
                 raise error
-            if pass_reads:  # the pass's one read: every bucket's reduced first entry
-                firsts = torch.cat([reduced[:1] for reduced, _, _ in pass_reads])
-                if not bool(torch.isfinite(firsts).all()):
-                    sums = torch.stack([t for _, t, _ in pass_reads])
-                    here = [f"bucket {i}" for (_, _, i), ok in zip(pass_reads, torch.isfinite(sums).tolist()) if not ok]
-                    error = agreed_non_finite(step, here)
-                    self._worker.fail(error)
-                    raise error
             if flat is not buffer:
                 buffer.copy_(flat)
             if scale is not None:

@@ -308,7 +308,7 @@ def measure_method(
     from gradcomp.compressors.base import Slot
     from gradcomp.finite import finite_flags
     from gradcomp.train.aggregator import GradientAggregator
-    from gradcomp.train.ddp_hook import DEFAULT_MIN_COMPRESSION_RATE, sends_directly
+    from gradcomp.train.ddp_hook import DEFAULT_MIN_COMPRESSION_RATE, direct_message, sends_directly
     from gradcomp.train.exchange import GradientExchange
     from gradcomp.transport.sim import SimulatedCluster
 
@@ -341,13 +341,7 @@ def measure_method(
                     for indices in buckets:
                         flat = torch.cat([grads[i].reshape(-1) for i in indices])  # DDP's bucket buffer
                         started, blocked = time.perf_counter(), transport.counter.seconds + transport.idle_seconds()
-                        total = flat.sum()
-                        if cast.dtype != torch.float32:  # fp16 / bf16: the buffer's cast is the message
-                            message = flat.to(cast.dtype).clamp_(-cast.limit, cast.limit).div_(transport.world_size)
-                            message[:1].add_((total - total).to(message.dtype))
-                        else:
-                            message = flat.div_(transport.world_size)
-                            message[:1].add_(total - total)
+                        message, _ = direct_message(flat, cast, transport.world_size)
                         transport.all_reduce_sum(message, inplace=True)
                         math.isfinite(float(message[0]))
                         if message is not flat:
