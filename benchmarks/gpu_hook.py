@@ -1,21 +1,24 @@
 """On one CUDA GPU: gradcomp's DDP hook against torch DDP's step, the simulated cluster's compression cost, and the
 synchronisations a step makes (docs/gpu.md; run by scripts/gpu_check.sh).
 
-    python benchmarks/gpu_hook.py step   [--rounds 10]   # world size 1 over NCCL: DDP step times, ratios to torch's
+    python benchmarks/gpu_hook.py step   [--rounds 10] [--batch 256 4096]   # world size 1 over NCCL: DDP step times
     python benchmarks/gpu_hook.py sim    [--workers 8]   # SimulatedCluster on one GPU: aggregator step per method
     python benchmarks/gpu_hook.py sync   [--only M ...]  # sync-debug warnings in one step (default: fixed-size methods)
 
 ``step``: one MLP of 12.6M parameters (three 2048x2048 layers and a 2048x10 one, 50 MB of fp32 gradients, DDP's
-default 25 MB buckets), batch 256; variants torch DDP (no hook), torch DDP with torch's fp16_compress_hook, and
-gradcomp's hook with none, fp16, top-k 1 % with error feedback, PowerSGD and Signum; then torch DDP, torch's fp16
-hook, gradcomp's none and fp16 under a GradScaler (``+scaler``). Every round times 5 consecutive steps of each
-variant in a new random order (median per step over the rounds); reported with its ratio to torch DDP's step, and
-fp16's to torch's fp16 hook (targets: <= 1.05 for both). ``sim``: ``--workers`` simulated workers on the GPU, each a
-GradientAggregator over the same MLP; the median step of rank 0 per method and its ratio to ``none``'s, which is the
-compression's cost (a simulated exchange moves tensors in device memory). ``sync``: the number of
-"called a synchronizing CUDA operation" warnings under ``torch.cuda.set_sync_debug_mode("warn")`` during one
-steady-state step of the aggregator and of the DDP hook (both threads), per fixed-size method (target: 0);
-``sync --scaler --only none fp16 bf16 randomk randomblock``: the hook under a GradScaler, where these read nothing.
+default 25 MB buckets), batch 256 (``--batch``: others too; at 256 the step is bound by the host's kernel launches,
+at 4096 by the GPU's work); variants torch DDP (no hook), torch DDP with torch's fp16_compress_hook, and gradcomp's
+hook with none, fp16, top-k 1 % with error feedback, PowerSGD and Signum; then torch DDP, torch's fp16 hook,
+gradcomp's none and fp16 under a GradScaler (``+scaler``), and gradcomp's none and fp16 with
+``nonfinite="propagate"`` and no scaler (``+propagate``: no read of the verdict). Every round times 5 consecutive
+steps of each variant in a new random order (median per step over the rounds); reported with its ratio to torch
+DDP's step, and fp16's to torch's fp16 hook (targets: <= 1.05 for both). ``sim``: ``--workers`` simulated workers on
+the GPU, each a GradientAggregator over the same MLP; the median step of rank 0 per method and its ratio to
+``none``'s, which is the compression's cost (a simulated exchange moves tensors in device memory). ``sync``: the
+number of "called a synchronizing CUDA operation" warnings under ``torch.cuda.set_sync_debug_mode("warn")`` during
+one steady-state step of the aggregator and of the DDP hook (both threads), per fixed-size method (target: 0);
+``sync --scaler --only none fp16 bf16 randomk randomblock``: the hook under a GradScaler, where these read nothing;
+``sync --nonfinite propagate --only ...``: the same without a scaler.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradcomp
 from gradcomp.sync_budget import FIXED_SIZE
 
+VERDICT_IN_RESULT = ("none", "fp16", "bf16", "randomk", "randomblock")  # their sum carries the verdict: no read
+
 METHODS = {
     "none": {},
     "fp16": {},
@@ -54,6 +59,9 @@ METHODS = {
 # "+scaler": the step under a torch.amp.GradScaler (scaled loss, scaler.step / update), beside torch's own under one;
 # there none and fp16 read no finiteness verdict of their own (docs/gpu.md)
 SCALED = ["torch+scaler", "torch-fp16+scaler", "none+scaler", "fp16+scaler"]
+# "+propagate": gradcomp's hook with nonfinite="propagate" and no scaler: a bad step's NaN goes to the user's own
+# check, and none / fp16 read nothing from the GPU (torch DDP's own semantics); timed against torch DDP / its fp16 hook
+PROPAGATED = ["none+propagate", "fp16+propagate"]
 
 
 # GRADCOMP_BENCH_CPU=1: the same code on the CPU over gloo, tiny and untimed in meaning (a check that the script
@@ -90,6 +98,7 @@ def _variant(name: str, base: nn.Module):
     ddp = DDP(model, device_ids=None if CPU else [0])
     state = None
     name, scaled = name.removesuffix("+scaler"), name.endswith("+scaler")
+    name, propagate = name.removesuffix("+propagate"), name.endswith("+propagate")
     scaler = torch.amp.GradScaler(DEVICE.type) if scaled else None
     if name == "torch-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -99,7 +108,8 @@ def _variant(name: str, base: nn.Module):
         params = dict(METHODS[name])
         granularity = params.pop("granularity", "layer")
         method = gradcomp.make(name.split("/")[0], **params)
-        state = gradcomp.register_ddp_hook(ddp, method, granularity=granularity, scaler=scaler)
+        state = gradcomp.register_ddp_hook(ddp, method, granularity=granularity, scaler=scaler,
+                                           nonfinite="propagate" if propagate else "raise")
     return ddp, state, torch.optim.SGD(ddp.parameters(), lr=1e-3), scaler
 
 
@@ -118,9 +128,20 @@ def _step(ddp, opt, x, y, scaler=None) -> None:
 def part_step(args) -> None:
     _group()
     base = mlp(width=64) if CPU else mlp()
-    x, y = torch.randn(256, base[0].in_features, device=DEVICE), torch.randint(0, 10, (256,), device=DEVICE)
-    names = ["torch", "torch-fp16", *METHODS, *SCALED]
+    names = ["torch", "torch-fp16", *METHODS, *SCALED, *PROPAGATED]
     variants = {n: _variant(n, base) for n in names}
+    for batch in args.batch:
+        _time_steps(args, base, variants, batch)
+    for _, state, _, _ in variants.values():
+        if state is not None:
+            state.close()
+    dist.destroy_process_group()
+
+
+def _time_steps(args, base: nn.Module, variants: dict, batch: int) -> None:
+    """The step times of every variant at this batch size, and the profiles asked for."""
+    names = list(variants)
+    x, y = torch.randn(batch, base[0].in_features, device=DEVICE), torch.randint(0, 10, (batch,), device=DEVICE)
     for ddp, _, opt, scaler in variants.values():
         for _ in range(3):
             _step(ddp, opt, x, y, scaler)
@@ -137,16 +158,18 @@ def part_step(args) -> None:
             times[n].append((time.perf_counter() - began) / 5)
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     size = sum(p.numel() for p in base.parameters()) / 1e6
-    print(f"{_name()}: DDP step, world size 1 ({dist.get_backend()}), {size:.1f}M-parameter MLP, "
+    print(f"{_name()}: DDP step, world size 1 ({dist.get_backend()}), {size:.1f}M-parameter MLP, batch {batch}, "
           f"median of {args.rounds}")
-    for n in ["torch", "torch-fp16", *METHODS, *SCALED]:
+    for n in variants:
         ref = "torch-fp16" if n.startswith("fp16") else "torch"
         ref += "+scaler" if n.endswith("+scaler") else ""
         print(f"  {n:17s} {med[n]:7.2f} ms  x{med[n] / med[ref]:.3f} of {ref}")
     print(f"  targets: none <= 1.05 x torch ({med['none'] / med['torch']:.3f}); "
           f"fp16 <= 1.05 x torch-fp16 ({med['fp16'] / med['torch-fp16']:.3f}); under a GradScaler "
-          f"{med['none+scaler'] / med['torch+scaler']:.3f} and {med['fp16+scaler'] / med['torch-fp16+scaler']:.3f}")
-    for n in args.profile or ():
+          f"{med['none+scaler'] / med['torch+scaler']:.3f} and {med['fp16+scaler'] / med['torch-fp16+scaler']:.3f}; "
+          f"propagated {med['none+propagate'] / med['torch']:.3f} and "
+          f"{med['fp16+propagate'] / med['torch-fp16']:.3f}")
+    for n in (args.profile or ()) if batch == args.batch[0] else ():
         ddp, _, opt, scaler = variants[n]
         with torch.profiler.profile() as prof:
             for _ in range(5):
@@ -154,10 +177,6 @@ def part_step(args) -> None:
             _sync()
         print(f"profile of 5 steps of {n} (self CPU time, top 15):")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=48))
-    for _, state, _, _ in variants.values():
-        if state is not None:
-            state.close()
-    dist.destroy_process_group()
 
 
 def part_sim(args) -> None:
@@ -249,7 +268,7 @@ def part_sync(args) -> None:
             n_agg = _count_warnings(agg.step, where)
             ddp = DDP(copy.deepcopy(base).to(DEVICE), device_ids=None if CPU else [0])
             scaler = torch.amp.GradScaler(DEVICE.type) if args.scaler else None
-            state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name), scaler=scaler)
+            state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name), scaler=scaler, nonfinite=args.nonfinite)
 
             def backward():
                 loss = F.cross_entropy(ddp(x), y)
@@ -262,9 +281,12 @@ def part_sync(args) -> None:
             state.close()
             total += n_agg + n_ddp
             b = BUDGETS[name]
-            ddp_budget = 0 if args.scaler else b["ddp"]  # under a scaler: the methods tests/test_sync_count.py counts
+            # under a scaler or propagated: 0 for the methods tests/test_sync_count.py counts so
+            handed_on = args.scaler or args.nonfinite == "propagate"
+            ddp_budget = 0 if handed_on and name in VERDICT_IN_RESULT else b["ddp"]
+            label = "+scaler" if args.scaler else "+propagate" if args.nonfinite == "propagate" else ""
             print(f"  {name:18s} aggregator {n_agg:3d} (CPU count {b['aggregator']})  "
-                  f"ddp{'+scaler' if args.scaler else ''} {n_ddp:3d} (CPU count {ddp_budget})", flush=True)
+                  f"ddp{label} {n_ddp:3d} (CPU count {ddp_budget})", flush=True)
             for spot, k in where.most_common():
                 print(f"      {k:3d} at {spot}")
         except Exception as exc:  # noqa: BLE001 - report and go on to the next method
@@ -281,6 +303,10 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", nargs="*", help="step: print a torch.profiler table of these variants")
     parser.add_argument("--only", nargs="*", help="sync: these methods only (default: every fixed-size one)")
     parser.add_argument("--scaler", action="store_true", help="sync: the DDP hook under a GradScaler")
+    parser.add_argument("--nonfinite", choices=["raise", "propagate"], default="raise",
+                        help="sync: the DDP hook's nonfinite policy")
+    parser.add_argument("--batch", type=int, nargs="+", default=[256],
+                        help="step: batch sizes (256: a step bound by the host's launches; 4096: by the GPU's work)")
     args = parser.parse_args(argv)
     if not CPU and not torch.cuda.is_available():
         print(f"benchmarks/gpu_hook.py {args.part}: skipped, no CUDA device")

@@ -49,8 +49,9 @@ timeout 150 $PYTHON -m pytest -q -p no:cacheprovider -k "cuda or pinned" tests/t
 echo "== 2. compress + encode + decode per compressor vs a device copy, 10M fp32 (timeout 100 s)"
 timeout 100 $PYTHON benchmarks/cuda_encode.py --profile 2>&1 | tee "$OUT/encode.log"
 
-echo "== 3. the DDP hook's step vs torch DDP's, world size 1 over NCCL (timeout 100 s)"
-timeout 100 $PYTHON benchmarks/gpu_hook.py step --rounds 10 --profile none fp16 topk 2>&1 | tee "$OUT/step.log"
+echo "== 3. the DDP hook's step vs torch DDP's, world size 1 over NCCL, batch 256 and 4096 (timeout 100 s)"
+timeout 100 $PYTHON benchmarks/gpu_hook.py step --rounds 10 --batch 256 4096 --profile none fp16 2>&1 \
+  | tee "$OUT/step.log"
 
 echo "== 4. compression cost: a simulated cluster of 8 on the GPU (timeout 70 s)"
 timeout 70 $PYTHON benchmarks/gpu_hook.py sim --workers 8 2>&1 | tee "$OUT/sim.log"
@@ -61,6 +62,10 @@ timeout 50 $PYTHON benchmarks/gpu_hook.py sync 2>&1 | tee "$OUT/sync.log"
 echo "== 5b. the same under a GradScaler, for the methods whose sum carries the verdict (timeout 30 s)"
 timeout 30 $PYTHON benchmarks/gpu_hook.py sync --scaler --only none fp16 bf16 randomk randomblock 2>&1 \
   | tee "$OUT/sync_scaler.log"
+
+echo "== 5c. the same with nonfinite=\"propagate\" and no scaler (timeout 30 s)"
+timeout 30 $PYTHON benchmarks/gpu_hook.py sync --nonfinite propagate --only none fp16 bf16 randomk randomblock 2>&1 \
+  | tee "$OUT/sync_propagate.log"
 
 echo "== 6. the same for the variable-size methods (their budgets allow a size exchange; timeout 40 s)"
 timeout 40 $PYTHON benchmarks/gpu_hook.py sync --only threshold sbc stc dgc lgc 2>&1 | tee "$OUT/sync_variable.log"

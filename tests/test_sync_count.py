@@ -82,7 +82,7 @@ def count_aggregator_step(name: str):
 
 
 def count_ddp_step(name: str, monkeypatch, *, scaler=None, hook_threads: set | None = None,
-                   buckets: list | None = None, bucket_cap_mb: float = 0.005):
+                   buckets: list | None = None, bucket_cap_mb: float = 0.005, nonfinite: str = "raise"):
     """The counts of one steady-state DDP step; ``hook_threads`` collects the threads the hook was called on,
     ``buckets`` the index of every bucket of the counted step."""
     monkeypatch.setattr(ddp_hook._CommThread, "_run", count_on_this_thread(ddp_hook._CommThread._run))
@@ -97,7 +97,7 @@ def count_ddp_step(name: str, monkeypatch, *, scaler=None, hook_threads: set | N
 
     monkeypatch.setattr(ddp_hook.CompressionHookState, "submit", recorded)
     model = DDP(_model(), bucket_cap_mb=bucket_cap_mb)
-    state = gradcomp.register_ddp_hook(model, _method(name), scaler=scaler)
+    state = gradcomp.register_ddp_hook(model, _method(name), scaler=scaler, nonfinite=nonfinite)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     try:
         for step in range(WARMUP + 1):
@@ -199,6 +199,18 @@ def test_the_hook_reads_nothing_with_a_scaler_where_the_sum_carries_the_verdict(
         _complete_at_issue(monkeypatch)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     assert count_ddp_step(name, monkeypatch, scaler=scaler).total == 0
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["gloo", "completed-at-issue"])
+@pytest.mark.parametrize("name", VERDICT_IN_RESULT)
+def test_the_hook_reads_nothing_when_told_to_propagate_where_the_sum_carries_the_verdict(name, at_once, group,
+                                                                                         device_paths, monkeypatch):
+    """``nonfinite="propagate"`` without a scaler: the same zero reads (the NaN in every rank's sum goes to the
+    user's own check; that it does, on every rank: tests/test_propagate.py), where the default reads once."""
+    if at_once:
+        _complete_at_issue(monkeypatch)
+    assert count_ddp_step(name, monkeypatch, nonfinite="propagate").total == 0
+    assert count_ddp_step(name, monkeypatch).total == BUDGETS[name]["ddp"] == 1
 
 
 def test_the_methods_whose_sum_carries_the_verdict():

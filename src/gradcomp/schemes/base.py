@@ -64,7 +64,7 @@ class Scheme(ABC):
     def verdict_in_result(self, slots: Sequence[Slot]) -> bool:
         """Whether a step that one worker's non-finite gradients spoil ends with a NaN in every worker's result
         and changes no state: a GradScaler's own check of the result is then the workers' verdict, and the
-        exchange need not read it (``GradientExchange.exchange(scaled=True)``). False unless a scheme says so."""
+        exchange need not read it (``GradientExchange.exchange(handed_on=True)``). False unless a scheme says so."""
         return False
 
     def check_slots(self, slots: Sequence[Slot]) -> None:  # noqa: B027 - optional hook

@@ -47,7 +47,8 @@ per bucket, so the hook issues it itself, asynchronously, in DDP's bucket order,
 scheme's message: it is divided by W and all-reduced in place, with no copy; the bytes and the average are the
 scheme's. Issued directly it runs as fast as torch's own Python allreduce hook, where the thread's wake-ups cost
 a few percent (docs/ddp.md has the timings). On the device path the thread still reads the allreduce's
-finiteness verdict (``CompressionHookState._direct`` says why not in a callback); with a scaler nothing reads it.
+finiteness verdict (``CompressionHookState._direct`` says why not in a callback); with a scaler, or with
+``nonfinite="propagate"``, nothing reads it.
 
 Non-finite. Every rank's verdict on a bucket rides on the bucket's first message (``drive_agreeing``): if any
 rank's bucket held a NaN / Inf, every rank learns it at that message and stops there. (On the device path a scheme
@@ -58,13 +59,16 @@ completed: one read per backward pass instead of one per bucket, so the thread n
 the last bucket. A bad pass then fails or is skipped at its last bucket, with the earlier buckets' results already
 in their buffers: backward raises, or the scaler skips, before anything is applied.) The method's state is then
 put back to what it was at the start of the pass (a ``snapshot`` taken at the first bucket of every pass: one
-copy of the state per step). Without a scaler every rank raises the same NonFiniteGradientError (DDP raises it
-from ``backward`` as a RuntimeError naming it; ``state.failure`` is the original), and later buckets are
-refused. With ``scaler=`` (a ``torch.amp.GradScaler``) the pass is skipped instead: the bad bucket and every later
+copy of the state per step). Without a scaler (and by default) every rank raises the same NonFiniteGradientError
+(DDP raises it from ``backward`` as a RuntimeError naming it; ``state.failure`` is the original), and later buckets
+are refused. With ``scaler=`` (a ``torch.amp.GradScaler``) the pass is skipped instead: the bad bucket and every later
 one are filled with NaN on every rank, so ``scaler.step`` skips and ``scaler.update`` lowers the scale everywhere;
 gradients are divided by the scale before compression (residuals and momentum in unscaled units) and the average
-multiplied back. (After an error inside backward DDP itself refuses the next iteration: "Expected to have
-finished reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the
+multiplied back. ``nonfinite="propagate"`` does the same without a scaler: the NaN gradients go to the user's own
+check (torch's DDP hands a NaN on in the same way), and for the stateless all-reduces, whose sum carries a bad
+rank's NaN to every rank by itself, nothing reads the verdict at all, so that a step on a GPU waits for nothing.
+(After an error inside backward DDP itself refuses the next iteration: "Expected to have finished reduction in the
+prior iteration"; rebuild the DDP model to go on.) An error on the
 thread (a collective that failed or timed out, a bad message) completes that bucket's future with the
 exception; DDP raises it from ``backward`` as a RuntimeError whose message names the original exception and
 its traceback (the original object is ``state.failure``). The thread then refuses every later bucket at once
@@ -126,6 +130,7 @@ from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
 
 GRANULARITIES = ("layer", "bucket")
+NONFINITE = ("raise", "propagate")
 DEFAULT_MIN_COMPRESSION_RATE = 2.0
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group time-out, when the group's own cannot be read
 
@@ -172,12 +177,15 @@ class _CommThread:
     a margin: a job in a collective ends by then, with a result or the collective's time-out error).
     """
 
-    def __init__(self, exchange: GradientExchange, timeout: float = DEFAULT_TIMEOUT_S, scaler: Any = None):
+    def __init__(self, exchange: GradientExchange, timeout: float = DEFAULT_TIMEOUT_S, scaler: Any = None,
+                 propagate: bool = False):
         self.exchange = exchange
         self.timeout = timeout
         self.scaler = scaler
+        # a bad pass's NaN is handed on, on every rank, instead of raised: to the scaler, or to the user's own check
+        self.propagate = scaler is not None or propagate
         self._snapshot: dict | None = None  # the method's state at the start of the pass (taken on this thread)
-        self._skipping = False  # the pass overflowed on some rank (with a scaler): its later buckets are skipped
+        self._skipping = False  # the pass overflowed on some rank (propagated): its later buckets are skipped
         # the pass's deferred verdicts (device flags, True: abandon) that no read has taken, read once at its last
         # bucket; and, per bucket of the pass, its buffer, this rank's own flag and its parameters' names
         self._pass_flags: list[Tensor] = []
@@ -332,17 +340,17 @@ class _CommThread:
         finite = finite_flag([job.buffer]) if device_path else not here  # the views' buffer: one pass, few launches
         self._pass_buckets.append((job.buffer, finite, list(job.names or [])))
         averages = self.exchange.exchange(
-            job.slots, job.tensors, job.step, validate=False, finite=finite, scaled=scale is not None,
+            job.slots, job.tensors, job.step, validate=False, finite=finite, handed_on=self.propagate,
             verdicts=self._pass_flags if device_path else None,
         )
         if averages is None:  # some rank's gradients were not finite: every rank is here, at this bucket
             if device_path:  # (a division by the scale changes no entry's finiteness)
                 here = self._not_finite(job)
             self.exchange.restore(self._snapshot)
-            if self.scaler is None:
+            if not self.propagate:
                 raise agreed_non_finite(job.step, here + self.exchange.refusal())
             self._skipping = True
-            job.buffer.fill_(float("nan"))  # GradScaler's found_inf, on every rank: scaler.step skips
+            job.buffer.fill_(float("nan"))  # on every rank: the scaler's found_inf (or the user's check) skips
             return
         for target, average in zip(job.tensors, averages):
             if average.data_ptr() != target.data_ptr():  # an in-place exchange left it there already
@@ -351,10 +359,10 @@ class _CommThread:
             job.buffer.mul_(scale)  # back in the scaler's units, for scaler.unscale_
         if job.retain is not None and self._pass_flags and self._pass_abandoned():
             self.exchange.restore(self._snapshot)
-            if self.scaler is None:
+            if not self.propagate:
                 raise agreed_non_finite(job.step, self._locally_bad())
             for buffer, _, _ in self._pass_buckets:
-                buffer.fill_(float("nan"))  # every bucket of the pass, on every rank: scaler.step skips
+                buffer.fill_(float("nan"))  # every bucket of the pass, on every rank: the scaler (or user) skips
             return
         if job.retain is not None:
             self.exchange.scheme.retain(job.retain)
@@ -443,9 +451,12 @@ class CompressionHookState:
         granularity: str = "layer",
         min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
         scaler: torch.amp.GradScaler | None = None,
+        nonfinite: str = "raise",
     ):
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if nonfinite not in NONFINITE:
+            raise ConfigError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         check_scaler(scaler, "register_ddp_hook")
         self.exchange = GradientExchange(
             method,
@@ -467,7 +478,7 @@ class CompressionHookState:
         self.direct = sends_directly(scheme)
         self._counter_lock = threading.Lock()  # the direct path books bytes here and seconds on gloo's thread
         timeout = wait_bound(group_timeout(process_group, self.exchange.transport.device))
-        self._worker = _CommThread(self.exchange, timeout, scaler)
+        self._worker = _CommThread(self.exchange, timeout, scaler, propagate=nonfinite == "propagate")
         self._finalizer = weakref.finalize(self, self._worker.stop)
         self._finalizer.atexit = False  # never join at exit: a daemon thread may sit in a dead collective
         self._layouts: dict[tuple, tuple[list[Slot], list[str]]] = {}
@@ -609,7 +620,7 @@ class CompressionHookState:
             transport.counter.book(PAYLOAD, up=flat.nbytes, down=flat.nbytes)
             transport.counter.record("all_reduce", flat.nbytes)
             transport.counter.collectives += 1
-        read = self._worker.scaler is None and flat.numel() > 0
+        read = not self._worker.propagate and flat.numel() > 0
         device_path = not host_path(flat)
         if read and device_path:
             self._direct_pass.append((flat, total, index))
@@ -727,6 +738,7 @@ def register_ddp_hook(
     min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
     process_group: dist.ProcessGroup | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    nonfinite: str = "raise",
 ) -> CompressionHookState:
     """Register gradcomp's hook on a DDP model; returns the state (checkpoint it with ``state_dict()``).
 
@@ -737,6 +749,15 @@ def register_ddp_hook(
     still be exchanging earlier buckets; on one group the two sequences would interleave differently on
     different ranks and the job would hang. Hence, like ``new_group``, this must be called on every rank of
     the job (every rank of the DDP group when that group is a subgroup), in the same order.
+
+    ``nonfinite``: what a NaN / Inf gradient on some rank does (the module docstring, "Non-finite"). ``"raise"``
+    (default): every rank raises the same NonFiniteGradientError from ``backward``, before anything of the step is
+    applied; on a GPU that costs one read of the agreed verdict per backward pass. ``"propagate"``: nothing raises;
+    the step's gradients hold NaN on every rank, identically (as with torch's own DDP, and as with ``scaler=``, which
+    implies it), the method's state is put back as it was before the pass, and a check of your own decides (a
+    GradScaler, ``clip_grad_norm_(..., error_if_nonfinite=True)``, a finite-loss test). For the stateless
+    all-reduces (none, fp16, bf16, random-k and random block without error feedback) the hook then reads nothing
+    from the GPU in a step; the other methods still read their verdict with their message checks.
     """
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         raise ConfigError(
@@ -760,6 +781,7 @@ def register_ddp_hook(
         granularity=granularity,
         min_compression_rate=min_compression_rate,
         scaler=scaler,
+        nonfinite=nonfinite,
     )
     model.register_comm_hook(state, compression_hook)
     return state

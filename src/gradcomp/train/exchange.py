@@ -235,7 +235,7 @@ class GradientExchange:
         *,
         validate: bool = True,
         finite: bool | Tensor | None = None,
-        scaled: bool = False,
+        handed_on: bool = False,
         verdicts: list[Tensor] | None = None,
     ) -> list[Tensor] | None:
         """The aggregate over workers of the decompressed messages; ``validate=False`` if the caller checked.
@@ -254,10 +254,11 @@ class GradientExchange:
         the sizes when that message is a size exchange (one read for both). Without ``finite``, non-finite tensors
         raise NonFiniteGradientError here, on this worker only, before anything is sent (``validate``).
 
-        ``scaled``: a GradScaler checks the result (the caller hands it on, NaN and all, and keeps no count of
-        skipped steps). Where the verdict is deferred and the scheme's result carries it
-        (``Scheme.verdict_in_result``: a stateless all-reduce), nothing is read: a bad step's result holds a NaN
-        on every worker, and ``scaler.step`` skips it on every worker from its own read.
+        ``handed_on``: the caller hands the result on, NaN and all, to something that checks it (a GradScaler, or the
+        user's own check under the DDP hook's ``nonfinite="propagate"``) and keeps no count of skipped steps. Where
+        the verdict is deferred and the scheme's result carries it (``Scheme.verdict_in_result``: a stateless
+        all-reduce), nothing is read: a bad step's result holds a NaN on every worker, and ``scaler.step`` (or the
+        user's check) skips it on every worker from its own read.
 
         ``verdicts``: a list to which a deferred verdict that no read of the wire has taken by the end of the rounds
         (an all-reduce-only scheme's) is appended, as a device flag (True: abandon), instead of being read here.
@@ -280,7 +281,7 @@ class GradientExchange:
                 inputs = [torch.where(finite.reshape(()), t, 0) for t in tensors]
             else:
                 inputs = tensors if finite else [torch.zeros_like(t) for t in tensors]
-            read = not (defer and scaled and self.scheme.verdict_in_result(slots))
+            read = not (defer and handed_on and self.scheme.verdict_in_result(slots))
             read = verdicts if read and defer else read
             started_sending: list[bool] = []
             rounds = _watched(self.scheme.run(slots, inputs, step), started_sending)

@@ -1,0 +1,107 @@
+"""The DDP hook's ``nonfinite="propagate"`` (gloo, CPU, 2 ranks; the host path and the device path forced on CPU
+tensors): a NaN / Inf gradient on one rank raises nothing; after that backward pass every rank holds NaN
+gradients, the same on every rank, the method's state is back where it was before the pass, and a user who skips
+the optimizer step on non-finite gradients trains on with identical replicas. (That the stateless all-reduces then
+read nothing from the device: tests/test_sync_count.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_workers, same
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+from gradcomp.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(200)
+
+BAD_STEP, BAD_RANK, STEPS = 2, 1, 4
+METHODS = {
+    "none": lambda: gradcomp.make("none"),  # the hook's direct all-reduce
+    "fp16": lambda: gradcomp.make("fp16"),
+    "randomk": lambda: gradcomp.make("randomk", density=0.25),  # stateless, through the thread's exchange
+    "topk-ef": lambda: gradcomp.make("topk", density=0.25, error_feedback=True),  # gathered, with residuals
+    "powersgd": lambda: gradcomp.make("powersgd"),  # all-reduces with state (Q, residuals)
+}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _run(rank: int, label: str) -> dict:
+    model = _net()
+    ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
+    state = gradcomp.register_ddp_hook(ddp, METHODS[label](), nonfinite="propagate")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+        loss = F.cross_entropy(ddp(x), y)
+        if step == BAD_STEP and rank == BAD_RANK:
+            loss = loss * float("inf")  # this rank's gradients are not finite
+        before_params, before_state = _flat(model.parameters()), state.state_dict()["exchange"]
+        loss.backward()  # raises nothing
+        grads = _flat(p.grad for p in model.parameters())
+        finite = bool(torch.isfinite(grads).all())
+        if finite:  # the user's own check
+            opt.step()
+        steps.append({
+            "finite": finite, "grads": grads, "moved": not torch.equal(before_params, _flat(model.parameters())),
+            "state_unchanged": same(before_state, state.state_dict()["exchange"]),
+        })
+    out = {"steps": steps, "params": _flat(model.parameters()), "failure": repr(state.failure)}
+    state.close(timeout=20)
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    return {label: _run(rank, label) for label in METHODS}
+
+
+@pytest.fixture(scope="module", params=["host", "device"])
+def runs(request):
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "device":
+            patch.setenv("GRADCOMP_DEVICE_PATH", "1")  # the GPU's code on CPU tensors: the stateless ones read nothing
+            patch.setenv("GRADCOMP_KERNELS", "0")
+        yield run_workers(_worker, 2, timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(METHODS))
+def test_a_non_finite_gradient_on_one_rank_reaches_every_rank_as_nan_and_nothing_raises(runs, label):
+    per_rank = [r[label] for r in runs]
+    for rank, run in enumerate(per_rank):
+        assert run["failure"] == "None", (rank, run["failure"])
+        for step, s in enumerate(run["steps"]):
+            assert s["finite"] == (step != BAD_STEP), (rank, step)  # every rank sees it, the good one too
+            assert s["moved"] == (step != BAD_STEP), (rank, step)
+        assert per_rank[rank]["steps"][BAD_STEP]["state_unchanged"], rank  # the pass's state put back
+    a, b = (r["steps"][BAD_STEP]["grads"] for r in per_rank)
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))  # the same NaN
+    assert torch.equal(per_rank[0]["params"], per_rank[1]["params"])  # replicas identical, training went on
+
+
+def test_an_unknown_nonfinite_policy_is_refused_before_anything_is_sent(tmp_path):
+    if dist.is_initialized():  # pragma: no cover - another test left one
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = DDP(_net())
+        with pytest.raises(ConfigError, match="nonfinite must be one of"):
+            gradcomp.register_ddp_hook(ddp, gradcomp.make("none"), nonfinite="ignore")
+    finally:
+        dist.destroy_process_group()
