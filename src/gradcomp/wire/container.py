@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import struct
 import threading
 from collections.abc import Sequence
@@ -374,25 +375,26 @@ def _raw_bytes(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> t
     return flat.view(torch.uint8)
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device`` without making the host wait: through pinned memory, asynchronously, on
-    CUDA (torch's pinned-memory allocator keeps the block until the copy is done); a plain copy elsewhere."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def _put_heads(out: torch.Tensor, heads: list[tuple[int, bytes]]) -> None:
     """Writes byte strings ``(offset, bytes)`` (the header's first 12 bytes, the section headers) into ``out`` on
-    the device path: all of them in one host-to-device transfer and one indexed write, instead of one transfer per
-    section (the host path writes them with ``struct.pack_into`` into the tensor's memory as it goes).
+    the device path in one indexed write, instead of one transfer per section (the host path writes them with
+    ``struct.pack_into`` into the tensor's memory as it goes). Their offsets and bytes go to the device once per
+    distinct set (``_device_heads``): a fixed-size method's messages have the same heads at every step.
     """
-    if not heads:
-        return
-    index = [off + k for off, h in heads for k in range(len(h))]
-    both = torch.tensor(index + list(b"".join(h for _, h in heads)), dtype=torch.int64)
-    both = _to_device(both, out.device)
-    out[both[: len(index)]] = both[len(index) :].to(torch.uint8)
+    if heads:
+        index, values = _device_heads(out.device, tuple(heads))
+        out.index_put_((index,), values)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_heads(device: torch.device, heads: tuple[tuple[int, bytes], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The offsets (int64) and bytes (uint8) of ``heads`` on ``device``, made once per distinct heads and kept.
+
+    The copy is synchronous, so that a kept tensor is complete before any stream uses it (the first message of a
+    layout pays that wait, the later ones nothing)."""
+    index = torch.tensor([off + k for off, h in heads for k in range(len(h))], dtype=torch.int64)
+    values = torch.frombuffer(bytearray(b"".join(h for _, h in heads)), dtype=torch.uint8)
+    return index.to(device), values.to(device)
 
 
 # The sender-side checks of device-path encodes (BITS ranges, POSITIONS order), not yet read: per thread, a list of
