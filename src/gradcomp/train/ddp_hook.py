@@ -399,12 +399,16 @@ def sends_directly(scheme: Scheme) -> bool:
             and scheme.topology == "allreduce")
 
 
-def direct_message(flat: Tensor, compressor: Compressor, world: int) -> tuple[Tensor, Tensor | None]:
+def direct_message(flat: Tensor, compressor: Compressor, world: int, mark: bool = True) -> tuple[Tensor, Tensor | None]:
     """The direct path's message (``CompressionHookState._direct``) of a bucket's fp32 values ``flat``: ``flat``
     itself (``none``, divided in place) or its saturating cast (``fp16``, ``bf16``), divided by ``world``, with this
     rank's finiteness folded into its first entry (``total - total`` added: +0, or NaN when an entry is not finite
     or their sum overflows); and ``total``, the sum it came from (None for an empty bucket). ``gradcomp plan``
-    times the same operations."""
+    times the same operations. ``mark=False`` (``none`` whose verdict is handed on, not read): no mark and no sum,
+    since an fp32 message carries its NaN and Inf entries into every rank's sum by itself (a cast would saturate an
+    Inf: fp16 and bf16 are always marked)."""
+    if not mark and compressor.dtype == torch.float32:
+        return flat.div_(world), None
     total = None
     if compressor.dtype != torch.float32:  # the message is the cast: its mark comes from the fp32 values
         total = flat.sum() if flat.numel() else None
@@ -593,8 +597,10 @@ class CompressionHookState:
         Finiteness rides on the allreduce without a byte more and without a host read here: the first entry gets
         ``total - total`` added (total: the buffer's sum), which is 0 when every entry is finite and NaN when one
         is not (or their sum overflows), so every rank's reduced first entry is NaN when any rank's bucket held a
-        NaN / Inf. With a scaler nothing reads it: the NaN left in every rank's gradients is the verdict
-        (``scaler.step`` skips the step on every rank, from its own read). Without one the reduced first entry is
+        NaN / Inf. With a scaler (or ``nonfinite="propagate"``) nothing reads it: the NaN left in every rank's
+        gradients is the verdict (``scaler.step``, or the user's check, skips the step on every rank, from its own
+        read); ``none``'s fp32 message is then not even marked, its NaN / Inf entries reaching every rank's sum by
+        themselves. Without one the reduced first entry is
         read and a NaN raises NonFiniteGradientError on every rank. Where that read happens matters on a GPU:
         NCCL completes a collective's future as soon as it has enqueued it, so a callback chained to it runs at
         once on the calling thread, here the autograd thread, and a read there would make backward wait for the
@@ -613,7 +619,7 @@ class CompressionHookState:
         scale = None if compressor.dtype == torch.float32 else loss_scale(self._worker.scaler)
         if scale is not None:
             flat.div_(scale)  # unscaled gradients, as the thread's exchange sees them (a power of 2: exact)
-        flat, total = direct_message(flat, compressor, transport.world_size)
+        flat, total = direct_message(flat, compressor, transport.world_size, mark=not self._worker.propagate)
         started = time.perf_counter()
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=transport.group, async_op=True)
         with self._counter_lock:
