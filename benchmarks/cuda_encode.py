@@ -5,8 +5,10 @@ computes the checksum on the device and decode reads back one small summary (doc
 gradient on the current device, per registered compressor (the methods that own their rounds send no framed
 message and are skipped): compress, encode and decode (median of 7, synchronised around each), the message size,
 and a device-to-device copy of the 40 MB input (``clone``) to compare with. Then, for ``none`` (a 40 MB fp32
-message): encode + decode against the copy (target <= 3x), the device checksum alone, and what the host path costs
-(a copy to pinned memory and the CRC pair of the wheels).
+message): encode + decode against the copy (target <= 3x), in wall time and in the GPU's busy time (the device time
+of the kernels and copies they run, torch.profiler), the device checksum alone (each kernel at 1 KB, 1 MB and 40
+MB, and the busy time per call of both Triton kernels at 40 MB), and what the host path costs (a copy to pinned
+memory and the CRC pair of the wheels).
 
     python benchmarks/cuda_encode.py [--size N] [--only NAME ...]
 """
@@ -21,7 +23,7 @@ import torch
 
 from gradcomp import available, make, wire
 from gradcomp.compressors.base import Compressor, Slot
-from gradcomp.wire.checksum import checksum64, checksum64_tensor
+from gradcomp.wire.checksum import _triton_kernel, checksum64, checksum64_tensor
 
 CPU = os.environ.get("GRADCOMP_BENCH_CPU") == "1"  # a smoke run of this script on the CPU (tiny; not a measurement)
 
@@ -40,6 +42,20 @@ def median_ms(fn, repeats: int = 7) -> float:
         _sync()
         times.append(time.perf_counter() - began)
     return sorted(times)[repeats // 2] * 1e3
+
+
+def busy_ms(fn, calls: int = 10) -> float:
+    """The GPU's busy time per call of ``fn`` (ms): the sum of the device times of every kernel and copy that
+    ``calls`` calls ran (torch.profiler), divided by ``calls``. Unlike a wall time it leaves out the host's launch
+    overhead, which on a fast GPU is most of a small operation's wall time; it is the time the calls take from
+    training's kernels on the same device."""
+    fn()
+    _sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
 
 
 def measure(name: str, x: torch.Tensor, copy_ms: float) -> str:
@@ -91,15 +107,29 @@ def main() -> None:
         f"; host path: to pinned memory {median_ms(lambda: pinned.copy_(buf)):.3f} + CRC pair on the host "
         f"{median_ms(lambda: checksum64(host)):.3f}"
     )
-    for kernel in ("torch", "triton"):
+    if not CPU:
+        copy_busy = busy_ms(lambda: x.clone())
+        both_busy = busy_ms(lambda: wire.decode(wire.encode([x], specs), specs))
+        print(f"none, GPU busy time (kernels and copies, torch.profiler): encode + decode {both_busy:.4f} = "
+              f"{both_busy / copy_busy:.2f} x the device copy's {copy_busy:.4f}")
+    gpu_times = []
+    for kernel in ("torch", "triton", "triton-fast"):
+        if kernel.startswith("triton") and _triton_kernel() is None:
+            print(f"device checksum, {kernel} kernel: skipped (Triton cannot be imported)")
+            continue
         try:
             line = "  ".join(
                 f"{mb} MB {median_ms(lambda: checksum64_tensor(body[: int(mb * 10**6)], kernel=kernel)):.3f}"
                 for mb in (0.001, 1, 40) if mb * 10**6 <= body.numel()
             )
             print(f"device checksum, {kernel} kernel (ms): {line}")
+            if kernel.startswith("triton") and not CPU:
+                gpu_times.append(f"{kernel} {busy_ms(lambda: checksum64_tensor(body, kernel=kernel)):.4f}")
         except Exception as exc:  # noqa: BLE001 - Triton may be missing
             print(f"device checksum, {kernel} kernel: {type(exc).__name__}: {exc}")
+    if gpu_times:
+        print(f"device checksum of {body.numel() / 1e6:.1f} MB, GPU busy time per call (ms, torch.profiler): "
+              f"{'  '.join(gpu_times)}  device copy {busy_ms(lambda: body.clone()):.4f}")
     if args.profile:
         with torch.profiler.profile() as prof:
             for _ in range(5):

@@ -387,16 +387,92 @@ print("ok")
 """
 
 
+_INTERPRETED_FAST = """
+import torch
+from gradcomp.wire import checksum as C
+from gradcomp.wire.checksum import checksum64, checksum64_tensor
+gen = torch.Generator().manual_seed(5)
+data = torch.randint(0, 256, (3000,), dtype=torch.uint8, generator=gen)
+def check(n, offset, **config):
+    C.FAST_CONFIG.clear()
+    C.FAST_CONFIG.update(config)
+    view = data[offset:offset + n]  # views that start off a 16-byte boundary, as a body after its header does
+    got = int(checksum64_tensor(view, kernel="triton-fast")) & (2**64 - 1)
+    assert got == checksum64(view), (n, offset, config)
+# iterations of 4 x 2 x 16 = 128 bytes in 3 programs: 1-15 bytes, one vector, the ends of an iteration, first
+# programs whose run starts before the stream (iteration counts not divisible by 3), every offset modulo 16
+for i, n in enumerate([1, 2, 3, 7, 8, 15, 16, 17, 127, 128, 129, 300, 700, 1001]):
+    for offset in (i % 16, (5 * i + 3) % 16):
+        check(n, offset, rows=4, k=2, programs=3)
+for fill in (0, 255):
+    view = torch.full((400,), fill, dtype=torch.uint8)[1:]
+    assert int(checksum64_tensor(view, kernel="triton-fast")) & (2**64 - 1) == checksum64(view), fill
+check(66 * 32 + 3, 5, rows=2, k=1, programs=70)  # 67 programs of one iteration: two base-64 digits
+print("ok")
+"""
+
+
 def test_the_triton_kernels_give_the_host_checksum_in_the_interpreter():
-    """gradcomp.wire.crc_triton run by Triton's interpreter on CPU tensors (a subprocess: TRITON_INTERPRET is read
-    when the kernels are defined). Triton ships with CUDA builds of torch only, so this runs where it is installed
-    (``pip install triton`` beside a CPU torch); scripts/gpu_check.sh runs the same kernels compiled, on a GPU."""
+    """gradcomp.wire.crc_triton run by Triton's interpreter on CPU tensors (subprocesses, side by side:
+    TRITON_INTERPRET is read when the kernels are defined). Triton ships with CUDA builds of torch only, so this
+    runs where it is installed (``pip install triton`` beside a CPU torch); scripts/gpu_check.sh runs the same
+    kernels compiled, on a GPU. The "triton-fast" kernel runs with tiles of a few rows (its tables are made for
+    any tile), so that the cases cover every offset modulo 16 and several programs with few iterations."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     sizes = [n for n in _KERNEL_SIZES if n <= 64**3 + 1]  # one and two launches; the interpreter is slow
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED, *map(str, sizes)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    runs = [subprocess.Popen([sys.executable, "-c", script, *args], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+            for script, args in ((_INTERPRETED, map(str, sizes)), (_INTERPRETED_FAST, ()))]
+    for run in runs:
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0 and out.strip() == "ok", err[-3000:]
+
+
+def test_the_fast_kernels_tables():
+    """The tables of the "triton-fast" kernel, without Triton: A^-t undoes A^t, the nibble images of a 16-byte
+    piece xor to its raw CRC pair, and the step table advances a pair over one iteration."""
+    from gradcomp.wire.checksum import _BASIS, _advance, _affine_constant, _apply, _fast_host_tables, _zero_byte
+
+    rng = np.random.default_rng(3)
+    state = rng.integers(0, 2**63, 50, dtype=np.int64).astype(np.uint64) * np.uint64(3)
+    for t in (1, 5, 15, 4096, 2**33 + 7):
+        assert np.array_equal(_apply(_advance(-t), _apply(_advance(t), state)), state), t
+    assert np.array_equal(_advance(3), _zero_byte(_zero_byte(_zero_byte(_BASIS))))
+    rows, k = 4, 2
+    table = _fast_host_tables(rows, k)
+    pieces, step = table[: k * 512].reshape(k, 32, 16), table[k * 512: k * 512 + 256].reshape(16, 16)
+    row = table[k * 512 + 256:][: rows * 2048].reshape(rows, 8, 256)
+    for _ in range(20):
+        piece = rng.integers(0, 256, 16, dtype=np.uint8)
+        value = int.from_bytes(piece.tobytes(), "little")
+        got = np.uint64(0)
+        for c in range(32):
+            got ^= pieces[k - 1, c, value >> (4 * c) & 15]  # the last tile: no zero bytes after it
+        raw = checksum64(torch.from_numpy(piece)) ^ _affine_constant(16)
+        assert int(got) == raw
+        pair = int(rng.integers(0, 2**63)) * 2 + 1
+        advanced = np.uint64(0)
+        for c in range(16):
+            advanced ^= step[c, pair >> (4 * c) & 15]
+        assert advanced == _apply(_advance(k * rows * 16), np.array([pair], dtype=np.uint64))[0]
+    assert np.array_equal(row[-1], _BASIS) and np.array_equal(row[-2], _advance(16))
+    assert (table.size - k * 512 - 256 - rows * 2048 - 16 * 256) % (64 * 256) == 0  # whole digit tables
+
+
+def test_the_cuda_default_kernel_and_its_environment_switch(monkeypatch):
+    """A CUDA buffer's checksum takes the fast Triton kernel unless GRADCOMP_CHECKSUM_KERNEL names another (the same
+    bytes whichever: the CUDA test checks all three); a name that is not a kernel is refused."""
+    from gradcomp.wire.checksum import KERNEL_ENV, cuda_kernel
+
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    assert cuda_kernel() == "triton-fast"
+    for name in ("triton", "torch", "triton-fast"):
+        monkeypatch.setenv(KERNEL_ENV, name)
+        assert cuda_kernel() == name
+    monkeypatch.setenv(KERNEL_ENV, "cuda")
+    with pytest.raises(ValueError, match=KERNEL_ENV):
+        cuda_kernel()
 
 
 def test_an_unknown_kernel_is_refused():
@@ -525,8 +601,13 @@ def test_cuda_checksum_on_the_device_and_messages_across_devices():
         assert got.is_cuda and _unsigned(got) == checksum64(data), n
     for n in _KERNEL_SIZES + [4096**2 + 4097]:  # both device kernels; the last takes three Triton launches
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-        for kernel in ("torch", "triton"):
+        for kernel in ("torch", "triton", "triton-fast"):
             assert _unsigned(checksum64_tensor(data.cuda(), kernel=kernel)) == checksum64(data), (kernel, n)
+    big = torch.randint(0, 256, (100_000,), dtype=torch.uint8, generator=gen).cuda()
+    for offset in range(16):  # "triton-fast" reads 16-byte vectors from the aligned address before a view
+        for n in (1, 15, 16, 17, 4095, 65_537 + offset):
+            view = big[offset:offset + n]
+            assert _unsigned(checksum64_tensor(view, kernel="triton-fast")) == checksum64(view), (offset, n)
     for seed in range(2):
         fields, fixed, variable = _mixed_message(seed)
         for specs in (fixed, variable):

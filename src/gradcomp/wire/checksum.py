@@ -59,6 +59,7 @@ corruption, not a cryptographic MAC.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import zlib
 
@@ -265,6 +266,78 @@ def _xor_columns(v: torch.Tensor) -> torch.Tensor:
     return v[:, 0]
 
 
+# Tables of the "triton-fast" kernel (gradcomp.wire.crc_triton.checksum64_fast). A is "append one zero byte" to both
+# raw registers, the multiplication by x^8 modulo each generator; x has order (2^31 - 1)(2^32 - 1) modulo their
+# product (see the module docstring), so A to that power is the identity and A^-t = A^(_ORDER - t).
+_ORDER = (2**31 - 1) * (2**32 - 1)
+_FAST_REACH = 2**36  # the digit tables cover bodies of up to this many bytes (the format's length field: 2**32)
+
+
+@functools.lru_cache(maxsize=256)
+def _advance(d: int) -> np.ndarray:
+    """The (8, 256) byte table of A^d ("append d zero bytes"; d < 0: take d back off), by repeated squaring.
+    Cached: do not modify the result."""
+    d %= _ORDER
+    table, j = _BASIS, 0
+    while d >> j:
+        if d >> j & 1:
+            table = _apply(_shift_table(j), table)
+        j += 1
+    return table
+
+
+def _nibble_table(table: np.ndarray) -> np.ndarray:
+    """The nibble form of a byte table of images, (w, 256) -> (2w, 16): [c, v] = table[c // 2, v << 4 (c % 2)],
+    the image of nibble c of a value being v (the others 0). An (8, 256) map table gives the (16, 16) one."""
+    v = np.arange(16)
+    return np.stack([table[c // 2, v << (4 * (c % 2))] for c in range(2 * len(table))])
+
+
+def _fast_host_tables(rows: int, k: int) -> np.ndarray:
+    """The fast kernel's tables for iterations of ``k`` tiles of ``rows`` pieces of 16 bytes (size = 16 k rows),
+    flattened into one uint64 array in this order:
+
+    pieces (k, 32, 16): [t, c, v] = the raw CRC pair of a 16-byte piece whose nibble c (bits 4c .. 4c + 3) is v,
+    the others 0, advanced over (k - 1 - t) * rows * 16 zero bytes (its tile's place in the iteration, without
+    the piece's row offset); step (16, 16): A^size as a nibble table; rows (rows, 8, 256): row r's
+    A^((rows - 1 - r) * 16) as a byte table; tail (16, 16, 16): [t] = A^-t as a nibble table; digits (D, 64, 16,
+    16): [d, m] = A^(m * 64^d * size) as nibble tables, D digits reaching _FAST_REACH bytes.
+    """
+    size = 16 * k * rows
+    lone = [_T_PAIR]  # lone[j]: byte b followed by j zero bytes
+    for _ in range(15):
+        lone.append(_zero_byte(lone[-1]))
+    piece = _nibble_table(np.stack(lone[::-1]))  # (32, 16): no bytes after the piece
+    pieces = np.stack([_apply(_advance((k - 1 - t) * rows * 16), piece) for t in range(k)])
+    step = _nibble_table(_advance(size))
+    row = np.empty((rows, 8, 256), dtype=np.uint64)
+    cur, step16 = _BASIS, _advance(16)
+    for r in range(rows - 1, -1, -1):
+        row[r] = cur
+        cur = _apply(step16, cur)
+    digits = 1
+    while 64**digits * size < _FAST_REACH:
+        digits += 1
+    digit = np.empty((digits, 64, 16, 16), dtype=np.uint64)
+    for d in range(digits):
+        cur, step_d = _BASIS, _advance(64**d * size)
+        for m in range(64):
+            digit[d, m] = _nibble_table(cur)
+            cur = _apply(step_d, cur)
+    tail = np.stack([_nibble_table(_advance(-t)) for t in range(16)])
+    return np.concatenate([t.reshape(-1) for t in (pieces, step, row, tail, digit)])
+
+
+def _fast_tables(device: torch.device, rows: int, k: int) -> torch.Tensor:
+    """:func:`_fast_host_tables` as a flattened int64 tensor on ``device`` that crosses no 4 GiB boundary (the
+    kernel's 32-bit address arithmetic needs that), made once per process and kept."""
+    got = _device_tables.get((device, ("fast", rows, k)))
+    if got is None:
+        got = torch.from_numpy(_fast_host_tables(rows, k).view(np.int64)).to(device)
+        got = _device_tables[(device, ("fast", rows, k))] = _triton_kernel()._low_address(got)
+    return got
+
+
 def _lane_offsets(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The shifts that take the 8 bytes out of an int64 entry, and each (position, lane)'s offset in a level
     table, as (8,) and (GROUP, 8) int64 tensors on ``device`` (made once)."""
@@ -289,6 +362,19 @@ def _triton_kernel():
 
 
 _TRITON = False  # not looked for yet
+KERNEL_ENV = "GRADCOMP_CHECKSUM_KERNEL"
+_CUDA_KERNELS = ("triton-fast", "triton", "torch")
+
+
+def cuda_kernel() -> str:
+    """The kernel a CUDA buffer's checksum uses by default (where Triton can be imported): "triton-fast", or what
+    the environment variable GRADCOMP_CHECKSUM_KERNEL names ("triton", "torch"): a way back to the earlier
+    kernels, should the fast one not compile or misbehave on some GPU, with no change to the bytes."""
+    name = os.environ.get(KERNEL_ENV, "triton-fast")
+    if name not in _CUDA_KERNELS:
+        raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(_CUDA_KERNELS)}, not {name!r}")
+    return name
+FAST_CONFIG: dict = {}  # keyword arguments of crc_triton.checksum64_fast (rows, k, programs, per_sm, maxnreg)
 
 
 def checksum64_tensor(buf: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
@@ -296,16 +382,19 @@ def checksum64_tensor(buf: torch.Tensor, kernel: str | None = None) -> torch.Ten
 
     Returns an int64 tensor of shape () on ``buf``'s device whose 64 bits are those of ``checksum64(buf)``
     (read as unsigned: ``int(t) & (2**64 - 1)``; its little-endian bytes are the header's checksum field).
-    ``kernel``: "triton" (gradcomp.wire.crc_triton: one fused launch per two levels), "torch" (torch operations,
-    any device), or None: Triton for a CUDA buffer where it can be imported, else torch. Both compute the same levels
-    from the same tables (docs/wire.md): the raw CRC (no init, no final xor) is GF(2)-linear in the bytes and
-    leading zero bytes leave it at zero, so the body is zero-padded at the front to whole blocks of BLOCK_BYTES;
-    each block's raw CRC pair is the xor of one (BLOCK_BYTES, 256) table entry per byte (byte i of value v
-    contributes the CRC of v followed by BLOCK_BYTES - 1 - i zero bytes); then, level by level, groups of GROUP
-    entries (a leading group padded with zero entries) become one, each entry advanced over the bytes of the
-    entries after it in its group by a "zero bytes" operator applied as 8 lookups, one per byte of the 64-bit
-    pair, in a (GROUP, 8, 256) table; finally the constant that init and final xor contribute for this length
-    (computed on the host from the length alone) is xored in.
+    ``kernel``: "triton" (gradcomp.wire.crc_triton: one fused launch per two levels), "triton-fast"
+    (gradcomp.wire.crc_triton.checksum64_fast: one launch after a one-element fill, small nibble tables read by a
+    whole warp at once, Horner's rule per thread; FAST_CONFIG sets its tiles), "torch" (torch operations, any
+    device), or None: :func:`cuda_kernel` ("triton-fast" unless GRADCOMP_CHECKSUM_KERNEL says otherwise) for a CUDA
+    buffer where Triton can be imported, else torch. "triton" and "torch" compute the same levels from the same
+    tables (docs/wire.md): the raw CRC (no init, no final xor) is GF(2)-linear in the bytes and leading zero bytes
+    leave it at zero, so the body is zero-padded at the front to whole blocks of BLOCK_BYTES; each block's raw CRC
+    pair is the xor of one (BLOCK_BYTES, 256) table entry per byte (byte i of value v contributes the CRC of v
+    followed by BLOCK_BYTES - 1 - i zero bytes); then, level by level, groups of GROUP entries (a leading group
+    padded with zero entries) become one, each entry advanced over the bytes of the entries after it in its group by
+    a "zero bytes" operator applied as 8 lookups, one per byte of the 64-bit pair, in a (GROUP, 8, 256) table;
+    finally the constant that init and final xor contribute for this length (computed on the host from the length
+    alone) is xored in.
     """
     buf = _as_uint8_buffer(buf)
     device, n = buf.device, buf.numel()
@@ -314,12 +403,14 @@ def checksum64_tensor(buf: torch.Tensor, kernel: str | None = None) -> torch.Ten
     if n == 0:
         return torch.full((), const, dtype=torch.int64, device=device)
     if kernel is None:
-        kernel = "triton" if device.type == "cuda" and _triton_kernel() is not None else "torch"
+        kernel = cuda_kernel() if device.type == "cuda" and _triton_kernel() is not None else "torch"
     if kernel == "triton":
         tables = _on(device, "block", _BLOCK_TABLE), lambda span: _on(device, ("level", span), _level_table(span))
         return _triton_kernel().checksum64(buf, const, *tables, BLOCK_BYTES, GROUP)
+    if kernel == "triton-fast":
+        return _triton_kernel().checksum64_fast(buf, const, functools.partial(_fast_tables, device), **FAST_CONFIG)
     if kernel != "torch":
-        raise ValueError(f"kernel must be 'triton', 'torch' or None, not {kernel!r}")
+        raise ValueError(f"kernel must be 'triton', 'triton-fast', 'torch' or None, not {kernel!r}")
     blocks = -(-n // BLOCK_BYTES)
     pad = blocks * BLOCK_BYTES - n
     index = torch.empty(blocks * BLOCK_BYTES, dtype=torch.int64, device=device)
