@@ -26,7 +26,9 @@ Variants:
 - ``none-blocking`` / ``topk-blocking``: ``blocking_hook`` below, a copy of the hook before the overlap
   (git history of ``src/gradcomp/train/ddp_hook.py``): each bucket is one slot, exchanged completely inside
   the hook, which returns a completed future, so nothing overlaps backward;
-- ``topk-bucket``: the new hook with ``granularity="bucket"`` (overlap, but one slot per bucket as before).
+- ``topk-bucket``: the new hook with ``granularity="bucket"`` (overlap, but one slot per bucket as before);
+- ``none-propagate``: ``none`` with ``nonfinite="propagate"``: no finiteness mark and no verdict read, torch DDP's
+  own semantics for a NaN, so the same work as ``torch-pyhook`` plus the hook's bookkeeping.
 
 top-k runs at density 0.01 with error feedback. (No ``from __future__ import annotations``: DDP checks the
 hook's annotations at registration.)
@@ -55,8 +57,8 @@ from gradcomp.experiments.run.launch import join_group, rendezvous_store
 from gradcomp.train.exchange import GradientExchange, check_gradients
 from gradcomp.transport.dist import DistTransport
 
-VARIANTS = ("torch", "torch-again", "torch-pyhook", "none", "none-blocking", "topk", "topk-blocking", "topk-bucket",
-            "torch-fp16", "fp16", "fp16-thread")
+VARIANTS = ("torch", "torch-again", "torch-pyhook", "none", "none-propagate", "none-blocking", "topk", "topk-blocking",
+            "topk-bucket", "torch-fp16", "fp16", "fp16-thread")
 # torch-fp16: torch's fp16_compress_hook; fp16: this hook (its direct path: the bucket's cast all-reduced from the
 # hook); fp16-thread: the same method through the communication thread's generic exchange (the path before)
 
@@ -140,6 +142,8 @@ def _build(variant: str, bucket_cap_mb: float):
         ddp.register_comm_hook(None, fp16_compress_hook)
     elif variant == "topk-bucket":
         state = gradcomp.register_ddp_hook(ddp, _method(variant), granularity="bucket")
+    elif variant == "none-propagate":
+        state = gradcomp.register_ddp_hook(ddp, _method(variant), nonfinite="propagate")
     elif variant == "fp16-thread":
         state = gradcomp.register_ddp_hook(ddp, _method(variant))
         state.direct = False  # every bucket through the thread's exchange
