@@ -741,3 +741,34 @@ def test_length_from_counts_is_encodes_length():
         assert int(length_from_counts(specs, counts)) == encode(fields, specs).numel()
     with pytest.raises(ConfigError, match="GOLOMB"):
         length_from_counts([FieldSpec(Codec.GOLOMB, max_count=5, universe=50)], [torch.tensor(3)])
+
+
+def test_the_device_path_keeps_the_heads_of_fixed_layouts_only(monkeypatch):
+    """A fixed layout's header and section heads go to the device once and are kept (the same bytes at every step);
+    a variable one's are sent each time and not kept (a kept one costs a wait when it is made, and variable heads
+    would make one at every step). The bytes are the host path's either way."""
+    from gradcomp.wire import container
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    container._kept_heads.cache_clear()
+    fixed = [FieldSpec(Codec.F32, count=5), FieldSpec(Codec.BITS, count=5, width=3)]
+    variable = [FieldSpec(Codec.F32, max_count=50), FieldSpec(Codec.POSITIONS, max_count=50, universe=1000)]
+    fields = [torch.randn(5), torch.tensor([0, 1, 2, 7, 5])]
+    for step in range(3):
+        assert torch.equal(decode(encode(fields, fixed), fixed)[1], fields[1])
+        n = 3 + step  # a different count, hence different section heads, at every step
+        pos = torch.arange(n) * 7
+        got = decode(encode([torch.randn(n), pos], variable), variable)
+        assert torch.equal(got[1], pos)
+    info = container._kept_heads.cache_info()
+    assert (info.currsize, info.misses, info.hits) == (1, 1, 2)
+    monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+    assert torch.equal(encode(fields, fixed), _device_encoded(fields, fixed, monkeypatch))
+
+
+def _device_encoded(fields, specs, monkeypatch):
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    try:
+        return encode(fields, specs)
+    finally:
+        monkeypatch.delenv("GRADCOMP_DEVICE_PATH")

@@ -375,26 +375,38 @@ def _raw_bytes(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> t
     return flat.view(torch.uint8)
 
 
-def _put_heads(out: torch.Tensor, heads: list[tuple[int, bytes]]) -> None:
+def _put_heads(out: torch.Tensor, heads: list[tuple[int, bytes]], keep: bool = False) -> None:
     """Writes byte strings ``(offset, bytes)`` (the header's first 12 bytes, the section headers) into ``out`` on
     the device path in one indexed write, instead of one transfer per section (the host path writes them with
-    ``struct.pack_into`` into the tensor's memory as it goes). Their offsets and bytes go to the device once per
-    distinct set (``_device_heads``): a fixed-size method's messages have the same heads at every step.
+    ``struct.pack_into`` into the tensor's memory as it goes).
+
+    ``keep`` (a layout the specs fix: every count exact, no Golomb stream): the same heads come at every step, so
+    their offsets and bytes go to the device once and are kept (``_kept_heads``); otherwise they go in one
+    asynchronous transfer through pinned memory, each time, without making the host wait.
     """
     if heads:
-        index, values = _device_heads(out.device, tuple(heads))
+        index, values = (_kept_heads if keep else _heads_on)(out.device, tuple(heads))
         out.index_put_((index,), values)
 
 
-@functools.lru_cache(maxsize=256)
-def _device_heads(device: torch.device, heads: tuple[tuple[int, bytes], ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The offsets (int64) and bytes (uint8) of ``heads`` on ``device``, made once per distinct heads and kept.
+def _heads_on(device: torch.device, heads: tuple[tuple[int, bytes], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The offsets (int64) and bytes (uint8) of ``heads`` on ``device``, in one host-to-device transfer that does not
+    make the host wait on CUDA (pinned memory: torch's pinned allocator keeps the block until the copy is done)."""
+    index = [off + k for off, h in heads for k in range(len(h))]
+    both = torch.tensor(index + list(b"".join(h for _, h in heads)), dtype=torch.int64)
+    both = both.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else both.to(device)
+    return both[: len(index)], both[len(index):].to(torch.uint8)
 
-    The copy is synchronous, so that a kept tensor is complete before any stream uses it (the first message of a
-    layout pays that wait, the later ones nothing)."""
-    index = torch.tensor([off + k for off, h in heads for k in range(len(h))], dtype=torch.int64)
-    values = torch.frombuffer(bytearray(b"".join(h for _, h in heads)), dtype=torch.uint8)
-    return index.to(device), values.to(device)
+
+@functools.lru_cache(maxsize=256)
+def _kept_heads(device: torch.device, heads: tuple[tuple[int, bytes], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_heads_on`, made once per distinct heads and kept. The copy is then waited for, once, so that a kept
+    tensor is complete before any stream uses it (the first message of a fixed layout pays that wait; no later one
+    waits, and no variable layout comes here)."""
+    index, values = _heads_on(device, heads)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return index, values
 
 
 # The sender-side checks of device-path encodes (BITS ranges, POSITIONS order), not yet read: per thread, a list of
@@ -536,7 +548,7 @@ def encode(
     # The device path: nothing is read back. The header's first 12 bytes go with the section headers; the checksum is
     # computed where the body is (checksum64_tensor) and written as the header's last 8 bytes (little-endian u64).
     heads.insert(0, (0, _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, 0)[:12]))
-    _put_heads(out, heads)
+    _put_heads(out, heads, keep=all(spec.count is not None and c != Codec.GOLOMB for spec, c in zip(specs, codecs)))
     out[12:HEADER_BYTES].copy_(checksum64_tensor(out[HEADER_BYTES:]).reshape(1).view(torch.uint8))
     if flags:
         _defer(flags)
