@@ -93,8 +93,8 @@ CUDA / NCCL. The hook records the autograd thread's current CUDA stream with the
 job's kernels on that same stream (``torch.cuda.stream``), so they are ordered after the kernels that
 produced the gradients, and NCCL's own stream waits on it as usual. The future is created with the bucket's
 device (``Future(devices=[...])``): ``set_result`` records an event on that stream and DDP's wait makes its
-stream wait on it. The host-side overlap is the same as on gloo; ``DistTransport`` synchronises the device
-after every collective (for its timings), which costs some GPU-side overlap but no correctness.
+stream wait on it. The host-side overlap is the same as on gloo; ``DistTransport`` times NCCL collectives with
+CUDA events and never synchronises the device.
 
 The thread is a daemon and is stopped when the state is garbage-collected or ``state.close()`` is called.
 
