@@ -37,6 +37,12 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step`` (every rank its own): 8 inputs of _net's width and their labels."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
 def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -55,8 +61,7 @@ def _run(rank: int, label: str, driver: str, scaled: bool, overflow: bool) -> di
     steps = []
     for step in range(STEPS):
         opt.zero_grad()
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+        x, y = batch(step, rank)
         loss = F.cross_entropy(forward(x), y)
         if overflow and step == BAD_STEP and rank == BAD_RANK:
             loss = loss * float("inf")  # this rank's gradients overflow

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_workers, same
-from torch import nn
+from test_gradscaler import _net, batch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
@@ -30,11 +30,6 @@ METHODS = {
 }
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
 def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
@@ -47,8 +42,7 @@ def _run(rank: int, label: str) -> dict:
     steps = []
     for step in range(STEPS):
         opt.zero_grad()
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+        x, y = batch(step, rank)
         loss = F.cross_entropy(ddp(x), y)
         if step == BAD_STEP and rank == BAD_RANK:
             loss = loss * float("inf")  # this rank's gradients are not finite
