@@ -231,12 +231,7 @@ def _level_table(span: int) -> np.ndarray:
     entries cover ``span`` bytes each, under "append (GROUP - 1 - p) * span zero bytes" (cached by span)."""
     got = _level_tables.get(span)
     if got is None:
-        step = _BASIS  # the identity map as a byte table
-        j = 0
-        while span >> j:
-            if span >> j & 1:
-                step = _apply(_shift_table(j), step)
-            j += 1
+        step = _advance(span)
         rows = [_BASIS]  # position GROUP - 1: no shift
         for _ in range(GROUP - 1):
             rows.append(_apply(step, rows[-1]))
