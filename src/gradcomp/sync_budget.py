@@ -27,6 +27,10 @@ FIXED_SIZE = (
     "local_topk", "true_topk",
 )  # fmt: skip
 
+# The stateless all-reduces, whose sum carries a bad worker's NaN to every worker (Scheme.verdict_in_result): the DDP
+# hook reads nothing of theirs under a GradScaler or nonfinite="propagate" (0 instead of their "ddp" budget below)
+VERDICT_IN_RESULT = ("bf16", "fp16", "none", "randomblock", "randomk")
+
 _VERDICT = (
     "1 read, after the last round, of the workers' agreed finiteness verdict, a device flag that rode on the step's "
     "first message (exchange._drive_deferred); the DDP hook reads it once per backward pass, at its last bucket, "
