@@ -99,3 +99,71 @@ def test_an_unknown_nonfinite_policy_is_refused_before_anything_is_sent(tmp_path
             gradcomp.register_ddp_hook(ddp, gradcomp.make("none"), nonfinite="ignore")
     finally:
         dist.destroy_process_group()
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+
+
+def test_restore_where_puts_the_state_back_only_where_the_flag_says_and_refuses_a_moved_layout():
+    """``GradientExchange.restore_where`` (what the hook runs instead of reading a pass's verdict, under a scaler or
+    ``nonfinite="propagate"``): True puts back the snapshot exactly, False leaves the state as it is, and a state
+    whose layout moved since the snapshot (a slot's first step) is refused, unchanged."""
+    from gradcomp.train.exchange import GradientExchange
+
+    shapes = [(24, 12), (16, 24), (12, 24)]
+    grads = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
+    slots = [gradcomp.Slot(name, i, g.numel(), g.shape) for i, (name, g) in enumerate(zip("wvu", grads))]
+
+    def worker(t):
+        ex = GradientExchange(gradcomp.make("powersgd", start_iter=0), t)
+        g = grads[:2]
+        ex.exchange(slots[:2], g, 0)
+        before = ex.snapshot()
+        ex.exchange(slots[:2], [2 * x for x in g], 1)
+        after = ex.snapshot()
+        assert not _same_state(before, after)  # the step moved the state (Q, the errors)
+        assert ex.restore_where(before, torch.tensor([False])) and _same_state(ex.snapshot(), after)
+        assert ex.restore_where(before, torch.tensor([True])) and _same_state(ex.snapshot(), before)
+        ex.exchange(slots, grads, 2)  # a third slot: its state appears
+        moved = ex.snapshot()
+        assert not ex.restore_where(before, torch.tensor([True]))
+        assert _same_state(ex.snapshot(), moved)
+        return True
+
+    with gradcomp.SimulatedCluster(2, timeout=60) as cluster:
+        assert cluster.run(worker) == [True, True]
+
+
+def test_a_pass_handed_on_is_nan_in_every_bucket_where_the_flags_say_and_untouched_elsewhere():
+    """The hook's unread end of a pass (``_CommThread._pass_handed_on``): any flag True fills every bucket of the
+    pass with NaN and restores the state; all False changes nothing; a refused restore leaves the flags to be
+    read."""
+    from types import SimpleNamespace
+
+    from gradcomp.train.ddp_hook import _CommThread
+
+    restored = []
+
+    def restore_where(snapshot, bad):
+        restored.append(bool(bad))
+        return snapshot != "moved"
+
+    exchange = SimpleNamespace(restore_where=restore_where)
+    for flags, moved, want in [((False, True), False, "nan"), ((False, False), False, "kept"),
+                               ((True,), True, "refused")]:
+        worker = _CommThread(exchange, propagate=True)
+        buffers = [torch.ones(3), torch.full((2,), 2.0)]
+        worker._snapshot = "moved" if moved else {}
+        worker._pass_flags = [torch.tensor([f]) for f in flags]
+        worker._pass_buckets = [(b, True, []) for b in buffers]
+        handed_on = worker._pass_handed_on()
+        assert handed_on == (want != "refused")
+        assert restored[-1] == any(flags)
+        if want == "nan":
+            assert all(b.isnan().all() for b in buffers) and worker._pass_flags == []
+        else:
+            assert torch.equal(buffers[0], torch.ones(3)) and torch.equal(buffers[1], torch.full((2,), 2.0))
+        if want == "refused":
+            assert len(worker._pass_flags) == 1  # left for _pass_abandoned to read
+    assert not _CommThread(exchange)._pass_handed_on()  # raise (the default): the verdict is read

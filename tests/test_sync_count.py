@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.registry import BUILTIN
-from gradcomp.sync_budget import BUDGETS, FIXED_SIZE, NOTES, VERDICT_IN_RESULT
+from gradcomp.sync_budget import BUDGETS, FIXED_SIZE, HOOK_READS_NOTHING_HANDED_ON, NOTES, VERDICT_IN_RESULT
 from gradcomp.train import ddp_hook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ def test_the_ddp_hook_reads_nothing_on_the_autograd_thread(name, group, device_p
 
 # the fixed-size methods whose one read is the verdict after the last round (no message of theirs is decoded by the
 # wire): the DDP hook reads it once per backward pass, at the last bucket, however many buckets the pass has
-READ_AFTER_ROUNDS = ["bf16", "fp16", "none", "powersgd", "randomblock", "randomk", "sketch", "true_topk"]
+READ_AFTER_ROUNDS = list(HOOK_READS_NOTHING_HANDED_ON)
 
 
 @pytest.mark.parametrize("name", READ_AFTER_ROUNDS)
@@ -187,12 +187,13 @@ def test_the_methods_that_read_after_the_rounds_are_the_budget_tables():
 
 
 @pytest.mark.parametrize("at_once", [False, True], ids=["gloo", "completed-at-issue"])
-@pytest.mark.parametrize("name", VERDICT_IN_RESULT)
-def test_the_hook_reads_nothing_with_a_scaler_where_the_sum_carries_the_verdict(name, at_once, group, device_paths,
-                                                                                 monkeypatch):
-    """Under a GradScaler, a stateless all-reduce (Scheme.verdict_in_result) leaves a bad step's NaN in every
-    rank's gradients, which is the verdict scaler.step reads anyway: the hook reads nothing. (That the step is then
-    skipped on every rank: tests/test_gradscaler.py, on the device path in tests/test_deferred_verdict.py.)"""
+@pytest.mark.parametrize("name", READ_AFTER_ROUNDS)
+def test_the_hook_reads_nothing_with_a_scaler_where_the_verdict_comes_after_the_rounds(name, at_once, group,
+                                                                                       device_paths, monkeypatch):
+    """Under a GradScaler, a bad step's NaN lands in every rank's gradients without a read (a stateless
+    all-reduce's sum carries it; the others' agreed flag fills them on the device and puts the state back), and
+    scaler.step's own read is the verdict: the hook reads nothing. (That the step is then skipped on every rank:
+    tests/test_gradscaler.py, on the device path in tests/test_deferred_verdict.py.)"""
     if at_once:
         _complete_at_issue(monkeypatch)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
@@ -200,11 +201,11 @@ def test_the_hook_reads_nothing_with_a_scaler_where_the_sum_carries_the_verdict(
 
 
 @pytest.mark.parametrize("at_once", [False, True], ids=["gloo", "completed-at-issue"])
-@pytest.mark.parametrize("name", VERDICT_IN_RESULT)
-def test_the_hook_reads_nothing_when_told_to_propagate_where_the_sum_carries_the_verdict(name, at_once, group,
-                                                                                         device_paths, monkeypatch):
-    """``nonfinite="propagate"`` without a scaler: the same zero reads (the NaN in every rank's sum goes to the
-    user's own check; that it does, on every rank: tests/test_propagate.py), where the default reads once."""
+@pytest.mark.parametrize("name", READ_AFTER_ROUNDS)
+def test_the_hook_reads_nothing_when_told_to_propagate_where_the_verdict_comes_after_the_rounds(
+        name, at_once, group, device_paths, monkeypatch):
+    """``nonfinite="propagate"`` without a scaler: the same zero reads (the NaN in every rank's gradients goes to
+    the user's own check; that it does, on every rank: tests/test_propagate.py), where the default reads once."""
     if at_once:
         _complete_at_issue(monkeypatch)
     assert count_ddp_step(name, monkeypatch, nonfinite="propagate").total == 0

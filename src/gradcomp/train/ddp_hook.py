@@ -65,8 +65,10 @@ are refused. With ``scaler=`` (a ``torch.amp.GradScaler``) the pass is skipped i
 one are filled with NaN on every rank, so ``scaler.step`` skips and ``scaler.update`` lowers the scale everywhere;
 gradients are divided by the scale before compression (residuals and momentum in unscaled units) and the average
 multiplied back. ``nonfinite="propagate"`` does the same without a scaler: the NaN gradients go to the user's own
-check (torch's DDP hands a NaN on in the same way), and for the stateless all-reduces, whose sum carries a bad
-rank's NaN to every rank by itself, nothing reads the verdict at all, so that a step on a GPU waits for nothing.
+check (torch's DDP hands a NaN on in the same way). Either way, on the device path, nothing reads the verdict of
+a scheme that only all-reduces, so that a step on a GPU waits for nothing: a stateless one's sum carries a bad
+rank's NaN to every rank by itself, and the others' pass-end flags are applied on the device (``_pass_handed_on``:
+NaN into every bucket of the pass and the state put back, by ``torch.where`` on the agreed flag).
 (After an error inside backward DDP itself refuses the next iteration: "Expected to have finished reduction in the
 prior iteration"; rebuild the DDP model to go on.) An error on the
 thread (a collective that failed or timed out, a bad message) completes that bucket's future with the
@@ -357,7 +359,7 @@ class _CommThread:
                 target.copy_(average.view_as(target))
         if scale is not None:
             job.buffer.mul_(scale)  # back in the scaler's units, for scaler.unscale_
-        if job.retain is not None and self._pass_flags and self._pass_abandoned():
+        if job.retain is not None and self._pass_flags and not self._pass_handed_on() and self._pass_abandoned():
             self.exchange.restore(self._snapshot)
             if not self.propagate:
                 raise agreed_non_finite(job.step, self._locally_bad())
@@ -366,6 +368,23 @@ class _CommThread:
             return
         if job.retain is not None:
             self.exchange.scheme.retain(job.retain)
+
+    def _pass_handed_on(self) -> bool:
+        """Under a scaler or ``nonfinite="propagate"``: the pass's deferred verdicts applied on the device, unread
+        (True), or False where they must be read (``_pass_abandoned``). The agreed flag "some rank's gradients were
+        not finite in some bucket" fills every bucket of the pass with NaN and puts the method's state back where it
+        was at the start of the pass (``GradientExchange.restore_where``), by ``torch.where`` on the flag: a good pass
+        changes nothing, a bad one ends as the read would have left it, and the host waits for nothing. False when
+        the state's layout moved during the pass (a slot's first step), which only the read can undo."""
+        if not self.propagate:
+            return False
+        bad = torch.stack([f.reshape(()) for f in self._pass_flags]).any()
+        if not self.exchange.restore_where(self._snapshot, bad):
+            return False
+        self._pass_flags = []
+        for buffer, _, _ in self._pass_buckets:
+            buffer.masked_fill_(bad, float("nan"))  # every bucket of the pass, on every rank, where bad
+        return True
 
     def _pass_abandoned(self) -> bool:
         """The pass's one read of its deferred verdicts (all-reduce-only schemes, on the device path): whether
@@ -761,9 +780,9 @@ def register_ddp_hook(
     applied; on a GPU that costs one read of the agreed verdict per backward pass. ``"propagate"``: nothing raises;
     the step's gradients hold NaN on every rank, identically (as with torch's own DDP, and as with ``scaler=``, which
     implies it), the method's state is put back as it was before the pass, and a check of your own decides (a
-    GradScaler, ``clip_grad_norm_(..., error_if_nonfinite=True)``, a finite-loss test). For the stateless
-    all-reduces (none, fp16, bf16, random-k and random block without error feedback) the hook then reads nothing
-    from the GPU in a step; the other methods still read their verdict with their message checks.
+    GradScaler, ``clip_grad_norm_(..., error_if_nonfinite=True)``, a finite-loss test). For the methods that
+    only all-reduce (none, fp16, bf16, random-k, random block, PowerSGD, sketched SGD, true top-k) the hook then
+    reads nothing from the GPU in a step; the others still read their verdict with their message checks.
     """
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         raise ConfigError(
