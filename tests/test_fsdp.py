@@ -241,11 +241,17 @@ def _nan_run(rank, world, name, params, bad):
     return raised, unchanged, _full(model)
 
 
-@pytest.mark.parametrize("name,params", [("topk", {"density": 0.3, "error_feedback": True}), ("efsignsgd", {}),
-                                         ("cnat", {})])
-def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_nothing(name, params):
+@pytest.mark.parametrize("name,params,path", [("topk", {"density": 0.3, "error_feedback": True}, "host"),
+                                              ("efsignsgd", {}, "host"), ("cnat", {}, "host"),
+                                              ("topk", {"density": 0.3, "error_feedback": True}, "device")])
+def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_nothing(name, params, path, monkeypatch):
     """Every rank raises the same error at the same step (no rank waits for the time-out), only the bad rank names
-    its parameters, no residual moved, and the run goes on as if the step had never been."""
+    its parameters, no residual moved, and the run goes on as if the step had never been. On the device path (a
+    GPU's code on CPU tensors) the verdict rides on the all-to-all as a device flag and is read with the decoded
+    messages' checks: the same outcome."""
+    if path == "device":
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     with_nan = run_workers(_nan_run, 2, name, params, "nan on rank 1", timeout=120)
     without = run_workers(_nan_run, 2, name, params, "never happened", timeout=120)
     for rank in range(2):
@@ -255,6 +261,40 @@ def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_nothing(name, params
         assert unchanged == [True]
         for a, b in zip(final, without[rank][2]):
             assert torch.equal(a, b), f"{name}: the run with the undone step differs from one without it"
+
+
+def _reads_per_call(rank, world, names):
+    """Per method, the compressed reduce-scatters of one steady backward pass and the would-be GPU
+    synchronisations in it (tests/sync_counting.py), on the device path."""
+    import gradcomp
+    from sync_counting import counting
+
+    out = {}
+    for name in names:
+        model = _shard(_model(), world)
+        state = gradcomp.compress_fsdp(model, gradcomp.make(name, **({"density": 0.3} if name == "topk" else {})))
+        for step in range(3):
+            loss = torch.nn.functional.mse_loss(model(_batch(rank, step)[0]), _batch(rank, step)[1])
+            calls = state.calls
+            with counting() as counter:
+                loss.backward()
+            model.zero_grad()
+        out[name] = (state.calls - calls, counter.total, str(counter))
+    return out
+
+
+def test_a_fixed_size_call_reads_the_device_once(monkeypatch):
+    """On the device path a fixed-size method's reduce-scatter reads once: the workers' agreed verdict (a device
+    flag that rode on the all-to-all) with the decoded messages' checks, not the input's finiteness, the marks
+    and the checks apart (three before)."""
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    names = ["none", "fp16", "topk", "signum", "cnat"]
+    counted = run_workers(_reads_per_call, 2, names, timeout=120)
+    for rank in range(2):
+        for name in names:
+            calls, reads, detail = counted[rank][name]
+            assert calls == 2 and reads == calls, (rank, name, detail)
 
 
 def _overflowing_reduce_scatter(rank, world, name):

@@ -67,7 +67,10 @@ Other choices:
   (``compressors.state.journal``: one copy of those slots' state, nothing for the others). The step counter of
   that module does not advance. Catch the error, call FSDP2's ``reset_iter_state()`` on the root module (its
   recovery after an exception in backward) and ``zero_grad()``, and go on: the run is then the run without that
-  step, bit for bit (tests/test_fsdp.py).
+  step, bit for bit (tests/test_fsdp.py). On the device path, for messages of fixed sizes, the rank's verdict stays
+  a device flag put on its buffers by ``torch.where`` and is read once, with the decoded messages' checks (the
+  decoding runs inside the call's rounds, where ``drive_agreeing``'s deferred verdict reaches the wire's read):
+  one read of the device per call; otherwise the rows' finiteness is read first and a bad rank compresses zeros.
 - Methods that own their rounds (PowerSGD, sketched SGD, LGC, ...) are refused: their rounds assume every
   rank ends with the whole aggregate, which a reduce-scatter does not give.
 """
@@ -86,11 +89,12 @@ from torch import Tensor, nn
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.state import journal
 from gradcomp.errors import ConfigError, NonFiniteGradientError
-from gradcomp.finite import all_finite
+from gradcomp.finite import all_finite, finite_flag
 from gradcomp.schemes.sharded import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
 from gradcomp.train.exchange import agreed_non_finite, check_gradients, check_state, drive_agreeing, refusal_note
 from gradcomp.transport.dist import DistTransport
+from gradcomp.wire.bits import host_path
 
 try:  # torch >= 2.6 (FSDP2's custom collectives: 2.8)
     from torch.distributed.fsdp import FSDPModule
@@ -182,32 +186,40 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         names = [p.name for p in self.pieces]
         if not input_tensor.is_floating_point():  # the same dtype on every rank: every rank refuses it here
             check_gradients(names, [rows[:, p.offset : p.offset + p.padded] for p in self.pieces], self.step)
-        finite = all_finite(input_tensor)
+        # fixed sizes on the device path: this rank's verdict stays a device flag, rides on the all-to-all and is
+        # read with the decoded messages' checks, one read per call (drive_agreeing); else it is read here
+        defer = self.known is not None and not host_path(input_tensor)
+        finite: bool | Tensor = finite_flag([input_tensor]) if defer else all_finite(input_tensor)
         step, compressor = self.step, state.compressor
         started = time.perf_counter()
         blocked_before = state.transport.counter.seconds
+        mine = self.owned[rank]
         with torch.no_grad():
             refused = None
             with journal() as touched:  # each slot's state before this call changes it
-                try:
-                    up = self._messages(rows if finite else torch.zeros_like(rows), step)
+                try:  # (deferred: the rows as they are; a bad call is undone before anything of it is applied)
+                    up = self._messages(rows if defer or finite else torch.zeros_like(rows), step)
                 except NonFiniteGradientError as exc:  # finite rows whose compression is not (QSGD's norm, ...):
                     refused, finite = exc, False  # refused on this rank only, so it is this rank's verdict
                     up = self._messages(torch.zeros_like(rows), step)  # (only the messages' sizes matter then)
-            agreed, received = drive_agreeing(state.transport, alltoall_buffers(rank, up, self.known), finite)
+
+            def rounds():  # the all-to-all, then the decoding, whose one device read takes a deferred verdict
+                received = yield from alltoall_buffers(rank, up, self.known)
+                slots = [s for _, s in mine]
+                return aggregate_buffers(compressor, slots, received, step, input_tensor.device) if mine else []
+
+            agreed, aggregates = drive_agreeing(state.transport, rounds(), finite, after_rounds=defer)
             if not agreed:  # some rank's gradients were not finite: every rank is here, at this call
                 touched.undo()
-                here = [] if finite else [
+                here = [] if bool(finite) else [
                     name for name, p in zip(names, self.pieces)
                     if not all_finite(rows[:, p.offset : p.offset + p.padded])
                 ]
                 if refused is not None:
                     here.append(refusal_note(refused))
                 raise agreed_non_finite(step, here)
-            mine = self.owned[rank]
             output_tensor.zero_()
             if mine:
-                aggregates = aggregate_buffers(compressor, [s for _, s in mine], received, step, input_tensor.device)
                 flat = output_tensor.reshape(-1)
                 for (piece, slot), aggregate in zip(mine, aggregates):
                     if scale != 1.0:
