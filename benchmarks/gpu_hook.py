@@ -9,7 +9,7 @@ synchronisations a step makes (docs/gpu.md; run by scripts/gpu_check.sh).
 default 25 MB buckets), batch 256 (``--batch``: others too; at 256 the step is bound by the host's kernel launches,
 at 4096 by the GPU's work); variants torch DDP (no hook), torch DDP with torch's fp16_compress_hook, and gradcomp's
 hook with none, fp16, top-k 1 % with error feedback, PowerSGD and Signum; then torch DDP, torch's fp16 hook,
-gradcomp's none and fp16 under a GradScaler (``+scaler``), and gradcomp's none and fp16 with
+gradcomp's none, fp16 and PowerSGD under a GradScaler (``+scaler``), and the same three with
 ``nonfinite="propagate"`` and no scaler (``+propagate``: no read of the verdict). Every round times 5 consecutive
 steps of each variant in a new random order (median per step over the rounds); reported with its ratio to torch
 DDP's step, and fp16's to torch's fp16 hook (targets: <= 1.05 for both). ``sim``: ``--workers`` simulated workers on
@@ -17,7 +17,8 @@ the GPU, each a GradientAggregator over the same MLP; the median step of rank 0 
 ``none``'s, which is the compression's cost (a simulated exchange moves tensors in device memory). ``sync``: the
 number of "called a synchronizing CUDA operation" warnings under ``torch.cuda.set_sync_debug_mode("warn")`` during
 one steady-state step of the aggregator and of the DDP hook (both threads), per fixed-size method (target: 0);
-``sync --scaler --only none fp16 bf16 randomk randomblock``: the hook under a GradScaler, where these read nothing;
+``sync --scaler --only none fp16 bf16 randomk randomblock powersgd sketch true_topk``: the hook under a GradScaler,
+where these read nothing;
 ``sync --nonfinite propagate --only ...``: the same without a scaler.
 """
 
@@ -55,11 +56,12 @@ METHODS = {
     "signum/bucket": {"granularity": "bucket"},
 }  # "/bucket": the hook compresses each DDP bucket as one slot instead of one slot per parameter (the default)
 # "+scaler": the step under a torch.amp.GradScaler (scaled loss, scaler.step / update), beside torch's own under one;
-# there none and fp16 read no finiteness verdict of their own (docs/gpu.md)
-SCALED = ["torch+scaler", "torch-fp16+scaler", "none+scaler", "fp16+scaler"]
+# there none, fp16 and PowerSGD read no finiteness verdict of their own (docs/gpu.md)
+SCALED = ["torch+scaler", "torch-fp16+scaler", "none+scaler", "fp16+scaler", "powersgd+scaler"]
 # "+propagate": gradcomp's hook with nonfinite="propagate" and no scaler: a bad step's NaN goes to the user's own
-# check, and none / fp16 read nothing from the GPU (torch DDP's own semantics); timed against torch DDP / its fp16 hook
-PROPAGATED = ["none+propagate", "fp16+propagate"]
+# check, and none / fp16 / PowerSGD read nothing from the GPU (torch DDP's own semantics); timed against torch DDP / its
+# fp16 hook
+PROPAGATED = ["none+propagate", "fp16+propagate", "powersgd+propagate"]
 
 
 # GRADCOMP_BENCH_CPU=1: the same code on the CPU over gloo, tiny and untimed in meaning (a check that the script
@@ -161,7 +163,7 @@ def _time_steps(args, base: nn.Module, variants: dict, batch: int) -> None:
     for n in variants:
         ref = "torch-fp16" if n.startswith("fp16") else "torch"
         ref += "+scaler" if n.endswith("+scaler") else ""
-        print(f"  {n:17s} {med[n]:7.2f} ms  x{med[n] / med[ref]:.3f} of {ref}")
+        print(f"  {n:18s} {med[n]:7.2f} ms  x{med[n] / med[ref]:.3f} of {ref}")
     print(f"  targets: none <= 1.05 x torch ({med['none'] / med['torch']:.3f}); "
           f"fp16 <= 1.05 x torch-fp16 ({med['fp16'] / med['torch-fp16']:.3f}); under a GradScaler "
           f"{med['none+scaler'] / med['torch+scaler']:.3f} and {med['fp16+scaler'] / med['torch-fp16+scaler']:.3f}; "
