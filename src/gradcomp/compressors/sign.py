@@ -555,23 +555,15 @@ class Signum(_MajorityVote):
         self.state.load_state_dict(state)
 
 
-def _chunked_sums(flat: Tensor, *maps) -> Tensor:
-    """float64 tensor of sum(m(flat)) for each elementwise map ``m(piece, out=scratch)``.
-
-    Chunked through one small scratch buffer, for the reason given in ``_pack``. Chunk sums are float32,
-    added in float64.
-    """
-    return _signs_and_sums(flat, maps, signs=False)[0]
-
-
 def _signs_and_sums(
     flat: Tensor, maps, signs: bool = True, count: bool = False, before=None
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """(``_chunked_sums(flat, *maps)``, the sign bitmap ``pack_signs(flat)``, its count of negative entries):
-    one pass over ``flat`` instead of two on the CPU, each 2^20-entry chunk packed while it is in cache.
+    """(a float64 tensor of sum(m(flat)) for each elementwise map ``m(piece, out=scratch)``, the sign bitmap
+    ``pack_signs(flat)``, its count of negative entries): one pass over ``flat`` instead of two on the CPU, each
+    2^20-entry chunk packed while it is in cache.
 
-    The sums are those of ``_chunked_sums`` bit for bit: the same chunks, the same float32 ``sum`` of each
-    mapped chunk, the same float64 total. The scratch buffer is reused across calls (``workspace``).
+    The sums go through one small scratch buffer (for the reason given in ``_pack``): the float32 ``sum`` of each
+    mapped chunk, added in float64. The scratch buffer is reused across calls (``workspace``).
     ``before(start, end)``, if given, updates ``flat[start:end]`` in place just before that chunk is read (error
     feedback's r += x, ``_Sign.compress_sum``); where the chunks are not read in one pass, it runs on the whole
     tensor first.
