@@ -149,6 +149,24 @@ class SlotState:
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
         return {name: {k: v.detach().clone() for k, v in ts.items()} for name, ts in self._fields.items()}
 
+    def restore_where(self, saved: dict[str, Any], bad: Tensor) -> bool:
+        """In place, without reading ``bad`` (a bool tensor of shape ()): every tensor becomes ``torch.where(bad,
+        its copy in saved (a state_dict()), itself)``, keeping its identity (a buffer that holds it still does).
+        False, and nothing changed, when ``saved`` has other fields, keys, shapes, dtypes or devices."""
+        if not isinstance(saved, dict) or saved.keys() != self._fields.keys():
+            return False
+        pairs = []
+        for name, tensors in self._fields.items():
+            if not isinstance(saved[name], dict) or saved[name].keys() != tensors.keys():
+                return False
+            pairs += [(t, saved[name][k]) for k, t in tensors.items()]
+        if any(not isinstance(s, Tensor) or (s.shape, s.dtype, s.device) != (t.shape, t.dtype, t.device)
+               for t, s in pairs):
+            return False
+        for t, s in pairs:
+            t.copy_(torch.where(bad, s, t))
+        return True
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Copies of ``state``'s tensors, after checking all of it: ConfigError, and nothing changed, for an
         unknown field, a key that is not a slot key, a value that is not a float32 tensor of the right shape."""

@@ -93,6 +93,9 @@ class AccumulatingScheme(Scheme):
     def state_dict(self) -> dict[str, Any]:
         return self.memory.state.state_dict()
 
+    def restore_where(self, snapshot: dict[str, Any], bad: Tensor) -> bool:
+        return self.memory.state.restore_where(snapshot, bad)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.memory.state.load_state_dict(state)
 

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Slot
@@ -77,9 +78,45 @@ class Scheme(ABC):
         if state:
             raise ConfigError(f"scheme {self.name!r} keeps no state but got keys {sorted(state)}")
 
+    def restore_where(self, snapshot: dict[str, Any], bad: Tensor) -> bool:
+        """``load_state_dict(snapshot)`` (a ``state_dict()`` taken before) if the device flag ``bad`` (a bool
+        tensor of shape ()) is True, else nothing, without reading it: every state tensor becomes ``torch.where(bad,
+        saved, now)``. False, and nothing changed, when the state's layout is no longer the snapshot's (other keys,
+        shapes or plain values: a slot's first step adds its state), which only a read of the flag can decide.
+        This default goes through ``state_dict()`` and ``load_state_dict`` (two more copies of the state); a scheme
+        whose state is one ``SlotState`` does it in place (``SlotState.restore_where``)."""
+        merged = _where_same_layout(bad, snapshot, self.state_dict())
+        if merged is _DIFFERS:
+            return False
+        self.load_state_dict(merged)
+        return True
+
     def retain(self, slots: Sequence[Slot]) -> None:  # noqa: B027 - optional hook, nothing kept by default
         """Drop any per-slot state (residuals, warm starts) of slots not in ``slots``."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({args})"
+
+
+_DIFFERS = object()  # _where_same_layout's answer for two layouts that differ
+
+
+def _where_same_layout(bad: Tensor, saved: Any, now: Any) -> Any:
+    """``now`` with each tensor replaced by ``torch.where(bad, its saved copy, it)``; ``_DIFFERS`` where the two
+    layouts differ (keys, lengths, a tensor's shape, dtype or device, a plain value)."""
+    if isinstance(saved, Tensor) and isinstance(now, Tensor):
+        if (saved.shape, saved.dtype, saved.device) != (now.shape, now.dtype, now.device):
+            return _DIFFERS
+        return torch.where(bad, saved, now)
+    if isinstance(saved, dict) and isinstance(now, dict):
+        if saved.keys() != now.keys():
+            return _DIFFERS
+        merged = {k: _where_same_layout(bad, saved[k], now[k]) for k in saved}
+        return _DIFFERS if any(v is _DIFFERS for v in merged.values()) else merged
+    if isinstance(saved, (list, tuple)) and type(saved) is type(now) and len(saved) == len(now):
+        items = [_where_same_layout(bad, a, b) for a, b in zip(saved, now)]
+        return _DIFFERS if any(v is _DIFFERS for v in items) else type(saved)(items)
+    if isinstance(saved, Tensor) or isinstance(now, Tensor) or type(saved) is not type(now) or saved != now:
+        return _DIFFERS
+    return now

@@ -417,6 +417,9 @@ class PowerSGD(Scheme):
     def state_dict(self) -> dict[str, Any]:
         return self.state.state_dict()
 
+    def restore_where(self, snapshot: dict[str, Any], bad: Tensor) -> bool:
+        return self.state.restore_where(snapshot, bad)  # in place: the plans' buffers keep holding the state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if isinstance(state, dict) and state.get("error") and not self.error_feedback:
             raise ConfigError("the checkpoint holds PowerSGD errors but this PowerSGD runs without error feedback")

@@ -325,14 +325,9 @@ class GradientExchange:
 
     def restore_where(self, snapshot: dict, bad: Tensor) -> bool:
         """``restore(snapshot)`` if the device flag ``bad`` (a bool tensor of one element) is True, else nothing,
-        without reading it: every state tensor becomes ``torch.where(bad, saved, now)``. False, and nothing
-        changed, when the state's layout is no longer the snapshot's (other keys, shapes or plain values: a slot's
-        first step adds its state), which only a read of the flag can decide."""
-        merged = _where_same_layout(bad.reshape(()), snapshot, self.scheme.state_dict())
-        if merged is _DIFFERS:
-            return False
-        self.scheme.load_state_dict(merged)
-        return True
+        without reading it (``Scheme.restore_where``); False, and nothing changed, when the state's layout moved
+        since the snapshot."""
+        return self.scheme.restore_where(snapshot, bad.reshape(()))
 
     # -- checkpointing ---------------------------------------------------------------------------------------
 
@@ -706,26 +701,3 @@ def _continue(transport: Transport, rounds: Rounds, result: Any) -> Any:
             request = rounds.send(execute(transport, request))
     except StopIteration as done:
         return done.value
-
-
-_DIFFERS = object()  # _where_same_layout's answer for two layouts that differ
-
-
-def _where_same_layout(bad: Tensor, saved: Any, now: Any) -> Any:
-    """``now`` with each tensor replaced by ``torch.where(bad, its saved copy, it)``; ``_DIFFERS`` where the two
-    layouts differ (keys, lengths, a tensor's shape, dtype or device, a plain value)."""
-    if isinstance(saved, Tensor) and isinstance(now, Tensor):
-        if (saved.shape, saved.dtype, saved.device) != (now.shape, now.dtype, now.device):
-            return _DIFFERS
-        return torch.where(bad, saved, now)
-    if isinstance(saved, dict) and isinstance(now, dict):
-        if saved.keys() != now.keys():
-            return _DIFFERS
-        merged = {k: _where_same_layout(bad, saved[k], now[k]) for k in saved}
-        return _DIFFERS if any(v is _DIFFERS for v in merged.values()) else merged
-    if isinstance(saved, (list, tuple)) and type(saved) is type(now) and len(saved) == len(now):
-        items = [_where_same_layout(bad, a, b) for a, b in zip(saved, now)]
-        return _DIFFERS if any(v is _DIFFERS for v in items) else type(saved)(items)
-    if isinstance(saved, Tensor) or isinstance(now, Tensor) or type(saved) is not type(now) or saved != now:
-        return _DIFFERS
-    return now
