@@ -164,7 +164,7 @@ class SlotState:
                for t, s in pairs):
             return False
         for t, s in pairs:
-            t.copy_(torch.where(bad, s, t))
+            torch.where(bad, s, t, out=t)  # elementwise, into itself: no temporary
         return True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
