@@ -5,7 +5,8 @@
 
 Accelerate takes torch's own hooks by name only (``DistributedDataParallelKwargs(comm_hook=...)``), so a
 custom hook is registered on the model ``prepare`` returns, which is the DistributedDataParallel model:
-``gradcomp.register_ddp_hook(model, ...)``, on every rank.
+``gradcomp.register_ddp_hook(model, ..., scaler=accelerator.scaler)``, on every rank (the scaler: with
+``mixed_precision="fp16"`` on a GPU, Accelerate's GradScaler, which the hook must know; None otherwise).
 
 Checkpoints: ``accelerator.register_for_checkpointing`` takes any object with ``state_dict`` /
 ``load_state_dict``, but ``save_state`` writes it from the main process only, while the hook's state
@@ -64,7 +65,11 @@ def build():
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
     model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
-    checkpoint.hook = gradcomp.register_ddp_hook(model, gradcomp.make("topk", density=0.01, error_feedback=True))
+    # Accelerator(mixed_precision="fp16") on a GPU scales the loss with accelerator.scaler: the hook must know it
+    # (None here, on the CPU), to skip an overflowed step on every rank instead of raising, and to keep residuals in
+    # unscaled units
+    method = gradcomp.make("topk", density=0.01, error_feedback=True)
+    checkpoint.hook = gradcomp.register_ddp_hook(model, method, scaler=accelerator.scaler)
     return model, optimizer, loader
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,19 @@ def test_lightning_ddp(tmp_path):
     assert "replicas identical: True" in out
     assert out.count(RESUMED.format(step=20)) == 2
     assert " 0 bytes up" not in out  # the hook ran on the CPU (Lightning alone would have skipped it)
+
+
+def test_lightning_ddp_amp(tmp_path):
+    """fp16 autocast with a GradScaler whose first scale overflows: the callback hands Lightning's scaler to the hook,
+    so every rank skips the same steps (the scale halves alike on both) instead of raising at the first overflow,
+    and the resume from the checkpoint (the scaler's state in it) is still exact."""
+    _needs("lightning")
+    out = _run("lightning_ddp.py", tmp_path, "--amp")
+    assert "replicas identical: True" in out
+    assert out.count(RESUMED.format(step=20)) == 2
+    halvings = re.findall(r"rank (\d): scale \S+ after 40 steps: (\d+) halvings", out)
+    assert sorted(r for r, _ in halvings) == ["0", "1"], out[-3000:]
+    assert len({h for _, h in halvings}) == 1 and int(halvings[0][1]) > 0, halvings  # the same skips, some
 
 
 def test_accelerate_ddp(tmp_path):
