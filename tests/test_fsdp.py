@@ -263,6 +263,76 @@ def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_nothing(name, params
             assert torch.equal(a, b), f"{name}: the run with the undone step differs from one without it"
 
 
+def _skipping_run(rank, world, name, params, bad, mode):
+    """Five steps under a ShardedGradScaler (``mode`` "scaler") or with ``nonfinite="propagate"`` and the user's own
+    check; at BAD_STEP rank 1's first layer gets NaN gradients ("nan on rank 1") or every rank skips the step
+    ("never happened").
+    Returns per step whether the gradients were finite and whether the residuals stayed as they were, the scale
+    at the end (scaler) and the full parameters."""
+    import gradcomp
+    from distributed import same
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = _shard(_model(), world)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**10) if mode == "scaler" else None
+    state = gradcomp.compress_fsdp(model, gradcomp.make(name, **params), scaler=scaler,
+                                   nonfinite="raise" if scaler is not None else "propagate")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen = []
+    for step in range(5):
+        if step == BAD_STEP and bad == "never happened":
+            continue
+        x, y = _batch(rank, step)
+        spoil = None
+        if step == BAD_STEP and rank == 1:  # NaN in the first layer's gradients only: the last layer's call, which
+            spoil = model[0].register_forward_hook(  # comes first in backward, has already moved its residuals
+                lambda module, args, out: out.register_hook(lambda g: g * float("nan")) and None)
+        before = state.state_dict()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        (loss if scaler is None else scaler.scale(loss)).backward()  # raises nothing
+        if spoil is not None:
+            spoil.remove()
+        finite = all(bool(torch.isfinite(p.grad.full_tensor()).all()) for p in model.parameters())
+        seen.append((step, finite, same(before, state.state_dict())))
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        elif finite:  # the user's own check
+            optimizer.step()
+        optimizer.zero_grad()
+    return seen, None if scaler is None else scaler.get_scale(), state.skipped, _full(model)
+
+
+@pytest.mark.parametrize("mode,path", [("scaler", "host"), ("propagate", "host"), ("scaler", "device")])
+def test_a_nan_on_one_rank_skips_the_pass_on_every_rank_with_a_scaler_or_propagate(mode, path, monkeypatch):
+    """With a GradScaler (or nonfinite="propagate") NaN gradients of rank 1's first layer raise nothing: from that
+    call on every rank's gradients of the pass are NaN, the scaler skips the step and halves its scale on both
+    ranks, the residuals (the last layer's call, made before, included) and step counts are those before the
+    pass, and the run ends bit for bit where a run without that step ends."""
+    if path == "device":
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    params = {"density": 0.3, "error_feedback": True}
+    with_nan = run_workers(_skipping_run, 2, "topk", params, "nan on rank 1", mode, timeout=120)
+    without = run_workers(_skipping_run, 2, "topk", params, "never happened", mode, timeout=120)
+    for rank in range(2):
+        seen, scale, skipped, final = with_nan[rank]
+        assert [(s, ok) for s, ok, _ in seen] == [(s, s != BAD_STEP) for s in range(5)], seen
+        assert [same for s, _, same in seen if s == BAD_STEP] == [True]  # the residuals put back
+        assert skipped == 1
+        if mode == "scaler":
+            assert scale == without[rank][1] / 2  # halved once more, on both ranks
+        for a, b in zip(final, without[rank][3]):
+            assert torch.equal(a, b), f"{mode}: the run with the skipped step differs from one without it"
+
+
+def test_compress_fsdp_refuses_an_unknown_nonfinite_policy():
+    import gradcomp
+
+    with pytest.raises(gradcomp.ConfigError, match="nonfinite must be one of"):
+        gradcomp.compress_fsdp(torch.nn.Linear(2, 2), gradcomp.make("none"), nonfinite="ignore")
+
+
 def _reads_per_call(rank, world, names):
     """Per method, the compressed reduce-scatters of one steady backward pass and the would-be GPU
     synchronisations in it (tests/sync_counting.py), on the device path."""

@@ -87,9 +87,10 @@ _journals = threading.local()  # .open: the journal recording on this thread, or
 
 
 @contextlib.contextmanager
-def journal() -> Iterator[Journal]:
-    """While open on this thread, every ``SlotState`` notes a slot's state before it first touches it."""
-    record, before = Journal(), getattr(_journals, "open", None)
+def journal(record: Journal | None = None) -> Iterator[Journal]:
+    """While open on this thread, every ``SlotState`` notes a slot's state before it first touches it (into
+    ``record``, to go on with one opened before: FSDP's pass of several calls, ``train.fsdp``; else a new one)."""
+    record, before = record if record is not None else Journal(), getattr(_journals, "open", None)
     _journals.open = record
     try:
         yield record

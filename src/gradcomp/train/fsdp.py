@@ -71,6 +71,13 @@ Other choices:
   a device flag put on its buffers by ``torch.where`` and is read once, with the decoded messages' checks (the
   decoding runs inside the call's rounds, where ``drive_agreeing``'s deferred verdict reaches the wire's read):
   one read of the device per call; otherwise the rows' finiteness is read first and a bad rank compresses zeros.
+  With ``scaler=`` (fp16 mixed precision) or ``nonfinite="propagate"`` nothing raises: the backward pass is skipped
+  on every rank instead. FSDP calls every module's reduce-scatter once per pass, in the same order on every rank,
+  so the state keeps one journal for the whole pass (``FSDPCompressionState.pass_begins``); at the bad call it
+  puts back every slot the pass's calls changed and every call's step count, fills that call's output with NaN
+  and sends nothing for the pass's later calls (their outputs NaN too), so the scaler's check (or the user's)
+  skips the step on every rank. Under a scaler the rows are divided by its scale before compression (residuals in
+  unscaled units) and the aggregate multiplied back.
 - Methods that own their rounds (PowerSGD, sketched SGD, LGC, ...) are refused: their rounds assume every
   rank ends with the whole aggregate, which a reduce-scatter does not give.
 """
@@ -87,9 +94,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
-from gradcomp.compressors.state import journal
+from gradcomp.compressors.state import Journal, journal
 from gradcomp.errors import ConfigError, NonFiniteGradientError
-from gradcomp.finite import all_finite, finite_flag
+from gradcomp.finite import all_finite, check_scaler, finite_flag, loss_scale
 from gradcomp.schemes.sharded import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
 from gradcomp.train.exchange import agreed_non_finite, check_gradients, check_state, drive_agreeing, refusal_note
@@ -168,9 +175,9 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         state = self.state
         world, rank = state.world_size, state.rank
         if op == dist.ReduceOp.AVG:
-            scale = 1.0
+            factor = 1.0
         elif op == dist.ReduceOp.SUM:
-            scale = float(world)
+            factor = float(world)
         else:
             raise ConfigError(
                 f"compress_fsdp: FSDP asked for a reduce-scatter with {op!r}; only its average (and its sum with "
@@ -186,6 +193,14 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         names = [p.name for p in self.pieces]
         if not input_tensor.is_floating_point():  # the same dtype on every rank: every rank refuses it here
             check_gradients(names, [rows[:, p.offset : p.offset + p.padded] for p in self.pieces], self.step)
+        record = state.pass_begins(self) if state.propagate else None
+        if state.pass_bad:  # an earlier call of this backward pass was not finite on some rank: so is this one
+            output_tensor.fill_(float("nan"))  # on every rank, with nothing sent
+            state.pass_ends(self)
+            return None
+        scale = loss_scale(state.scaler)
+        if scale is not None:  # error feedback sees unscaled gradients (a power of 2: exact)
+            rows = rows / scale
         # fixed sizes on the device path: this rank's verdict stays a device flag, rides on the all-to-all and is
         # read with the decoded messages' checks, one read per call (drive_agreeing); else it is read here
         defer = self.known is not None and not host_path(input_tensor)
@@ -196,7 +211,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         mine = self.owned[rank]
         with torch.no_grad():
             refused = None
-            with journal() as touched:  # each slot's state before this call changes it
+            with journal(record) as touched:  # each slot's state before this call (this pass) changes it
                 try:  # (deferred: the rows as they are; a bad call is undone before anything of it is applied)
                     up = self._messages(rows if defer or finite else torch.zeros_like(rows), step)
                 except NonFiniteGradientError as exc:  # finite rows whose compression is not (QSGD's norm, ...):
@@ -210,6 +225,10 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
 
             agreed, aggregates = drive_agreeing(state.transport, rounds(), finite, after_rounds=defer)
             if not agreed:  # some rank's gradients were not finite: every rank is here, at this call
+                if state.propagate:  # the pass is skipped on every rank, its state put back: NaN for the scaler
+                    state.pass_abandoned(self)  # (this call's changes are in the pass's record)
+                    output_tensor.fill_(float("nan"))
+                    return None
                 touched.undo()
                 here = [] if bool(finite) else [
                     name for name, p in zip(names, self.pieces)
@@ -222,12 +241,16 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
             if mine:
                 flat = output_tensor.reshape(-1)
                 for (piece, slot), aggregate in zip(mine, aggregates):
-                    if scale != 1.0:
-                        aggregate = aggregate * scale
+                    if factor != 1.0:
+                        aggregate = aggregate * factor
+                    if scale is not None:
+                        aggregate = aggregate * scale  # back in the scaler's units
                     flat[piece.offset : piece.offset + slot.numel].copy_(aggregate)
         state.compress_s += time.perf_counter() - started - (state.transport.counter.seconds - blocked_before)
         self.step += 1
         state.calls += 1
+        if state.propagate:
+            state.pass_ends(self)
         return None
 
 
@@ -235,13 +258,46 @@ class FSDPCompressionState:
     """What ``compress_fsdp`` returns: the compressor, the transport (``transport.counter``: bytes), the
     per-module reduce-scatters, and ``state_dict`` / ``load_state_dict`` for the residuals and step counts."""
 
-    def __init__(self, compressor: Compressor, transport: DistTransport):
+    def __init__(self, compressor: Compressor, transport: DistTransport, scaler: Any = None, propagate: bool = False):
         self.compressor = compressor
         self.transport = transport
         self.rank, self.world_size = transport.rank, transport.world_size
         self.comms: list[_CompressedReduceScatter] = []
         self.compress_s = 0.0
         self.calls = 0
+        self.scaler = scaler
+        # a bad pass is skipped (NaN in every rank's gradients), not raised: for the scaler, or the user's own check
+        self.propagate = scaler is not None or propagate
+        self.skipped = 0  # backward passes skipped so (some rank's gradients were not finite)
+        # the backward pass under way (skipped passes): the calls made in it, each one's step count before it, the
+        # record of the state its calls changed, and whether it is abandoned
+        self._pass_calls: dict[str, int] = {}
+        self._pass_record: Journal | None = None
+        self.pass_bad = False
+
+    def pass_begins(self, comm: _CompressedReduceScatter) -> Journal:
+        """A call of a backward pass (FSDP calls every module's reduce-scatter once per pass, in the same order on
+        every rank): the pass's record of the state it changes, opened at its first call."""
+        if not self._pass_calls or comm.key in self._pass_calls:  # (the second: a pass cut short by an error)
+            self._pass_calls, self._pass_record, self.pass_bad = {}, Journal(), False
+        self._pass_calls.setdefault(comm.key, comm.step)
+        return self._pass_record  # type: ignore[return-value]
+
+    def pass_abandoned(self, comm: _CompressedReduceScatter) -> None:
+        """Some rank's gradients were not finite at ``comm``'s call (every rank is there): the state the pass changed
+        and its calls' step counts go back to where the pass began, and its later calls send nothing."""
+        self._pass_record.undo()  # type: ignore[union-attr]
+        by_key = {c.key: c for c in self.comms}
+        for key, step in self._pass_calls.items():
+            by_key[key].step = step
+        self.pass_bad = True
+        self.skipped += 1
+        self.pass_ends(comm)
+
+    def pass_ends(self, comm: _CompressedReduceScatter) -> None:
+        """After each call: once every module has been called, the next call begins a new pass."""
+        if len(self._pass_calls) == len(self.comms):
+            self._pass_calls, self._pass_record = {}, None
 
     @property
     def counter(self):
@@ -338,6 +394,8 @@ def compress_fsdp(
     compressor: Compressor,
     *,
     process_group: dist.ProcessGroup | None = None,
+    scaler: Any = None,
+    nonfinite: str = "raise",
 ) -> FSDPCompressionState:
     """Compress the gradient reduce-scatter of every FSDP2 module in ``model`` with ``compressor``.
 
@@ -345,9 +403,21 @@ def compress_fsdp(
     process group of its own (``process_group``, by default a new group over the FSDP mesh's ranks, made with
     ``torch.distributed.new_group``, hence on every rank and in the same order). Returns the state:
     ``state.counter`` (bytes), ``state.state_dict()`` / ``load_state_dict`` (residuals, one per rank).
+
+    ``scaler``: the GradScaler (FSDP2's ``ShardedGradScaler``, or ``torch.amp.GradScaler``) that scales the loss
+    under fp16 mixed precision. The gradients are then divided by its scale before they are compressed (residuals
+    in unscaled units) and the average multiplied back; a backward pass in which some rank's gradients were not
+    finite is skipped instead of raised: from that call on, every rank's gradients of the pass are NaN (nothing
+    more is sent), so the scaler skips the step and lowers its scale everywhere, and the residuals and step counts
+    go back to where the pass began. ``nonfinite``: ``"raise"`` (default, without a scaler: every rank raises the
+    same NonFiniteGradientError at the same call) or ``"propagate"`` (the same skipping without a scaler, for a
+    check of your own). ConfigError for anything else, before anything is registered.
     """
     if FSDPModule is None:  # pragma: no cover
         raise ConfigError("compress_fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)")
+    if nonfinite not in ("raise", "propagate"):
+        raise ConfigError(f"compress_fsdp: nonfinite must be one of ('raise', 'propagate'), got {nonfinite!r}")
+    check_scaler(scaler, "compress_fsdp")
     if not isinstance(compressor, Compressor):
         check_fsdp_method(compressor, model, 1)  # raises: a method that owns its rounds
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -375,7 +445,7 @@ def compress_fsdp(
         )
     world = transport.world_size
     compressor.bind_worker(transport.rank)
-    state = FSDPCompressionState(compressor, transport)
+    state = FSDPCompressionState(compressor, transport, scaler, propagate=nonfinite == "propagate")
     for module, group in groups:
         if group is None:
             continue
