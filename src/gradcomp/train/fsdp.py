@@ -199,8 +199,8 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
             state.pass_ends(self)
             return None
         scale = loss_scale(state.scaler)
-        if scale is not None:  # error feedback sees unscaled gradients (a power of 2: exact)
-            rows = rows / scale
+        if scale is not None:  # error feedback sees unscaled gradients (a power of 2: exact; FSDP's own buffer, in
+            rows.div_(scale)  # place: it is discarded after this call)
         # fixed sizes on the device path: this rank's verdict stays a device flag, rides on the all-to-all and is
         # read with the decoded messages' checks, one read per call (drive_agreeing); else it is read here
         defer = self.known is not None and not host_path(input_tensor)
