@@ -63,6 +63,17 @@ def test_torchrun_fsdp(tmp_path):
     assert "the compressor keeps 0 bytes" not in out  # top-k with error feedback keeps its residual
 
 
+def test_torchrun_fsdp_amp(tmp_path):
+    """fp16 parameters and gradients under FSDP2 with a ShardedGradScaler handed to compress_fsdp: the overflowed
+    passes are skipped on both ranks alike (none raises) and the resume (the scaler's state in the checkpoint) is
+    exact."""
+    out = _run("torchrun_fsdp.py", tmp_path, "--checkpoint-dir", str(tmp_path), "--amp")
+    assert out.count(RESUMED.format(step=30)) == 2
+    skipped = re.findall(r"rank (\d): (\d+) backward passes skipped on every rank, scale (\S+)", out)
+    assert sorted(r for r, _, _ in skipped) == ["0", "1"], out[-3000:]
+    assert len({(n, scale) for _, n, scale in skipped}) == 1 and int(skipped[0][1]) > 0, skipped
+
+
 def test_lightning_ddp(tmp_path):
     _needs("lightning")
     out = _run("lightning_ddp.py", tmp_path)
