@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.sync_budget import FIXED_SIZE, HOOK_READS_NOTHING_HANDED_ON
+from gradcomp.sync_budget import FIXED_SIZE, READS_NOTHING_HANDED_ON
 
 METHODS = {
     "none": {},
@@ -283,7 +283,7 @@ def part_sync(args) -> None:
             b = BUDGETS[name]
             # under a scaler or propagated: 0 for the methods tests/test_sync_count.py counts so
             handed_on = args.scaler or args.nonfinite == "propagate"
-            ddp_budget = 0 if handed_on and name in HOOK_READS_NOTHING_HANDED_ON else b["ddp"]
+            ddp_budget = 0 if handed_on and name in READS_NOTHING_HANDED_ON else b["ddp"]
             label = "+scaler" if args.scaler else "+propagate" if args.nonfinite == "propagate" else ""
             print(f"  {name:18s} aggregator {n_agg:3d} (CPU count {b['aggregator']})  "
                   f"ddp{label} {n_ddp:3d} (CPU count {ddp_budget})", flush=True)

@@ -1,7 +1,7 @@
-"""The DDP hook's ``nonfinite="propagate"`` (gloo, CPU, 2 ranks; the host path and the device path forced on CPU
-tensors): a NaN / Inf gradient on one rank raises nothing; after that backward pass every rank holds NaN
-gradients, the same on every rank, the method's state is back where it was before the pass, and a user who skips
-the optimizer step on non-finite gradients trains on with identical replicas. (That the stateless all-reduces then
+"""``nonfinite="propagate"`` of the DDP hook and of GradientAggregator (gloo, CPU, 2 ranks; the host path and the
+device path forced on CPU tensors): a NaN / Inf gradient on one rank raises nothing; after that backward pass (and
+``step()``) every rank holds NaN gradients, the same on every rank, the method's state is back where it was before
+the pass, and a user who skips the optimizer step on non-finite gradients trains on with identical replicas. (That the stateless all-reduces then
 read nothing from the device: tests/test_sync_count.py.)
 """
 
@@ -34,10 +34,13 @@ def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def _run(rank: int, label: str) -> dict:
+def _run(rank: int, label: str, driver: str = "hook") -> dict:
     model = _net()
-    ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
-    state = gradcomp.register_ddp_hook(ddp, METHODS[label](), nonfinite="propagate")
+    if driver == "hook":
+        ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
+        state = gradcomp.register_ddp_hook(ddp, METHODS[label](), nonfinite="propagate")
+    else:
+        ddp, state = model, gradcomp.GradientAggregator(model, METHODS[label](), nonfinite="propagate")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     steps = []
     for step in range(STEPS):
@@ -48,6 +51,8 @@ def _run(rank: int, label: str) -> dict:
             loss = loss * float("inf")  # this rank's gradients are not finite
         before_params, before_state = _flat(model.parameters()), state.state_dict()["exchange"]
         loss.backward()  # raises nothing
+        if driver == "aggregator":
+            assert state.step() is None  # raises nothing, and says nothing: the gradients do
         grads = _flat(p.grad for p in model.parameters())
         finite = bool(torch.isfinite(grads).all())
         if finite:  # the user's own check
@@ -56,13 +61,14 @@ def _run(rank: int, label: str) -> dict:
             "finite": finite, "grads": grads, "moved": not torch.equal(before_params, _flat(model.parameters())),
             "state_unchanged": same(before_state, state.state_dict()["exchange"]),
         })
-    out = {"steps": steps, "params": _flat(model.parameters()), "failure": repr(state.failure)}
-    state.close(timeout=20)
+    out = {"steps": steps, "params": _flat(model.parameters()), "failure": repr(getattr(state, "failure", None))}
+    if driver == "hook":
+        state.close(timeout=20)
     return out
 
 
 def _worker(rank: int, world: int) -> dict:
-    return {label: _run(rank, label) for label in METHODS}
+    return {(driver, label): _run(rank, label, driver) for driver in ("hook", "aggregator") for label in METHODS}
 
 
 @pytest.fixture(scope="module", params=["host", "device"])
@@ -75,9 +81,10 @@ def runs(request):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("driver", ["hook", "aggregator"])
 @pytest.mark.parametrize("label", list(METHODS))
-def test_a_non_finite_gradient_on_one_rank_reaches_every_rank_as_nan_and_nothing_raises(runs, label):
-    per_rank = [r[label] for r in runs]
+def test_a_non_finite_gradient_on_one_rank_reaches_every_rank_as_nan_and_nothing_raises(runs, label, driver):
+    per_rank = [r[driver, label] for r in runs]
     for rank, run in enumerate(per_rank):
         assert run["failure"] == "None", (rank, run["failure"])
         for step, s in enumerate(run["steps"]):
@@ -97,6 +104,8 @@ def test_an_unknown_nonfinite_policy_is_refused_before_anything_is_sent(tmp_path
         ddp = DDP(_net())
         with pytest.raises(ConfigError, match="nonfinite must be one of"):
             gradcomp.register_ddp_hook(ddp, gradcomp.make("none"), nonfinite="ignore")
+        with pytest.raises(ConfigError, match="nonfinite must be one of"):
+            gradcomp.GradientAggregator(_net(), gradcomp.make("none"), nonfinite="ignore")
     finally:
         dist.destroy_process_group()
 

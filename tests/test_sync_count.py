@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.registry import BUILTIN
-from gradcomp.sync_budget import BUDGETS, FIXED_SIZE, HOOK_READS_NOTHING_HANDED_ON, NOTES, VERDICT_IN_RESULT
+from gradcomp.sync_budget import BUDGETS, FIXED_SIZE, READS_NOTHING_HANDED_ON, NOTES, VERDICT_IN_RESULT
 from gradcomp.train import ddp_hook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +64,9 @@ def device_paths(monkeypatch):
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")  # the torch code that runs on a GPU, not the numba kernels
 
 
-def count_aggregator_step(name: str):
+def count_aggregator_step(name: str, nonfinite: str = "raise"):
     model = _model()
-    aggregator = gradcomp.GradientAggregator(model, _method(name))
+    aggregator = gradcomp.GradientAggregator(model, _method(name), nonfinite=nonfinite)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(WARMUP + 1):
         x, y = _batch(step)
@@ -170,7 +170,7 @@ def test_the_ddp_hook_reads_nothing_on_the_autograd_thread(name, group, device_p
 
 # the fixed-size methods whose one read is the verdict after the last round (no message of theirs is decoded by the
 # wire): the DDP hook reads it once per backward pass, at the last bucket, however many buckets the pass has
-READ_AFTER_ROUNDS = list(HOOK_READS_NOTHING_HANDED_ON)
+READ_AFTER_ROUNDS = list(READS_NOTHING_HANDED_ON)
 
 
 @pytest.mark.parametrize("name", READ_AFTER_ROUNDS)
@@ -210,6 +210,15 @@ def test_the_hook_reads_nothing_when_told_to_propagate_where_the_verdict_comes_a
         _complete_at_issue(monkeypatch)
     assert count_ddp_step(name, monkeypatch, nonfinite="propagate").total == 0
     assert count_ddp_step(name, monkeypatch).total == BUDGETS[name]["ddp"] == 1
+
+
+@pytest.mark.parametrize("name", READ_AFTER_ROUNDS)
+def test_the_aggregator_reads_nothing_when_told_to_propagate_where_the_verdict_comes_after_the_rounds(
+        name, group, device_paths):
+    """``GradientAggregator(..., nonfinite="propagate")``: the same zero reads as the hook's (its step() returns None
+    instead of saying whether the step stood; tests/test_propagate.py checks the NaN on every rank)."""
+    assert count_aggregator_step(name, nonfinite="propagate").total == 0
+    assert count_aggregator_step(name).total == BUDGETS[name]["aggregator"] == 1
 
 
 def test_the_methods_whose_sum_carries_the_verdict():

@@ -33,10 +33,11 @@ VERDICT_IN_RESULT = ("bf16", "fp16", "none", "randomblock", "randomk")
 
 # The methods whose one read is the verdict after the last round (all-reduces only: no message decoded by the wire).
 # Under a GradScaler or nonfinite="propagate" the DDP hook reads nothing of theirs (0 instead of their "ddp" budget
-# below): the stateless ones need no verdict, the others' (PowerSGD, sketched SGD, true top-k) is applied on the
-# device at the pass's last bucket, NaN in every bucket and the state put back where it says so (ddp_hook.
-# _CommThread._pass_handed_on), except at a pass in which a slot's state first appears, which reads it once
-HOOK_READS_NOTHING_HANDED_ON = ("bf16", "fp16", "none", "powersgd", "randomblock", "randomk", "sketch", "true_topk")
+# below), nor does GradientAggregator(nonfinite="propagate") (0 instead of "aggregator"): the stateless ones need no
+# verdict, the others' (PowerSGD, sketched SGD, true top-k) is applied on the device, NaN in every result and the
+# state put back where it says so (ddp_hook._CommThread._pass_handed_on, GradientAggregator._handed_on), except in
+# a step in which a slot's state first appears, which reads it once
+READS_NOTHING_HANDED_ON = ("bf16", "fp16", "none", "powersgd", "randomblock", "randomk", "sketch", "true_topk")
 
 _VERDICT = (
     "1 read, after the last round, of the workers' agreed finiteness verdict, a device flag that rode on the step's "

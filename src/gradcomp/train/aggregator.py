@@ -17,6 +17,10 @@ before the step (``snapshot`` / ``restore``: one copy of the state per step, non
 ``scaler.step`` skips it and ``scaler.update`` lowers the scale on every worker. Gradients are unscaled before
 they are compressed (residuals and momentum stay in unscaled units, whatever the scale does) and the average is
 scaled back, so that ``scaler.unscale_`` / ``scaler.step`` see what they expect (exact: the scale is a power of 2).
+``nonfinite="propagate"`` hands a bad step's NaN on without reading whether it is bad: ``step()`` returns None,
+every worker's gradients of a bad step are NaN (the same on every worker) for the scaler's check (or your own), the
+state is put back, and on a GPU the methods that only all-reduce (none, fp16, bf16, random-k, random block,
+PowerSGD, sketched SGD, true top-k) read nothing from the device in a step; ``skipped`` is not counted then.
 
 A parameter without a gradient on this step contributes zeros, so all workers always send the same slots;
 ``step()`` says what it receives. At the first exchange the workers check, with one small all-gather, that they
@@ -39,6 +43,7 @@ from gradcomp.transport.base import Transport
 from gradcomp.wire.bits import host_path
 
 GRANULARITIES = ("layer", "model")
+NONFINITE = ("raise", "propagate")
 
 
 def _named_parameters(params) -> list[tuple[str, nn.Parameter]]:
@@ -63,6 +68,7 @@ class GradientAggregator:
         server_compressor: Compressor | None = None,
         root: int = 0,
         scaler: torch.amp.GradScaler | None = None,
+        nonfinite: str = "raise",
     ):
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -73,6 +79,9 @@ class GradientAggregator:
                 "DDP's exchange, or pass the unwrapped model (ddp_model.module) and drop DistributedDataParallel"
             )
         check_scaler(scaler, "GradientAggregator")
+        if nonfinite not in NONFINITE:
+            raise ConfigError(f"GradientAggregator: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        self.propagate = nonfinite == "propagate"
         self.named = _named_parameters(params)
         if not self.named:
             raise ConfigError("no parameters that require gradients")
@@ -112,6 +121,8 @@ class GradientAggregator:
 
         If some worker's gradients are not finite: NonFiniteGradientError on every worker (the counter stays), or,
         with a scaler, None on every worker (a skipped step; the counter advances). The state is as before either way.
+        With ``nonfinite="propagate"`` nothing is read to decide it: the averages are returned, NaN on every worker
+        when the step is bad (the counter advances).
         """
         if len(grads) != len(self.named):
             raise ConfigError(f"expected {len(self.named)} gradients, got {len(grads)}")
@@ -129,34 +140,52 @@ class GradientAggregator:
             self._slots_agreed = True
         scale = loss_scale(self.scaler)
         snapshot = self.exchange.snapshot()
+        # propagated, on the device path: a verdict that the result does not carry and no read took comes back here
+        verdicts: list[Tensor] | None = [] if self.propagate and device_path else None
+        options = {"validate": False, "finite": finite, "handed_on": self.propagate, "verdicts": verdicts}
         if self.granularity == "layer":
             inputs = [g / scale for g in grads] if scale is not None and not here else grads
-            averaged = self.exchange.exchange(self.slots, inputs, self.steps, validate=False, finite=finite)
+            averaged = self.exchange.exchange(self.slots, inputs, self.steps, **options)
         else:
             flat = torch.cat([g.reshape(-1) for g in grads])
             if scale is not None and not here:
                 flat.div_(scale)
-            out = self.exchange.exchange(self.slots, [flat], self.steps, validate=False, finite=finite)
+            out = self.exchange.exchange(self.slots, [flat], self.steps, **options)
             averaged = None if out is None else list(torch.split(out[0], [g.numel() for g in grads]))
+        if averaged is not None and verdicts:
+            averaged = self._handed_on(averaged, verdicts, snapshot)
         if averaged is None:
             self.exchange.restore(snapshot)
             if device_path:  # which of this worker's tensors were not finite (reads on a failed step only)
                 here = [name for name, ok in zip(self.names, finite_flags(grads)) if not ok]
-            if self.scaler is None:
+            if self.scaler is None and not self.propagate:
                 raise agreed_non_finite(self.steps, here + self.exchange.refusal())
             self.steps += 1
             self.skipped += 1
+            if self.propagate:  # NaN on every worker, for the scaler's check or the caller's
+                return [torch.full_like(g, float("nan")) for g in grads]
             return None
         self.steps += 1
         if scale is not None:
             averaged = [a * scale for a in averaged]  # back in the scaler's units (a power of 2: exact)
         return [a.view_as(g) for a, g in zip(averaged, grads)]
 
+    def _handed_on(self, averaged: list[Tensor], verdicts: list[Tensor], snapshot: dict) -> list[Tensor] | None:
+        """The step's agreed verdict left on the device (``verdicts``: True, some worker's gradients were not
+        finite) applied without a read: the averages NaN where it says so and the state put back by
+        ``torch.where`` (``GradientExchange.restore_where``); None, after one read, when it says so and the state's
+        layout moved during the step (a slot's first step), which only the read can undo."""
+        bad = torch.stack([f.reshape(()) for f in verdicts]).any()
+        if not self.exchange.restore_where(snapshot, bad):
+            return None if bool(bad) else averaged
+        return [a.masked_fill(bad, float("nan")) for a in averaged]
+
     @torch.no_grad()
-    def step(self) -> bool:
+    def step(self) -> bool | None:
         """Replace every parameter's ``.grad`` with the aggregated average over all workers; returns True, or
         False for a step skipped because some worker's gradients overflowed (with a ``scaler``; every ``.grad``
-        is then NaN, so ``scaler.step`` skips it and ``scaler.update`` lowers the scale, on every worker).
+        is then NaN, so ``scaler.step`` skips it and ``scaler.update`` lowers the scale, on every worker). With
+        ``nonfinite="propagate"``: None (not looked at; a bad step's ``.grad`` are NaN on every worker).
 
         One exchange per call: call it once per iteration, between ``backward()`` and ``optimizer.step()``. A
         second call in the same iteration is not detected; it runs another exchange of the averaged gradients
@@ -191,7 +220,7 @@ class GradientAggregator:
                 p.grad = a.to(p.dtype).clone()
             else:
                 p.grad.copy_(a)
-        return True
+        return None if self.propagate else True
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "exchange": self.exchange.state_dict(), **self.exchange.identity(self.slots)}
