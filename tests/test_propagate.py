@@ -1,8 +1,8 @@
 """``nonfinite="propagate"`` of the DDP hook and of GradientAggregator (gloo, CPU, 2 ranks; the host path and the
 device path forced on CPU tensors): a NaN / Inf gradient on one rank raises nothing; after that backward pass (and
 ``step()``) every rank holds NaN gradients, the same on every rank, the method's state is back where it was before
-the pass, and a user who skips the optimizer step on non-finite gradients trains on with identical replicas. (That the stateless all-reduces then
-read nothing from the device: tests/test_sync_count.py.)
+the pass, and a user who skips the optimizer step on non-finite gradients trains on with identical replicas. (That
+the methods that only all-reduce then read nothing from the device: tests/test_sync_count.py.)
 """
 
 from __future__ import annotations
