@@ -137,6 +137,9 @@ def test_local_steps_refuse_an_aggregator_with_a_scaler():
                                       scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(gradcomp.ConfigError, match="without a scaler"):
         gradcomp.LocalUpdateExchange(agg, 2)
+    handing_on = gradcomp.GradientAggregator(_net(), gradcomp.make("none"), cluster.transports[0], nonfinite="propagate")
+    with pytest.raises(gradcomp.ConfigError, match="not 'propagate'"):
+        gradcomp.LocalUpdateExchange(handing_on, 2)
 
 
 def test_a_scaler_that_is_not_one_is_refused_before_anything_is_sent():

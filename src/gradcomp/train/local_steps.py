@@ -49,6 +49,11 @@ class LocalUpdateExchange:
         check_compressors(aggregator.exchange.compressor, aggregator.exchange.server_compressor)
         if getattr(aggregator, "scaler", None) is not None:  # it would unscale weight updates, which are not scaled
             raise ConfigError("LocalUpdateExchange exchanges weight updates: give it an aggregator without a scaler")
+        if getattr(aggregator, "propagate", False):  # a bad sync's NaN would be added to every worker's parameters
+            raise ConfigError(
+                "LocalUpdateExchange adds the averaged update to the parameters itself: give it an aggregator with "
+                "nonfinite='raise' (the default), not 'propagate'"
+            )
         self.aggregator = aggregator
         self.local_steps = local_steps
         self.params = [p for _, p in aggregator.named]
