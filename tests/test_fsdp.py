@@ -326,6 +326,87 @@ def test_a_nan_on_one_rank_skips_the_pass_on_every_rank_with_a_scaler_or_propaga
             assert torch.equal(a, b), f"{mode}: the run with the skipped step differs from one without it"
 
 
+def _fp16_rows_under_a_scaler(rank, world):
+    """One compressed reduce-scatter of fp16 rows (fp16 mixed precision) scaled by 2**20, the same on both ranks:
+    what comes out, and what went in."""
+    import gradcomp
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = _shard(_model(), world)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**20)
+    scaler.scale(torch.ones(()))  # (the scaler makes its scale tensor at its first scaled loss)
+    comm = gradcomp.compress_fsdp(model, gradcomp.make("none"), scaler=scaler).comms[-1]
+    g = torch.Generator().manual_seed(7)
+    inp = ((torch.rand(world * comm.row, generator=g) + 0.5) * 1e-6 * 2.0**20).to(torch.float16)  # |g| ~ 1e-6
+    out = torch.zeros(comm.row, dtype=torch.float16)
+    comm(output_tensor=out, input_tensor=inp, group=None, op=dist.ReduceOp.AVG)
+    real = torch.zeros(comm.row, dtype=torch.bool)  # the entries of this rank's chunks (the rest is FSDP's padding)
+    for piece, slot in comm.owned[rank]:
+        real[piece.offset : piece.offset + slot.numel] = True
+    return out, inp.reshape(world, comm.row)[rank], real
+
+
+def test_fp16_gradients_are_unscaled_in_float32():
+    """Under a scaler the rows are divided by the scale after their cast to float32: the fp16 gradients of ~1e-6
+    that the scale of 2**20 keeps normal come back exactly (the mean of two equal rows). Divided in fp16 they would
+    have been subnormal, about 3 % off."""
+    for out, mine, real in run_workers(_fp16_rows_under_a_scaler, 2):
+        assert real.any() and torch.equal(out[real], mine[real]) and not out[~real].any()
+
+
+def test_a_pass_is_one_backward_even_when_a_module_sits_one_out():
+    """The skipping bookkeeping (``FSDPCompressionState.pass_begins`` / ``pass_abandoned``): a pass ends with its
+    backward (the autograd engine's callback), not when every module has been called. FSDP2 reduce-scatters no
+    module that took no part in the forward pass, so module C sits out pass 1; when C's call opens pass 2 and is
+    bad, pass 1 (applied) stands, pass 2's later calls are skipped, and pass 3 runs afresh. A call made outside a
+    backward pass is a pass of its own."""
+    from types import SimpleNamespace
+
+    from gradcomp.train.fsdp import FSDPCompressionState
+
+    state = FSDPCompressionState(None, SimpleNamespace(rank=0, world_size=2), propagate=True)
+    a, b, c = (SimpleNamespace(key=k, step=0) for k in "ABC")
+    state.comms = [a, b, c]
+    seen = []
+
+    def call(comm, bad):  # what _CompressedReduceScatter.__call__ does with the pass
+        state.pass_begins(comm)
+        if state.pass_bad:
+            seen.append(f"{comm.key} skipped")
+        elif comm is bad:
+            state.pass_abandoned(comm)
+            seen.append(f"{comm.key} bad")
+        else:
+            comm.step += 1
+            seen.append(f"{comm.key} ran")
+        state.call_ends()
+
+    class Backward(torch.autograd.Function):  # the calls FSDP makes inside one backward pass
+        @staticmethod
+        def forward(ctx, x, comms, bad):
+            ctx.comms, ctx.bad = comms, bad
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            for comm in ctx.comms:
+                call(comm, ctx.bad)
+            return g, None, None
+
+    def backward(*comms, bad=None):
+        Backward.apply(torch.ones(1, requires_grad=True), comms, bad).sum().backward()
+
+    backward(b, a)  # C sits out
+    backward(c, b, a, bad=c)
+    assert seen == ["B ran", "A ran", "C bad", "B skipped", "A skipped"]
+    assert {x.key: x.step for x in (a, b, c)} == {"A": 1, "B": 1, "C": 0}  # pass 1 stands, pass 2 left nothing
+    backward(c, b, a)
+    assert seen[-3:] == ["C ran", "B ran", "A ran"] and {x.key: x.step for x in (a, b, c)} == {"A": 2, "B": 2, "C": 1}
+    call(a, bad=a)  # outside a backward pass: its own pass, over with the call
+    call(b, bad=None)
+    assert seen[-2:] == ["A bad", "B ran"]
+
+
 def test_compress_fsdp_refuses_an_unknown_nonfinite_policy():
     import gradcomp
 

@@ -27,7 +27,8 @@ METHODS = {
     # on the device path, under a scaler, these two read no verdict: the NaN in the sum is it (verdict_in_result)
     "fp16": lambda: gradcomp.make("fp16"),
     "randomk": lambda: gradcomp.make("randomk", density=0.25),
-    # stateful, all-reduce only: on the device path the hook reads its verdict once per pass and skips the whole pass
+    # stateful, all-reduce only: on the device path, under a scaler, the hook applies its verdict with torch.where at
+    # the pass's last bucket (NaN there, the state put back), reading nothing
     "powersgd": lambda: gradcomp.make("powersgd"),
 }
 

@@ -114,18 +114,20 @@ def _same_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("label", ["powersgd", "randomk-ef", "true_topk"])
+@pytest.mark.parametrize("label", ["powersgd", "randomk-ef", "true_topk", "sketch"])
 def test_restore_where_puts_the_state_back_only_where_the_flag_says_and_refuses_a_moved_layout(label):
     """``GradientExchange.restore_where`` (what the hook runs instead of reading a pass's verdict, under a scaler or
     ``nonfinite="propagate"``): True puts back the snapshot exactly, False leaves the state as it is, and a state
-    whose layout moved since the snapshot (a slot's first step) is refused, unchanged. PowerSGD and true top-k (one
-    ``SlotState``) do it in place, their tensors keeping their identity; random-k with error feedback through the
-    generic path (``state_dict`` / ``load_state_dict``)."""
+    whose layout moved since the snapshot (a slot's first step) is refused, unchanged. PowerSGD, true top-k and
+    sketched SGD (one ``SlotState``) do it in place, their tensors keeping their identity; random-k with error
+    feedback through the generic path (``state_dict`` / ``load_state_dict``). Either way the scheme works on from
+    the state put back: the undone step, taken again, gives the same results and the same state as the first time."""
     from gradcomp.train.exchange import GradientExchange
 
     make = {"powersgd": lambda: gradcomp.make("powersgd", start_iter=0),
             "randomk-ef": lambda: gradcomp.make("randomk", density=0.25, error_feedback=True),
-            "true_topk": lambda: gradcomp.make("true_topk", density=0.25, min_size=1)}[label]
+            "true_topk": lambda: gradcomp.make("true_topk", density=0.25, min_size=1),
+            "sketch": lambda: gradcomp.make("sketch", density=0.25, min_size=1)}[label]
     shapes = [(24, 12), (16, 24), (12, 24)]
     grads = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(shapes)]
     slots = [gradcomp.Slot(name, i, g.numel(), g.shape) for i, (name, g) in enumerate(zip("wvu", grads))]
@@ -138,12 +140,15 @@ def test_restore_where_puts_the_state_back_only_where_the_flag_says_and_refuses_
         ex = GradientExchange(make(), t)
         ex.exchange(slots[:2], grads[:2], 0)
         before = ex.snapshot()
-        ex.exchange(slots[:2], [2 * x for x in grads[:2]], 1)
+        first = ex.exchange(slots[:2], [2 * x for x in grads[:2]], 1)
         after, ids = ex.snapshot(), live(ex)
         assert not _same_state(before, after)  # the step moved the state
         assert ex.restore_where(before, torch.tensor([False])) and _same_state(ex.snapshot(), after)
         assert ex.restore_where(before, torch.tensor([True])) and _same_state(ex.snapshot(), before)
         assert live(ex) == ids  # in place where the state is one SlotState (empty list otherwise)
+        again = ex.exchange(slots[:2], [2 * x for x in grads[:2]], 1)  # the undone step, taken again
+        assert all(torch.equal(a, b) for a, b in zip(first, again)) and _same_state(ex.snapshot(), after)
+        assert ex.restore_where(before, torch.tensor([True]))
         ex.exchange(slots, grads, 2)  # a third slot: its state appears
         moved = ex.snapshot()
         assert not ex.restore_where(before, torch.tensor([True]))

@@ -68,7 +68,8 @@ multiplied back. ``nonfinite="propagate"`` does the same without a scaler: the N
 check (torch's DDP hands a NaN on in the same way). Either way, on the device path, nothing reads the verdict of
 a scheme that only all-reduces, so that a step on a GPU waits for nothing: a stateless one's sum carries a bad
 rank's NaN to every rank by itself, and the others' pass-end flags are applied on the device (``_pass_handed_on``:
-NaN into every bucket of the pass and the state put back, by ``torch.where`` on the agreed flag).
+NaN into the pass's buckets and the state put back, by ``torch.where`` on the agreed flag; what reaches ``.grad``
+is the last bucket, and every bucket with ``gradient_as_bucket_view=True``: DDP has copied the others by then).
 (After an error inside backward DDP itself refuses the next iteration: "Expected to have finished reduction in the
 prior iteration"; rebuild the DDP model to go on.) An error on the
 thread (a collective that failed or timed out, a bad message) completes that bucket's future with the
@@ -364,7 +365,7 @@ class _CommThread:
             if not self.propagate:
                 raise agreed_non_finite(job.step, self._locally_bad())
             for buffer, _, _ in self._pass_buckets:
-                buffer.fill_(float("nan"))  # every bucket of the pass, on every rank: the scaler (or user) skips
+                buffer.fill_(float("nan"))  # the pass's buckets (the last reaches .grad): the scaler (or user) skips
             return
         if job.retain is not None:
             self.exchange.scheme.retain(job.retain)
@@ -372,10 +373,11 @@ class _CommThread:
     def _pass_handed_on(self) -> bool:
         """Under a scaler or ``nonfinite="propagate"``: the pass's deferred verdicts applied on the device, unread
         (True), or False where they must be read (``_pass_abandoned``). The agreed flag "some rank's gradients were
-        not finite in some bucket" fills every bucket of the pass with NaN and puts the method's state back where it
-        was at the start of the pass (``GradientExchange.restore_where``), by ``torch.where`` on the flag: a good pass
-        changes nothing, a bad one ends as the read would have left it, and the host waits for nothing. False when
-        the state's layout moved during the pass (a slot's first step), which only the read can undo."""
+        not finite in some bucket" fills the pass's buckets with NaN (the last one's future is still open, so its
+        NaN reaches ``.grad`` on every rank; the earlier ones' only as bucket views) and puts the method's state back
+        where it was at the start of the pass (``GradientExchange.restore_where``), by ``torch.where`` on the flag:
+        a good pass changes nothing, a bad one ends as the read would have left it, and the host waits for nothing.
+        False when the state's layout moved during the pass (a slot's first step), which only the read can undo."""
         if not self.propagate:
             return False
         bad = torch.stack([f.reshape(()) for f in self._pass_flags]).any()
@@ -383,7 +385,7 @@ class _CommThread:
             return False
         self._pass_flags = []
         for buffer, _, _ in self._pass_buckets:
-            buffer.masked_fill_(bad, float("nan"))  # every bucket of the pass, on every rank, where bad
+            buffer.masked_fill_(bad, float("nan"))  # the pass's buckets, on every rank, where bad
         return True
 
     def _pass_abandoned(self) -> bool:

@@ -76,8 +76,12 @@ Other choices:
   so the state keeps one journal for the whole pass (``FSDPCompressionState.pass_begins``); at the bad call it
   puts back every slot the pass's calls changed and every call's step count, fills that call's output with NaN
   and sends nothing for the pass's later calls (their outputs NaN too), so the scaler's check (or the user's)
-  skips the step on every rank. Under a scaler the rows are divided by its scale before compression (residuals in
-  unscaled units) and the aggregate multiplied back.
+  skips the step on every rank. Under a scaler the rows are divided by its scale before compression, in float32
+  (residuals in unscaled units; an fp16 gradient divided in fp16 would underflow), and the aggregate multiplied
+  back. The price of skipping: the pass's journal keeps a copy of every slot's state its calls changed until the
+  backward pass ends (the autograd engine's callback ends the pass, so a module that sat the forward pass out does
+  not blur two passes), i.e. with error feedback one more copy of all the residuals during backward, where raising
+  keeps one module's.
 - Methods that own their rounds (PowerSGD, sketched SGD, LGC, ...) are refused: their rounds assume every
   rank ends with the whole aggregate, which a reduce-scatter does not give.
 """
@@ -152,8 +156,10 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         self.known: list[int] | None = None if any(s is None for s in sizes) else sizes  # type: ignore[misc]
         self.step = 0
 
-    def _messages(self, rows: Tensor, step: int) -> list[Tensor]:
-        """This rank's wire buffer for every rank j: its chunk j of every parameter, compressed and encoded."""
+    def _messages(self, rows: Tensor, step: int, scale: Tensor | None = None) -> list[Tensor]:
+        """This rank's wire buffer for every rank j: its chunk j of every parameter, compressed and encoded;
+        ``scale``: the loss scale the chunks are divided by first, in float32 (an fp16 gradient divided in fp16
+        would lose its small entries to underflow, which the scale is there to prevent)."""
         compressor, up = self.state.compressor, []
         for j, owned in enumerate(self.owned):
             if not owned:
@@ -161,8 +167,8 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                 continue
             messages = []
             for piece, slot in owned:
-                chunk = rows[j, piece.offset : piece.offset + slot.numel]
-                messages.append(compressor.compress(chunk.to(torch.float32), slot, step))
+                chunk = rows[j, piece.offset : piece.offset + slot.numel].to(torch.float32)
+                messages.append(compressor.compress(chunk if scale is None else chunk / scale, slot, step))
             up.append(encode_slots(compressor, [s for _, s in owned], messages))
         return up
 
@@ -196,11 +202,9 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         record = state.pass_begins(self) if state.propagate else None
         if state.pass_bad:  # an earlier call of this backward pass was not finite on some rank: so is this one
             output_tensor.fill_(float("nan"))  # on every rank, with nothing sent
-            state.pass_ends(self)
+            state.call_ends()
             return None
-        scale = loss_scale(state.scaler)
-        if scale is not None:  # error feedback sees unscaled gradients (a power of 2: exact; FSDP's own buffer, in
-            rows.div_(scale)  # place: it is discarded after this call)
+        scale = loss_scale(state.scaler)  # error feedback sees unscaled gradients (_messages)
         # fixed sizes on the device path: this rank's verdict stays a device flag, rides on the all-to-all and is
         # read with the decoded messages' checks, one read per call (drive_agreeing); else it is read here
         defer = self.known is not None and not host_path(input_tensor)
@@ -213,7 +217,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
             refused = None
             with journal(record) as touched:  # each slot's state before this call (this pass) changes it
                 try:  # (deferred: the rows as they are; a bad call is undone before anything of it is applied)
-                    up = self._messages(rows if defer or finite else torch.zeros_like(rows), step)
+                    up = self._messages(rows if defer or finite else torch.zeros_like(rows), step, scale)
                 except NonFiniteGradientError as exc:  # finite rows whose compression is not (QSGD's norm, ...):
                     refused, finite = exc, False  # refused on this rank only, so it is this rank's verdict
                     up = self._messages(torch.zeros_like(rows), step)  # (only the messages' sizes matter then)
@@ -228,6 +232,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                 if state.propagate:  # the pass is skipped on every rank, its state put back: NaN for the scaler
                     state.pass_abandoned(self)  # (this call's changes are in the pass's record)
                     output_tensor.fill_(float("nan"))
+                    state.call_ends()
                     return None
                 touched.undo()
                 here = [] if bool(finite) else [
@@ -250,7 +255,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         self.step += 1
         state.calls += 1
         if state.propagate:
-            state.pass_ends(self)
+            state.call_ends()
         return None
 
 
@@ -273,15 +278,23 @@ class FSDPCompressionState:
         # record of the state its calls changed, and whether it is abandoned
         self._pass_calls: dict[str, int] = {}
         self._pass_record: Journal | None = None
+        self._own_pass = False  # the pass is one call made outside a backward pass: it ends with the call
         self.pass_bad = False
 
     def pass_begins(self, comm: _CompressedReduceScatter) -> Journal:
-        """A call of a backward pass (FSDP calls every module's reduce-scatter once per pass, in the same order on
-        every rank): the pass's record of the state it changes, opened at its first call."""
-        if not self._pass_calls or comm.key in self._pass_calls:  # (the second: a pass cut short by an error)
+        """A call of a backward pass (FSDP calls the reduce-scatter of every module that took part in the forward
+        pass once, in the same order on every rank): the pass's record of the state it changes, opened at its first
+        call, which also asks the autograd engine to end the pass when this backward ends (``pass_ends``; a call
+        made outside a backward pass is a pass of its own)."""
+        if self._pass_record is None or comm.key in self._pass_calls:  # (the second: a pass cut short by an error)
             self._pass_calls, self._pass_record, self.pass_bad = {}, Journal(), False
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.pass_ends)
+                self._own_pass = False
+            except RuntimeError:  # not inside a backward pass (a direct call)
+                self._own_pass = True
         self._pass_calls.setdefault(comm.key, comm.step)
-        return self._pass_record  # type: ignore[return-value]
+        return self._pass_record
 
     def pass_abandoned(self, comm: _CompressedReduceScatter) -> None:
         """Some rank's gradients were not finite at ``comm``'s call (every rank is there): the state the pass changed
@@ -292,12 +305,16 @@ class FSDPCompressionState:
             by_key[key].step = step
         self.pass_bad = True
         self.skipped += 1
-        self.pass_ends(comm)
 
-    def pass_ends(self, comm: _CompressedReduceScatter) -> None:
-        """After each call: once every module has been called, the next call begins a new pass."""
-        if len(self._pass_calls) == len(self.comms):
-            self._pass_calls, self._pass_record = {}, None
+    def call_ends(self) -> None:
+        """After each call: a call made outside a backward pass ends its pass with it."""
+        if self._own_pass:
+            self.pass_ends()
+
+    def pass_ends(self) -> None:
+        """The end of the backward pass (queued with the autograd engine by its first call): the next call begins a
+        new pass."""
+        self._pass_calls, self._pass_record, self._own_pass = {}, None, False
 
     @property
     def counter(self):
