@@ -358,8 +358,9 @@ def test_a_pass_is_one_backward_even_when_a_module_sits_one_out():
     """The skipping bookkeeping (``FSDPCompressionState.pass_begins`` / ``pass_abandoned``): a pass ends with its
     backward (the autograd engine's callback), not when every module has been called. FSDP2 reduce-scatters no
     module that took no part in the forward pass, so module C sits out pass 1; when C's call opens pass 2 and is
-    bad, pass 1 (applied) stands, pass 2's later calls are skipped, and pass 3 runs afresh. A call made outside a
-    backward pass is a pass of its own."""
+    bad, pass 1 (applied) stands, pass 2's later calls are skipped, and pass 3 runs afresh. A backward that fails
+    leaves its pass open; the next backward's first call starts its own. A call made outside a backward pass is a
+    pass of its own."""
     from types import SimpleNamespace
 
     from gradcomp.train.fsdp import FSDPCompressionState
@@ -383,18 +384,20 @@ def test_a_pass_is_one_backward_even_when_a_module_sits_one_out():
 
     class Backward(torch.autograd.Function):  # the calls FSDP makes inside one backward pass
         @staticmethod
-        def forward(ctx, x, comms, bad):
-            ctx.comms, ctx.bad = comms, bad
+        def forward(ctx, x, comms, bad, fail):
+            ctx.comms, ctx.bad, ctx.fail = comms, bad, fail
             return x.clone()
 
         @staticmethod
         def backward(ctx, g):
             for comm in ctx.comms:
                 call(comm, ctx.bad)
-            return g, None, None
+            if ctx.fail:
+                raise RuntimeError("this backward fails after its calls (test)")
+            return g, None, None, None
 
-    def backward(*comms, bad=None):
-        Backward.apply(torch.ones(1, requires_grad=True), comms, bad).sum().backward()
+    def backward(*comms, bad=None, fail=False):
+        Backward.apply(torch.ones(1, requires_grad=True), comms, bad, fail).sum().backward()
 
     backward(b, a)  # C sits out
     backward(c, b, a, bad=c)
@@ -402,6 +405,11 @@ def test_a_pass_is_one_backward_even_when_a_module_sits_one_out():
     assert {x.key: x.step for x in (a, b, c)} == {"A": 1, "B": 1, "C": 0}  # pass 1 stands, pass 2 left nothing
     backward(c, b, a)
     assert seen[-3:] == ["C ran", "B ran", "A ran"] and {x.key: x.step for x in (a, b, c)} == {"A": 2, "B": 2, "C": 1}
+    with pytest.raises(RuntimeError, match="fails after its calls"):
+        backward(b, fail=True)  # its pass is never ended by the engine's callback
+    backward(c, a, bad=c)  # another backward: a pass of its own, which the failed one's B call is not part of
+    assert seen[-3:] == ["B ran", "C bad", "A skipped"]
+    assert {x.key: x.step for x in (a, b, c)} == {"A": 2, "B": 3, "C": 1}
     call(a, bad=a)  # outside a backward pass: its own pass, over with the call
     call(b, bad=None)
     assert seen[-2:] == ["A bad", "B ran"]

@@ -78,10 +78,10 @@ Other choices:
   and sends nothing for the pass's later calls (their outputs NaN too), so the scaler's check (or the user's)
   skips the step on every rank. Under a scaler the rows are divided by its scale before compression, in float32
   (residuals in unscaled units; an fp16 gradient divided in fp16 would underflow), and the aggregate multiplied
-  back. The price of skipping: the pass's journal keeps a copy of every slot's state its calls changed until the
-  backward pass ends (the autograd engine's callback ends the pass, so a module that sat the forward pass out does
-  not blur two passes), i.e. with error feedback one more copy of all the residuals during backward, where raising
-  keeps one module's.
+  back. A pass is one backward pass of the autograd engine (its graph task), so a module that sat the forward pass
+  out, or a backward that failed half way, does not blur two passes. The price of skipping: the pass's journal
+  keeps a copy of every slot's state its calls changed until the backward ends, i.e. with error feedback one more
+  copy of all the residuals during backward, where raising keeps one module's.
 - Methods that own their rounds (PowerSGD, sketched SGD, LGC, ...) are refused: their rounds assume every
   rank ends with the whole aggregate, which a reduce-scatter does not give.
 """
@@ -278,21 +278,22 @@ class FSDPCompressionState:
         # record of the state its calls changed, and whether it is abandoned
         self._pass_calls: dict[str, int] = {}
         self._pass_record: Journal | None = None
-        self._own_pass = False  # the pass is one call made outside a backward pass: it ends with the call
+        self._pass_task = -1  # the autograd engine's graph task of the pass (-1: one call outside a backward pass)
         self.pass_bad = False
 
     def pass_begins(self, comm: _CompressedReduceScatter) -> Journal:
         """A call of a backward pass (FSDP calls the reduce-scatter of every module that took part in the forward
-        pass once, in the same order on every rank): the pass's record of the state it changes, opened at its first
-        call, which also asks the autograd engine to end the pass when this backward ends (``pass_ends``; a call
-        made outside a backward pass is a pass of its own)."""
-        if self._pass_record is None or comm.key in self._pass_calls:  # (the second: a pass cut short by an error)
-            self._pass_calls, self._pass_record, self.pass_bad = {}, Journal(), False
-            try:
+        pass once, in the same order on every rank): the pass's record of the state it changes. A pass is one
+        backward pass of the autograd engine (its graph task), whatever modules it calls; a call made outside a
+        backward pass is a pass of its own. Its first call asks the engine to end it when the backward ends
+        (``pass_ends``: the record's copies are dropped then, not kept through the optimizer step and the next
+        forward pass); a backward that failed never ends its pass that way, and the next one's first call starts
+        afresh."""
+        task = _graph_task()
+        if self._pass_record is None or task == -1 or task != self._pass_task or comm.key in self._pass_calls:
+            self._pass_calls, self._pass_record, self.pass_bad, self._pass_task = {}, Journal(), False, task
+            if task != -1:
                 torch.autograd.Variable._execution_engine.queue_callback(self.pass_ends)
-                self._own_pass = False
-            except RuntimeError:  # not inside a backward pass (a direct call)
-                self._own_pass = True
         self._pass_calls.setdefault(comm.key, comm.step)
         return self._pass_record
 
@@ -308,13 +309,13 @@ class FSDPCompressionState:
 
     def call_ends(self) -> None:
         """After each call: a call made outside a backward pass ends its pass with it."""
-        if self._own_pass:
+        if self._pass_task == -1:
             self.pass_ends()
 
     def pass_ends(self) -> None:
         """The end of the backward pass (queued with the autograd engine by its first call): the next call begins a
         new pass."""
-        self._pass_calls, self._pass_record, self._own_pass = {}, None, False
+        self._pass_calls, self._pass_record = {}, None
 
     @property
     def counter(self):
@@ -364,6 +365,13 @@ class FSDPCompressionState:
         self.compressor.load_state_dict(state["compressor"])
         for comm in self.comms:
             comm.step = int(state["steps"][comm.key])
+
+
+def _graph_task() -> int:
+    """The autograd engine's id of the backward pass running on this thread, -1 outside one (torch's own accessor,
+    private; -1 where a torch lacks it, and every call is then a pass of its own)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else int(current())
 
 
 def _tensor_bytes(obj: Any) -> int:
