@@ -65,6 +65,19 @@ def loss_scale(scaler) -> Tensor | None:
     return scale
 
 
+# what a driver does with a non-finite gradient on some worker: raise on every worker, or hand the NaN on (to a
+# GradScaler or the caller's own check) with the state put back
+NONFINITE = ("raise", "propagate")
+
+
+def check_nonfinite(nonfinite: object, owner: str) -> None:
+    """ConfigError unless ``nonfinite`` is one of ``NONFINITE``."""
+    if nonfinite not in NONFINITE:
+        from gradcomp.errors import ConfigError
+
+        raise ConfigError(f"{owner}: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+
+
 def check_scaler(scaler, owner: str) -> None:
     """ConfigError unless ``scaler`` is None or a ``torch.amp.GradScaler`` (anything with its scale and update)."""
     if scaler is not None and not all(hasattr(scaler, a) for a in ("is_enabled", "get_scale", "scale", "update")):

@@ -37,13 +37,12 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError
-from gradcomp.finite import check_scaler, finite_flag, finite_flags, loss_scale
+from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_flags, loss_scale
 from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
 from gradcomp.transport.base import Transport
 from gradcomp.wire.bits import host_path
 
 GRANULARITIES = ("layer", "model")
-NONFINITE = ("raise", "propagate")
 
 
 def _named_parameters(params) -> list[tuple[str, nn.Parameter]]:
@@ -79,8 +78,7 @@ class GradientAggregator:
                 "DDP's exchange, or pass the unwrapped model (ddp_model.module) and drop DistributedDataParallel"
             )
         check_scaler(scaler, "GradientAggregator")
-        if nonfinite not in NONFINITE:
-            raise ConfigError(f"GradientAggregator: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        check_nonfinite(nonfinite, "GradientAggregator")
         self.propagate = nonfinite == "propagate"
         self.named = _named_parameters(params)
         if not self.named:

@@ -126,14 +126,13 @@ from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
-from gradcomp.finite import check_scaler, finite_flag, finite_flags, loss_scale
+from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_flags, loss_scale
 from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
 
 GRANULARITIES = ("layer", "bucket")
-NONFINITE = ("raise", "propagate")
 DEFAULT_MIN_COMPRESSION_RATE = 2.0
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group time-out, when the group's own cannot be read
 
@@ -480,8 +479,7 @@ class CompressionHookState:
     ):
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-        if nonfinite not in NONFINITE:
-            raise ConfigError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        check_nonfinite(nonfinite, "register_ddp_hook")
         check_scaler(scaler, "register_ddp_hook")
         self.exchange = GradientExchange(
             method,

@@ -100,7 +100,7 @@ from torch import Tensor, nn
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.state import Journal, journal
 from gradcomp.errors import ConfigError, NonFiniteGradientError
-from gradcomp.finite import all_finite, check_scaler, finite_flag, loss_scale
+from gradcomp.finite import all_finite, check_nonfinite, check_scaler, finite_flag, loss_scale
 from gradcomp.schemes.sharded import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
 from gradcomp.train.exchange import agreed_non_finite, check_gradients, check_state, drive_agreeing, refusal_note
@@ -440,8 +440,7 @@ def compress_fsdp(
     """
     if FSDPModule is None:  # pragma: no cover
         raise ConfigError("compress_fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)")
-    if nonfinite not in ("raise", "propagate"):
-        raise ConfigError(f"compress_fsdp: nonfinite must be one of ('raise', 'propagate'), got {nonfinite!r}")
+    check_nonfinite(nonfinite, "compress_fsdp")
     check_scaler(scaler, "compress_fsdp")
     if not isinstance(compressor, Compressor):
         check_fsdp_method(compressor, model, 1)  # raises: a method that owns its rounds
