@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError
 from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_flags, loss_scale
-from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
+from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_abandons, warn_float64
 from gradcomp.transport.base import Transport
 from gradcomp.wire.bits import host_path
 
@@ -173,7 +173,7 @@ class GradientAggregator:
         finite) applied without a read: the averages NaN where it says so and the state put back by
         ``torch.where`` (``GradientExchange.restore_where``); None, after one read, when it says so and the state's
         layout moved during the step (a slot's first step), which only the read can undo."""
-        bad = torch.stack([f.reshape(()) for f in verdicts]).any()
+        bad = any_abandons(verdicts)
         if not self.exchange.restore_where(snapshot, bad):
             return None if bool(bad) else averaged
         return [a.masked_fill(bad, float("nan")) for a in averaged]

@@ -127,7 +127,7 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
 from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_flags, loss_scale
-from gradcomp.train.exchange import GradientExchange, agreed_non_finite, warn_float64
+from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_abandons, warn_float64
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
@@ -379,7 +379,7 @@ class _CommThread:
         False when the state's layout moved during the pass (a slot's first step), which only the read can undo."""
         if not self.propagate:
             return False
-        bad = torch.stack([f.reshape(()) for f in self._pass_flags]).any()
+        bad = any_abandons(self._pass_flags)
         if not self.exchange.restore_where(self._snapshot, bad):
             return False
         self._pass_flags = []
@@ -391,7 +391,7 @@ class _CommThread:
         """The pass's one read of its deferred verdicts (all-reduce-only schemes, on the device path): whether
         some rank's gradients were not finite in some bucket. The same answer on every rank, at the same bucket."""
         flags, self._pass_flags = self._pass_flags, []
-        return bool(torch.stack([f.reshape(()) for f in flags]).any())
+        return bool(any_abandons(flags))
 
     def _locally_bad(self) -> list[str]:
         """This rank's buckets of the pass whose gradients were not finite (read on a failure only), named by their

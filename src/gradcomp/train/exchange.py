@@ -110,6 +110,12 @@ def refusal_note(refused: NonFiniteGradientError) -> str:
     return f"the compression of its finite gradients ({refused})"
 
 
+def any_abandons(verdicts: Sequence[Tensor]) -> Tensor:
+    """Deferred verdicts (one-element bool tensors on the device, True: abandon, ``exchange(verdicts=...)``) as one
+    bool tensor of shape (), True when any is; nothing read."""
+    return torch.stack([f.reshape(()) for f in verdicts]).any()
+
+
 def agreed_non_finite(step: int, here: Sequence[str] = ()) -> NonFiniteGradientError:
     """The error every worker raises, at the same exchange, when the workers agreed that some worker's gradients
     were not finite; ``here``: this worker's non-finite tensors, if any (only their own worker names them)."""

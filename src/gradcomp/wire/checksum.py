@@ -369,6 +369,8 @@ def cuda_kernel() -> str:
     if name not in _CUDA_KERNELS:
         raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(_CUDA_KERNELS)}, not {name!r}")
     return name
+
+
 FAST_CONFIG: dict = {}  # keyword arguments of crc_triton.checksum64_fast (rows, k, programs, per_sm, maxnreg)
 
 
