@@ -26,6 +26,13 @@ Mutation kinds (round robin; each mutated buffer differs from its original):
     payload+crc    1 or 2 bits of section data flipped, the checksum recomputed (no check can see most of
                    these: another float is a valid float; reported, not a failure)
 
+``--path device`` feeds the same buffers through what a receiver on a GPU does instead: ``aggregate_buffers``
+with the device path forced on CPU tensors (``GRADCOMP_DEVICE_PATH=1``, as the sync-count tests do), where every
+field is decoded and summed before the message's checks (checksum, headers, positions, padding) are read, in one
+transfer after the sums; "same" then means the aggregate bit for bit. A corrupted position that indexes past its
+slot before that read is a crash here (an IndexError on the CPU; on a GPU a device-side assert, which ends the
+process).
+
 Outcome of each buffer: rejected (WireError from decode, or later from decompress/accumulate), accepted with
 the original values (bit for bit), silent (accepted with different values), crash (any other exception).
 Failure, exit status 1: any crash, or any silent corruption by a mutation of up to two flipped bits
@@ -33,16 +40,19 @@ Failure, exit status 1: any crash, or any silent corruption by a mutation of up 
 
     nice -n 19 .venv/bin/python scripts/fuzz_wire.py                       # 100,000 buffers per decoder
     nice -n 19 .venv/bin/python scripts/fuzz_wire.py --per-decoder 2000 --only threshold topk
+    nice -n 19 .venv/bin/python scripts/fuzz_wire.py --path device --per-decoder 20000 --per-scheme 0
     nice -n 19 .venv/bin/python scripts/fuzz_wire.py --checksum-speed     # CRC pair vs the old checksum
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import inspect
 import itertools
+import os
 import random
 import struct
 import sys
@@ -61,7 +71,7 @@ from gradcomp.compressors.qsgd import CODINGS
 from gradcomp.compressors.sparse import POSITION_CODECS
 from gradcomp.errors import WireError
 from gradcomp.schemes.base import Scheme
-from gradcomp.schemes.single_round import decode_slots, encode_slots
+from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots
 from gradcomp.wire import FLOAT_DTYPES, HEADER_BYTES, SECTION_HEADER_BYTES, Codec
 from gradcomp.wire.bits import packed_nbytes
 from gradcomp.wire.checksum import checksum64
@@ -113,7 +123,7 @@ SLOTS = (Slot("fuzz.weight", 0, 300), Slot("fuzz.bias", 1, 20))
 class Message:
     step: int
     raw: bytes
-    decoded: list[list[torch.Tensor]]  # the unmutated buffer's fields per slot
+    decoded: list[list[torch.Tensor]]  # the unmutated buffer's fields per slot (its aggregate: --path device)
     sections: list[tuple[int, int, int, int, int]]  # (offset in buffer, codec, param, count, nbytes)
 
 
@@ -122,6 +132,7 @@ class Decoder:
     label: str
     make: Callable[[], Compressor]
     messages: list[Message] = field(default_factory=list)
+    device: bool = False  # received as on a GPU (receive_on_device)
 
 
 def _variants(name: str) -> list[dict]:
@@ -169,20 +180,24 @@ def _sections(raw: bytes) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
-def build_decoder(label: str, name: str, params: dict, n_messages: int = 4) -> Decoder:
+def build_decoder(label: str, name: str, params: dict, n_messages: int = 4, device: bool = False) -> Decoder:
     def make() -> Compressor:
         c = registry.make(name, error_feedback=False, **params)
         c.bind_worker(0)
         return c
 
-    decoder = Decoder(label, make)
+    decoder = Decoder(label, make, device=device)
     sender, receiver = make(), make()
     gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(label.encode()).digest()[:4], "little"))
     for step in range(n_messages):
         fields = [sender.compress(x, s, step) for x, s in zip(_gradients(step, gen), SLOTS)]
         buf = encode_slots(sender, SLOTS, fields)
         raw = bytes(buf.tolist())
-        decoded = decode_slots(receiver, SLOTS, buf)
+        if device:
+            status, decoded, exc = receive_on_device(receiver, raw, step)
+            assert status == "ok", exc
+        else:
+            decoded = decode_slots(receiver, SLOTS, buf)
         decoder.messages.append(Message(step, raw, decoded, _sections(raw)))
     return decoder
 
@@ -374,6 +389,34 @@ def receive(compressor: Compressor, raw: bytes | bytearray, step: int) -> tuple[
     return "ok", decoded, None
 
 
+@contextlib.contextmanager
+def _device_path():
+    """CPU tensors take the device path (``wire.bits.host_path``) while inside."""
+    before = os.environ.get("GRADCOMP_DEVICE_PATH")
+    os.environ["GRADCOMP_DEVICE_PATH"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GRADCOMP_DEVICE_PATH"]
+        else:
+            os.environ["GRADCOMP_DEVICE_PATH"] = before
+
+
+def receive_on_device(compressor: Compressor, raw: bytes | bytearray, step: int) -> tuple[str, list | None, BaseException | None]:
+    """What a receiver on a GPU does with one buffer: decode, sum, then read every check (``aggregate_buffers`` on
+    the device path); ("rejected" | "ok" | "crash", the aggregate per slot as one-field lists, exception)."""
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+    try:
+        with _device_path():
+            aggregates = aggregate_buffers(compressor, list(SLOTS), [buf], step, torch.device("cpu"))
+    except WireError as e:
+        return "rejected", None, e
+    except Exception as e:  # counting every other exception is the point
+        return "crash", None, e
+    return "ok", [[a] for a in aggregates], None
+
+
 @dataclass
 class Result:
     counts: dict[str, Counter] = field(default_factory=dict)  # decoder label -> Counter[(kind, outcome)]
@@ -408,7 +451,7 @@ def fuzz_decoder(decoder: Decoder, per_decoder: int, seed: int, result: Result) 
         else:
             counts[(kind, "unchanged")] += 1
             continue
-        status, decoded, exc = receive(compressor, raw, msg.step)
+        status, decoded, exc = (receive_on_device if decoder.device else receive)(compressor, raw, msg.step)
         if status == "ok":
             status = "same" if _same(decoded, msg.decoded) else "silent"
         counts[(kind, status)] += 1
@@ -423,16 +466,18 @@ def run(
     only: Iterable[str] | None = None,
     log: Callable[[str], None] | None = None,
     per_scheme: int | None = None,
+    device: bool = False,
 ) -> Result:
     """Fuzz every compressor's decoder with ``per_decoder`` buffers, then every scheme case's messages with
-    ``per_scheme`` (default ``per_decoder``; 0: none)."""
+    ``per_scheme`` (default ``per_decoder``; 0: none); ``device``: the decoders as a GPU receiver runs them
+    (``receive_on_device``) and the schemes' steps on the device path too."""
     specs, skipped = decoder_specs()
     if only:
         wanted = set(only)
         specs = [s for s in specs if s[1] in wanted or s[0] in wanted]
     result = Result(skipped=skipped)
     for label, name, params in specs:
-        decoder = build_decoder(label, name, params)
+        decoder = build_decoder(label, name, params, device=device)
         fuzz_decoder(decoder, per_decoder, seed, result)
         if log:
             c = result.counts[label]
@@ -443,7 +488,8 @@ def run(
             )
     per_scheme = per_decoder if per_scheme is None else per_scheme
     if per_scheme:
-        run_schemes(per_scheme, seed, result, only, log)
+        with _device_path() if device else contextlib.nullcontext():
+            run_schemes(per_scheme, seed, result, only, log)
     return result
 
 
@@ -765,6 +811,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="compressor names (or decoder labels) to fuzz; default all")
     parser.add_argument("--quiet", action="store_true", help="no progress line per decoder")
     parser.add_argument(
+        "--path", choices=("host", "device"), default="host",
+        help="device: receive as on a GPU (decode and sum, then read the checks), on CPU tensors",
+    )
+    parser.add_argument(
         "--checksum-speed", action="store_true", help="only time the CRC pair against the version-1 checksum"
     )
     args = parser.parse_args(argv)
@@ -773,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     log = None if args.quiet else lambda s: print(s, flush=True)
-    result = run(args.per_decoder, args.seed, args.only, log, per_scheme=args.per_scheme)
+    result = run(args.per_decoder, args.seed, args.only, log, per_scheme=args.per_scheme, device=args.path == "device")
     print()
     print(format_report(result))
     print(f"{time.perf_counter() - started:.0f} s")

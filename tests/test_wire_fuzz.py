@@ -80,6 +80,33 @@ def test_every_schemes_messages_are_summed_or_containers_that_reject_every_mutat
             assert tried > 0 and result.total([kind], "rejected") == tried, kind
 
 
+def test_a_receiver_on_the_device_path_sees_only_wire_errors():
+    """The same mutated buffers received as on a GPU (``--path device``): every field decoded and summed before
+    the message's checks are read, then refused by that read. A position that indexed past its slot first would
+    be a crash (on a GPU a device-side assert, which ends the process)."""
+    result = fuzz_wire.run(per_decoder=60, seed=2, per_scheme=24, device=True)
+    report = fuzz_wire.format_report(result)
+    assert result.total(outcome="crash") == 0, report
+    assert result.total(fuzz_wire.MUST_NOT_BE_SILENT, "silent") == 0, report
+    assert not result.failed and report.endswith("OK")
+    assert result.total(outcome="rejected") > 0.8 * result.total()
+
+
+def test_control_positions_used_before_their_check_are_found(monkeypatch):
+    """Without the clamp of received positions (checked, but not yet read when they index), the device-path fuzz
+    finds the crash."""
+    import gradcomp.wire.container as container
+
+    def unclamped(pos, universe, checks):
+        checks.append(container._positions_ok(pos, universe))
+        return pos
+
+    monkeypatch.setattr(container, "_received_positions", unclamped)
+    result = fuzz_wire.run(per_decoder=96, seed=2, only=["topk", "sbc"], per_scheme=0, device=True)
+    assert result.total(outcome="crash") > 0 and result.failed
+    assert any("index out of range" in c for c in result.crashes)
+
+
 def test_control_scheme_indices_unchecked_are_found(monkeypatch):
     """Without the range check of the coordinates it received, local top-k crashes on a valid container whose
     coordinates were changed (and its checksum recomputed): the check is what turns that into a WireError."""

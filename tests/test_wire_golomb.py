@@ -243,7 +243,8 @@ def test_decode_mutated_streams_only_wire_errors():
 @pytest.mark.parametrize("device", DEVICES)
 def test_deferred_decode_agrees_with_the_checked_one(device):
     """The device path's decoder (``flags``: nothing read back) accepts exactly the streams the checked decoder
-    accepts, sound and corrupted (bit flips, a wrong count, a byte cut or added), and gives the same positions."""
+    accepts, sound and corrupted (bit flips, a wrong count, a byte cut or added), and gives the same positions; those
+    of a refused stream still lie in [0, universe)."""
     import random
 
     rng = random.Random(0)
@@ -276,6 +277,8 @@ def test_deferred_decode_agrees_with_the_checked_one(device):
             assert error is not None and str(e) == str(error)
             continue
         assert len(flags) == 1 and bool(flags[0]) == (error is None), (universe, k, b, count, error)
+        # refused or not, they can index a slot of ``universe`` entries before the flag is read
+        assert got.numel() == count and (count == 0 or (int(got.min()) >= 0 and int(got.max()) < universe))
         if error is None:
             assert torch.equal(got, expected)
         else:

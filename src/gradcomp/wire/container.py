@@ -235,6 +235,15 @@ def _positions_ok(pos: torch.Tensor, universe: int) -> torch.Tensor:
     return ok
 
 
+def _received_positions(pos: torch.Tensor, universe: int, checks: list) -> torch.Tensor:
+    """Decoded positions on the device path, whose checks are read later (with the message's others): their check
+    joins ``checks`` and the positions come back clamped into [0, universe) in place. A sound message's are
+    unchanged; a corrupted one's can no longer index past its slot before the read refuses the message (on a GPU
+    an index out of range is a device-side assert, which ends the process instead of raising WireError)."""
+    checks.append(_positions_ok(pos, universe))
+    return pos.clamp_(0, max(universe - 1, 0))
+
+
 def _check_positions(
     pos: torch.Tensor, universe: int, exc: type[Exception], where: str, flags: list | None = None
 ) -> None:
@@ -697,7 +706,7 @@ def _decode(
                 if checks is None:
                     _check_positions(pos, spec.universe, WireError, where)
                 else:
-                    checks.append(_positions_ok(pos, spec.universe))
+                    pos = _received_positions(pos, spec.universe, checks)
                 out.append(pos)
             else:
                 try:
@@ -836,9 +845,7 @@ def _decode_on_device(
             except WireError:  # a stream length the count rules out: the host path names it
                 return None
         else:
-            pos = _unpack(data, param, count, torch.int64, flags)
-            flags.append(_positions_ok(pos, spec.universe))
-            out.append(pos)
+            out.append(_received_positions(_unpack(data, param, count, torch.int64, flags), spec.universe, flags))
     pending = _take_pending()
     flags.extend(f for f, _ in pending)
     pieces = [buf[:HEADER_BYTES], checksum64_tensor(buf[HEADER_BYTES:]).reshape(1).view(torch.uint8), *heads]

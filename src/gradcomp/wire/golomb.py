@@ -156,7 +156,8 @@ def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int, flags: l
 
     With ``flags`` (a list: the wire's device path), nothing is read back: the checks that depend on the stream's
     bits are appended to it as one bool tensor (true when the stream is sound) for the caller to read with its
-    others, and the positions returned are then meaningful only if it is true (see :func:`_decode_deferred`). The
+    others, and the positions returned are then meaningful only if it is true, though always in [0, universe) so
+    that they can index before the read (see :func:`_decode_deferred`). The
     checks on the sizes alone (count, bytes, b, universe) still raise at once: they read nothing.
     """
     if isinstance(universe, bool) or not isinstance(universe, int) or not 0 <= universe <= MAX_UNIVERSE:
@@ -286,7 +287,7 @@ def _decode_deferred(buf: torch.Tensor, b: int, count: int, universe: int, n: in
     gaps = torch.clamp(gaps, max=universe)
     positions = torch.cumsum(gaps + 1, 0) - 1
     flags.append(ok & (positions.max() < universe))
-    return positions
+    return positions.clamp_(max=universe - 1)  # a refused stream's positions stay inside the slot until the read
 
 
 def _orbit(step: torch.Tensor, count: int) -> torch.Tensor:
