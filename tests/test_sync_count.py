@@ -169,12 +169,14 @@ def test_the_ddp_hook_reads_nothing_on_the_autograd_thread(name, group, device_p
 
 
 # the fixed-size methods whose one read is the verdict after the last round (no message of theirs is decoded by the
-# wire): the DDP hook reads it once per backward pass, at the last bucket, however many buckets the pass has
+# wire)
 READ_AFTER_ROUNDS = list(READS_NOTHING_HANDED_ON)
 
 
-@pytest.mark.parametrize("name", READ_AFTER_ROUNDS)
-def test_the_hook_reads_the_verdict_once_per_pass_whatever_the_buckets(name, group, device_paths, monkeypatch):
+@pytest.mark.parametrize("name", FIXED_SIZE)
+def test_the_hook_reads_once_per_pass_whatever_the_buckets(name, group, device_paths, monkeypatch):
+    """Every fixed-size method: the pass's verdicts (and the checks of the messages the wire decoded, held on the
+    device: wire.container.hold_for_the_pass) are read once, at the pass's last bucket, however many buckets."""
     buckets: list = []
     counter = count_ddp_step(name, monkeypatch, buckets=buckets, bucket_cap_mb=0.001)
     assert len(buckets) >= 2, buckets  # several buckets in the counted step

@@ -8,10 +8,10 @@ per slot (the notes say where). docs/gpu.md shows the same numbers in a table th
 against this module.
 
 ``FIXED_SIZE`` are the methods whose messages have a size known from the configuration alone: one read per
-exchange each (per step for the aggregator, per bucket for the DDP hook; once per backward pass where no message is
-decoded by the wire: the verdict read after the last round), the workers' finiteness verdict
-(with the wire's checks where there are any), which decides, before
-anything of the step is applied, whether the step stands (docs/gpu.md says why it is not zero). What each count
+exchange each for the aggregator (per step), one per backward pass for the DDP hook (at its last bucket, whatever
+the number of buckets: every bucket's verdict and checks wait on the device until then), the workers' finiteness
+verdict (with the wire's checks where there are any), which decides, before anything of the step is applied,
+whether the step stands (docs/gpu.md says why it is not zero). What each count
 is made of is in ``NOTES``; the budgets are the measured counts exactly (tests/test_sync_count.py fails on a count
 above or below its budget); ``BEFORE`` is the same count at a703d48, before the device
 checksum and the device decode (measured the same way, except that a703d48 could not route CPU tensors through its
@@ -44,11 +44,15 @@ _VERDICT = (
     "first message (exchange._drive_deferred); the DDP hook reads it once per backward pass, at its last bucket, "
     "whatever the number of buckets"
 )
+_PASS = (
+    "; the DDP hook holds every bucket's checks and verdict on the device and reads them once per backward pass, "
+    "at its last bucket, whatever the number of buckets (wire.container.hold_for_the_pass)"
+)
 _WITH_CHECKS = (
     "1 read of the agreed finiteness verdict (a device flag that rode on the step's first message) in the same "
     "transfer as every decoded message's checks (header, checksum, section heads, padding, positions, the sign "
     "bitmaps' padding bits), and the finiteness of the aggregate sums (wire.container.DeviceChecks, once per "
-    "exchange whatever the world size)"
+    f"exchange whatever the world size){_PASS}"
 )
 _SIZES = (
     "1 size exchange, which carries the workers' finiteness verdict as well (a bad worker's lengths n travel as "
@@ -91,9 +95,9 @@ _TABLE: dict[str, tuple[int, int, str]] = {
     "random_dithering": (1, 1, f"{_WITH_CHECKS}; a non-finite norm travels in the message (no check of its own)"),
     "terngrad": (1, 1, f"{_WITH_CHECKS}; a non-finite max|g| travels as the scale (no check of its own)"),
     "terngrad_shared": (1, 1, "1 read of the agreed verdict with the decoded messages' checks; a non-finite scaler "
-                        "goes into the max-allreduce as +Inf (no check of its own)"),
+                        f"goes into the max-allreduce as +Inf (no check of its own){_PASS}"),
     "local_topk": (1, 1, "1 read of the agreed verdict with the gathered messages' checks and the range check of "
-                   "their coordinates (accumulation.split_indices, handed to DeviceChecks)"),
+                   f"their coordinates (accumulation.split_indices, handed to DeviceChecks){_PASS}"),
     "lgc": (3, 3, "1 read of the agreed verdict, marked on the device on the first message every worker "
             "contributes to (the leader's broadcasts pass first: exchange._drive_deferred); 1 read of the Golomb "
             "stream's length (the leader encoding; the other workers read the broadcast length instead, "

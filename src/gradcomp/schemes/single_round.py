@@ -35,7 +35,7 @@ from torch import Tensor
 from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, accumulate, new_tally, select_sized
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
-from gradcomp.finite import all_finite, finite_flags
+from gradcomp.finite import all_finite
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.protocols.sizes import exchange_lengths
 from gradcomp.schemes.base import Scheme
@@ -47,6 +47,7 @@ from gradcomp.wire.container import (
     StepAbandoned,
     deferring,
     fetch_together,
+    hold_for_the_pass,
     length_from_counts,
     length_on_device,
 )
@@ -116,8 +117,8 @@ def aggregate_buffers(
     one worker's decoded message is in memory, not W of them (a dense message's codes decoded to int64 were 8
     bytes per entry, W of them 2·W fp32 gradients; BITS fields now decode to int16 up to 15 bits). Each slot's
     sum still adds the workers in rank order: the same sums, bit for bit. The finiteness check reads each slot's
-    sum of sums (a finite one means a finite tensor; only one that overflowed is looked at entry by entry) instead
-    of building |sum| and three d-sized masks (``torch.isfinite``), and all slots' in one read, together with the
+    sum of sums in float64 (finite exactly when the tensor is: float32 entries cannot overflow it) instead of
+    building |sum| and three d-sized masks (``torch.isfinite``), and all slots' in one read, together with the
     checks of every decoded device buffer (``wire.container.DeviceChecks``): one host synchronisation per exchange,
     not one per slot and message. A compressor
     with its own compact tally (``base.new_tally``: majority vote counts sign bits) adds the messages there
@@ -137,9 +138,14 @@ def aggregate_buffers(
             _add_buffer(compressor, slots, buffer, step, totals, later)
     results = []
     sums = [total for total in totals if not isinstance(total, Tally)]  # a compact count is finite by construction
-    quick = later.read([torch.isfinite(total.sum()) for total in sums])  # a finite sum: a finite tensor
-    closer = iter(finite_flags([t for t, ok in zip(sums, quick) if not ok]))  # a sum that overflowed: look closer
-    finite = iter([ok or next(closer) for ok in quick])
+    # The DDP hook's backward pass (device path, verdict deferred): the checks and "some sum is not finite" wait for
+    # the pass's one read. Such a sum abandons the step on every worker then: no rescue of an overflow below.
+    # a float64 sum of float32 entries cannot overflow: finite exactly when every entry is
+    finite_sums = torch.stack([total.sum(dtype=torch.float64) for total in sums]).isfinite() if sums else None
+    if hold_for_the_pass(later, None if finite_sums is None else ~finite_sums.all()):
+        return [total.result(len(buffers)) if isinstance(total, Tally) else compressor.aggregate(total, len(buffers))
+                for total in totals]  # fmt: skip
+    finite = iter(later.read([] if finite_sums is None else list(finite_sums.unbind())))
     for i, (slot, total) in enumerate(zip(slots, totals)):
         if isinstance(total, Tally):  # a compact count (majority vote): finite by construction
             results.append(total.result(len(buffers)))

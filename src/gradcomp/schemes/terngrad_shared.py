@@ -45,6 +45,7 @@ from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
 from gradcomp.transport.requests import AllGather, AllReduce, Rounds
 from gradcomp.wire import Codec, FieldSpec, decode, encode
+from gradcomp.wire.container import DeviceChecks, hold_for_the_pass
 
 EXCHANGES = ("allgather", "allreduce")
 _INT8_MAX_WORKERS = 127  # a sum of W values in {-1, 0, 1} fits int8
@@ -99,7 +100,10 @@ class TernGradShared(Scheme):
             specs = [FieldSpec(Codec.BITS, count=s.numel, width=2) for s in slots]
             gathered = yield AllGather(encode(units, specs))
             sums = [torch.zeros(s.numel, dtype=torch.float32, device=device) for s in slots]
+            later = DeviceChecks()  # device buffers: every message's checks in one read after the loop (or the pass's)
             for buffer in gathered:  # rank order: the same sums on every worker
-                for total, codes in zip(sums, decode(buffer, specs)):
+                for total, codes in zip(sums, decode(buffer, specs, later)):
                     total += (codes == 1).to(torch.float32) - (codes == 2).to(torch.float32)
+            if not hold_for_the_pass(later):
+                later.read()
         return [total * (scale / self.world_size) for total, scale in zip(sums, shared)]

@@ -42,7 +42,7 @@ from gradcomp.schemes.accumulation import (
 )
 from gradcomp.transport.requests import AllReduce, Rounds
 from gradcomp.wire import decode, encode, encoded_size
-from gradcomp.wire.container import DeviceChecks
+from gradcomp.wire.container import DeviceChecks, hold_for_the_pass
 
 
 class LocalTopK(AccumulatingScheme):
@@ -80,7 +80,8 @@ class LocalTopK(AccumulatingScheme):
                     out[i].index_add_(0, coords[n], their_floats[value_starts[n] : value_starts[n + 1]])
                 for n, i in enumerate(dense, start=len(squeezed)):
                     out[i].add_(their_floats[value_starts[n] : value_starts[n + 1]])
-        later.read()
+        if not hold_for_the_pass(later):  # (the DDP hook's backward pass reads them at its end)
+            later.read()
         for i in squeezed:
             self.memory.sent(slots[i], mine[i])  # u, v = 0 at the coordinates this worker sent
         return [t.div_(self.world_size) for t in out]

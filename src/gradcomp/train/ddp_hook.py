@@ -131,6 +131,7 @@ from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_aba
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import DeviceChecks, holding_for_the_pass
 
 GRANULARITIES = ("layer", "bucket")
 DEFAULT_MIN_COMPRESSION_RATE = 2.0
@@ -192,6 +193,8 @@ class _CommThread:
         # bucket; and, per bucket of the pass, its buffer, this rank's own flag and its parameters' names
         self._pass_flags: list[Tensor] = []
         self._pass_buckets: list[tuple[Tensor, Tensor | bool, list[str]]] = []
+        # the decoded messages' checks of the pass (fixed-size methods, device path), read with its verdicts
+        self._pass_checks = DeviceChecks()
         self._failure: BaseException | None = None
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
@@ -328,7 +331,7 @@ class _CommThread:
         """The bucket's exchange, agreed finite on every rank (see the module docstring, "Non-finite")."""
         if job.first:
             self._snapshot, self._skipping = self.exchange.snapshot(), False
-            self._pass_flags, self._pass_buckets = [], []
+            self._pass_flags, self._pass_buckets, self._pass_checks = [], [], DeviceChecks()
         if self._skipping:  # an earlier bucket of this pass overflowed on some rank: every rank skips the rest
             job.buffer.fill_(float("nan"))
             return
@@ -341,10 +344,11 @@ class _CommThread:
             job.buffer.div_(scale)  # error feedback and momentum see unscaled gradients (a power of 2: exact)
         finite = finite_flag([job.buffer]) if device_path else not here  # the views' buffer: one pass, few launches
         self._pass_buckets.append((job.buffer, finite, list(job.names or [])))
-        averages = self.exchange.exchange(
-            job.slots, job.tensors, job.step, validate=False, finite=finite, handed_on=self.propagate,
-            verdicts=self._pass_flags if device_path else None,
-        )
+        with holding_for_the_pass(self._pass_checks if device_path else None):
+            averages = self.exchange.exchange(
+                job.slots, job.tensors, job.step, validate=False, finite=finite, handed_on=self.propagate,
+                verdicts=self._pass_flags if device_path else None,
+            )
         if averages is None:  # some rank's gradients were not finite: every rank is here, at this bucket
             if device_path:  # (a division by the scale changes no entry's finiteness)
                 here = self._not_finite(job)
@@ -359,7 +363,8 @@ class _CommThread:
                 target.copy_(average.view_as(target))
         if scale is not None:
             job.buffer.mul_(scale)  # back in the scaler's units, for scaler.unscale_
-        if job.retain is not None and self._pass_flags and not self._pass_handed_on() and self._pass_abandoned():
+        if (job.retain is not None and (self._pass_flags or self._pass_checks.pending) and not self._pass_handed_on()
+                and self._pass_abandoned()):
             self.exchange.restore(self._snapshot)
             if not self.propagate:
                 raise agreed_non_finite(job.step, self._locally_bad())
@@ -377,7 +382,7 @@ class _CommThread:
         where it was at the start of the pass (``GradientExchange.restore_where``), by ``torch.where`` on the flag:
         a good pass changes nothing, a bad one ends as the read would have left it, and the host waits for nothing.
         False when the state's layout moved during the pass (a slot's first step), which only the read can undo."""
-        if not self.propagate:
+        if not self.propagate or self._pass_checks.pending:  # decoded messages' checks: only a read refuses one
             return False
         bad = any_abandons(self._pass_flags)
         if not self.exchange.restore_where(self._snapshot, bad):
@@ -388,10 +393,16 @@ class _CommThread:
         return True
 
     def _pass_abandoned(self) -> bool:
-        """The pass's one read of its deferred verdicts (all-reduce-only schemes, on the device path): whether
-        some rank's gradients were not finite in some bucket. The same answer on every rank, at the same bucket."""
+        """The pass's one read of its deferred verdicts (fixed-size schemes, on the device path), with every check of
+        the messages its buckets decoded (``wire.container.hold_for_the_pass``; WireError for a message that failed
+        one, on the rank that received it): whether some rank's gradients, or some aggregate, were not finite in
+        some bucket. The same answer on every rank, at the same bucket."""
         flags, self._pass_flags = self._pass_flags, []
-        return bool(any_abandons(flags))
+        checks, self._pass_checks = self._pass_checks, DeviceChecks()
+        if not flags:
+            checks.read()
+            return False
+        return checks.read_after(any_abandons(flags))
 
     def _locally_bad(self) -> list[str]:
         """This rank's buckets of the pass whose gradients were not finite (read on a failure only), named by their

@@ -722,7 +722,7 @@ def _decode(
     if checks:
         summary = torch.stack([f.reshape(()).to(torch.bool) for f in checks]).to(torch.uint8)
         if later is not None:  # read with the caller's others; a failed one makes later.read() decode on the host
-            later._items.append((summary, all, buf, specs))
+            later._items.append((summary, _data_fault, buf, specs))
         elif not all(summary.tolist()):
             return _decode(host.clone(), specs, True)  # a data check failed: the host path says which
     return out
@@ -815,6 +815,11 @@ def _fixed_param(spec: FieldSpec, codec: Codec) -> int:
     return 0
 
 
+def _data_fault(checks: bytes) -> str | None:
+    """What the data checks' bytes ``checks`` (one per check, 1: passed) say is wrong, or None."""
+    return None if all(checks) else "a data check failed (padding bits, positions or a Golomb stream)"
+
+
 def _decode_on_device(
     buf: torch.Tensor, specs: list, layout: list, later: DeviceChecks | None = None
 ) -> list[torch.Tensor] | None:
@@ -853,22 +858,26 @@ def _decode_on_device(
         pieces.append(torch.stack([f.reshape(()).to(torch.bool) for f in flags]).to(torch.uint8))
     summary = torch.cat(pieces)
 
-    def passed(got: bytes) -> bool:
-        """Whether the summary's bytes ``got`` are those of a sound message (ConfigError for a failed sender check)."""
+    def fault(got: bytes) -> str | None:
+        """What is wrong with the message whose summary's bytes are ``got``, in the host path's order, or None for
+        a sound one (ConfigError for a failed sender check)."""
         checks = got[HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout) :]
         if pending:
             _raise_failed(pending, checks[len(checks) - len(pending) :])
         body = layout[-1][0] + layout[-1][4] - HEADER_BYTES if layout else 0
-        expected = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12] + b"".join(
-            _SECTION.pack(int(codec), param, count, nbytes) for _, codec, param, count, nbytes in layout
-        )
-        heads_got = got[:12] + got[HEADER_BYTES + 8 : HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout)]
-        return heads_got == expected and got[12:HEADER_BYTES] == got[HEADER_BYTES : HEADER_BYTES + 8] and all(checks)
+        if got[:12] != _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12]:
+            return "its header is not the one its layout implies (magic, version, flags, sections or length)"
+        if got[12:HEADER_BYTES] != got[HEADER_BYTES : HEADER_BYTES + 8]:
+            return "checksum mismatch: the message body is corrupted"
+        heads = b"".join(_SECTION.pack(int(codec), param, count, nbytes) for _, codec, param, count, nbytes in layout)
+        if got[HEADER_BYTES + 8 : HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout)] != heads:
+            return "a section header is not the one its layout implies"
+        return _data_fault(checks)
 
     if later is not None:
-        later._items.append((summary, passed, buf, specs))
+        later._items.append((summary, fault, buf, specs))
         return out
-    return out if passed(_read_bytes(summary)) else None  # the one read back (tens of bytes, ten per section)
+    return out if fault(_read_bytes(summary)) is None else None  # the one read back (tens of bytes, ten per section)
 
 
 class DeviceChecks:
@@ -877,22 +886,46 @@ class DeviceChecks:
     ``decode(buf, specs, later=checks)`` of a fixed layout returns its fields at once and leaves its summary here;
     :meth:`read` then reads every summary (and any bool tensors the caller adds) in one transfer and raises the
     WireError the host path gives for the first message that failed. Until :meth:`read` has returned, the decoded
-    values must not leave the caller (the aggregation sums them into temporaries and reads before returning).
+    values must not leave the caller (the aggregation sums them into temporaries and reads before returning), except
+    to the DDP hook's backward pass (:func:`hold_for_the_pass`), which reads them before anything of it is applied.
     """
 
     def __init__(self) -> None:
         self._items: list = []
         self._received: list = []  # (bool tensor, message): checks of decoded fields made by their receivers
 
-    @contextlib.contextmanager
     def collecting(self):
         """While inside, :func:`check_received` on this thread hands its checks to this object (read with it)."""
-        before = getattr(_receiving, "checks", None)
-        _receiving.checks = self
+        return _checks_set(_receiving, self)
+
+    @property
+    def pending(self) -> bool:
+        """Whether checks wait here to be read."""
+        return bool(self._items or self._received)
+
+    def take(self, other: DeviceChecks) -> None:
+        """Moves ``other``'s pending checks here, to be read with these. The messages' buffers are let go: a failed
+        one is then named from its checks alone, not decoded again on the host (keeping every received buffer of a
+        backward pass until its end would cost W times the pass's messages)."""
+        self._items += [(summary, fault, None, specs) for summary, fault, _, specs in other._items]
+        self._received += other._received
+        other._items, other._received = [], []
+
+    def read_after(self, verdict: torch.Tensor) -> bool:
+        """Reads the step's ``verdict`` (a one-element bool tensor, True: every worker abandons the step) and every
+        pending check in one transfer. True when the verdict says abandon: the checks are then not looked at (an
+        abandoned step's messages may carry its mark, and nothing of the step is applied). Else WireError for a
+        failed check, or False."""
+        if not self.pending:
+            return bool(verdict)
+        _verdict.flag = verdict
         try:
-            yield self
+            self.read()
+        except StepAbandoned:
+            return True
         finally:
-            _receiving.checks = before
+            _verdict.flag = None
+        return False
 
     def read(self, extra: Sequence[torch.Tensor] = ()) -> list[bool]:
         """Reads every pending summary, every check handed over by :func:`check_received` and ``extra`` (bool
@@ -907,9 +940,12 @@ class DeviceChecks:
             return []
         got = _read_bytes(torch.cat(pieces))  # (with the step's deferred verdict, if one is pending)
         at = 0
-        for summary, passed, buf, specs in items:
+        for summary, fault, buf, specs in items:
             n = summary.numel()
-            if not passed(got[at : at + n]):
+            wrong = fault(got[at : at + n])
+            if wrong is not None:
+                if buf is None:  # let go (``take``): named from its checks
+                    raise WireError(f"a received message failed the device's checks: {wrong}")
                 decode(buf, specs)  # the host path names the fault
                 raise WireError("a message failed the device's checks but passed the host's")  # pragma: no cover
             at += n
@@ -920,6 +956,45 @@ class DeviceChecks:
 
 
 _receiving = threading.local()  # .checks: the DeviceChecks collecting this thread's check_received calls, if any
+_pass = threading.local()  # .checks: the DeviceChecks that holds a DDP backward pass's checks until its last bucket
+
+
+@contextlib.contextmanager
+def _checks_set(local: threading.local, checks: DeviceChecks | None):
+    """``local.checks`` is ``checks`` while inside, then what it was before."""
+    before = getattr(local, "checks", None)
+    local.checks = checks
+    try:
+        yield checks
+    finally:
+        local.checks = before
+
+
+def holding_for_the_pass(checks: DeviceChecks | None):
+    """While inside, :func:`hold_for_the_pass` on this thread moves an exchange's checks to ``checks`` (the DDP
+    hook's communication thread, one backward pass, the device path; None: nothing is held)."""
+    return _checks_set(_pass, checks)
+
+
+def hold_for_the_pass(checks: DeviceChecks, abandon: torch.Tensor | None = None) -> bool:
+    """Whether an exchange's pending ``checks`` were held for the backward pass instead of read now.
+
+    Inside :func:`holding_for_the_pass`, with the step's verdict deferred and not yet taken by a read (a fixed-size
+    scheme: ``train.exchange.drive_agreeing``), ``checks`` move to the pass's (read once, at its last bucket, with
+    its verdicts; the decoded values leave before that read, which refuses a bad message before anything of the
+    pass is applied) and ``abandon`` (a one-element bool tensor, True where every worker must abandon the step,
+    such as an aggregate that is not finite: the same on every worker) is folded into the pending verdict, which
+    the pass reads too. Nothing is read. False where there is no such pass or no pending verdict: the caller reads
+    as before.
+    """
+    held = getattr(_pass, "checks", None)
+    flag = getattr(_verdict, "flag", None)
+    if held is None or flag is None:
+        return False
+    held.take(checks)
+    if abandon is not None:
+        _verdict.flag = flag.reshape(()) | abandon.reshape(()).to(flag.device)
+    return True
 
 
 class StepAbandoned(Exception):
