@@ -31,6 +31,8 @@ METHODS = {
     "cnat": lambda: gradcomp.make("cnat"),
     "terngrad_shared": lambda: gradcomp.make("terngrad_shared"),
     "local_topk": lambda: gradcomp.make("local_topk", density=0.25),
+    "sbc": lambda: gradcomp.make("sbc", density=0.25),  # sizes that vary: only the data checks wait for the pass
+    "threshold-ef": lambda: gradcomp.make("threshold", threshold=0.01, error_feedback=True),
 }
 STEPS = 3
 
@@ -87,13 +89,13 @@ def _corrupted(rank: int) -> dict:
     aggregate = single_round.aggregate_buffers
     calls = []
 
-    def corrupting(compressor, slots, buffers, step, device):
+    def corrupting(compressor, slots, buffers, step, device, **kwargs):
         calls.append(step)
         if rank == 1 and step == 1 and calls.count(1) == 1:
             bad = buffers[0].clone()
             bad[-1] ^= 4  # a flipped bit in the body: the checksum no longer matches
             buffers = [bad, *buffers[1:]]
-        return aggregate(compressor, slots, buffers, step, device)
+        return aggregate(compressor, slots, buffers, step, device, **kwargs)
 
     single_round.aggregate_buffers = corrupting
     try:
@@ -173,3 +175,26 @@ def test_a_corrupted_message_is_refused_at_the_end_of_the_pass_on_the_rank_that_
 def test_an_aggregate_that_overflows_abandons_the_pass_on_every_rank(runs):
     for r in runs:
         assert r["overflow"] == [("raised", True), ("applied", True)], r["overflow"]
+
+
+def test_only_an_aggregate_that_is_the_workers_result_holds_its_checks(monkeypatch):
+    """A server's or a shard's aggregate is sent on: its checks are read at once, or a corruption would travel to
+    workers that never see them. An all-gather's (``final=True``) waits for the pass's read."""
+    from gradcomp.schemes.single_round import aggregate_buffers, encode_slots
+    from gradcomp.wire.container import DeviceChecks, holding_for_the_pass
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    compressor, slots = gradcomp.make("topk", density=0.1), [gradcomp.Slot("w", 0, 3000)]
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    bad = encode_slots(compressor, slots, [compressor.compress(x, slots[0], 0)]).clone()
+    bad[-1] ^= 4
+    held = DeviceChecks()
+    with holding_for_the_pass(held):
+        with pytest.raises(gradcomp.WireError, match="checksum"):
+            aggregate_buffers(compressor, slots, [bad], 0, torch.device("cpu"))
+        assert not held.pending
+        aggregate_buffers(compressor, slots, [bad], 0, torch.device("cpu"), final=True)
+    assert held.pending
+    with pytest.raises(gradcomp.WireError, match="checksum mismatch"):
+        held.read_after([])

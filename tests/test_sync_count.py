@@ -183,6 +183,16 @@ def test_the_hook_reads_once_per_pass_whatever_the_buckets(name, group, device_p
     assert counter.total == 1, f"{name}: {counter.total} reads for {len(buckets)} buckets: {counter}"
 
 
+@pytest.mark.parametrize("name", ["threshold", "sbc", "stc"])
+def test_the_hook_reads_the_variable_methods_data_checks_once_per_pass(name, group, device_paths, monkeypatch):
+    """Sizes that vary: the size exchange and the headers' transfer stay per bucket, the data checks wait for the
+    pass's one read (wire.container.hold_for_the_pass): with two buckets, one read fewer than two steps of one."""
+    buckets: list = []
+    counter = count_ddp_step(name, monkeypatch, buckets=buckets, bucket_cap_mb=0.001)
+    assert len(buckets) == 2, buckets
+    assert counter.total == 2 * (BUDGETS[name]["ddp"] - 1) + 1, f"{name}: {counter}"
+
+
 def test_the_methods_that_read_after_the_rounds_are_the_budget_tables():
     assert sorted(n for n in FIXED_SIZE if "after the last round" in NOTES[n]) == READ_AFTER_ROUNDS
 

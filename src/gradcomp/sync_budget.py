@@ -61,7 +61,8 @@ _SIZES = (
     "data; wire.container.fetch_together, once per exchange whatever the world size); 1 read of every message's "
     "data checks (padding, "
     "positions, Golomb code structure) together with the finiteness of the aggregate sums (wire.container."
-    "DeviceChecks, once per exchange whatever the world size)"
+    "DeviceChecks, once per exchange whatever the world size; the DDP hook holds this last read for the backward "
+    "pass and makes it once, at its last bucket, with the other buckets': wire.container.hold_for_the_pass)"
 )
 _STREAMS = (
     "; the size exchange's read brings this worker's Golomb stream lengths too, computed on the device before "

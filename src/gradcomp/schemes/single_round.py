@@ -109,7 +109,8 @@ def decode_slots(
 
 
 def aggregate_buffers(
-    compressor: Compressor, slots: Sequence[Slot], buffers: Sequence[Tensor], step: int, device: torch.device
+    compressor: Compressor, slots: Sequence[Slot], buffers: Sequence[Tensor], step: int, device: torch.device,
+    final: bool = False,
 ) -> list[Tensor]:
     """Decode every buffer (in order), add the messages up and aggregate them by the compressor's rule.
 
@@ -123,6 +124,10 @@ def aggregate_buffers(
     not one per slot and message. A compressor
     with its own compact tally (``base.new_tally``: majority vote counts sign bits) adds the messages there
     instead.
+
+    ``final``: the aggregate is this worker's result of the exchange (an all-gather's), not something it sends on (a
+    server's, a shard's). Only then may the checks wait for the DDP hook's backward pass (``hold_for_the_pass``): a
+    message sent on from unread checks would carry a corruption to workers that never see its checks.
     """
     tallies = [new_tally(compressor, slot, device) for slot in slots]  # None: add up float32 messages
     totals = [
@@ -142,7 +147,7 @@ def aggregate_buffers(
     # the pass's one read. Such a sum abandons the step on every worker then: no rescue of an overflow below.
     # a float64 sum of float32 entries cannot overflow: finite exactly when every entry is
     finite_sums = torch.stack([total.sum(dtype=torch.float64) for total in sums]).isfinite() if sums else None
-    if hold_for_the_pass(later, None if finite_sums is None else ~finite_sums.all()):
+    if final and hold_for_the_pass(later, None if finite_sums is None else ~finite_sums.all()):
         return [total.result(len(buffers)) if isinstance(total, Tally) else compressor.aggregate(total, len(buffers))
                 for total in totals]  # fmt: skip
     finite = iter(later.read([] if finite_sums is None else list(finite_sums.unbind())))
@@ -352,7 +357,7 @@ class SingleRound(Scheme):
         buffers = yield from allgather_buffers(self.rank, buffer, sizes)
         # the same aggregate on every worker: a simulated cluster computes it once (transport.sim)
         return computed_once("aggregate", lambda: aggregate_buffers(self.compressor, slots, buffers, step,
-                                                                   tensors[0].device))
+                                                                   tensors[0].device, final=True))
 
     def _parameter_server(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         device = tensors[0].device

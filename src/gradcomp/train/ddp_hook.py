@@ -399,10 +399,7 @@ class _CommThread:
         some bucket. The same answer on every rank, at the same bucket."""
         flags, self._pass_flags = self._pass_flags, []
         checks, self._pass_checks = self._pass_checks, DeviceChecks()
-        if not flags:
-            checks.read()
-            return False
-        return checks.read_after(any_abandons(flags))
+        return checks.read_after(flags)
 
     def _locally_bad(self) -> list[str]:
         """This rank's buckets of the pass whose gradients were not finite (read on a failure only), named by their

@@ -893,6 +893,7 @@ class DeviceChecks:
     def __init__(self) -> None:
         self._items: list = []
         self._received: list = []  # (bool tensor, message): checks of decoded fields made by their receivers
+        self._abandon: list[torch.Tensor] = []  # held for a pass: flags that abandon the step on every worker
 
     def collecting(self):
         """While inside, :func:`check_received` on this thread hands its checks to this object (read with it)."""
@@ -900,8 +901,8 @@ class DeviceChecks:
 
     @property
     def pending(self) -> bool:
-        """Whether checks wait here to be read."""
-        return bool(self._items or self._received)
+        """Whether checks (or flags held for a pass) wait here to be read."""
+        return bool(self._items or self._received or self._abandon)
 
     def take(self, other: DeviceChecks) -> None:
         """Moves ``other``'s pending checks here, to be read with these. The messages' buffers are let go: a failed
@@ -911,11 +912,16 @@ class DeviceChecks:
         self._received += other._received
         other._items, other._received = [], []
 
-    def read_after(self, verdict: torch.Tensor) -> bool:
-        """Reads the step's ``verdict`` (a one-element bool tensor, True: every worker abandons the step) and every
-        pending check in one transfer. True when the verdict says abandon: the checks are then not looked at (an
-        abandoned step's messages may carry its mark, and nothing of the step is applied). Else WireError for a
-        failed check, or False."""
+    def read_after(self, verdicts: Sequence[torch.Tensor]) -> bool:
+        """Reads the step's ``verdicts`` (one-element bool tensors, True: every worker abandons the step), the flags
+        held here by :func:`hold_for_the_pass` and every pending check, in one transfer. True when some flag says
+        abandon: the checks are then not looked at (an abandoned step's messages may carry its mark, and nothing of
+        the step is applied). Else WireError for a failed check, or False."""
+        flags, self._abandon = [*verdicts, *self._abandon], []
+        if not flags:
+            self.read()
+            return False
+        verdict = torch.stack([f.reshape(()).to(flags[0].device) for f in flags]).any()
         if not self.pending:
             return bool(verdict)
         _verdict.flag = verdict
@@ -979,21 +985,18 @@ def holding_for_the_pass(checks: DeviceChecks | None):
 def hold_for_the_pass(checks: DeviceChecks, abandon: torch.Tensor | None = None) -> bool:
     """Whether an exchange's pending ``checks`` were held for the backward pass instead of read now.
 
-    Inside :func:`holding_for_the_pass`, with the step's verdict deferred and not yet taken by a read (a fixed-size
-    scheme: ``train.exchange.drive_agreeing``), ``checks`` move to the pass's (read once, at its last bucket, with
-    its verdicts; the decoded values leave before that read, which refuses a bad message before anything of the
-    pass is applied) and ``abandon`` (a one-element bool tensor, True where every worker must abandon the step,
-    such as an aggregate that is not finite: the same on every worker) is folded into the pending verdict, which
-    the pass reads too. Nothing is read. False where there is no such pass or no pending verdict: the caller reads
-    as before.
+    Inside :func:`holding_for_the_pass`, ``checks`` move to the pass's and ``abandon`` (a one-element bool tensor,
+    True where every worker must abandon the step, such as an aggregate that is not finite: the same on every
+    worker) is kept with them; :meth:`DeviceChecks.read_after` reads them once, at the pass's last bucket, with its
+    verdicts. The decoded values leave before that read, which refuses a bad message before anything of the pass is
+    applied. Nothing is read here. False outside such a pass: the caller reads as before.
     """
     held = getattr(_pass, "checks", None)
-    flag = getattr(_verdict, "flag", None)
-    if held is None or flag is None:
+    if held is None:
         return False
     held.take(checks)
     if abandon is not None:
-        _verdict.flag = flag.reshape(()) | abandon.reshape(()).to(flag.device)
+        held._abandon.append(abandon)
     return True
 
 
