@@ -214,3 +214,16 @@ def test_stc_compresses_a_bucket_with_one_read(monkeypatch):
             assert got[2][0].numel() == 3  # the 7 kept zeros are not sent
         for s in slots:
             assert torch.equal(batched.state.get("residuals", s), single.state.get("residuals", s))
+
+
+@pytest.mark.parametrize("name", ["sbc", "stc"])
+def test_a_mean_of_huge_finite_entries_is_finite(name):
+    """Entries near float32's largest: their float32 sum overflows, their mean does not (it is taken in float64
+    then); the message stays finite, and the aggregate with it."""
+    c = (SparseBinary if name == "sbc" else SparseTernary)(density=0.01)
+    x = torch.full((SLOT.numel,), 3e38)
+    fields = c.compress(x, SLOT, 0)
+    mean = fields[-1].reshape(-1)[0]
+    assert math.isfinite(float(mean)) and float(mean) == pytest.approx(3e38, rel=1e-6)
+    out = c.decompress(fields, SLOT, 0)
+    assert torch.isfinite(out).all() and out.abs().max().item() == pytest.approx(3e38, rel=1e-6)

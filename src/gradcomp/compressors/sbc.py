@@ -34,7 +34,9 @@ candidates above them (``_both_sides``; stc through ``sparse.topk_positions``) i
 over all d entries, and fall back to ``torch.topk`` wherever that route cannot vouch for the same set. The
 means are sums in a fixed order, so they are taken over the kept values in decreasing order, the order in
 which ``torch.topk`` returns them on that path: the messages are bit-identical to the earlier ones
-(tests/test_wire_stability.py).
+(tests/test_wire_stability.py). A mean whose float32 sum overflows (entries near float32's largest, ~3e38 / k) is
+taken in float64 instead, by ``torch.where`` (nothing read): the mean of finite entries is finite, and every other
+mean keeps its bits.
 """
 
 from __future__ import annotations
@@ -108,6 +110,12 @@ def _both_sides(flat: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor] |
     return sides[0], sides[1], sides[2], sides[3]
 
 
+
+def _mean(values: Tensor) -> Tensor:
+    """``values.mean()`` (float32), or its float64 mean where the float32 sum overflowed."""
+    mean = values.mean()
+    return torch.where(torch.isfinite(mean), mean, values.mean(dtype=torch.float64).to(torch.float32))
+
 class _SharedValueSparsifier(Compressor):
     """Messages whose kept entries share one magnitude: [positions, (signs), value]."""
 
@@ -147,7 +155,7 @@ class SparseBinary(_SharedValueSparsifier):
             top_positions, bottom_positions = torch.sort(top_positions).values, torch.sort(bottom_positions).values
         else:
             top_positions, top_values, bottom_positions, bottom_values = sides
-        mean_positive, mean_negative = top_values.mean(), bottom_values.mean()
+        mean_positive, mean_negative = _mean(top_values), _mean(bottom_values)
         positive = mean_positive >= mean_negative
         chosen = torch.where(positive, top_positions, bottom_positions)
         signed_mean = torch.where(positive, mean_positive, -mean_negative)
@@ -213,7 +221,7 @@ class SparseTernary(_SharedValueSparsifier):
             magnitudes, positions = torch.topk(flat.abs(), k, sorted=False)
             positions = torch.sort(positions).values
             values = torch.index_select(flat, 0, positions)
-        magnitude = magnitudes.mean().reshape(1)  # over all k, zeros included: the paper's mu = sum|kept| / k
+        magnitude = _mean(magnitudes).reshape(1)  # over all k, zeros included: the paper's mu = sum|kept| / k
         return positions, values, magnitude
 
     @staticmethod
