@@ -239,3 +239,42 @@ def test_a_compression_that_overflows_on_one_worker_stops_every_worker(name):
     per_worker = overflow_run(name)
     assert [[event[:3] for event in events] for events in per_worker] == [[(2, 2, True)], [(2, 2, True)]]
     assert [("compression of its finite gradients" in events[0][3]) for events in per_worker] == [False, True]
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_an_aggregate_that_a_message_makes_non_finite_abandons_the_step_on_every_worker(path, monkeypatch):
+    """SBC keeps residuals, and no check of its own sees g + residual overflow float32: at step 2 worker 1's finite
+    gradients (3e38) on top of the residuals of 3e38 that step 1 left send an Inf message. The gathered aggregate is
+    then Inf on every worker, which abandons the step on every worker, the state as before it, instead of applying
+    it (on either path)."""
+    from distributed import same
+
+    from gradcomp.transport.sim import SimulatedCluster
+
+    if path == "device":
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+
+    def fn(t):
+        torch.manual_seed(0)
+        model = nn.Linear(40, 30)
+        agg = gradcomp.GradientAggregator(model, gradcomp.make("sbc", density=0.1), t)
+        events = []
+        for step in range(4):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.5 + t.rank)
+                if step == 1 and t.rank == 1:
+                    p.grad.view(-1)[::2] = 3e38  # sent in part: residuals of 3e38 stay
+                if step == 2 and t.rank == 1:
+                    p.grad.fill_(3e38)
+            before = agg.state_dict()["exchange"]
+            try:
+                agg.step()
+                events.append((step, all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())))
+            except gradcomp.NonFiniteGradientError as exc:
+                events.append((step, exc.step, same(before, agg.state_dict()["exchange"])))
+        return events
+
+    with SimulatedCluster(2) as cluster:
+        per_worker = cluster.run(fn)
+    assert per_worker[0] == per_worker[1] == [(0, True), (1, True), (2, 2, True), (3, True)], per_worker

@@ -167,10 +167,12 @@ def aggregate_buffers(
             one.zero_()
             accumulate(compressor, decode_slots(compressor, slots, buffer)[i], slot, step, one)
             total += one.div_(len(buffers))
-        if deferring() and not all_finite(total):
-            # Not an overflow: a message itself held NaN / Inf. On the device path compressors do not refuse one
-            # (a NaN / Inf in g + residual, a norm that overflows float32 travels in the message instead), and
-            # every worker sees the same messages, so every worker abandons the step here, its state restored.
+        if (final or deferring()) and not all_finite(total):
+            # Not an overflow: a message itself held NaN / Inf (on the device path compressors do not refuse one: a
+            # NaN / Inf in g + residual, a norm that overflows float32 travels in the message instead; on either
+            # path a compressor may make one that no check of its own sees). Every worker sees the same messages,
+            # so every worker abandons the step here, its state restored, instead of applying it. (A server's or a
+            # shard's aggregate, not final, goes on as it is: the others could not learn of an abandon here.)
             raise StepAbandoned
         results.append(compressor.aggregate(total, 1))
     return results

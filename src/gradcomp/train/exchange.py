@@ -293,6 +293,8 @@ class GradientExchange:
             rounds = _watched(self.scheme.run(slots, inputs, step), started_sending)
             try:
                 agreed, result = drive_agreeing(self.transport, rounds, finite, after_rounds=defer, read=read)
+            except StepAbandoned:  # an all-gather's aggregate a message made non-finite: the same on every worker
+                agreed, result = False, None
             except NonFiniteGradientError as refused:
                 # The host path's compressors refuse a finite input whose compression is not finite (QSGD's
                 # 2-norm above float32's range, EF-signSGD's g + residual overflowing), on this worker only. Raised
