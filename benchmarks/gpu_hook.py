@@ -266,7 +266,8 @@ def part_sync(args) -> None:
             _sync()
             where: collections.Counter = collections.Counter()
             n_agg = _count_warnings(agg.step, where)
-            ddp = DDP(copy.deepcopy(base).to(DEVICE), device_ids=None if CPU else [0])
+            # several buckets (about 0.8 MB of gradients): the hook's count is per backward pass, not per bucket
+            ddp = DDP(copy.deepcopy(base).to(DEVICE), device_ids=None if CPU else [0], bucket_cap_mb=0.25)
             scaler = torch.amp.GradScaler(DEVICE.type) if args.scaler else None
             state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name), scaler=scaler, nonfinite=args.nonfinite)
 
@@ -278,6 +279,7 @@ def part_sync(args) -> None:
                 backward()
             _sync()
             n_ddp = _count_warnings(lambda: (backward(), state.wait()), where)
+            buckets = len(state.bucket_sizes)
             state.close()
             total += n_agg + n_ddp
             b = BUDGETS[name]
@@ -285,8 +287,10 @@ def part_sync(args) -> None:
             handed_on = args.scaler or args.nonfinite == "propagate"
             ddp_budget = 0 if handed_on and name in READS_NOTHING_HANDED_ON else b["ddp"]
             label = "+scaler" if args.scaler else "+propagate" if args.nonfinite == "propagate" else ""
+            # fixed sizes: one read per backward pass whatever the buckets; variable: the CPU count is for one bucket
+            per = "" if name in FIXED_SIZE else " with one bucket"
             print(f"  {name:18s} aggregator {n_agg:3d} (CPU count {b['aggregator']})  "
-                  f"ddp{label} {n_ddp:3d} (CPU count {ddp_budget})", flush=True)
+                  f"ddp{label} {n_ddp:3d} over {buckets} buckets (CPU count {ddp_budget}{per})", flush=True)
             for spot, k in where.most_common():
                 print(f"      {k:3d} at {spot}")
         except Exception as exc:  # noqa: BLE001 - report and go on to the next method
