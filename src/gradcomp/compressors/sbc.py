@@ -109,12 +109,11 @@ def _both_sides(flat: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor] |
         sides += [kept[0], _decreasing(kept[1])]
     return sides[0], sides[1], sides[2], sides[3]
 
-
-
 def _mean(values: Tensor) -> Tensor:
     """``values.mean()`` (float32), or its float64 mean where the float32 sum overflowed."""
     mean = values.mean()
     return torch.where(torch.isfinite(mean), mean, values.mean(dtype=torch.float64).to(torch.float32))
+
 
 class _SharedValueSparsifier(Compressor):
     """Messages whose kept entries share one magnitude: [positions, (signs), value]."""

@@ -143,10 +143,10 @@ def aggregate_buffers(
             _add_buffer(compressor, slots, buffer, step, totals, later)
     results = []
     sums = [total for total in totals if not isinstance(total, Tally)]  # a compact count is finite by construction
-    # The DDP hook's backward pass (device path, verdict deferred): the checks and "some sum is not finite" wait for
-    # the pass's one read. Such a sum abandons the step on every worker then: no rescue of an overflow below.
     # a float64 sum of float32 entries cannot overflow: finite exactly when every entry is
     finite_sums = torch.stack([total.sum(dtype=torch.float64) for total in sums]).isfinite() if sums else None
+    # Inside the DDP hook's backward pass (device path): the checks and "some sum is not finite" wait for the pass's
+    # one read, where such a sum abandons the step on every worker: no rescue of an overflow below.
     if final and hold_for_the_pass(later, None if finite_sums is None else ~finite_sums.all()):
         return [total.result(len(buffers)) if isinstance(total, Tally) else compressor.aggregate(total, len(buffers))
                 for total in totals]  # fmt: skip

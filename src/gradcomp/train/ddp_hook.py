@@ -193,7 +193,7 @@ class _CommThread:
         # bucket; and, per bucket of the pass, its buffer, this rank's own flag and its parameters' names
         self._pass_flags: list[Tensor] = []
         self._pass_buckets: list[tuple[Tensor, Tensor | bool, list[str]]] = []
-        # the decoded messages' checks of the pass (fixed-size methods, device path), read with its verdicts
+        # the checks of the messages the pass's buckets decoded (device path), read with its verdicts at its end
         self._pass_checks = DeviceChecks()
         self._failure: BaseException | None = None
         self._jobs: deque[_Job] = deque()
@@ -393,10 +393,10 @@ class _CommThread:
         return True
 
     def _pass_abandoned(self) -> bool:
-        """The pass's one read of its deferred verdicts (fixed-size schemes, on the device path), with every check of
-        the messages its buckets decoded (``wire.container.hold_for_the_pass``; WireError for a message that failed
-        one, on the rank that received it): whether some rank's gradients, or some aggregate, were not finite in
-        some bucket. The same answer on every rank, at the same bucket."""
+        """The pass's one read (on the device path) of its deferred verdicts, with every check of the messages its
+        buckets decoded (``wire.container.hold_for_the_pass``; WireError for a message that failed one, on the rank
+        that received it): whether some rank's gradients, or some aggregate, were not finite in some bucket. The
+        same answer on every rank, at the same bucket."""
         flags, self._pass_flags = self._pass_flags, []
         checks, self._pass_checks = self._pass_checks, DeviceChecks()
         return checks.read_after(flags)
