@@ -68,3 +68,19 @@ def same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     return a == b
+
+
+def corrupting(aggregate, rank: int, calls: list):
+    """``aggregate`` (``aggregate_buffers``) as rank ``rank`` sees it when rank 1 receives a corrupted copy of rank
+    0's message (one bit of its body flipped: the checksum no longer matches) in the first aggregation of step 1;
+    ``calls`` collects every aggregation's step."""
+
+    def wrapped(compressor, slots, buffers, step, device, **kwargs):
+        calls.append(step)
+        if rank == 1 and step == 1 and calls.count(1) == 1:
+            bad = buffers[0].clone()
+            bad[-1] ^= 4
+            buffers = [bad, *buffers[1:]]
+        return aggregate(compressor, slots, buffers, step, device, **kwargs)
+
+    return wrapped

@@ -20,14 +20,16 @@ def _model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
 
 
-def _shard(model: torch.nn.Module, world: int) -> torch.nn.Module:
+def _shard(model: torch.nn.Module, world: int, root_owns_last: bool = False) -> torch.nn.Module:
+    """Each Linear an FSDP module, then the root; ``root_owns_last``: the last Linear's parameters are the root's own
+    (FSDP then reduce-scatters them in its own callback at the end of backward)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
+    layers = [layer for layer in model if isinstance(layer, torch.nn.Linear)]
+    for layer in layers[:-1] if root_owns_last else layers:
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -211,9 +213,10 @@ BAD_STEP = 2
 
 
 def _nan_run(rank, world, name, params, bad):
-    """Five steps; at BAD_STEP rank 1's input holds a NaN ("nan on rank 1") or every rank skips it ("never
-    happened"). Returns what each failed backward raised, whether the residuals stayed as they were, and the full
-    parameters at the end."""
+    """Five steps; at BAD_STEP rank 1's input holds a NaN ("nan on rank 1"), or only its first layer's gradients are
+    NaN ("nan in rank 1's first layer": the last layer's call, first in backward, is finite and has moved its
+    residuals by then), or every rank skips it ("never happened"). Returns what each failed backward raised, whether
+    the residuals stayed as they were, and the full parameters at the end."""
     import gradcomp
     from distributed import same
 
@@ -225,11 +228,18 @@ def _nan_run(rank, world, name, params, bad):
         if step == BAD_STEP and bad == "never happened":
             continue
         x, y = _batch(rank, step)
-        if step == BAD_STEP and rank == 1:
+        spoil = None
+        if step == BAD_STEP and rank == 1 and bad == "nan on rank 1":
             x[0, 0] = float("nan")
+        if step == BAD_STEP and rank == 1 and bad == "nan in rank 1's first layer":
+            spoil = model[0].register_forward_hook(
+                lambda module, args, out: out.register_hook(lambda g: g * float("nan")) and None)
         before = state.state_dict()
         try:
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if spoil is not None:
+                spoil.remove()
+            loss.backward()
         except gradcomp.NonFiniteGradientError as exc:
             raised.append((step, exc.step, "on this worker" in str(exc)))
             unchanged.append(same(before, state.state_dict()))
@@ -241,18 +251,25 @@ def _nan_run(rank, world, name, params, bad):
     return raised, unchanged, _full(model)
 
 
-@pytest.mark.parametrize("name,params,path", [("topk", {"density": 0.3, "error_feedback": True}, "host"),
-                                              ("efsignsgd", {}, "host"), ("cnat", {}, "host"),
-                                              ("topk", {"density": 0.3, "error_feedback": True}, "device")])
-def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_nothing(name, params, path, monkeypatch):
+EF_TOPK = {"density": 0.3, "error_feedback": True}
+
+
+@pytest.mark.parametrize("name,params,path,where", [
+    ("topk", EF_TOPK, "host", "nan on rank 1"), ("efsignsgd", {}, "host", "nan on rank 1"),
+    ("cnat", {}, "host", "nan on rank 1"), ("topk", EF_TOPK, "device", "nan on rank 1"),
+    ("topk", EF_TOPK, "host", "nan in rank 1's first layer"),
+    ("topk", EF_TOPK, "device", "nan in rank 1's first layer"),
+])
+def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_nothing(name, params, path, where, monkeypatch):
     """Every rank raises the same error at the same step (no rank waits for the time-out), only the bad rank names
-    its parameters, no residual moved, and the run goes on as if the step had never been. On the device path (a
-    GPU's code on CPU tensors) the verdict rides on the all-to-all as a device flag and is read with the decoded
-    messages' checks: the same outcome."""
+    its parameters, no residual moved (not even those of the pass's calls that were finite and came before the bad
+    one), and the run goes on as if the step had never been. On the device path (a GPU's code on CPU tensors) the
+    verdicts ride on the all-to-alls as device flags and are read with the decoded messages' checks once, at the
+    pass's end (raised from ``backward`` there): the same outcome."""
     if path == "device":
         monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
         monkeypatch.setenv("GRADCOMP_KERNELS", "0")
-    with_nan = run_workers(_nan_run, 2, name, params, "nan on rank 1", timeout=120)
+    with_nan = run_workers(_nan_run, 2, name, params, where, timeout=120)
     without = run_workers(_nan_run, 2, name, params, "never happened", timeout=120)
     for rank in range(2):
         raised, unchanged, final = with_nan[rank]
@@ -293,7 +310,8 @@ def _skipping_run(rank, world, name, params, bad, mode):
         if spoil is not None:
             spoil.remove()
         finite = all(bool(torch.isfinite(p.grad.full_tensor()).all()) for p in model.parameters())
-        seen.append((step, finite, same(before, state.state_dict())))
+        all_nan = all(bool(torch.isnan(p.grad.full_tensor()).all()) for p in model.parameters())
+        seen.append((step, finite, same(before, state.state_dict()), all_nan))
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -305,10 +323,11 @@ def _skipping_run(rank, world, name, params, bad, mode):
 
 @pytest.mark.parametrize("mode,path", [("scaler", "host"), ("propagate", "host"), ("scaler", "device")])
 def test_a_nan_on_one_rank_skips_the_pass_on_every_rank_with_a_scaler_or_propagate(mode, path, monkeypatch):
-    """With a GradScaler (or nonfinite="propagate") NaN gradients of rank 1's first layer raise nothing: from that
-    call on every rank's gradients of the pass are NaN, the scaler skips the step and halves its scale on both
-    ranks, the residuals (the last layer's call, made before, included) and step counts are those before the
-    pass, and the run ends bit for bit where a run without that step ends."""
+    """With a GradScaler (or nonfinite="propagate") NaN gradients of rank 1's first layer raise nothing: every rank's
+    gradients of the pass are NaN from that call on (on the device path, where the pass's end finds it, all of
+    them), the scaler skips the step and halves its scale on both ranks, the residuals (the last layer's call, made
+    before, included) and step counts are those before the pass, and the run ends bit for bit where a run without
+    that step ends."""
     if path == "device":
         monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
         monkeypatch.setenv("GRADCOMP_KERNELS", "0")
@@ -317,8 +336,10 @@ def test_a_nan_on_one_rank_skips_the_pass_on_every_rank_with_a_scaler_or_propaga
     without = run_workers(_skipping_run, 2, "topk", params, "never happened", mode, timeout=120)
     for rank in range(2):
         seen, scale, skipped, final = with_nan[rank]
-        assert [(s, ok) for s, ok, _ in seen] == [(s, s != BAD_STEP) for s in range(5)], seen
-        assert [same for s, _, same in seen if s == BAD_STEP] == [True]  # the residuals put back
+        assert [(s, ok) for s, ok, _, _ in seen] == [(s, s != BAD_STEP) for s in range(5)], seen
+        assert [same for s, _, same, _ in seen if s == BAD_STEP] == [True]  # the residuals put back
+        if path == "device":  # found at the pass's end: every gradient of the pass NaN, the last layer's included
+            assert [nan for s, _, _, nan in seen if s == BAD_STEP] == [True]
         assert skipped == 1
         if mode == "scaler":
             assert scale == without[rank][1] / 2  # halved once more, on both ranks
@@ -429,8 +450,9 @@ def _reads_per_call(rank, world, names):
     from sync_counting import counting
 
     out = {}
-    for name in names:
-        model = _shard(_model(), world)
+    for key in names:
+        model = _shard(_model(), world, root_owns_last=key.endswith("/root"))
+        name = key.removesuffix("/root")
         state = gradcomp.compress_fsdp(model, gradcomp.make(name, **({"density": 0.3} if name == "topk" else {})))
         for step in range(3):
             loss = torch.nn.functional.mse_loss(model(_batch(rank, step)[0]), _batch(rank, step)[1])
@@ -438,22 +460,92 @@ def _reads_per_call(rank, world, names):
             with counting() as counter:
                 loss.backward()
             model.zero_grad()
-        out[name] = (state.calls - calls, counter.total, str(counter))
+        out[key] = (state.calls - calls, counter.total, str(counter))
     return out
 
 
-def test_a_fixed_size_call_reads_the_device_once(monkeypatch):
-    """On the device path a fixed-size method's reduce-scatter reads once: the workers' agreed verdict (a device
-    flag that rode on the all-to-all) with the decoded messages' checks, not the input's finiteness, the marks
-    and the checks apart (three before)."""
+def test_a_fixed_size_pass_reads_the_device_once(monkeypatch):
+    """On the device path a fixed-size method's backward pass reads once, at its end: the workers' agreed verdicts
+    (device flags that rode on each call's all-to-all) with every decoded message's checks, not a read per module's
+    reduce-scatter (one per call before; three per call before that: the input's finiteness, the marks and the
+    checks apart)."""
     monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
-    names = ["none", "fp16", "topk", "signum", "cnat"]
+    names = ["none", "fp16", "topk", "signum", "cnat", "topk/root"]  # /root: the root's call in FSDP's end callback
     counted = run_workers(_reads_per_call, 2, names, timeout=120)
     for rank in range(2):
         for name in names:
             calls, reads, detail = counted[rank][name]
-            assert calls == 2 and reads == calls, (rank, name, detail)
+            assert calls == 2 and reads == 1, (rank, name, detail)
+
+
+def _corrupted_run(rank, world):
+    """Two steps of top-k with error feedback; in step 1 rank 1 receives a corrupted copy of rank 0's message in the
+    pass's first call. Returns per step what backward raised and whether the state stayed as it was."""
+    import gradcomp
+    from distributed import corrupting, same
+    from gradcomp.train import fsdp as fsdp_module
+
+    calls = []
+    fsdp_module.aggregate_buffers = corrupting(fsdp_module.aggregate_buffers, rank, calls)
+    model = _shard(_model(), world)
+    state = gradcomp.compress_fsdp(model, gradcomp.make("topk", **EF_TOPK))
+    seen = []
+    for step in range(2):
+        x, y = _batch(rank, step)
+        before = state.state_dict()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        try:
+            loss.backward()
+            seen.append((step, None, same(before, state.state_dict())))
+        except gradcomp.WireError as exc:
+            seen.append((step, str(exc), same(before, state.state_dict())))
+        model.zero_grad()
+    return seen, calls.count(1)
+
+
+def test_a_corrupted_message_raises_wire_error_at_the_pass_end(monkeypatch):
+    """On the device path a message that fails its checks is refused when the pass's one read comes, at its end:
+    WireError from ``backward`` on the rank that received it, naming the failed check, after the pass's later calls
+    ran, and with the state the pass changed put back. The sending rank sees nothing (the corruption happened on
+    the way to its peer)."""
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    (sent, _), (received, calls) = run_workers(_corrupted_run, 2, timeout=120)
+    assert [(s, e, same) for s, e, same in sent] == [(0, None, False), (1, None, False)]  # residuals moved
+    assert received[0] == (0, None, False)
+    step, error, unchanged = received[1]
+    assert step == 1 and "checksum mismatch" in error and unchanged, received
+    assert calls == 2  # both modules' calls ran before the pass's read refused the first one's message
+
+
+def _held_or_read_per_call(rank, world, per_call):
+    """Three steps of top-k with error feedback on the device path, the pass's checks held for its end or (the code
+    before) read at each call: the parameters and the state at the end."""
+    import contextlib
+
+    import gradcomp
+    from gradcomp.train import fsdp as fsdp_module
+
+    if per_call:
+        fsdp_module.holding_for_the_pass = lambda checks: contextlib.nullcontext()
+    model = _shard(_model(), world)
+    state = gradcomp.compress_fsdp(model, gradcomp.make("topk", **EF_TOPK))
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rank, range(3))
+    return _full(model), state.state_dict()
+
+
+def test_holding_the_checks_for_the_pass_changes_no_bit(monkeypatch):
+    """The pass's one read moves reads, not arithmetic: the same parameters and residuals as a read per call."""
+    from distributed import same
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    held = run_workers(_held_or_read_per_call, 2, False, timeout=120)
+    per_call = run_workers(_held_or_read_per_call, 2, True, timeout=120)
+    for rank in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(held[rank][0], per_call[rank][0]))
+        assert same(held[rank][1], per_call[rank][1])
 
 
 def _overflowing_reduce_scatter(rank, world, name):

@@ -84,20 +84,11 @@ def _train(label: str, rank: int) -> dict:
 
 def _corrupted(rank: int) -> dict:
     """Rank 1 receives a corrupted copy of rank 0's message in the first bucket of step 1's pass."""
+    from distributed import corrupting
     from gradcomp.schemes import single_round
 
-    aggregate = single_round.aggregate_buffers
-    calls = []
-
-    def corrupting(compressor, slots, buffers, step, device, **kwargs):
-        calls.append(step)
-        if rank == 1 and step == 1 and calls.count(1) == 1:
-            bad = buffers[0].clone()
-            bad[-1] ^= 4  # a flipped bit in the body: the checksum no longer matches
-            buffers = [bad, *buffers[1:]]
-        return aggregate(compressor, slots, buffers, step, device, **kwargs)
-
-    single_round.aggregate_buffers = corrupting
+    aggregate, calls = single_round.aggregate_buffers, []
+    single_round.aggregate_buffers = corrupting(aggregate, rank, calls)
     try:
         model = _net()
         ddp = DDP(model, bucket_cap_mb=0.001)

@@ -59,29 +59,30 @@ Other choices:
 - Step: each FSDP module counts its own reduce-scatters; the count seeds shared randomness and is saved.
 - Sharding: only FSDP2's default dim-0 sharding (``Shard(0)``) is carried; a ``shard_placement_fn`` that
   shards another dim is refused at registration (FSDP reorders such gradients before the copy-in).
-- NaN / Inf in a gradient on any rank: every rank raises the same ``NonFiniteGradientError`` (from
-  ``backward``) at the same module's reduce-scatter, and no rank's residual changes. The ranks learn it from the
-  call's first message, without a round of its own (``drive_agreeing``: a rank whose gradients are not finite
-  compresses zeros in their place and marks its buffers, which every rank receives a chunk of); the residuals
-  that this call's compression had already moved are put back from a journal of the slots it touched
-  (``compressors.state.journal``: one copy of those slots' state, nothing for the others). The step counter of
-  that module does not advance. Catch the error, call FSDP2's ``reset_iter_state()`` on the root module (its
-  recovery after an exception in backward) and ``zero_grad()``, and go on: the run is then the run without that
-  step, bit for bit (tests/test_fsdp.py). On the device path, for messages of fixed sizes, the rank's verdict stays
-  a device flag put on its buffers by ``torch.where`` and is read once, with the decoded messages' checks (the
-  decoding runs inside the call's rounds, where ``drive_agreeing``'s deferred verdict reaches the wire's read):
-  one read of the device per call; otherwise the rows' finiteness is read first and a bad rank compresses zeros.
+- NaN / Inf in a gradient on any rank: every rank raises the same ``NonFiniteGradientError`` from ``backward``, in
+  the same backward pass, and no rank's state changes. The ranks learn it from the calls' own messages, without a
+  round of their own (``drive_agreeing``: a bad rank marks its buffers, which every rank receives a chunk of). The
+  state keeps one journal for the whole pass (``FSDPCompressionState.pass_begins``; FSDP calls every module's
+  reduce-scatter once per pass, in the same order on every rank), so a bad pass puts back every slot its calls
+  changed, the finite calls before the bad one included, and every call's step count. Catch the error, call FSDP2's
+  ``reset_iter_state()`` on the root module (its recovery after an exception in backward) and ``zero_grad()``, and
+  go on: the run is then the run without that step, bit for bit (tests/test_fsdp.py). The price: the journal's copy
+  of every slot's state the pass changed, held until the pass ends (with error feedback, all the residuals).
+  On the host path (and for sizes that vary) each call reads its verdict at once: a bad rank compresses zeros in its
+  rows' place and the error is raised at the bad call. On the device path, for messages of fixed sizes, a call reads
+  nothing: its rank's verdict stays a device flag put on its buffers by ``torch.where``, and the agreed verdict and
+  the decoded messages' checks are held for the pass (``wire.container.hold_for_the_pass``). The pass's first call
+  queues ``pass_ends`` with the autograd engine, which runs after FSDP2's own end-of-backward callback (queued
+  before it, and where FSDP reduce-scatters the root module's own parameters): one read for the whole pass. A
+  message that failed its checks raises WireError there, the pass undone, on the rank that received it.
   With ``scaler=`` (fp16 mixed precision) or ``nonfinite="propagate"`` nothing raises: the backward pass is skipped
-  on every rank instead. FSDP calls every module's reduce-scatter once per pass, in the same order on every rank,
-  so the state keeps one journal for the whole pass (``FSDPCompressionState.pass_begins``); at the bad call it
-  puts back every slot the pass's calls changed and every call's step count, fills that call's output with NaN
-  and sends nothing for the pass's later calls (their outputs NaN too), so the scaler's check (or the user's)
-  skips the step on every rank. Under a scaler the rows are divided by its scale before compression, in float32
-  (residuals in unscaled units; an fp16 gradient divided in fp16 would underflow), and the aggregate multiplied
-  back. A pass is one backward pass of the autograd engine (its graph task), so a module that sat the forward pass
-  out, or a backward that failed half way, does not blur two passes. The price of skipping: the pass's journal
-  keeps a copy of every slot's state its calls changed until the backward ends, i.e. with error feedback one more
-  copy of all the residuals during backward, where raising keeps one module's.
+  on every rank instead, its state put back. At a bad call read at once, that call's output is filled with NaN and
+  nothing is sent for the pass's later calls (their outputs NaN too); at the pass's end, the ``.grad`` of every
+  parameter the pass's calls served is filled with NaN. Either way the scaler's check (or the user's) skips the step
+  on every rank. Under a scaler the rows are divided by its scale before compression, in float32 (residuals in
+  unscaled units; an fp16 gradient divided in fp16 would underflow), and the aggregate multiplied back. A pass is
+  one backward pass of the autograd engine (its graph task), so a module that sat the forward pass out, or a
+  backward that failed half way, does not blur two passes; a call made outside a backward pass is a pass of its own.
 - Methods that own their rounds (PowerSGD, sketched SGD, LGC, ...) are refused: their rounds assume every
   rank ends with the whole aggregate, which a reduce-scatter does not give.
 """
@@ -99,13 +100,14 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.state import Journal, journal
-from gradcomp.errors import ConfigError, NonFiniteGradientError
+from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.finite import all_finite, check_nonfinite, check_scaler, finite_flag, loss_scale
 from gradcomp.schemes.sharded import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
 from gradcomp.train.exchange import agreed_non_finite, check_gradients, check_state, drive_agreeing, refusal_note
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import DeviceChecks, holding_for_the_pass
 
 try:  # torch >= 2.6 (FSDP2's custom collectives: 2.8)
     from torch.distributed.fsdp import FSDPModule
@@ -139,10 +141,11 @@ def _group_of(module: Any) -> Any:
 class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
     """FSDP2's ``ReduceScatter`` for one FSDP module: compress per destination, all-to-all, aggregate."""
 
-    def __init__(self, state: FSDPCompressionState, key: str, pieces: list[_Piece]):
+    def __init__(self, state: FSDPCompressionState, key: str, pieces: list[_Piece], params: Sequence[Tensor] = ()):
         self.state = state
         self.key = key
         self.pieces = pieces
+        self.params = list(params)  # the sharded parameters (their .grad: NaN when a skipped pass is found bad)
         world = state.world_size
         self.row = sum(p.padded for p in pieces)
         # the slots rank j serves: (piece, slot) for every non-empty chunk j
@@ -199,14 +202,14 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         names = [p.name for p in self.pieces]
         if not input_tensor.is_floating_point():  # the same dtype on every rank: every rank refuses it here
             check_gradients(names, [rows[:, p.offset : p.offset + p.padded] for p in self.pieces], self.step)
-        record = state.pass_begins(self) if state.propagate else None
+        record = state.pass_begins(self)
         if state.pass_bad:  # an earlier call of this backward pass was not finite on some rank: so is this one
             output_tensor.fill_(float("nan"))  # on every rank, with nothing sent
             state.call_ends()
             return None
         scale = loss_scale(state.scaler)  # error feedback sees unscaled gradients (_messages)
-        # fixed sizes on the device path: this rank's verdict stays a device flag, rides on the all-to-all and is
-        # read with the decoded messages' checks, one read per call (drive_agreeing); else it is read here
+        # fixed sizes on the device path: this rank's verdict stays a device flag, rides on the all-to-all and waits,
+        # with the decoded messages' checks, for the pass's one read at its end (state.pass_ends); else it is read here
         defer = self.known is not None and not host_path(input_tensor)
         finite: bool | Tensor = finite_flag([input_tensor]) if defer else all_finite(input_tensor)
         step, compressor = self.step, state.compressor
@@ -215,33 +218,41 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         mine = self.owned[rank]
         with torch.no_grad():
             refused = None
-            with journal(record) as touched:  # each slot's state before this call (this pass) changes it
-                try:  # (deferred: the rows as they are; a bad call is undone before anything of it is applied)
+            with journal(record):  # each slot's state before this pass changes it
+                try:  # (deferred: the rows as they are; a bad pass is undone before anything of it is applied)
                     up = self._messages(rows if defer or finite else torch.zeros_like(rows), step, scale)
                 except NonFiniteGradientError as exc:  # finite rows whose compression is not (QSGD's norm, ...):
                     refused, finite = exc, False  # refused on this rank only, so it is this rank's verdict
                     up = self._messages(torch.zeros_like(rows), step)  # (only the messages' sizes matter then)
 
-            def rounds():  # the all-to-all, then the decoding, whose one device read takes a deferred verdict
+            def rounds():  # the all-to-all, then the decoding (its checks held for the pass when deferred)
                 received = yield from alltoall_buffers(rank, up, self.known)
                 slots = [s for _, s in mine]
-                return aggregate_buffers(compressor, slots, received, step, input_tensor.device) if mine else []
+                if not mine:
+                    return []
+                return aggregate_buffers(compressor, slots, received, step, input_tensor.device, final=True)
 
-            agreed, aggregates = drive_agreeing(state.transport, rounds(), finite, after_rounds=defer)
+            held = isinstance(finite, Tensor)  # (a refusal made it a bool: read at once)
+            with holding_for_the_pass(state.pass_checks if held else None):
+                agreed, aggregates = drive_agreeing(
+                    state.transport, rounds(), finite, after_rounds=defer, read=state.pass_flags if held else True
+                )
             if not agreed:  # some rank's gradients were not finite: every rank is here, at this call
-                if state.propagate:  # the pass is skipped on every rank, its state put back: NaN for the scaler
-                    state.pass_abandoned(self)  # (this call's changes are in the pass's record)
+                state.pass_abandoned(self)  # the state this pass changed and its calls' step counts put back
+                if state.propagate:  # the pass is skipped on every rank: NaN for the scaler (or the user's check)
                     output_tensor.fill_(float("nan"))
                     state.call_ends()
                     return None
-                touched.undo()
                 here = [] if bool(finite) else [
                     name for name, p in zip(names, self.pieces)
                     if not all_finite(rows[:, p.offset : p.offset + p.padded])
                 ]
                 if refused is not None:
                     here.append(refusal_note(refused))
+                state.call_ends()
                 raise agreed_non_finite(step, here)
+            if held:  # this rank's flag, to name its parameters if the pass's read finds it bad
+                state.pass_mine.append((self, finite))
             output_tensor.zero_()
             if mine:
                 flat = output_tensor.reshape(-1)
@@ -254,8 +265,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         state.compress_s += time.perf_counter() - started - (state.transport.counter.seconds - blocked_before)
         self.step += 1
         state.calls += 1
-        if state.propagate:
-            state.call_ends()
+        state.call_ends()
         return None
 
 
@@ -269,43 +279,58 @@ class FSDPCompressionState:
         self.rank, self.world_size = transport.rank, transport.world_size
         self.comms: list[_CompressedReduceScatter] = []
         self.compress_s = 0.0
-        self.calls = 0
+        self.calls = 0  # compressed reduce-scatters made and applied (an abandoned pass's are taken back)
         self.scaler = scaler
         # a bad pass is skipped (NaN in every rank's gradients), not raised: for the scaler, or the user's own check
         self.propagate = scaler is not None or propagate
         self.skipped = 0  # backward passes skipped so (some rank's gradients were not finite)
-        # the backward pass under way (skipped passes): the calls made in it, each one's step count before it, the
-        # record of the state its calls changed, and whether it is abandoned
+        # the backward pass under way: the calls made in it, each one's step count before it, the record of the state
+        # its calls changed, and whether it is abandoned; on the device path, what waits for its one read at its end:
+        # the deferred verdicts, the decoded messages' checks, and each call's own flag (to name a bad module)
         self._pass_calls: dict[str, int] = {}
         self._pass_record: Journal | None = None
         self._pass_task = -1  # the autograd engine's graph task of the pass (-1: one call outside a backward pass)
+        self._pass_calls_before = 0
         self.pass_bad = False
+        self.pass_flags: list[Tensor] = []
+        self.pass_checks = DeviceChecks()
+        self.pass_mine: list[tuple[_CompressedReduceScatter, Tensor]] = []
 
     def pass_begins(self, comm: _CompressedReduceScatter) -> Journal:
         """A call of a backward pass (FSDP calls the reduce-scatter of every module that took part in the forward
         pass once, in the same order on every rank): the pass's record of the state it changes. A pass is one
         backward pass of the autograd engine (its graph task), whatever modules it calls; a call made outside a
         backward pass is a pass of its own. Its first call asks the engine to end it when the backward ends
-        (``pass_ends``: the record's copies are dropped then, not kept through the optimizer step and the next
-        forward pass); a backward that failed never ends its pass that way, and the next one's first call starts
-        afresh."""
+        (``pass_ends``: the one read of what the pass deferred, and the record's copies dropped, not kept through the
+        optimizer step and the next forward pass); a backward that failed never ends its pass that way, and the next
+        one's first call starts afresh."""
         task = _graph_task()
         if self._pass_record is None or task == -1 or task != self._pass_task or comm.key in self._pass_calls:
             self._pass_calls, self._pass_record, self.pass_bad, self._pass_task = {}, Journal(), False, task
+            self.pass_flags, self.pass_checks, self.pass_mine = [], DeviceChecks(), []
+            self._pass_calls_before = self.calls
             if task != -1:
                 torch.autograd.Variable._execution_engine.queue_callback(self.pass_ends)
         self._pass_calls.setdefault(comm.key, comm.step)
         return self._pass_record
 
-    def pass_abandoned(self, comm: _CompressedReduceScatter) -> None:
-        """Some rank's gradients were not finite at ``comm``'s call (every rank is there): the state the pass changed
-        and its calls' step counts go back to where the pass began, and its later calls send nothing."""
+    def pass_abandoned(self, comm: _CompressedReduceScatter | None = None) -> None:
+        """Some rank's gradients were not finite in the pass (every rank learns it at the same call, or at the pass's
+        end): the state the pass changed and its calls' step counts go back to where the pass began, what it deferred
+        is dropped, and its later calls send nothing."""
+        self._undo_pass()
+        self.pass_bad = True
+        if self.propagate:
+            self.skipped += 1
+
+    def _undo_pass(self) -> None:
+        """The state the pass changed and its calls' step counts put back; what it deferred dropped."""
         self._pass_record.undo()  # type: ignore[union-attr]
         by_key = {c.key: c for c in self.comms}
         for key, step in self._pass_calls.items():
             by_key[key].step = step
-        self.pass_bad = True
-        self.skipped += 1
+        self.calls = self._pass_calls_before
+        self.pass_flags, self.pass_checks, self.pass_mine = [], DeviceChecks(), []
 
     def call_ends(self) -> None:
         """After each call: a call made outside a backward pass ends its pass with it."""
@@ -313,9 +338,37 @@ class FSDPCompressionState:
             self.pass_ends()
 
     def pass_ends(self) -> None:
-        """The end of the backward pass (queued with the autograd engine by its first call): the next call begins a
-        new pass."""
-        self._pass_calls, self._pass_record = {}, None
+        """The end of the backward pass (queued with the autograd engine by its first call; FSDP's own end of the
+        backward, queued before it, has set every gradient by then). On the device path its one read: the deferred
+        verdicts and every decoded message's checks. A pass found bad is undone as at a bad call; it raises the
+        NonFiniteGradientError (named by the pass's first call's step) from ``backward``, or, skipping, fills the
+        gradients of every module it called with NaN. A message that failed its checks raises WireError, the pass
+        undone too. The next call begins a new pass."""
+        try:
+            if not (self.pass_flags or self.pass_checks.pending) or self._pass_record is None:
+                return
+            flags, checks, mine = self.pass_flags, self.pass_checks, self.pass_mine
+            self.pass_flags, self.pass_checks, self.pass_mine = [], DeviceChecks(), []
+            first = next(iter(self._pass_calls.values()))
+            called = [c for c in self.comms if c.key in self._pass_calls]
+            try:
+                bad = checks.read_after(flags)
+            except WireError:
+                self._undo_pass()
+                raise
+            if not bad:
+                return
+            self.pass_abandoned()
+            if not self.propagate:
+                values = torch.stack([f.reshape(()) for _, f in mine]).tolist() if mine else []
+                here = [f"one of {', '.join(p.name for p in c.pieces)}" for (c, _), ok in zip(mine, values) if not ok]
+                raise agreed_non_finite(first, here)
+            for comm in called:
+                for param in comm.params:
+                    if param.grad is not None:  # the pass's gradients, on every rank: the scaler (or user) skips
+                        _local(param.grad).fill_(float("nan"))
+        finally:
+            self._pass_calls, self._pass_record = {}, None
 
     @property
     def counter(self):
@@ -365,6 +418,11 @@ class FSDPCompressionState:
         self.compressor.load_state_dict(state["compressor"])
         for comm in self.comms:
             comm.step = int(state["steps"][comm.key])
+
+
+def _local(t: Tensor) -> Tensor:
+    """A sharded gradient's local shard (a DTensor's, in place), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _graph_task() -> int:
@@ -432,11 +490,12 @@ def compress_fsdp(
     ``scaler``: the GradScaler (FSDP2's ``ShardedGradScaler``, or ``torch.amp.GradScaler``) that scales the loss
     under fp16 mixed precision. The gradients are then divided by its scale before they are compressed (residuals
     in unscaled units) and the average multiplied back; a backward pass in which some rank's gradients were not
-    finite is skipped instead of raised: from that call on, every rank's gradients of the pass are NaN (nothing
-    more is sent), so the scaler skips the step and lowers its scale everywhere, and the residuals and step counts
-    go back to where the pass began. ``nonfinite``: ``"raise"`` (default, without a scaler: every rank raises the
-    same NonFiniteGradientError at the same call) or ``"propagate"`` (the same skipping without a scaler, for a
-    check of your own). ConfigError for anything else, before anything is registered.
+    finite is skipped instead of raised: every rank's gradients of the pass are NaN (from the bad call on, or, on the
+    device path, all of them at the pass's end), so the scaler skips the step and lowers its scale everywhere, and
+    the residuals and step counts go back to where the pass began. ``nonfinite``: ``"raise"`` (default, without a
+    scaler: every rank raises the same NonFiniteGradientError from the same backward pass, its state put back) or
+    ``"propagate"`` (the same skipping without a scaler, for a check of your own). ConfigError for anything else,
+    before anything is registered.
     """
     if FSDPModule is None:  # pragma: no cover
         raise ConfigError("compress_fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6)")
@@ -478,7 +537,7 @@ def compress_fsdp(
                 f"compress_fsdp: the FSDP mesh shards over {group.mesh_info.shard_mesh_size} ranks, the process "
                 f"group has {world}"
             )
-        pieces, offset = [], 0
+        pieces, params, offset = [], [], 0
         for fp in group.fsdp_params:
             if not fp.sharded_param.requires_grad:
                 continue
@@ -505,12 +564,13 @@ def compress_fsdp(
                 if slot is not None:
                     compressor.specs(slot)  # ConfigError (k larger than a chunk, ...) before anything is sent
             pieces.append(_Piece(name, offset, padded, tuple(slots)))
+            params.append(fp.sharded_param)
             offset += padded
         if not pieces:
             continue
         prefix = pieces[0].name.rsplit(".", 1)[0] if "." in pieces[0].name else ""
         key = f"{len(state.comms)}:{prefix}"  # the module's place and its first parameter's owner
-        comm = _CompressedReduceScatter(state, key, pieces)
+        comm = _CompressedReduceScatter(state, key, pieces, params)
         module.set_reduce_scatter_unused_params(True, recurse=False)
         module.set_custom_reduce_scatter(comm)
         state.comms.append(comm)
