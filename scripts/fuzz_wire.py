@@ -75,6 +75,7 @@ from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encod
 from gradcomp.wire import FLOAT_DTYPES, HEADER_BYTES, SECTION_HEADER_BYTES, Codec
 from gradcomp.wire.bits import packed_nbytes
 from gradcomp.wire.checksum import checksum64
+from gradcomp.wire.container import free_sections
 
 DEFAULT_PER_DECODER = 100_000
 DEFAULT_PER_SCHEME = 10_000  # each replays a worker's whole step: slower than a decoder's
@@ -403,13 +404,18 @@ def _device_path():
             os.environ["GRADCOMP_DEVICE_PATH"] = before
 
 
-def receive_on_device(compressor: Compressor, raw: bytes | bytearray, step: int) -> tuple[str, list | None, BaseException | None]:
+def receive_on_device(
+    compressor: Compressor, raw: bytes | bytearray, step: int, layout: list[int] | None = None
+) -> tuple[str, list | None, BaseException | None]:
     """What a receiver on a GPU does with one buffer: decode, sum, then read every check (``aggregate_buffers`` on
-    the device path); ("rejected" | "ok" | "crash", the aggregate per slot as one-field lists, exception)."""
+    the device path); ("rejected" | "ok" | "crash", the aggregate per slot as one-field lists, exception). ``layout``:
+    the layout values its sender's size exchange announced (a gathered message whose layout varies: decoded where
+    it is, from them), else None (its headers read on the host, as the sharded topology and a server do)."""
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
     try:
         with _device_path():
-            aggregates = aggregate_buffers(compressor, list(SLOTS), [buf], step, torch.device("cpu"))
+            layouts = None if layout is None else [layout]
+            aggregates = aggregate_buffers(compressor, list(SLOTS), [buf], step, torch.device("cpu"), layouts=layouts)
     except WireError as e:
         return "rejected", None, e
     except Exception as e:  # counting every other exception is the point
@@ -436,6 +442,16 @@ class Result:
         return self.total(outcome="crash") > 0 or self.total(MUST_NOT_BE_SILENT, "silent") > 0 or bool(self.unframed)
 
 
+def _announced(compressor: Compressor, msg: Message) -> list[int] | None:
+    """The layout values the sender of the unmutated ``msg`` announced in its size exchange (its free sections'
+    counts, its Golomb streams' bytes: ``wire.container.layout_values``), or None for a layout the specs fix."""
+    specs = [spec for slot in SLOTS for spec in compressor.specs(slot)]
+    free, golomb = free_sections(specs)
+    if not free and not golomb:
+        return None
+    return [msg.sections[i][3] for i in free] + [msg.sections[i][4] for i in golomb]
+
+
 def fuzz_decoder(decoder: Decoder, per_decoder: int, seed: int, result: Result) -> None:
     rng = random.Random(f"{seed}:{decoder.label}")
     compressor = decoder.make()
@@ -451,7 +467,11 @@ def fuzz_decoder(decoder: Decoder, per_decoder: int, seed: int, result: Result) 
         else:
             counts[(kind, "unchanged")] += 1
             continue
-        status, decoded, exc = (receive_on_device if decoder.device else receive)(compressor, raw, msg.step)
+        if decoder.device:  # a message whose layout varies: every other one with the layout values announced
+            layout = _announced(compressor, msg) if i % 2 == 0 else None
+            status, decoded, exc = receive_on_device(compressor, raw, msg.step, layout)
+        else:
+            status, decoded, exc = receive(compressor, raw, msg.step)
         if status == "ok":
             status = "same" if _same(decoded, msg.decoded) else "silent"
         counts[(kind, status)] += 1

@@ -650,6 +650,25 @@ def test_cuda_matches_cpu():
 # ------------------------------------------------------------------------------ sized before encoding
 
 
+def sized_specs(fixed_golomb: int) -> list[FieldSpec]:
+    """A message sized on the device: Golomb positions and their values (free count), the mixed sections (three
+    free counts), a Golomb field of ``fixed_golomb`` positions (a fixed count) and three fp16 values."""
+    return [
+        FieldSpec(Codec.GOLOMB, max_count=500, universe=5000),
+        FieldSpec(Codec.F32, max_count=500, same_count_as=-1),
+        *MIXED_SPECS,
+        FieldSpec(Codec.GOLOMB, count=fixed_golomb, universe=70),
+        FieldSpec(Codec.F16, count=3),
+    ]
+
+
+def sized_message(k: int, seed: int, fixed: torch.Tensor) -> list[torch.Tensor]:
+    """Fields for ``sized_specs(fixed.numel())``: k positions and values, 20 mixed entries, the ``fixed`` positions."""
+    g = torch.Generator().manual_seed(seed)
+    return [rand_positions(5000, k, seed), torch.randn(k, generator=g), *mixed_message(20, seed), fixed,
+            torch.randn(3, generator=g)]
+
+
 def test_length_on_device_is_encodes_length_and_its_streams_give_the_same_bytes(monkeypatch):
     """The device path sizes a variable message before encoding it (``length_on_device``: nothing read), reads the
     length with its Golomb streams' lengths and hands those to ``encode(stream_bits=...)``: the length is the
@@ -658,17 +677,9 @@ def test_length_on_device_is_encodes_length_and_its_streams_give_the_same_bytes(
 
     from gradcomp.wire.container import length_on_device
 
-    specs = [
-        FieldSpec(Codec.GOLOMB, max_count=500, universe=5000),
-        FieldSpec(Codec.F32, max_count=500, same_count_as=-1),
-        *MIXED_SPECS,
-        FieldSpec(Codec.GOLOMB, count=0, universe=70),
-        FieldSpec(Codec.F16, count=3),
-    ]
+    specs = sized_specs(0)
     for k, seed in ((1, 0), (37, 1), (500, 2), (0, 3)):
-        g = torch.Generator().manual_seed(seed)
-        fields = [rand_positions(5000, k, seed), torch.randn(k, generator=g), *mixed_message(20, seed),
-                  torch.zeros(0, dtype=torch.int64), torch.randn(3, generator=g)]
+        fields = sized_message(k, seed, torch.zeros(0, dtype=torch.int64))
         on_host = encode(fields, specs)
         monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
         with counting() as counter:
@@ -685,6 +696,66 @@ def test_length_on_device_is_encodes_length_and_its_streams_give_the_same_bytes(
         monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
 
 
+def test_a_variable_message_decodes_on_the_device_from_its_layout_values(monkeypatch):
+    """A size exchange brings a variable message's layout values (``layout_values``: its free counts and Golomb
+    streams' lengths, computed on the device and not read: those its headers hold). With them the device path
+    decodes the message where it is, nothing read until the checks, which it reads with the caller's others: the
+    fields are the host path's. Values that disagree with the message's own headers but imply its length are refused
+    at that read (its fields were decoded from them), as is a corrupted body; values that imply another length, or
+    that no message can have, send it to the host path, which reads its own."""
+    from sync_counting import counting
+
+    from gradcomp.wire.container import (
+        DeviceChecks,
+        free_sections,
+        layout_values,
+        length_on_device,
+    )
+
+    specs = sized_specs(2)
+    for k, seed in ((1, 0), (37, 1), (500, 2), (0, 3)):
+        fields = sized_message(k, seed, torch.tensor([3, 60]))
+        buf = encode(fields, specs)
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        with counting() as counter:
+            _, _, bits = length_on_device(fields, specs)
+            values = layout_values(specs, [f.numel() for f in fields], bits, torch.device("cpu"))
+        assert counter.total == 0, counter
+        heads, off = [], 20  # (codec, param, count, data bytes) of every section, from the message's headers
+        for _ in specs:
+            heads.append(struct.unpack_from("<BBII", buf.numpy(), off))
+            off += 10 + heads[-1][3]
+        # the free counts (the Golomb positions', the mixed sections' three), then both Golomb streams' bytes
+        assert values.tolist() == [heads[i][2] for i in (0, 2, 3, 4)] + [heads[i][3] for i in (0, 5)]
+        given = values.tolist()
+        later = DeviceChecks()
+        with counting() as counter:
+            got = decode(buf, specs, later, layout=given)
+        assert counter.total == 0, str(counter)
+        later.read()
+        assert_fields_equal(got, fields, specs)
+        assert len(free_sections(specs)[0]) == 4  # the Golomb positions' count and the mixed sections' three
+        wrong = values.tolist()
+        wrong[1:4] = [16, 21, 23]  # other counts of the mixed sections, -5, +4 and +1 bytes: the same length
+        later = DeviceChecks()
+        decode(buf, specs, later, layout=wrong)
+        with pytest.raises(WireError, match="size exchange announced"):
+            later.read()
+        longer = values.tolist()
+        longer[0] = k + 1 if k < 500 else k - 1  # another length than the message's: its own headers are read
+        assert_fields_equal(decode(buf, specs, layout=longer), fields, specs)
+        bad = buf.clone()
+        bad[-1] ^= 1
+        later = DeviceChecks()
+        decode(bad, specs, later, layout=values.tolist())
+        with pytest.raises(WireError, match="checksum mismatch"):
+            later.read()
+        impossible = values.tolist()
+        impossible[0] = -5
+        assert_fields_equal(decode(buf, specs, layout=impossible), fields, specs)  # (the host path's headers)
+        monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+
+
 VARIABLE_METHODS = {
     "threshold": ("threshold", {"threshold": 0.5}),  # selected on the device, compacted after the size exchange
     "threshold-ef": ("threshold", {"threshold": 0.5, "error_feedback": True}),  # the same under error feedback
@@ -697,8 +768,8 @@ VARIABLE_METHODS = {
 
 @pytest.mark.parametrize("label", list(VARIABLE_METHODS))
 def test_a_variable_exchange_on_the_device_path_equals_the_host_paths(label, monkeypatch):
-    """Three simulated workers, three steps: the device path (sized on the device, one read for the lengths, the
-    messages fetched together) aggregates exactly what the host path does."""
+    """Three simulated workers, three steps: the device path (sized on the device, one read for the lengths and
+    layout values, the messages decoded where they are) aggregates exactly what the host path does."""
     import gradcomp
     from gradcomp.transport.sim import SimulatedCluster
 

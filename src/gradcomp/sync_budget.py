@@ -55,14 +55,14 @@ _WITH_CHECKS = (
     f"exchange whatever the world size){_PASS}"
 )
 _SIZES = (
-    "1 size exchange, which carries the workers' finiteness verdict as well (a bad worker's lengths n travel as "
-    "-1 - n, marked on the device: sizes.exchange_sizes, exchange._drive_deferred); 1 transfer of the received "
-    "messages to the host, all of them together (their section headers and checksums: the layout depends on the "
-    "data; wire.container.fetch_together, once per exchange whatever the world size); 1 read of every message's "
-    "data checks (padding, "
-    "positions, Golomb code structure) together with the finiteness of the aggregate sums (wire.container."
-    "DeviceChecks, once per exchange whatever the world size; the DDP hook holds this last read for the backward "
-    "pass and makes it once, at its last bucket, with the other buckets': wire.container.hold_for_the_pass)"
+    "1 size exchange, which carries every message's layout values (its free sections' counts and its Golomb "
+    "streams' lengths: wire.container.layout_values, sizes.exchange_lengths) and the workers' finiteness verdict as "
+    "well (a bad worker's values n travel as -1 - n, marked on the device: exchange._drive_deferred); every "
+    "received message is then decoded on the device, its layout known, nothing of it brought to the host; 1 read "
+    "of every message's checks (header, checksum, section heads against the layout values, padding, positions, "
+    "Golomb code structure) together with the finiteness of the aggregate sums (wire.container.DeviceChecks, once "
+    "per exchange whatever the world size; the DDP hook holds this last read for the backward pass and makes it "
+    "once, at its last bucket, with the other buckets': wire.container.hold_for_the_pass)"
 )
 _STREAMS = (
     "; the size exchange's read brings this worker's Golomb stream lengths too, computed on the device before "
@@ -105,13 +105,13 @@ _TABLE: dict[str, tuple[int, int, str]] = {
             "sizes.broadcast_buffer); 1 read of the "
             "decoded positions' checks (one Golomb section of known count: its length follows from the message's, "
             "decoded on the device like a fixed layout)"),
-    "sbc": (3, 3, f"{_SIZES}{_STREAMS}"),
-    "threshold": (3, 3, f"{_SIZES}; the size exchange's read brings this worker's selection counts too: the slots' "
+    "sbc": (2, 2, f"{_SIZES}{_STREAMS}"),
+    "threshold": (2, 2, f"{_SIZES}; the size exchange's read brings this worker's selection counts too: the slots' "
                   "masks |x| > threshold are counted on the device and compacted once the counts are read "
                   "(compressors.base.SizedSelection: Threshold.select_sized, ErrorFeedback.select_sized)"),
-    "stc": (4, 4, f"1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
+    "stc": (3, 3, f"1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
             f"compress_slots, once per message); {_SIZES}{_STREAMS}"),
-    "dgc": (5, 5, f"1 read of all the slots' counts of candidates above their sampled "
+    "dgc": (4, 4, f"1 read of all the slots' counts of candidates above their sampled "
             "thresholds and 1 of keep_largest's two conditions for all the slots with more candidates than k "
             "(dgc.DGC.compress_slots, once per message; a slot with too few candidates lowers its threshold on its "
             "own, with reads: rare); "

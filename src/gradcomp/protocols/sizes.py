@@ -26,12 +26,19 @@ def exchange_sizes(buffer: Tensor) -> Rounds:
     return [int(s) for s in gathered]
 
 
-def exchange_lengths(length: Tensor, also: Tensor) -> Rounds:
-    """Every worker's buffer length from this worker's as a one-element int64 tensor on the device (not read), and
-    ``also`` (int64 values of this worker's own, not sent) read in the same transfer: ``(lengths, also's values)``.
-    The device path sizes a message this way before encoding it (``wire.container.length_on_device``)."""
-    sizes, mine = yield AllGather(length.reshape(1), kind=CONTROL, read=True, also=also)
-    return [int(s) for s in sizes], [int(v) for v in mine]
+def exchange_lengths(length: Tensor, also: Tensor, layout: Tensor) -> Rounds:
+    """The device path's size exchange, before a message is encoded (``wire.container.length_on_device``): this
+    worker's length (a one-element int64 tensor on the device, not read) and ``layout``, the message's layout values
+    (``wire.container.layout_values``, int64 on the device), sent together (8 bytes each, control traffic), so that
+    every receiver decodes every message where it is, none brought to the host for its headers; ``also`` (int64
+    values of this worker's own, not sent) read in the same transfer. Returns ``(every worker's length, every
+    worker's layout values, also's values)``. The host path's exchange (``exchange_sizes``) sends lengths only: it
+    reads a message's headers where the message is."""
+    sent = torch.cat([length.reshape(1), layout.reshape(-1)])
+    gathered, mine = yield AllGather(sent, kind=CONTROL, read=True, also=also)
+    n = sent.numel()  # (the same on every worker: the specs fix how many layout values a message has)
+    rows = [[int(v) for v in gathered[r : r + n]] for r in range(0, len(gathered), n)]
+    return [row[0] for row in rows], [row[1:] for row in rows], [int(v) for v in mine]
 
 
 def buffer_sizes(buffer: Tensor, rank: int, known: Sequence[int] | None = None) -> Rounds:

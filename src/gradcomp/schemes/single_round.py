@@ -48,6 +48,7 @@ from gradcomp.wire.container import (
     deferring,
     fetch_together,
     hold_for_the_pass,
+    layout_values,
     length_from_counts,
     length_on_device,
 )
@@ -101,16 +102,17 @@ def encode_slots(compressor: Compressor, slots: Sequence[Slot], messages: Sequen
 
 
 def decode_slots(
-    compressor: Compressor, slots: Sequence[Slot], buffer: Tensor, later: DeviceChecks | None = None
+    compressor: Compressor, slots: Sequence[Slot], buffer: Tensor, later: DeviceChecks | None = None,
+    layout: Sequence[int] | None = None,
 ) -> list[Fields]:
     specs_per_slot = [compressor.specs(s) for s in slots]
-    fields = iter(decode(buffer, [spec for specs in specs_per_slot for spec in specs], later))
+    fields = iter(decode(buffer, [spec for specs in specs_per_slot for spec in specs], later, layout))
     return [[next(fields) for _ in specs] for specs in specs_per_slot]
 
 
 def aggregate_buffers(
     compressor: Compressor, slots: Sequence[Slot], buffers: Sequence[Tensor], step: int, device: torch.device,
-    final: bool = False,
+    final: bool = False, layouts: Sequence[Sequence[int]] | None = None,
 ) -> list[Tensor]:
     """Decode every buffer (in order), add the messages up and aggregate them by the compressor's rule.
 
@@ -128,6 +130,9 @@ def aggregate_buffers(
     ``final``: the aggregate is this worker's result of the exchange (an all-gather's), not something it sends on (a
     server's, a shard's). Only then may the checks wait for the DDP hook's backward pass (``hold_for_the_pass``): a
     message sent on from unread checks would carry a corruption to workers that never see its checks.
+
+    ``layouts``: each buffer's layout values from the size exchange (``wire.container.layout_values``): buffers whose
+    layout depends on the data are then decoded on the device like fixed ones, none brought to the host.
     """
     tallies = [new_tally(compressor, slot, device) for slot in slots]  # None: add up float32 messages
     totals = [
@@ -138,9 +143,10 @@ def aggregate_buffers(
     specs = [spec for slot in slots for spec in compressor.specs(slot)]
     # the compressors' own checks of what they decode (sign padding) join the one read; messages whose layout
     # depends on the data come to the host for their headers in one transfer, not one per worker
-    with later.collecting(), fetch_together([(buffer, specs) for buffer in buffers]):
-        for buffer in buffers:
-            _add_buffer(compressor, slots, buffer, step, totals, later)
+    given = list(layouts) if layouts is not None else [None] * len(buffers)
+    with later.collecting(), fetch_together([(b, specs) for b, layout in zip(buffers, given) if layout is None]):
+        for buffer, layout in zip(buffers, given):
+            _add_buffer(compressor, slots, buffer, step, totals, later, layout)
     results = []
     sums = [total for total in totals if not isinstance(total, Tally)]  # a compact count is finite by construction
     # a float64 sum of float32 entries cannot overflow: finite exactly when every entry is
@@ -185,11 +191,12 @@ def _add_buffer(
     step: int,
     totals: list[Tensor | Tally],
     later: DeviceChecks | None = None,
+    layout: Sequence[int] | None = None,
 ) -> None:
     """Add one worker's decoded messages into the slots' sums (or tallies). A function of its own, so that
     nothing of the decoded message outlives it (a loop variable would keep the last slot's fields alive through
     the next buffer's decoding)."""
-    for slot, fields, total in zip(slots, decode_slots(compressor, slots, buffer, later), totals):
+    for slot, fields, total in zip(slots, decode_slots(compressor, slots, buffer, later, layout), totals):
         if isinstance(total, Tally):
             total.add(fields)
         else:
@@ -325,24 +332,31 @@ class SingleRound(Scheme):
         return encode_slots(self.compressor, slots, self.compressor.compress_slots(tensors, slots, step))
 
     def _sized_on_device(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
-        """The device path of a message whose size depends on the data: its length computed on the device, sent in
-        the size exchange and read with the others' and with its Golomb streams' lengths (one read), then encoded
-        without a read of its own. Returns (this worker's buffer, every worker's length); the bytes are encode's."""
+        """The device path of a message whose size depends on the data: its length and layout values (the free
+        sections' counts, the Golomb streams' lengths: ``wire.container.layout_values``) computed on the device,
+        sent in the size exchange and read with the others' and with its own Golomb streams' lengths (one read),
+        then encoded without a read of its own; every receiver then decodes every message on the device, its
+        layout known, with nothing brought to the host. Returns (this worker's buffer, every worker's length,
+        every worker's layout values); the bytes are encode's."""
         specs = [spec for slot in slots for spec in self.compressor.specs(slot)]
+        device = tensors[0].device
         sized = select_sized(self.compressor, tensors, slots, step)
         if sized is not None:  # (threshold) the selections' counts are read with the size exchange too
             counts = sized.device_counts()
-            length = length_from_counts(specs, [c for per_slot in sized.counts for c in per_slot])
-            read = torch.stack(counts) if counts else torch.zeros(0, dtype=torch.int64, device=tensors[0].device)
-            sizes, values = yield from exchange_lengths(length, read)
+            per_field = [c for per_slot in sized.counts for c in per_slot]
+            length = length_from_counts(specs, per_field)
+            layout = layout_values(specs, per_field, None, device)
+            read = torch.stack(counts) if counts else torch.zeros(0, dtype=torch.int64, device=device)
+            sizes, layouts, values = yield from exchange_lengths(length, read, layout)
             fields = [f for message in sized.finish(values) for f in message]
-            return encode(fields, specs), sizes
+            return encode(fields, specs), sizes, layouts
         messages = self.compressor.compress_slots(tensors, slots, step)
         fields = [f for message in messages for f in message]
         del messages
         length, which, bits = length_on_device(fields, specs)
-        sizes, streams = yield from exchange_lengths(length, bits)
-        return encode(fields, specs, stream_bits=dict(zip(which, streams))), sizes
+        layout = layout_values(specs, [f.numel() for f in fields], bits, device)
+        sizes, layouts, streams = yield from exchange_lengths(length, bits, layout)
+        return encode(fields, specs, stream_bits=dict(zip(which, streams))), sizes, layouts
 
     def _fixed_size(self, compressor: Compressor, slots: Sequence[Slot]) -> int | None:
         key = (compressor is self.server_compressor, tuple(slots))
@@ -351,15 +365,15 @@ class SingleRound(Scheme):
         return self._sizes[key]
 
     def _allgather(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
-        size = self._fixed_size(self.compressor, slots)
+        size, layouts = self._fixed_size(self.compressor, slots), None
         if size is None and tensors and not host_path(tensors[0]):
-            buffer, sizes = yield from self._sized_on_device(slots, tensors, step)
-        else:
+            buffer, sizes, layouts = yield from self._sized_on_device(slots, tensors, step)
+        else:  # (the host path reads a variable message's headers where it is: its size exchange sends lengths only)
             buffer, sizes = self._encoded(slots, tensors, step), None if size is None else [size] * self.world_size
         buffers = yield from allgather_buffers(self.rank, buffer, sizes)
         # the same aggregate on every worker: a simulated cluster computes it once (transport.sim)
         return computed_once("aggregate", lambda: aggregate_buffers(self.compressor, slots, buffers, step,
-                                                                   tensors[0].device, final=True))
+                                                                   tensors[0].device, final=True, layouts=layouts))
 
     def _parameter_server(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         device = tensors[0].device

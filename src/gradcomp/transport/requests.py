@@ -99,7 +99,8 @@ def execute(transport: Transport, request: Request) -> Any:
         if request.also is None:
             return torch.cat(gathered).tolist()
         values = torch.cat([*gathered, request.also.reshape(-1)]).tolist()
-        return values[: len(gathered)], values[len(gathered) :]
+        n = sum(g.numel() for g in gathered)
+        return values[:n], values[n:]
     if isinstance(request, AllToAll):
         return transport.all_to_all(request.tensor, request.kind, request.pad_up, request.pad_down)
     if isinstance(request, Gather):

@@ -347,6 +347,71 @@ def length_on_device(
     return ((bits + 7) // 8).sum().reshape(1) + fixed, which, bits
 
 
+def free_sections(specs: Sequence[FieldSpec]) -> tuple[list[int], list[int]]:
+    """Where a message of these ``specs`` leaves its layout to the data: ``(the sections whose count is free: no exact
+    count and no ``same_count_as`` link; the GOLOMB sections, whose stream length depends on their positions)``.
+    Their values (:func:`layout_values`) fix every section's place; the specs alone fix how many there are."""
+    free = [i for i, spec in enumerate(specs) if spec.count is None and spec.same_count_as is None]
+    golomb = [i for i, spec in enumerate(specs) if Codec(spec.codec) == Codec.GOLOMB]
+    return free, golomb
+
+
+def layout_values(
+    specs: Sequence[FieldSpec], counts: Sequence[int | torch.Tensor], golomb_bits: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The values that fix the layout of a message with these ``specs`` beyond what they fix themselves, as an int64
+    tensor on ``device``, computed and not read: the count of every free section (``counts``: every section's, ints
+    or 0-d int64 tensors on the device), then every GOLOMB section's stream length in bytes (``golomb_bits``: their
+    lengths in bits, in order, from :func:`length_on_device`). A size exchange sends them with the message's length,
+    so that receivers decode the message where it is (:func:`decode` ``layout=``) instead of bringing it to the host
+    for its headers. Host ints go in one transfer that does not make the host wait (pinned memory on CUDA)."""
+    free, golomb = free_sections(specs)
+    chosen = [counts[i] for i in free]
+    ints = [int(c) for c in chosen if not isinstance(c, torch.Tensor)]
+    host = torch.tensor(ints, dtype=torch.int64)
+    on = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    from_host = iter(on.unbind())
+    pieces = [c.reshape(()).to(torch.int64) if isinstance(c, torch.Tensor) else next(from_host) for c in chosen]
+    if golomb:
+        nbytes = (golomb_bits + 7) // 8 if golomb_bits is not None and golomb_bits.numel() == len(golomb) else None
+        if nbytes is None:  # (a field encode() will refuse: its error comes there; the values keep their number)
+            nbytes = torch.zeros(len(golomb), dtype=torch.int64, device=device)
+        pieces.extend(nbytes.unbind())
+    return torch.stack(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def _given_layout(specs: list, codecs: list, values: Sequence[int]) -> tuple[list, int] | None:
+    """Where every section's data lies in a message whose free counts and GOLOMB stream lengths are ``values`` (a
+    size exchange's, :func:`layout_values`): ``([(data offset, codec, param, count, nbytes)], message length)``, or
+    None for values no message of these specs can have (the host path then reads the message's own headers)."""
+    free, golomb = free_sections(specs)
+    if len(values) != len(free) + len(golomb):
+        return None
+    counts = [spec.count for spec in specs]
+    for i, v in zip(free, values):
+        counts[i] = int(v)
+    streams = dict(zip(golomb, (int(v) for v in values[len(free):])))
+    layout, off = [], HEADER_BYTES
+    for i, (spec, codec) in enumerate(zip(specs, codecs)):
+        if spec.same_count_as is not None:
+            counts[i] = counts[i + spec.same_count_as]
+        count = counts[i]
+        if count is None or not 0 <= count <= _max_count(spec):
+            return None
+        if codec == Codec.GOLOMB:
+            param, nbytes = _golomb_b(spec, count), streams[i]
+            if nbytes < 0:
+                return None
+        else:
+            param = _fixed_param(spec, codec)
+            nbytes = _expected_nbytes(codec, param, count)
+        off += SECTION_HEADER_BYTES
+        layout.append((off, codec, param, count, nbytes))
+        off += nbytes
+    return layout, off
+
+
 # Up to this many data bytes, CPU sections are copied by numpy (about 1 us) rather than by a torch slice, view
 # and copy_ (about 5 us of fixed cost), which matters for messages of many small sections (one per layer);
 # above it torch's copy, measured about 1.4x faster than numpy's on 20 MB, wins.
@@ -574,7 +639,10 @@ def _expected_nbytes(codec: Codec, param: int, count: int) -> int | None:
     return None  # GOLOMB: variable
 
 
-def decode(buf: torch.Tensor, specs: Sequence[FieldSpec], later: DeviceChecks | None = None) -> list[torch.Tensor]:
+def decode(
+    buf: torch.Tensor, specs: Sequence[FieldSpec], later: DeviceChecks | None = None,
+    layout: Sequence[int] | None = None,
+) -> list[torch.Tensor]:
     """Parse a buffer produced by :func:`encode` with the same ``specs``; returns one tensor per field.
 
     Output dtypes: float32 / float16 / bfloat16 for the float codecs; for BITS the narrowest signed integer
@@ -585,13 +653,17 @@ def decode(buf: torch.Tensor, specs: Sequence[FieldSpec], later: DeviceChecks | 
     ``later`` (a :class:`DeviceChecks`): a device buffer whose layout the specs fix is decoded without reading
     anything back; its checks are read, with others, by ``later.read()``, which raises what decode would have. One
     whose layout depends on the data (variable counts, Golomb streams) still comes to the host once for its headers
-    and checksum, but its data checks (padding, positions, Golomb code structure) join ``later`` too.
+    and checksum, but its data checks (padding, positions, Golomb code structure) join ``later`` too, unless
+    ``layout`` gives its free counts and Golomb stream lengths (:func:`layout_values`, as a size exchange brought
+    them): it is then decoded where it is, like a fixed layout, its headers checked against the ones those values
+    imply (with ``later``, nothing is read). Ignored on the host path, which reads the headers themselves.
     """
-    return _decode(buf, specs, None, later)
+    return _decode(buf, specs, None, later, layout)
 
 
 def _decode(
-    buf: torch.Tensor, specs: Sequence[FieldSpec], on_host: bool | None, later: DeviceChecks | None = None
+    buf: torch.Tensor, specs: Sequence[FieldSpec], on_host: bool | None, later: DeviceChecks | None = None,
+    layout: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`decode`; ``on_host`` True forces the host path (the device path's diagnosis of a failed check)."""
     specs = list(specs)
@@ -603,7 +675,7 @@ def _decode(
     if total < HEADER_BYTES:
         raise WireError(f"truncated buffer: {total} bytes, shorter than the {HEADER_BYTES}-byte header")
     if not on_host:
-        fixed = _fixed_layout(specs, codecs, total)
+        fixed = _fixed_layout(specs, codecs, total) if layout is None else _given_layout(specs, codecs, layout)
         if fixed is not None and fixed[1] == total:
             got = _decode_on_device(buf, specs, fixed[0], later)
             if got is not None:
@@ -824,7 +896,8 @@ def _decode_on_device(
     buf: torch.Tensor, specs: list, layout: list, later: DeviceChecks | None = None
 ) -> list[torch.Tensor] | None:
     """decode's device path for a message whose layout the specs and its length fix (every count exact, at most
-    one GOLOMB field, whose stream is what the length leaves over).
+    one GOLOMB field, whose stream is what the length leaves over), or that a size exchange's values fix
+    (:func:`layout_values`).
 
     Every field is decoded where the buffer is and every check is computed there: the checksum
     (checksum64_tensor), the padding bits, the positions' order and range, a Golomb stream's code structure. What
@@ -953,7 +1026,10 @@ class DeviceChecks:
                 if buf is None:  # let go (``take``): named from its checks
                     raise WireError(f"a received message failed the device's checks: {wrong}")
                 decode(buf, specs)  # the host path names the fault
-                raise WireError("a message failed the device's checks but passed the host's")  # pragma: no cover
+                raise WireError(  # sound headers, other than the layout values of the size exchange announced
+                    f"a received message failed the device's checks: {wrong} (its own headers are sound: they "
+                    "differ from the layout values its sender's size exchange announced)"
+                )
             at += n
         for (_, message), ok in zip(received, got[at:]):
             if not ok:
