@@ -396,7 +396,7 @@ def test_a_pass_is_one_backward_even_when_a_module_sits_one_out():
         if state.pass_bad:
             seen.append(f"{comm.key} skipped")
         elif comm is bad:
-            state.pass_abandoned(comm)
+            state.pass_abandoned()
             seen.append(f"{comm.key} bad")
         else:
             comm.step += 1

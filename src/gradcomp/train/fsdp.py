@@ -238,7 +238,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                     state.transport, rounds(), finite, after_rounds=defer, read=state.pass_flags if held else True
                 )
             if not agreed:  # some rank's gradients were not finite: every rank is here, at this call
-                state.pass_abandoned(self)  # the state this pass changed and its calls' step counts put back
+                state.pass_abandoned()  # the state this pass changed and its calls' step counts put back
                 if state.propagate:  # the pass is skipped on every rank: NaN for the scaler (or the user's check)
                     output_tensor.fill_(float("nan"))
                     state.call_ends()
@@ -314,7 +314,7 @@ class FSDPCompressionState:
         self._pass_calls.setdefault(comm.key, comm.step)
         return self._pass_record
 
-    def pass_abandoned(self, comm: _CompressedReduceScatter | None = None) -> None:
+    def pass_abandoned(self) -> None:
         """Some rank's gradients were not finite in the pass (every rank learns it at the same call, or at the pass's
         end): the state the pass changed and its calls' step counts go back to where the pass began, what it deferred
         is dropped, and its later calls send nothing."""
