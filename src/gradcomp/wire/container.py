@@ -365,13 +365,10 @@ def layout_values(
     or 0-d int64 tensors on the device), then every GOLOMB section's stream length in bytes (``golomb_bits``: their
     lengths in bits, in order, from :func:`length_on_device`). A size exchange sends them with the message's length,
     so that receivers decode the message where it is (:func:`decode` ``layout=``) instead of bringing it to the host
-    for its headers. Host ints go in one transfer that does not make the host wait (pinned memory on CUDA)."""
+    for its headers. Host ints go in one transfer that does not make the host wait (``_ints_on``)."""
     free, golomb = free_sections(specs)
     chosen = [counts[i] for i in free]
-    ints = [int(c) for c in chosen if not isinstance(c, torch.Tensor)]
-    host = torch.tensor(ints, dtype=torch.int64)
-    on = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-    from_host = iter(on.unbind())
+    from_host = iter(_ints_on(device, [int(c) for c in chosen if not isinstance(c, torch.Tensor)]).unbind())
     pieces = [c.reshape(()).to(torch.int64) if isinstance(c, torch.Tensor) else next(from_host) for c in chosen]
     if golomb:
         nbytes = (golomb_bits + 7) // 8 if golomb_bits is not None and golomb_bits.numel() == len(golomb) else None
@@ -391,25 +388,15 @@ def _given_layout(specs: list, codecs: list, values: Sequence[int]) -> tuple[lis
     counts = [spec.count for spec in specs]
     for i, v in zip(free, values):
         counts[i] = int(v)
-    streams = dict(zip(golomb, (int(v) for v in values[len(free):])))
-    layout, off = [], HEADER_BYTES
-    for i, (spec, codec) in enumerate(zip(specs, codecs)):
+    for i, spec in enumerate(specs):
         if spec.same_count_as is not None:
             counts[i] = counts[i + spec.same_count_as]
-        count = counts[i]
-        if count is None or not 0 <= count <= _max_count(spec):
-            return None
-        if codec == Codec.GOLOMB:
-            param, nbytes = _golomb_b(spec, count), streams[i]
-            if nbytes < 0:
-                return None
-        else:
-            param = _fixed_param(spec, codec)
-            nbytes = _expected_nbytes(codec, param, count)
-        off += SECTION_HEADER_BYTES
-        layout.append((off, codec, param, count, nbytes))
-        off += nbytes
-    return layout, off
+    streams = dict(zip(golomb, (int(v) for v in values[len(free):])))
+    if any(c is None or not 0 <= c <= _max_count(spec) for c, spec in zip(counts, specs)) or any(
+        n < 0 for n in streams.values()
+    ):
+        return None
+    return _placed(specs, codecs, counts, streams)
 
 
 # Up to this many data bytes, CPU sections are copied by numpy (about 1 us) rather than by a torch slice, view
@@ -467,9 +454,15 @@ def _heads_on(device: torch.device, heads: tuple[tuple[int, bytes], ...]) -> tup
     """The offsets (int64) and bytes (uint8) of ``heads`` on ``device``, in one host-to-device transfer that does not
     make the host wait on CUDA (pinned memory: torch's pinned allocator keeps the block until the copy is done)."""
     index = [off + k for off, h in heads for k in range(len(h))]
-    both = torch.tensor(index + list(b"".join(h for _, h in heads)), dtype=torch.int64)
-    both = both.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else both.to(device)
+    both = _ints_on(device, index + list(b"".join(h for _, h in heads)))
     return both[: len(index)], both[len(index):].to(torch.uint8)
+
+
+def _ints_on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, in one host-to-device transfer that does not make the host wait
+    on CUDA (pinned memory: torch's pinned allocator keeps the block until the copy is done)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -865,13 +858,18 @@ def _fixed_layout(specs: list, codecs: list, total: int) -> tuple[list, int] | N
     )
     if golomb and total - rest < 0:
         return None
-    layout = []
-    off = HEADER_BYTES
-    for spec, codec in zip(specs, codecs):
-        param = _fixed_param(spec, codec)
-        nbytes = total - rest if codec == Codec.GOLOMB else _expected_nbytes(codec, param, spec.count)
+    return _placed(specs, codecs, [spec.count for spec in specs], {i: total - rest for i in golomb})
+
+
+def _placed(specs: list, codecs: list, counts: list[int], streams: dict[int, int]) -> tuple[list, int]:
+    """``([(data offset, codec, param, count, nbytes)], message length)`` for every section's ``counts`` and the
+    GOLOMB sections' stream lengths in bytes (``streams``, by section index)."""
+    layout, off = [], HEADER_BYTES
+    for i, (spec, codec, count) in enumerate(zip(specs, codecs, counts)):
+        param = _golomb_b(spec, count) if codec == Codec.GOLOMB else _fixed_param(spec, codec)
+        nbytes = streams[i] if codec == Codec.GOLOMB else _expected_nbytes(codec, param, count)
         off += SECTION_HEADER_BYTES
-        layout.append((off, codec, param, spec.count, nbytes))
+        layout.append((off, codec, param, count, nbytes))
         off += nbytes
     return layout, off
 
