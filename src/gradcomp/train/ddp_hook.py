@@ -127,7 +127,7 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
 from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_flags, loss_scale
-from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_abandons, warn_float64
+from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_abandons, locally_bad, warn_float64
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
@@ -404,10 +404,7 @@ class _CommThread:
     def _locally_bad(self) -> list[str]:
         """This rank's buckets of the pass whose gradients were not finite (read on a failure only), named by their
         parameters: their gradients are averages by now, so no closer than the bucket."""
-        flags = [f for _, f, _ in self._pass_buckets]
-        values = torch.stack([f.reshape(()) for f in flags]).tolist()  # (device flags: the device path only)
-        return [f"one of {', '.join(names) or '(unnamed)'}" for (_, _, names), ok in zip(self._pass_buckets, values)
-                if not ok]
+        return locally_bad([(names, flag) for _, flag, names in self._pass_buckets])  # (device path only)
 
 
     @staticmethod

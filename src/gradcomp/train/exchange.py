@@ -127,6 +127,16 @@ def agreed_non_finite(step: int, here: Sequence[str] = ()) -> NonFiniteGradientE
     )
 
 
+def locally_bad(groups: Sequence[tuple[Sequence[str], Tensor]]) -> list[str]:
+    """Which of this worker's groups of tensors (their names, and a one-element bool device flag, True: finite) were
+    not finite, named "one of <names>": what a deferred pass can say once its gradients are averages (one read, on a
+    failure only)."""
+    if not groups:
+        return []
+    values = torch.stack([flag.reshape(()) for _, flag in groups]).tolist()
+    return [f"one of {', '.join(names) or '(unnamed)'}" for (names, _), ok in zip(groups, values) if not ok]
+
+
 def warn_float64(named: Sequence[tuple[str, Tensor]], where: str, stacklevel: int = 3) -> bool:
     """Warn once, naming them, when parameters are float64: every method compresses float32 values.
 

@@ -104,7 +104,14 @@ from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.finite import all_finite, check_nonfinite, check_scaler, finite_flag, loss_scale
 from gradcomp.schemes.sharded import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
-from gradcomp.train.exchange import agreed_non_finite, check_gradients, check_state, drive_agreeing, refusal_note
+from gradcomp.train.exchange import (
+    agreed_non_finite,
+    check_gradients,
+    check_state,
+    drive_agreeing,
+    locally_bad,
+    refusal_note,
+)
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
 from gradcomp.wire.container import DeviceChecks, holding_for_the_pass
@@ -360,9 +367,7 @@ class FSDPCompressionState:
                 return
             self.pass_abandoned()
             if not self.propagate:
-                values = torch.stack([f.reshape(()) for _, f in mine]).tolist() if mine else []
-                here = [f"one of {', '.join(p.name for p in c.pieces)}" for (c, _), ok in zip(mine, values) if not ok]
-                raise agreed_non_finite(first, here)
+                raise agreed_non_finite(first, locally_bad([([p.name for p in c.pieces], f) for c, f in mine]))
             for comm in called:
                 for param in comm.params:
                     if param.grad is not None:  # the pass's gradients, on every rank: the scaler (or user) skips
