@@ -90,7 +90,7 @@ def test_none_gives_fsdps_own_parameters():
     up, down, kept = ours[0][2]
     layer0, layer2 = [Slot("w", 0, 3 * 5), Slot("b", 1, 3)], [Slot("w", 2, 1 * 7), Slot("b", 3, 1)]
     per_step = fixed_buffer_size(NoCompression(), layer0) + fixed_buffer_size(NoCompression(), layer2)
-    assert up == 4 * per_step
+    assert up == 4 * (per_step + 4)  # and, per pass, the 4-byte flag of the ranks' agreement on refused messages
     assert per_step <= 4 * 26 + 2 * 40  # fp32 values + the wire's framing (header, a section per field)
     assert ours[1][2][1] == up and kept == 0  # rank 1 receives what rank 0 sent
 
@@ -512,15 +512,18 @@ def _corrupted_run(rank, world):
     return seen, calls.count(1)
 
 
-def test_a_corrupted_message_raises_wire_error_at_the_pass_end(monkeypatch):
+def test_a_corrupted_message_raises_wire_error_at_the_pass_end_on_every_rank(monkeypatch):
     """On the device path a message that fails its checks is refused when the pass's one read comes, at its end:
     WireError from ``backward`` on the rank that received it, naming the failed check, after the pass's later calls
-    ran, and with the state the pass changed put back. The sending rank sees nothing (the corruption happened on
-    the way to its peer)."""
+    ran, and with the state the pass changed put back. The sending rank, which saw nothing wrong (the corruption
+    happened on the way to its peer), learns of it at the same pass from the ranks' agreement, and puts its state
+    back too."""
     monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     (sent, _), (received, calls) = run_workers(_corrupted_run, 2, timeout=120)
-    assert [(s, e, same) for s, e, same in sent] == [(0, None, False), (1, None, False)]  # residuals moved
+    assert sent[0] == (0, None, False)  # residuals moved
+    step, error, unchanged = sent[1]
+    assert step == 1 and "another worker refused a message" in error and unchanged, sent
     assert received[0] == (0, None, False)
     step, error, unchanged = received[1]
     assert step == 1 and "checksum mismatch" in error and unchanged, received

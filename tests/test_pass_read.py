@@ -154,13 +154,15 @@ def test_one_read_per_pass_changes_no_bit(runs, label):
     assert torch.equal(runs[0][(label, "pass")]["params"], runs[1][(label, "pass")]["params"])
 
 
-def test_a_corrupted_message_is_refused_at_the_end_of_the_pass_on_the_rank_that_received_it(runs):
+def test_a_corrupted_message_is_refused_at_the_end_of_the_pass_on_every_rank(runs):
     rank0, rank1 = runs[0]["corrupted"], runs[1]["corrupted"]
     assert rank1["buckets_in_step_1"] >= 2  # the corrupted bucket was not the pass's last: its read was held
     (step, error), = rank1["errors"]
     assert step == 1 and "WireError" in error and "checksum mismatch" in error, error
     assert rank1["failure"].startswith("WireError")
-    assert rank0["errors"] == []  # (as with a read per bucket: only the receiver sees a corruption)
+    (step, error), = rank0["errors"]  # rank 0 received nothing bad, and learns of it at the same pass
+    assert step == 1 and "another worker refused a message" in error, error
+    assert rank0["failure"].startswith("WireError")
 
 
 def test_an_aggregate_that_overflows_abandons_the_pass_on_every_rank(runs):

@@ -38,9 +38,10 @@ from torch import Tensor, nn
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.errors import ConfigError
 from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_flags, loss_scale
-from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_abandons, warn_float64
+from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_abandons, settle, warn_float64
 from gradcomp.transport.base import Transport
 from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import DeviceChecks, Refusals, holding_for_the_pass
 
 GRANULARITIES = ("layer", "model")
 
@@ -138,19 +139,30 @@ class GradientAggregator:
             self._slots_agreed = True
         scale = loss_scale(self.scaler)
         snapshot = self.exchange.snapshot()
-        # propagated, on the device path: a verdict that the result does not carry and no read took comes back here
-        verdicts: list[Tensor] | None = [] if self.propagate and device_path else None
-        options = {"validate": False, "finite": finite, "handed_on": self.propagate, "verdicts": verdicts}
-        if self.granularity == "layer":
-            inputs = [g / scale for g in grads] if scale is not None and not here else grads
-            averaged = self.exchange.exchange(self.slots, inputs, self.steps, **options)
-        else:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if scale is not None and not here:
-                flat.div_(scale)
-            out = self.exchange.exchange(self.slots, [flat], self.steps, **options)
-            averaged = None if out is None else list(torch.split(out[0], [g.numel() for g in grads]))
-        if averaged is not None and verdicts:
+        # on the device path, a verdict that no read took comes back here: read with the checks (held for the step)
+        # and the workers' agreement on refused messages (settle), or, propagated, applied unread (_handed_on)
+        verdicts: list[Tensor] | None = [] if device_path else None
+        checks, refusals = DeviceChecks() if device_path else None, Refusals()
+        options = {"validate": False, "finite": finite, "handed_on": self.propagate, "verdicts": verdicts,
+                   "refusals": refusals}
+        try:
+            with holding_for_the_pass(checks):
+                if self.granularity == "layer":
+                    inputs = [g / scale for g in grads] if scale is not None and not here else grads
+                    averaged = self.exchange.exchange(self.slots, inputs, self.steps, **options)
+                else:
+                    flat = torch.cat([g.reshape(-1) for g in grads])
+                    if scale is not None and not here:
+                        flat.div_(scale)
+                    out = self.exchange.exchange(self.slots, [flat], self.steps, **options)
+                    averaged = None if out is None else list(torch.split(out[0], [g.numel() for g in grads]))
+            held = [] if self.propagate or verdicts is None else verdicts
+            if averaged is not None and settle(self.transport, refusals, grads[0].device, checks, held, self.steps):
+                averaged = None
+        except Exception:  # a refused message (every worker), or an error on this one: the state as before the step
+            self.exchange.restore(snapshot)
+            raise
+        if averaged is not None and self.propagate and verdicts:
             averaged = self._handed_on(averaged, verdicts, snapshot)
         if averaged is None:
             self.exchange.restore(snapshot)

@@ -127,11 +127,18 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
 from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_flags, loss_scale
-from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_abandons, locally_bad, warn_float64
+from gradcomp.train.exchange import (
+    GradientExchange,
+    agreed_non_finite,
+    any_abandons,
+    locally_bad,
+    settle,
+    warn_float64,
+)
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import DeviceChecks, holding_for_the_pass
+from gradcomp.wire.container import DeviceChecks, Refusals, holding_for_the_pass
 
 GRANULARITIES = ("layer", "bucket")
 DEFAULT_MIN_COMPRESSION_RATE = 2.0
@@ -195,6 +202,7 @@ class _CommThread:
         self._pass_buckets: list[tuple[Tensor, Tensor | bool, list[str]]] = []
         # the checks of the messages the pass's buckets decoded (device path), read with its verdicts at its end
         self._pass_checks = DeviceChecks()
+        self._pass_refusals = Refusals()
         self._failure: BaseException | None = None
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
@@ -332,6 +340,7 @@ class _CommThread:
         if job.first:
             self._snapshot, self._skipping = self.exchange.snapshot(), False
             self._pass_flags, self._pass_buckets, self._pass_checks = [], [], DeviceChecks()
+            self._pass_refusals = Refusals()
         if self._skipping:  # an earlier bucket of this pass overflowed on some rank: every rank skips the rest
             job.buffer.fill_(float("nan"))
             return
@@ -347,7 +356,7 @@ class _CommThread:
         with holding_for_the_pass(self._pass_checks if device_path else None):
             averages = self.exchange.exchange(
                 job.slots, job.tensors, job.step, validate=False, finite=finite, handed_on=self.propagate,
-                verdicts=self._pass_flags if device_path else None,
+                verdicts=self._pass_flags if device_path else None, refusals=self._pass_refusals,
             )
         if averages is None:  # some rank's gradients were not finite: every rank is here, at this bucket
             if device_path:  # (a division by the scale changes no entry's finiteness)
@@ -363,8 +372,8 @@ class _CommThread:
                 target.copy_(average.view_as(target))
         if scale is not None:
             job.buffer.mul_(scale)  # back in the scaler's units, for scaler.unscale_
-        if (job.retain is not None and (self._pass_flags or self._pass_checks.pending) and not self._pass_handed_on()
-                and self._pass_abandoned()):
+        if (job.retain is not None and (self._pass_flags or self._pass_checks.pending or self._pass_refusals.used)
+                and not self._pass_handed_on() and self._pass_abandoned(job)):
             self.exchange.restore(self._snapshot)
             if not self.propagate:
                 raise agreed_non_finite(job.step, self._locally_bad())
@@ -382,7 +391,7 @@ class _CommThread:
         where it was at the start of the pass (``GradientExchange.restore_where``), by ``torch.where`` on the flag:
         a good pass changes nothing, a bad one ends as the read would have left it, and the host waits for nothing.
         False when the state's layout moved during the pass (a slot's first step), which only the read can undo."""
-        if not self.propagate or self._pass_checks.pending:  # decoded messages' checks: only a read refuses one
+        if not self.propagate or self._pass_checks.pending or self._pass_refusals.used:  # only a read refuses one
             return False
         bad = any_abandons(self._pass_flags)
         if not self.exchange.restore_where(self._snapshot, bad):
@@ -392,14 +401,20 @@ class _CommThread:
             buffer.masked_fill_(bad, float("nan"))  # the pass's buckets, on every rank, where bad
         return True
 
-    def _pass_abandoned(self) -> bool:
+    def _pass_abandoned(self, job: _Job) -> bool:
         """The pass's one read (on the device path) of its deferred verdicts, with every check of the messages its
-        buckets decoded (``wire.container.hold_for_the_pass``; WireError for a message that failed one, on the rank
-        that received it): whether some rank's gradients, or some aggregate, were not finite in some bucket. The
-        same answer on every rank, at the same bucket."""
+        buckets decoded (``wire.container.hold_for_the_pass``) and the ranks' agreement on the messages they refused
+        (``settle``: WireError on every rank, the state put back as at the start of the pass): whether some rank's
+        gradients, or some aggregate, were not finite in some bucket. The same answer on every rank, at the same
+        bucket."""
         flags, self._pass_flags = self._pass_flags, []
         checks, self._pass_checks = self._pass_checks, DeviceChecks()
-        return checks.read_after(flags)
+        refusals, self._pass_refusals = self._pass_refusals, Refusals()
+        try:
+            return settle(self.exchange.transport, refusals, job.buffer.device, checks, flags, job.step)
+        except Exception:
+            self.exchange.restore(self._snapshot)
+            raise
 
     def _locally_bad(self) -> list[str]:
         """This rank's buckets of the pass whose gradients were not finite (read on a failure only), named by their

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Compressor, Slot
-from gradcomp.errors import ConfigError, NonFiniteGradientError
+from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.finite import finite_flags
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import TOPOLOGIES as SINGLE_ROUND_TOPOLOGIES
@@ -49,7 +49,7 @@ from gradcomp.transport.requests import (
     execute,
 )
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import StepAbandoned, defer_verdict, take_verdict
+from gradcomp.wire.container import DeviceChecks, Refusals, StepAbandoned, defer_verdict, refusing_later, take_verdict
 
 TOPOLOGIES = (*SINGLE_ROUND_TOPOLOGIES, "sharded")
 
@@ -125,6 +125,55 @@ def agreed_non_finite(step: int, here: Sequence[str] = ()) -> NonFiniteGradientE
         f"exchange and nothing of it was applied (no residual or momentum changed){mine}",
         step=step,
     )
+
+
+def settle(
+    transport: Transport, refusals: Refusals, device: torch.device, checks: DeviceChecks | None = None,
+    verdicts: Sequence[Tensor] = (), step: int | None = None,
+) -> bool:
+    """The end of a step (or of a DDP / FSDP backward pass) whose received messages were checked with their
+    refusals kept for it (``wire.container.refusing_later``): every worker learns there, at the same step, whether
+    any worker refused a message.
+
+    A message that fails its checks (a corruption on the way) is seen only by the worker that received it. Raised
+    there at once, it would leave that worker out of the rounds the others go on with: they would wait at their next
+    collective until the time-out, or, in a step that had no more, apply it while the receiver did not, and the
+    replicas would part. So each worker runs the step to its end (the refused message decoded as harmless
+    stand-ins), and then, if the step used the wire at all (``refusals.used``, the same on every worker), the
+    workers all-reduce one float32 flag, "I refused a message" (4 bytes, booked as control). On the device path
+    the flag is computed where the checks are (``DeviceChecks.fault_flag``) and its sum is read in the one
+    transfer that reads the checks and the ``verdicts`` (``read_after``): no read more than before.
+
+    Returns True when the verdicts say the step is abandoned as not finite (the same on every worker; refusals do
+    not matter then, nothing of the step is applied). Raises WireError on every worker when some worker refused a
+    message, naming the fault on that worker; the caller puts its state back first-hand (nothing of the step may
+    be applied). Else False.
+    """
+    checks = checks if checks is not None else DeviceChecks()
+    extra = []
+    if refusals.used and transport.world_size > 1:
+        if refusals.messages:
+            mine = torch.ones((), dtype=torch.bool, device=device)
+        else:
+            mine = checks.fault_flag(device) if checks.pending else torch.zeros((), dtype=torch.bool, device=device)
+        total = transport.all_reduce_sum(mine.to(torch.float32).reshape(1), kind=CONTROL)
+        extra = [total.reshape(()) > 0]
+    with refusing_later(refusals):
+        abandoned, seen = checks.read_after(list(verdicts), extra)
+    if abandoned:
+        return True
+    at = f" at exchange {step}" if step is not None else ""
+    if refusals.messages:
+        raise WireError(
+            f"{refusals.messages[0]} (a message this worker received{at}): every worker stops at this step and "
+            "nothing of it was applied"
+        )
+    if seen and seen[0]:
+        raise WireError(
+            f"another worker refused a message it received{at} (it failed its checks: a corruption on the way): "
+            "every worker stops at this step and nothing of it was applied"
+        )
+    return False
 
 
 def locally_bad(groups: Sequence[tuple[Sequence[str], Tensor]]) -> list[str]:
@@ -253,6 +302,7 @@ class GradientExchange:
         finite: bool | Tensor | None = None,
         handed_on: bool = False,
         verdicts: list[Tensor] | None = None,
+        refusals: Refusals | None = None,
     ) -> list[Tensor] | None:
         """The aggregate over workers of the decompressed messages; ``validate=False`` if the caller checked.
 
@@ -280,10 +330,25 @@ class GradientExchange:
         (an all-reduce-only scheme's) is appended, as a device flag (True: abandon), instead of being read here.
         The caller must then read it before anything of the step is applied and, if it is True, restore the state
         from its snapshot on every worker: the DDP hook reads a backward pass's flags once, at its last bucket.
+
+        ``refusals``: a received message that fails its checks is noted there, and the rounds go on to their end
+        (``wire.container.refusing_later``), for the caller to ``settle`` at the end of the step or pass, on every
+        worker at once; None: WireError here, on the receiving worker only.
         """
         self.check(slots, tensors, validate and finite is None)
         started, blocked_before = time.perf_counter(), self._blocked_seconds()
         self.refused = None
+        with refusing_later(refusals):
+            result = self._run(slots, tensors, step, finite, handed_on, verdicts)
+        blocked = self._blocked_seconds() - blocked_before
+        self.compress_s += time.perf_counter() - started - blocked
+        return result
+
+    def _run(
+        self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int, finite: bool | Tensor | None,
+        handed_on: bool, verdicts: list[Tensor] | None,
+    ) -> list[Tensor] | None:
+        """``exchange``'s rounds, driven."""
         if finite is None:
             result = drive(self.transport, self.scheme.run(slots, tensors, step))
         else:
@@ -319,8 +384,6 @@ class GradientExchange:
                 )
             if not agreed:
                 result = None
-        blocked = self._blocked_seconds() - blocked_before
-        self.compress_s += time.perf_counter() - started - blocked
         return result
 
     def refusal(self) -> list[str]:

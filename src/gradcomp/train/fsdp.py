@@ -111,10 +111,11 @@ from gradcomp.train.exchange import (
     drive_agreeing,
     locally_bad,
     refusal_note,
+    settle,
 )
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import DeviceChecks, holding_for_the_pass
+from gradcomp.wire.container import DeviceChecks, Refusals, holding_for_the_pass, refusing_later
 
 try:  # torch >= 2.6 (FSDP2's custom collectives: 2.8)
     from torch.distributed.fsdp import FSDPModule
@@ -240,7 +241,8 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                 return aggregate_buffers(compressor, slots, received, step, input_tensor.device, final=True)
 
             held = isinstance(finite, Tensor)  # (a refusal made it a bool: read at once)
-            with holding_for_the_pass(state.pass_checks if held else None):
+            state.pass_device = input_tensor.device
+            with holding_for_the_pass(state.pass_checks if held else None), refusing_later(state.pass_refusals):
                 agreed, aggregates = drive_agreeing(
                     state.transport, rounds(), finite, after_rounds=defer, read=state.pass_flags if held else True
                 )
@@ -302,6 +304,8 @@ class FSDPCompressionState:
         self.pass_flags: list[Tensor] = []
         self.pass_checks = DeviceChecks()
         self.pass_mine: list[tuple[_CompressedReduceScatter, Tensor]] = []
+        self.pass_refusals = Refusals()  # the messages this rank refused in the pass, agreed on at its end (settle)
+        self.pass_device = torch.device("cpu")
 
     def pass_begins(self, comm: _CompressedReduceScatter) -> Journal:
         """A call of a backward pass (FSDP calls the reduce-scatter of every module that took part in the forward
@@ -315,6 +319,7 @@ class FSDPCompressionState:
         if self._pass_record is None or task == -1 or task != self._pass_task or comm.key in self._pass_calls:
             self._pass_calls, self._pass_record, self.pass_bad, self._pass_task = {}, Journal(), False, task
             self.pass_flags, self.pass_checks, self.pass_mine = [], DeviceChecks(), []
+            self.pass_refusals = Refusals()
             self._pass_calls_before = self.calls
             if task != -1:
                 torch.autograd.Variable._execution_engine.queue_callback(self.pass_ends)
@@ -352,14 +357,17 @@ class FSDPCompressionState:
         gradients of every module it called with NaN. A message that failed its checks raises WireError, the pass
         undone too. The next call begins a new pass."""
         try:
-            if not (self.pass_flags or self.pass_checks.pending) or self._pass_record is None:
+            refusals, self.pass_refusals = self.pass_refusals, Refusals()
+            if self.pass_bad or self._pass_record is None:  # (an abandoned pass: nothing of it is applied)
+                return
+            if not (self.pass_flags or self.pass_checks.pending or refusals.used):
                 return
             flags, checks, mine = self.pass_flags, self.pass_checks, self.pass_mine
             self.pass_flags, self.pass_checks, self.pass_mine = [], DeviceChecks(), []
             first = next(iter(self._pass_calls.values()))
             called = [c for c in self.comms if c.key in self._pass_calls]
             try:
-                bad = checks.read_after(flags)
+                bad = settle(self.transport, refusals, self.pass_device, checks, flags, first)
             except WireError:
                 self._undo_pass()
                 raise

@@ -109,6 +109,8 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "DeviceChecks",
+    "Refusals",
+    "refusing_later",
     "check_pending",
     "check_received",
     "StepAbandoned",
@@ -528,6 +530,7 @@ def encode(
     ``stream_bits``: on the device path, the GOLOMB fields' stream lengths, by field index, that the caller read
     (:func:`length_on_device`); encode then reads nothing back.
     """
+    _note_use()
     fields = list(fields)
     specs = list(specs)
     if len(fields) != len(specs):
@@ -650,8 +653,36 @@ def decode(
     ``layout`` gives its free counts and Golomb stream lengths (:func:`layout_values`, as a size exchange brought
     them): it is then decoded where it is, like a fixed layout, its headers checked against the ones those values
     imply (with ``later``, nothing is read). Ignored on the host path, which reads the headers themselves.
+
+    Inside :func:`refusing_later`, a buffer that fails its checks does not raise: its fault is noted and decode
+    returns stand-ins (zeros of the sizes the specs fix; empty where they leave the count free).
     """
-    return _decode(buf, specs, None, later, layout)
+    refusals = _note_use()
+    if refusals is None:
+        return _decode(buf, specs, None, later, layout)
+    try:
+        return _decode(buf, specs, None, later, layout)
+    except WireError as e:
+        refusals.messages.append(str(e))
+        return _stand_ins(specs, buf.device)
+
+
+def _stand_ins(specs: Sequence[FieldSpec], device: torch.device) -> list[torch.Tensor]:
+    """What :func:`decode` returns for a refused message inside :func:`refusing_later`: zeros of each field's decoded
+    dtype, of the count its spec fixes (the count of the field it must match, or none at all where it is free), so
+    that the scheme's later rounds send what they would send, in sizes every receiver accepts."""
+    out: list[torch.Tensor] = []
+    for i, spec in enumerate(specs):
+        codec = Codec(spec.codec)
+        count = spec.count
+        if count is None:
+            count = out[i + spec.same_count_as].numel() if spec.same_count_as is not None else 0
+        if codec in FLOAT_DTYPES:
+            dtype = FLOAT_DTYPES[codec]
+        else:
+            dtype = decoded_dtype(spec.width) if codec == Codec.BITS else torch.int64
+        out.append(torch.zeros(count, dtype=dtype, device=device))
+    return out
 
 
 def _decode(
@@ -787,7 +818,7 @@ def _decode(
     if checks:
         summary = torch.stack([f.reshape(()).to(torch.bool) for f in checks]).to(torch.uint8)
         if later is not None:  # read with the caller's others; a failed one makes later.read() decode on the host
-            later._items.append((summary, _data_fault, buf, specs))
+            later._items.append((summary, _data_fault, buf, specs, None))
         elif not all(summary.tolist()):
             return _decode(host.clone(), specs, True)  # a data check failed: the host path says which
     return out
@@ -928,6 +959,7 @@ def _decode_on_device(
     if flags:
         pieces.append(torch.stack([f.reshape(()).to(torch.bool) for f in flags]).to(torch.uint8))
     summary = torch.cat(pieces)
+    body = layout[-1][0] + layout[-1][4] - HEADER_BYTES if layout else 0
 
     def fault(got: bytes) -> str | None:
         """What is wrong with the message whose summary's bytes are ``got``, in the host path's order, or None for
@@ -935,7 +967,6 @@ def _decode_on_device(
         checks = got[HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout) :]
         if pending:
             _raise_failed(pending, checks[len(checks) - len(pending) :])
-        body = layout[-1][0] + layout[-1][4] - HEADER_BYTES if layout else 0
         if got[:12] != _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12]:
             return "its header is not the one its layout implies (magic, version, flags, sections or length)"
         if got[12:HEADER_BYTES] != got[HEADER_BYTES : HEADER_BYTES + 8]:
@@ -946,7 +977,9 @@ def _decode_on_device(
         return _data_fault(checks)
 
     if later is not None:
-        later._items.append((summary, fault, buf, specs))
+        want = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12] + b"".join(
+            _SECTION.pack(int(codec), param, count, nbytes) for _, codec, param, count, nbytes in layout)
+        later._items.append((summary, fault, buf, specs, want))
         return out
     return out if fault(_read_bytes(summary)) is None else None  # the one read back (tens of bytes, ten per section)
 
@@ -979,60 +1012,132 @@ class DeviceChecks:
         """Moves ``other``'s pending checks here, to be read with these. The messages' buffers are let go: a failed
         one is then named from its checks alone, not decoded again on the host (keeping every received buffer of a
         backward pass until its end would cost W times the pass's messages)."""
-        self._items += [(summary, fault, None, specs) for summary, fault, _, specs in other._items]
+        self._items += [(summary, fault, None, specs, want) for summary, fault, _, specs, want in other._items]
         self._received += other._received
         other._items, other._received = [], []
 
-    def read_after(self, verdicts: Sequence[torch.Tensor]) -> bool:
+    def read_after(self, verdicts: Sequence[torch.Tensor], extra: Sequence[torch.Tensor] = ()) -> tuple[bool, list]:
         """Reads the step's ``verdicts`` (one-element bool tensors, True: every worker abandons the step), the flags
-        held here by :func:`hold_for_the_pass` and every pending check, in one transfer. True when some flag says
-        abandon: the checks are then not looked at (an abandoned step's messages may carry its mark, and nothing of
-        the step is applied). Else WireError for a failed check, or False."""
+        held here by :func:`hold_for_the_pass`, every pending check and ``extra`` (as :meth:`read`), in one
+        transfer. ``(True, [])`` when some flag says abandon: the checks are then not looked at (an abandoned step's
+        messages may carry its mark, and nothing of the step is applied). Else WireError for a failed check, or
+        ``(False, the values of extra)``."""
         flags, self._abandon = [*verdicts, *self._abandon], []
         if not flags:
-            self.read()
-            return False
+            return False, self.read(extra)
         verdict = torch.stack([f.reshape(()).to(flags[0].device) for f in flags]).any()
-        if not self.pending:
-            return bool(verdict)
+        if not self.pending and not extra:
+            return bool(verdict), []
         _verdict.flag = verdict
         try:
-            self.read()
+            return False, self.read(extra)
         except StepAbandoned:
-            return True
+            return True, []
         finally:
             _verdict.flag = None
-        return False
+
+    def fault_flag(self, device: torch.device) -> torch.Tensor:
+        """Whether any pending check failed, as a one-element bool tensor computed where the checks are (nothing
+        read): what :meth:`read` would refuse, for the workers to agree on before any of them reads
+        (``train.exchange.settle``). The expected header and section bytes of every message come to the device in
+        one transfer that does not make the host wait."""
+        wants = [want for _, _, _, _, want in self._items if want is not None]
+        expected = _ints_on(device, list(b"".join(wants))).to(torch.uint8) if wants else None
+        bad, at = [], 0
+        for summary, _, _, _, want in self._items:
+            if want is None:  # a host-read layout's data checks: one byte each, 1 passed
+                bad.append((summary == 0).any())
+                continue
+            heads = len(want) - 12  # summary: header (20), computed checksum (8), section heads, check bytes
+            got = torch.cat([summary[:12], summary[HEADER_BYTES + 8 : HEADER_BYTES + 8 + heads]])
+            bad.append((got != expected[at : at + len(want)]).any()
+                       | (summary[12:HEADER_BYTES] != summary[HEADER_BYTES : HEADER_BYTES + 8]).any()
+                       | (summary[HEADER_BYTES + 8 + heads :] == 0).any())
+            at += len(want)
+        bad += [~ok.reshape(()).to(torch.bool) for ok, _ in self._received]
+        if not bad:
+            return torch.zeros((), dtype=torch.bool, device=device)
+        return torch.stack([b.to(device) for b in bad]).any()
 
     def read(self, extra: Sequence[torch.Tensor] = ()) -> list[bool]:
         """Reads every pending summary, every check handed over by :func:`check_received` and ``extra`` (bool
-        tensors of one element), raises WireError for a failed message or check, returns the values of ``extra``."""
+        tensors of one element), raises WireError for the first failed message or check (inside
+        :func:`refusing_later`: notes it there instead), returns the values of ``extra``."""
         items, self._items = self._items, []
         received, self._received = self._received, []
-        pieces = [summary for summary, _, _, _ in items]
+        pieces = [summary for summary, _, _, _, _ in items]
         flags = [ok for ok, _ in received] + list(extra)
         if flags:
             pieces.append(torch.stack([e.reshape(()).to(torch.bool) for e in flags]).to(torch.uint8))
         if not pieces:
             return []
         got = _read_bytes(torch.cat(pieces))  # (with the step's deferred verdict, if one is pending)
-        at = 0
-        for summary, fault, buf, specs in items:
+        at, failed = 0, None
+        for summary, fault, buf, specs, _ in items:
             n = summary.numel()
             wrong = fault(got[at : at + n])
-            if wrong is not None:
-                if buf is None:  # let go (``take``): named from its checks
-                    raise WireError(f"a received message failed the device's checks: {wrong}")
-                decode(buf, specs)  # the host path names the fault
-                raise WireError(  # sound headers, other than the layout values of the size exchange announced
-                    f"a received message failed the device's checks: {wrong} (its own headers are sound: they "
-                    "differ from the layout values its sender's size exchange announced)"
-                )
+            if wrong is not None and failed is None:
+                failed = _named_fault(buf, specs, wrong)
             at += n
         for (_, message), ok in zip(received, got[at:]):
-            if not ok:
-                raise WireError(message)
+            if not ok and failed is None:
+                failed = WireError(message)
+        if failed is not None:
+            _refuse(failed)
         return [bool(b) for b in got[at + len(received) :]]
+
+
+def _named_fault(buf: torch.Tensor | None, specs: list, wrong: str) -> WireError:
+    """The WireError for a message that failed the device's checks (``wrong``: which): the host path's, which names
+    the fault, where the buffer was kept; else one from the checks alone."""
+    if buf is None:  # let go (``DeviceChecks.take``): named from its checks
+        return WireError(f"a received message failed the device's checks: {wrong}")
+    try:
+        _decode(buf, specs, None)  # the host path names the fault
+    except WireError as e:
+        return e
+    return WireError(  # sound headers, other than the layout values of the size exchange announced
+        f"a received message failed the device's checks: {wrong} (its own headers are sound: they differ from the "
+        "layout values its sender's size exchange announced)"
+    )
+
+
+class Refusals:
+    """The messages a worker refused during a step (or a backward pass), kept instead of raised
+    (:func:`refusing_later`), and how many messages it encoded or decoded: a step that used the wire on one worker
+    used it on every worker, so the workers can agree on the refusals with one more collective, and only then.
+    """
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.used = 0
+
+
+_refusals = threading.local()  # .now: the Refusals of the step this thread runs, inside refusing_later
+
+
+def refusing_later(refusals: Refusals | None):
+    """While inside, a received message that fails its checks on this thread is noted in ``refusals`` instead of
+    raising WireError (:func:`decode` returns stand-ins, :meth:`DeviceChecks.read` and :func:`check_received` go
+    on), so that this worker runs the step's rounds to their end like every other and all of them learn of it
+    together (``train.exchange.settle``). None: raise at once, as outside."""
+    return _checks_set(_refusals, refusals, "now")
+
+
+def _note_use() -> Refusals | None:
+    """Counts one message encoded or decoded in the step under way; its Refusals, if any."""
+    refusals = getattr(_refusals, "now", None)
+    if refusals is not None:
+        refusals.used += 1
+    return refusals
+
+
+def _refuse(error: WireError) -> None:
+    """Raises ``error``, or notes it in the step's Refusals (inside :func:`refusing_later`)."""
+    refusals = getattr(_refusals, "now", None)
+    if refusals is None:
+        raise error
+    refusals.messages.append(str(error))
 
 
 _receiving = threading.local()  # .checks: the DeviceChecks collecting this thread's check_received calls, if any
@@ -1040,14 +1145,14 @@ _pass = threading.local()  # .checks: the DeviceChecks that holds a DDP backward
 
 
 @contextlib.contextmanager
-def _checks_set(local: threading.local, checks: DeviceChecks | None):
-    """``local.checks`` is ``checks`` while inside, then what it was before."""
-    before = getattr(local, "checks", None)
-    local.checks = checks
+def _checks_set(local: threading.local, checks: object, name: str = "checks"):
+    """``local.<name>`` is ``checks`` while inside, then what it was before."""
+    before = getattr(local, name, None)
+    setattr(local, name, checks)
     try:
         yield checks
     finally:
-        local.checks = before
+        setattr(local, name, before)
 
 
 def holding_for_the_pass(checks: DeviceChecks | None):
@@ -1126,7 +1231,7 @@ def check_received(ok: torch.Tensor, message: str) -> None:
     if later is not None:
         later._received.append((ok, message))
     elif not bool(ok):
-        raise WireError(message)
+        _refuse(WireError(message))
 
 
 def _unpack_checked(
