@@ -1,4 +1,5 @@
-"""What each rank does at a bad step: a NaN on one rank only, and an fp16-style overflow under GradScaler.
+"""What each rank does at a bad step: a NaN on one rank only, an fp16-style overflow under GradScaler, and a
+message corrupted on its way to one rank.
 
     PYTHONPATH=src python scripts/fault_demo.py [--workers 3] [--method topk|signum] [--bad-step 2] [--bad-rank 1]
 
@@ -9,6 +10,9 @@ it) and runs four short trainings per rank, each 4 steps of a small MLP with the
 - ``hook / NaN``: the same through DistributedDataParallel and gradcomp's hook (several buckets).
 - ``aggregator / overflow`` and ``hook / overflow``: a GradScaler("cpu", init_scale=4096), the bad rank's loss
   multiplied by Inf at the bad step.
+- ``aggregator / corrupt`` and ``hook / corrupt``: at the bad step, rank ``--bad-rank`` receives another rank's
+  gathered message with one bit of its body flipped (the sender's copy is sound); the aggregator's caller catches
+  the WireError and goes on with the next step.
 
 Per rank and step it prints what happened (applied, skipped, or the error raised and how long backward or the
 step took), whether the method's state (residuals, momentum) changed, the loss scale, and at the end whether
@@ -52,6 +56,22 @@ def _method(name: str):
     return gradcomp.make("topk", density=0.25, error_feedback=True) if name == "topk" else gradcomp.make(name)
 
 
+def _corrupt(transport, armed: list) -> None:
+    """While ``armed[0]``, the next container message this rank gathers from another rank arrives with one bit of its
+    body flipped (then ``armed[0]`` is cleared)."""
+    gather, rank = transport._all_gather, transport.rank
+
+    def gathered(t: torch.Tensor) -> list[torch.Tensor]:
+        out = gather(t)
+        for i, x in enumerate(out):
+            if armed[0] and i != rank and x.dtype == torch.uint8 and bytes(x[:2].tolist()) == b"GC":
+                armed[0], out[i] = False, x.clone()
+                out[i][-1] ^= 4
+        return out
+
+    transport._all_gather = gathered
+
+
 def _scenario(rank: int, args, driver: str, fault: str, group) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -64,12 +84,16 @@ def _scenario(rank: int, args, driver: str, fault: str, group) -> dict:
         state = gradcomp.GradientAggregator(model, _method(args.method), scaler=scaler)
         forward = model
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    armed = [False]
+    if fault == "corrupt" and rank == args.bad_rank:
+        _corrupt(state.transport, armed)
     lines = []
     for step in range(STEPS):
         opt.zero_grad()
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
         bad = step == args.bad_step and rank == args.bad_rank
+        armed[0] = armed[0] or (bad and fault == "corrupt")
         if bad and fault == "nan":
             x[0, 0] = float("nan")
         loss = F.cross_entropy(forward(x), y)
@@ -86,12 +110,17 @@ def _scenario(rank: int, args, driver: str, fault: str, group) -> dict:
             seconds = time.monotonic() - started
             error = state.failure if driver == "hook" else exc
             unchanged = _same(before, state.state_dict()["exchange"])
+            here = {"nan": "  <- NaN here", "corrupt": "  <- received the corrupted message"}.get(fault, "")
             lines.append(
                 f"step {step}: raised {type(error).__name__} (step={getattr(error, 'step', None)}) after "
                 f"{seconds:.2f} s{' from backward' if driver == 'hook' else ''}; method state unchanged: "
-                f"{'yes' if unchanged else 'NO'}{'  <- NaN here' if bad else ''}"
+                f"{'yes' if unchanged else 'NO'}{here if bad else ''}"
             )
-            break
+            if fault == "corrupt":
+                lines.append(f"         {str(error).splitlines()[0][:100]}")
+            if driver == "hook" or fault != "corrupt":
+                break
+            continue  # the aggregator: the caller catches the error and goes on
         scale = scaler.get_scale() if scaler else None
         if scaler:
             scaler.step(opt)
@@ -117,7 +146,7 @@ def _worker(rank: int, args, port: int, out_dir: str) -> None:
     join_group("gloo", port, rank, args.workers, timeout_s=60)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))
     results = {}
-    for fault in ("nan", "overflow"):
+    for fault in ("nan", "overflow", "corrupt"):
         for driver in ("aggregator", "hook"):
             results[driver, fault] = _scenario(rank, args, driver, fault, group)
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
@@ -148,7 +177,8 @@ def main() -> None:
           f"process-group time-out 10 s, torch {torch.__version__}")
     for key in per_rank[0]:
         driver, fault = key
-        title = {"nan": "a NaN on one rank, no scaler", "overflow": "an overflow on one rank, GradScaler"}[fault]
+        title = {"nan": "a NaN on one rank, no scaler", "overflow": "an overflow on one rank, GradScaler",
+                 "corrupt": "a message corrupted on its way to one rank"}[fault]
         print(f"\n== {driver}: {title}")
         for rank, results in enumerate(per_rank):
             for line in results[key]["lines"]:

@@ -1222,13 +1222,13 @@ def _read_bytes(t: torch.Tensor) -> bytes:
     return got[:-1]
 
 
-def check_received(ok: torch.Tensor, message: str) -> None:
+def check_received(ok: torch.Tensor | bool, message: str) -> None:
     """A receiver's check of a decoded field (``ok``: a one-element bool tensor, True for a sound message, such as
     the zero padding bits of a sign bitmap): handed to the :class:`DeviceChecks` collecting on this thread (read
-    with its one transfer: no host synchronisation here), or read now where none is collecting. WireError(message)
-    for a failed one."""
+    with its one transfer: no host synchronisation here), or read now where none is collecting or ``ok`` is a
+    Python bool (the host path's). WireError(message) for a failed one (inside :func:`refusing_later`: noted)."""
     later = getattr(_receiving, "checks", None)
-    if later is not None:
+    if later is not None and isinstance(ok, torch.Tensor):
         later._received.append((ok, message))
     elif not bool(ok):
         _refuse(WireError(message))
