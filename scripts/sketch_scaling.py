@@ -165,11 +165,15 @@ def row_of(result: dict[str, Any]) -> dict[str, Any]:
     fp32 = result["dense_bits_per_worker"] / steps  # 32 bits per parameter: what an fp32 allreduce hands over
     up = result["bits_up_per_worker"] / steps
     down = result["bits_down_per_worker"] / steps
+    payload_up = up - result["control_bits_up"] / steps  # (control: the ranks' agreement on refused messages)
+    payload_down = down - result["control_bits_down"] / steps
     return {
         "workers": result["workers"],
         "method": result["compressor"],
         "bits_up_per_worker_per_step": up,
         "bits_down_per_worker_per_step": down,
+        "payload_bits_up_per_worker_per_step": payload_up,
+        "payload_bits_down_per_worker_per_step": payload_down,
         "fp32_bits_per_worker_per_step": fp32,
         "ratio_up": fp32 / up if up else float("inf"),
         "ratio_down": fp32 / down if down else float("inf"),
@@ -232,8 +236,8 @@ def problems(rows: Sequence[dict[str, Any]]) -> list[str]:
     for w in ws:
         if ("local_topk", w) in by:
             r = by["local_topk", w]
-            if r["bits_down_per_worker_per_step"] != (w - 1) * r["bits_up_per_worker_per_step"]:
-                found.append(f"local_topk W={w}: bits down are not (W - 1) x bits up")
+            if r["payload_bits_down_per_worker_per_step"] != (w - 1) * r["payload_bits_up_per_worker_per_step"]:
+                found.append(f"local_topk W={w}: payload bits down are not (W - 1) x payload bits up")
         if ("true_topk", w) in by and ("none", w) in by:
             a, b = by["true_topk", w], by["none", w]
             for key in ("bits_up_per_worker_per_step", "bits_down_per_worker_per_step"):

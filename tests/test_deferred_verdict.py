@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_faults import _undone_run
 
-from gradcomp.train import exchange
+from gradcomp.train import aggregator, exchange
 
 DEFERRED = {
     "topk-ef": ("topk", {"density": 0.25, "error_feedback": True}, "auto"),
@@ -33,14 +33,22 @@ def device_path(monkeypatch):
     monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     seen = []
-    deferred = exchange._drive_deferred
+    deferred, settle = exchange._drive_deferred, aggregator.settle
 
     def spy(*args):
         agreed, result = deferred(*args)
         seen.append(agreed)
         return agreed, result
 
+    def settled(*args):  # a verdict the driver handed on is read, and the step abandoned, at the step's end
+        abandoned = settle(*args)
+        if abandoned:
+            seen.remove(True)
+            seen.append(False)
+        return abandoned
+
     monkeypatch.setattr(exchange, "_drive_deferred", spy)
+    monkeypatch.setattr(aggregator, "settle", settled)
     return seen
 
 

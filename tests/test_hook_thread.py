@@ -45,7 +45,7 @@ class _Exchange:
     def restore(self, snapshot):
         pass
 
-    def exchange(self, slots, tensors, step, validate=False, finite=None, handed_on=False, verdicts=None):
+    def exchange(self, slots, tensors, step, validate=False, finite=None, handed_on=False, verdicts=None, refusals=None):
         self.started.set()
         assert self.release.wait(30)
         if self.fail_with is not None:

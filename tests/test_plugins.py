@@ -91,7 +91,8 @@ def test_gradcomp_train_trains_with_the_plugin(tmp_path):
     assert result["compressor"] == "blocksign" and result["error_feedback"] and result["backend"] == "gloo"
     assert result["replicas_identical"]
     mlp_slots = [64 * 128, 128, 128 * 10, 10]
-    assert result["bits_up_per_worker"] == steps * _message_bits(mlp_slots)
+    assert result["bits_up_per_worker"] == steps * (_message_bits(mlp_slots) + 32)  # + the 4-byte agreement flag
+    assert result["control_bits_up"] == steps * 32
     losses = [loss for _, loss in result["loss_curve"]]
     assert sum(losses[-3:]) / 3 < losses[0]  # it learns
     assert result["test_accuracy"] > 0.3  # ten classes: chance is 0.1

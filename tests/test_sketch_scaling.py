@@ -47,12 +47,15 @@ def check_scaling(rows) -> None:
     for key in (UP, DOWN):
         assert by["sketch", 2][key] == by["sketch", 4][key]
         assert by["sketch", 4][key] < by["none", 4][key]
-    # local top-k: the same message up, the W - 1 others' messages down
+    # local top-k: the same message up, the W - 1 others' messages down (the payload: the ranks' 4-byte agreement on
+    # refused messages, control, goes up and down once per step)
+    up, down = "payload_" + UP, "payload_" + DOWN
     assert by["local_topk", 2][UP] == by["local_topk", 4][UP]
     assert by["local_topk", 4][DOWN] > by["local_topk", 2][DOWN]
     for w in (2, 4):
-        assert by["local_topk", w][DOWN] == (w - 1) * by["local_topk", w][UP]
-    assert by["local_topk", 4][DOWN] == 3 * by["local_topk", 2][DOWN]
+        assert by["local_topk", w][down] == (w - 1) * by["local_topk", w][up]
+        assert by["local_topk", w][UP] - by["local_topk", w][up] == 32
+    assert by["local_topk", 4][down] == 3 * by["local_topk", 2][down]
     # the oracle allreduces the dense vector: exactly fp32, both ways
     for w in (2, 4):
         for key in (UP, DOWN):
@@ -73,7 +76,7 @@ def test_check_catches_swapped_local_topk_rows(rows):
     """Swapping local top-k's W = 2 and W = 4 measurements must fail the check (and the script's own)."""
     swapped = [dict(r) for r in rows]
     lt = {r["workers"]: r for r in swapped if r["method"] == "local_topk"}
-    for key in (UP, DOWN):
+    for key in (UP, DOWN, "payload_" + UP, "payload_" + DOWN):
         lt[2][key], lt[4][key] = lt[4][key], lt[2][key]
     with pytest.raises(AssertionError):
         check_scaling(swapped)

@@ -40,7 +40,7 @@ from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_serve
 from gradcomp.protocols.sizes import exchange_lengths
 from gradcomp.schemes.base import Scheme
 from gradcomp.transport.requests import Rounds
-from gradcomp.transport.sim import computed_once
+from gradcomp.transport.sim import Shared, computed_once
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
 from gradcomp.wire.container import (
     DeviceChecks,
@@ -48,6 +48,8 @@ from gradcomp.wire.container import (
     deferring,
     fetch_together,
     hold_for_the_pass,
+    held_for_the_pass,
+    holding_for_the_pass,
     layout_values,
     length_from_counts,
     length_on_device,
@@ -371,9 +373,25 @@ class SingleRound(Scheme):
         else:  # (the host path reads a variable message's headers where it is: its size exchange sends lengths only)
             buffer, sizes = self._encoded(slots, tensors, step), None if size is None else [size] * self.world_size
         buffers = yield from allgather_buffers(self.rank, buffer, sizes)
-        # the same aggregate on every worker: a simulated cluster computes it once (transport.sim)
-        return computed_once("aggregate", lambda: aggregate_buffers(self.compressor, slots, buffers, step,
-                                                                   tensors[0].device, final=True, layouts=layouts))
+        # the same aggregate on every worker: a simulated cluster computes it once (transport.sim), and the checks it
+        # leaves for the pass's read go to every worker's pass
+        pass_checks = held_for_the_pass()
+
+        def aggregate() -> list:
+            if pass_checks is None:
+                return aggregate_buffers(self.compressor, slots, buffers, step, tensors[0].device, final=True,
+                                         layouts=layouts)
+            left = DeviceChecks()
+            with holding_for_the_pass(left):
+                out = aggregate_buffers(self.compressor, slots, buffers, step, tensors[0].device, final=True,
+                                        layouts=layouts)
+            return [out, Shared(left)]
+
+        result = computed_once("aggregate", aggregate)
+        if pass_checks is None:
+            return result
+        pass_checks.copy_from(result[1].value)
+        return result[0]
 
     def _parameter_server(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         device = tensors[0].device

@@ -54,7 +54,7 @@ def computed_once(label: str, compute: Callable[[], T]) -> T:
     On a simulated cluster it is computed once per all-gather (the first worker to ask computes it; the others
     get a copy of its result and are charged its time); anywhere else, a plain call. ``label`` tells apart two
     such computations after one all-gather. ``compute`` must give every worker the same result from the same
-    gathered data, and its result must be tensors (or lists / tuples of tensors).
+    gathered data, and its result must be tensors (or lists / tuples of tensors, or :class:`Shared` objects).
     """
     transport = getattr(_local, "transport", None)
     if transport is None:
@@ -62,7 +62,17 @@ def computed_once(label: str, compute: Callable[[], T]) -> T:
     return transport.cluster.once(transport, label, compute)
 
 
+class Shared:
+    """A part of a :func:`computed_once` result that every worker gets as it is, not a copy: an object the workers
+    only read (the checks a computation left to be read later, for each worker to take its own share of)."""
+
+    def __init__(self, value: object):
+        self.value = value
+
+
 def _copy(result):
+    if isinstance(result, Shared):
+        return result
     if isinstance(result, Tensor):
         return result.clone()
     if isinstance(result, (list, tuple)):

@@ -1008,6 +1008,13 @@ class DeviceChecks:
         """Whether checks (or flags held for a pass) wait here to be read."""
         return bool(self._items or self._received or self._abandon)
 
+    def copy_from(self, other: DeviceChecks) -> None:
+        """Adds ``other``'s pending checks and held flags to these, leaving ``other`` as it is (a simulated cluster's
+        aggregate, computed once: every worker holds the checks it would have made itself)."""
+        self._items += other._items
+        self._received += other._received
+        self._abandon += other._abandon
+
     def take(self, other: DeviceChecks) -> None:
         """Moves ``other``'s pending checks here, to be read with these. The messages' buffers are let go: a failed
         one is then named from its checks alone, not decoded again on the host (keeping every received buffer of a
@@ -1159,6 +1166,11 @@ def holding_for_the_pass(checks: DeviceChecks | None):
     """While inside, :func:`hold_for_the_pass` on this thread moves an exchange's checks to ``checks`` (the DDP
     hook's communication thread, one backward pass, the device path; None: nothing is held)."""
     return _checks_set(_pass, checks)
+
+
+def held_for_the_pass() -> DeviceChecks | None:
+    """The DeviceChecks that holds this thread's pass (inside :func:`holding_for_the_pass`), or None."""
+    return getattr(_pass, "checks", None)
 
 
 def hold_for_the_pass(checks: DeviceChecks, abandon: torch.Tensor | None = None) -> bool:

@@ -772,6 +772,8 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "method_report": lead.get("method_report"),
         "padding_bits": mean([8 * c.padding_bytes for c in counters]),
         "control_bits": mean([8 * (c.up_control + c.down_control) for c in counters]),
+        "control_bits_up": mean([8 * c.up_control for c in counters]),
+        "control_bits_down": mean([8 * c.down_control for c in counters]),
         "setup_bits": mean([8 * c.setup_bytes for c in counters]),  # once per run: the slot check, not a step's
         "server_bits_in": sum(8 * c.server_in for c in counters),
         "server_bits_out": sum(8 * c.server_out for c in counters),

@@ -296,7 +296,8 @@ def measure_method(
     (``ddp_buckets``): per bucket the hook's finiteness check, one ``GradientExchange.exchange`` of the
     bucket's slots with the hook's ``min_compression_rate`` (a small tensor that would not compress travels in a
     dense all-reduce), the copy of the averages back into the bucket, and the scheme told at the last bucket
-    which slots the pass held; for ``none``, ``fp16`` and ``bf16`` the hook's own all-reduce of the bucket buffer
+    which slots the pass held, with the ranks' agreement on refused messages (``settle``: one 4-byte all-reduce per
+    pass of a method that sends containers); for ``none``, ``fp16`` and ``bf16`` the hook's own all-reduce of the bucket buffer
     (in place, or of its cast; divided by W, its finiteness folded into the first entry and read back), with no
     exchange. A multi-round
     method (PowerSGD) then runs its rounds once per bucket, and a variable-size one (SBC) its size round once
@@ -309,8 +310,9 @@ def measure_method(
     from gradcomp.finite import finite_flags
     from gradcomp.train.aggregator import GradientAggregator
     from gradcomp.train.ddp_hook import DEFAULT_MIN_COMPRESSION_RATE, direct_message, sends_directly
-    from gradcomp.train.exchange import GradientExchange
+    from gradcomp.train.exchange import GradientExchange, settle
     from gradcomp.transport.sim import SimulatedCluster
+    from gradcomp.wire.container import Refusals
 
     dev = torch.device(device)
     cfg = method.config()
@@ -349,6 +351,7 @@ def measure_method(
                         waited = transport.counter.seconds + transport.idle_seconds() - blocked
                         outside += time.perf_counter() - started - waited  # the all-reduce is communication
                     return outside
+                refusals = Refusals()
                 for b, indices in enumerate(buckets):
                     if method.granularity == "bucket":  # DDP's bucket buffer, one slot (made off the clock)
                         tensors = [torch.cat([grads[i].reshape(-1) for i in indices])]
@@ -359,13 +362,17 @@ def measure_method(
                     started = time.perf_counter()
                     finite = all(finite_flags(tensors))
                     outside += time.perf_counter() - started
-                    averages = exchange.exchange(bucket_slots, tensors, step, validate=False, finite=finite)
+                    averages = exchange.exchange(bucket_slots, tensors, step, validate=False, finite=finite,
+                                                 refusals=refusals)
                     started = time.perf_counter()
                     for target, average in zip(tensors, averages):
                         target.copy_(average.view_as(target))
                     seen += bucket_slots
                     if b == len(buckets) - 1:
                         exchange.scheme.retain(seen)
+                        outside += time.perf_counter() - started
+                        settle(transport, refusals, dev, step=step)  # (its all-reduce is communication)
+                        started = time.perf_counter()
                     outside += time.perf_counter() - started
                 return outside
 
