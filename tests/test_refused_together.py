@@ -34,6 +34,8 @@ CASES = {
     "dgc": ("dgc", {"density": 0.2}, "auto", 1),
     "local_topk": ("local_topk", {"density": 0.2}, "auto", 1),
     "terngrad_shared": ("terngrad_shared", {}, "auto", 1),
+    "lgc-topk": ("lgc", {"density": 0.2, "dense_steps": 1, "topk_steps": 3}, "auto", 1),  # the leader's positions
+    "lgc-compressed": ("lgc", {"density": 0.2, "dense_steps": 0, "topk_steps": 1}, "auto", 1),
 }
 PATHS = ("host", "device")
 
@@ -80,13 +82,15 @@ def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def _aggregator(rank: int, label: str) -> dict:
+def _aggregator(rank: int, label: str, corrupt: bool = True) -> dict:
+    """Three steps; in step 1 the receiver gets a corrupted message (or, ``corrupt=False``, every rank skips step 1
+    without exchanging anything: the run in which the refused step never happened)."""
     from gradcomp.transport.dist import DistTransport
 
     name, params, topology, receiver = CASES[label]
     armed = [False]
     transport = DistTransport()
-    if rank == receiver:
+    if rank == receiver and corrupt:
         _corrupt(transport, armed)
     model = _net()
     options = {"topology": topology}
@@ -101,6 +105,8 @@ def _aggregator(rank: int, label: str) -> dict:
         F.cross_entropy(model(x), y).backward()
         if step == 1:
             armed[0], before = True, copy.deepcopy(aggregator.state_dict())
+            if not corrupt:
+                continue
         try:
             aggregator.step()
         except gradcomp.WireError as exc:
@@ -109,7 +115,7 @@ def _aggregator(rank: int, label: str) -> dict:
             continue
         optimizer.step()
     return {"errors": errors, "restored": (before, after), "params": _flat(model.parameters()),
-            "corrupted": rank == receiver and not armed[0]}
+            "corrupted": rank == receiver and not armed[0], "state": aggregator.state_dict()}
 
 
 def _hook(rank: int) -> dict:
@@ -143,6 +149,7 @@ def _worker(rank: int, world: int) -> dict:
         os.environ["GRADCOMP_KERNELS"] = "0" if path == "device" else os.environ.get("GRADCOMP_KERNELS", "1")
         for label in CASES:
             out[(label, path)] = _aggregator(rank, label)
+            out[(label, path, "never")] = _aggregator(rank, label, corrupt=False)
     os.environ["GRADCOMP_DEVICE_PATH"] = "0"
     out["hook"] = _hook(rank)
     return out
@@ -172,6 +179,8 @@ def test_every_rank_refuses_the_step_and_nothing_of_it_is_applied(runs, label, p
             assert "another worker refused a message it received at exchange 1" in error, error
         before, after = result["restored"]
         assert same(before, after), (rank, "the method's state moved in the refused step")
+        never = run[(label, path, "never")]  # the refused step undone exactly: as if it had never happened
+        assert torch.equal(result["params"], never["params"]) and same(result["state"], never["state"]), rank
     assert torch.equal(runs[0][(label, path)]["params"], runs[1][(label, path)]["params"])
 
 

@@ -88,6 +88,8 @@ passes and drops that of buckets that did not come back (DDP's first-pass bucket
 
 from __future__ import annotations
 
+import copy
+
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -507,6 +509,7 @@ class LGC(Scheme):
                               "synced": lay.synced}
             for names, lay in self._layouts.items() if lay.d
         }
+        layouts.update(copy.deepcopy(self._pending_state))  # loaded, not yet applied: the state is the one loaded
         return {**self.residuals.state_dict(), "layouts": layouts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -536,6 +539,8 @@ class LGC(Scheme):
             return
         if part.get("autoencoder") is not None:
             self._trainer(layout, device).load_state_dict(part["autoencoder"])
+        else:  # saved before its autoencoder existed (a step undone that made it): none now either
+            layout.trainer = None
         layout.synced = bool(part.get("synced", False))  # older states: synced at the next stage-3 step
 
 

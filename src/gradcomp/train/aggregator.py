@@ -22,6 +22,11 @@ every worker's gradients of a bad step are NaN (the same on every worker) for th
 state is put back, and on a GPU the methods that only all-reduce (none, fp16, bf16, random-k, random block,
 PowerSGD, sketched SGD, true top-k) read nothing from the device in a step; ``skipped`` is not counted then.
 
+A message that fails its checks on one worker (a corruption on the way, seen only by its receiver) does not stop
+that worker at once: the step's rounds run to their end (``wire.container.refusing_later``), then the workers agree
+on it (``train.exchange.settle``: one 4-byte all-reduce; on the device path read with the step's checks) and every
+worker raises WireError at that step, the state put back as for a non-finite step.
+
 A parameter without a gradient on this step contributes zeros, so all workers always send the same slots;
 ``step()`` says what it receives. At the first exchange the workers check, with one small all-gather, that they
 all have the same parameters (names and sizes, in order): ConfigError on every worker, naming the first

@@ -74,7 +74,9 @@ is the last bucket, and every bucket with ``gradient_as_bucket_view=True``: DDP 
 prior iteration"; rebuild the DDP model to go on.) An error on the
 thread (a collective that failed or timed out, a bad message) completes that bucket's future with the
 exception; DDP raises it from ``backward`` as a RuntimeError whose message names the original exception and
-its traceback (the original object is ``state.failure``). The thread then refuses every later bucket at once
+its traceback (the original object is ``state.failure``). (A message that fails its checks is not such an error at
+once: it is noted, the pass goes on, and at its last bucket the ranks agree on it, ``settle``, so that every rank
+raises WireError at the same pass, the state put back.) The thread then refuses every later bucket at once
 (CommunicationError naming the first error; nothing more is sent), since the ranks' collective sequences may
 no longer agree. Every future is completed, with a result or an error, but only once its collectives return:
 a rank that waits for a peer that never comes waits until the process group's time-out. If the thread itself

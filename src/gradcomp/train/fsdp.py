@@ -74,7 +74,9 @@ Other choices:
   the decoded messages' checks are held for the pass (``wire.container.hold_for_the_pass``). The pass's first call
   queues ``pass_ends`` with the autograd engine, which runs after FSDP2's own end-of-backward callback (queued
   before it, and where FSDP reduce-scatters the root module's own parameters): one read for the whole pass. A
-  message that failed its checks raises WireError there, the pass undone, on the rank that received it.
+  message that failed its checks (on either path) is noted and the pass goes on (``wire.container.refusing_later``);
+  at its end the ranks agree on it (``train.exchange.settle``: one 4-byte all-reduce, read with the pass's checks)
+  and every rank raises WireError, the pass undone.
   With ``scaler=`` (fp16 mixed precision) or ``nonfinite="propagate"`` nothing raises: the backward pass is skipped
   on every rank instead, its state put back. At a bad call read at once, that call's output is filled with NaN and
   nothing is sent for the pass's later calls (their outputs NaN too); at the pass's end, the ``.grad`` of every

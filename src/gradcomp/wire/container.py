@@ -1082,8 +1082,8 @@ class DeviceChecks:
         at, failed = 0, None
         for summary, fault, buf, specs, _ in items:
             n = summary.numel()
-            wrong = fault(got[at : at + n])
-            if wrong is not None and failed is None:
+            wrong = fault(got[at : at + n]) if failed is None else None  # (the first failure is the one named)
+            if wrong is not None:
                 failed = _named_fault(buf, specs, wrong)
             at += n
         for (_, message), ok in zip(received, got[at:]):
