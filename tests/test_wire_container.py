@@ -843,3 +843,43 @@ def _device_encoded(fields, specs, monkeypatch):
         return encode(fields, specs)
     finally:
         monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inside_refusing_later_a_bad_message_is_noted_and_decodes_as_stand_ins(device):
+    """What a step that keeps its refusals for its end (``refusing_later``) sees for each mutated message: exactly
+    the WireError decode raises outside, noted instead of raised, and zeros in place of the fields (each field's
+    decoded dtype; the count its spec fixes, the count of the field it must match, or none); a message that decodes
+    outside decodes the same inside, with nothing noted. Every decode counts as a use of the wire."""
+    from gradcomp.wire.container import Refusals, refusing_later
+
+    rng, noted = random.Random(77), 0
+    linked = [FieldSpec(Codec.POSITIONS, count=5, universe=100), FieldSpec(Codec.F32, max_count=5, same_count_as=-1)]
+    for _ in range(60):
+        own = encode([torch.tensor([1, 4, 9, 16, 25]), torch.randn(5)], linked)
+        for specs, buf in [(FUZZ_SPEC_LISTS[i], b) for i, b in fuzz_valid_messages(rng)] + [(linked, own)]:
+            bad = u8(bytes(mutate(bytearray(buf.numpy().tobytes()), rng))).to(device)
+            try:
+                expected, error = decode(bad, specs), None
+            except WireError as exc:
+                expected, error = None, str(exc)
+            refusals = Refusals()
+            with refusing_later(refusals):
+                got = decode(bad, specs)
+            assert refusals.used == 1
+            if error is None:
+                assert refusals.messages == [] and all(torch.equal(a, b) for a, b in zip(got, expected))
+                continue
+            noted += 1
+            assert refusals.messages == [error]
+            counts = []
+            for i, spec in enumerate(specs):
+                other = counts[i + spec.same_count_as] if spec.same_count_as is not None else 0
+                counts.append(spec.count if spec.count is not None else other)
+            assert [f.numel() for f in got] == counts and all(not f.any() for f in got)
+            dtypes = [torch.int64 if s.codec in (Codec.POSITIONS, Codec.GOLOMB) else
+                      decoded_dtype(s.width) if s.codec == Codec.BITS else
+                      {Codec.F32: torch.float32, Codec.F16: torch.float16, Codec.BF16: torch.bfloat16}[s.codec]
+                      for s in specs]
+            assert [f.dtype for f in got] == dtypes and all(f.device.type == bad.device.type for f in got)
+    assert noted > 100  # most mutations are refused
