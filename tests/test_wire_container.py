@@ -883,3 +883,45 @@ def test_inside_refusing_later_a_bad_message_is_noted_and_decodes_as_stand_ins(d
                       for s in specs]
             assert [f.dtype for f in got] == dtypes and all(f.device.type == bad.device.type for f in got)
     assert noted > 100  # most mutations are refused
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_fault_flag_says_on_the_device_what_the_read_would_refuse(device, monkeypatch):
+    """``DeviceChecks.fault_flag``: the workers' agreement on refused messages needs each worker's verdict on its
+    held checks before anything is read. For messages of a fixed layout and of a layout the size exchange announced,
+    sound, with a flipped body bit, a flipped section-header bit, or announced values that disagree with their
+    headers, the flag is True exactly when ``read`` raises WireError."""
+    from gradcomp.wire.container import DeviceChecks, layout_values
+
+    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")  # (on the CPU: the GPU's code)
+    fixed = [FieldSpec(Codec.POSITIONS, count=20, universe=1000), FieldSpec(Codec.F32, count=20),
+             FieldSpec(Codec.BITS, count=20, width=3)]
+    fields = [f.to(device) for f in mixed_message(20, seed=5)]
+    buf = encode(fields, fixed)
+    variable = MIXED_SPECS
+    vbuf = encode(fields, variable)
+    announced = layout_values(variable, [f.numel() for f in fields], None, torch.device(device)).tolist()
+    cases = [(buf, fixed, None), (vbuf, variable, announced)]
+    seen = []
+    for sound, specs, layout in cases:
+        for spoil in (None, -1, 3, HEADER_BYTES + 2, "layout"):  # sound, body, header (no CRC), section header
+            bad = sound.clone()
+            given = layout
+            if spoil == "layout":
+                if layout is None:
+                    continue
+                given = list(layout)
+                given[1:3] = [given[1] - 1, given[2] + 10]  # other counts, the same length (-4 bytes, +4 bytes)
+            elif spoil is not None:
+                bad[spoil] ^= 8
+            checks = DeviceChecks()
+            decode(bad, specs, checks, layout=given)
+            flag = bool(checks.fault_flag(torch.device(device)))
+            try:
+                checks.read()
+                refused = False
+            except WireError:
+                refused = True
+            seen.append((spoil, flag, refused))
+            assert flag == refused == (spoil is not None), (spoil, flag, refused)
+    assert len(seen) == 9
