@@ -89,7 +89,6 @@ passes and drops that of buckets that did not come back (DDP's first-pass bucket
 from __future__ import annotations
 
 import copy
-
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field

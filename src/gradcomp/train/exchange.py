@@ -146,8 +146,8 @@ def settle(
 
     Returns True when the verdicts say the step is abandoned as not finite (the same on every worker; refusals do
     not matter then, nothing of the step is applied). Raises WireError on every worker when some worker refused a
-    message, naming the fault on that worker; the caller puts its state back first-hand (nothing of the step may
-    be applied). Else False.
+    message, naming the fault on the worker that refused it; the caller then puts its state back as it was before the
+    step (nothing of the step may be applied). Else False.
     """
     checks = checks if checks is not None else DeviceChecks()
     extra = []
