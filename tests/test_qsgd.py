@@ -198,10 +198,17 @@ def test_packed_is_shorter_when_levels_are_large_and_dense():
 
 
 def tampered(c: QSGD, slot: Slot, fields: list[torch.Tensor]) -> None:
-    """A message whose fields the container accepts but whose content is impossible must raise WireError."""
+    """A message whose fields the container accepts but whose content is impossible must raise WireError; inside a
+    step that keeps its refusals for its end, that error is noted instead and the message adds nothing."""
+    from gradcomp.wire.container import Refusals, refusing_later
+
     specs = c.specs(slot)
-    with pytest.raises(WireError):
+    with pytest.raises(WireError) as raised:
         c.decompress(decode(encode(fields, specs), specs), slot, 0)
+    refusals = Refusals()
+    with refusing_later(refusals):
+        out = c.decompress(decode(encode(fields, specs), specs), slot, 0)
+    assert refusals.messages == [str(raised.value)] and not out.any()
 
 
 def test_elias_refuses_impossible_messages():

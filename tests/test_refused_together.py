@@ -191,3 +191,19 @@ def test_the_ddp_hook_refuses_the_pass_on_every_rank_on_the_host_path(runs):
     (step, error), = other["errors"]
     assert step == 1 and "another worker refused a message" in error, error
     assert other["failure"].startswith("WireError")
+
+
+def test_a_coordinate_beyond_its_part_is_noted_inside_refusing_later_and_made_harmless():
+    """Local top-k's range check of the gathered coordinates (host path), a check after the checksum passed: WireError
+    outside; inside a step that keeps its refusals, the fault noted and every coordinate clamped into its part."""
+    from gradcomp.schemes.accumulation import split_indices
+    from gradcomp.wire.container import Refusals, refusing_later
+
+    field = torch.tensor([1, 2, 9, 0])
+    with pytest.raises(gradcomp.WireError, match="part 1 holds coordinate 9, beyond its 5"):
+        split_indices(field, [2, 2], [5, 5], "x")
+    refusals = Refusals()
+    with refusing_later(refusals):
+        parts = split_indices(field, [2, 2], [5, 5], "x")
+    assert refusals.messages == ["x: part 1 holds coordinate 9, beyond its 5"]
+    assert [p.tolist() for p in parts] == [[1, 2], [4, 0]]

@@ -69,6 +69,7 @@ from gradcomp.compressors.natural import RandomDithering
 from gradcomp.errors import ConfigError, WireError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import check_received
 from gradcomp.wire.elias import elias_gamma_decode, elias_gamma_encode
 
 __all__ = ["QSGD", "CODINGS", "elias_max_bytes"]
@@ -180,9 +181,17 @@ class QSGD(RandomDithering):
 
     def _elias_codes(self, fields: Fields, slot: Slot) -> Tensor:
         """The packed coding's codes (sign·2^level_bits + level) of an elias message, as int32 (s < 2^24: the
-        codes fit), checked as the wire format requires."""
-        norm, negative, stream = fields
+        codes fit), checked as the wire format requires: WireError for a bad one, or, inside a step that keeps its
+        refusals for its end (``wire.container.refusing_later``), the fault noted and zero codes in its place."""
+        _, negative, stream = fields
         negative = negative.reshape(-1).to(torch.int64)
+        try:
+            return self._checked_codes(negative, stream, slot)
+        except WireError as exc:
+            check_received(False, str(exc))
+            return torch.zeros(slot.numel, dtype=torch.int32, device=negative.device)
+
+    def _checked_codes(self, negative: Tensor, stream: Tensor, slot: Slot) -> Tensor:
         nnz = negative.numel()
         values = elias_gamma_decode(stream.reshape(-1).to(torch.uint8), 2 * nnz)
         pairs = values.reshape(nnz, 2)
