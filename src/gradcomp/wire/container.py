@@ -960,25 +960,26 @@ def _decode_on_device(
         pieces.append(torch.stack([f.reshape(()).to(torch.bool) for f in flags]).to(torch.uint8))
     summary = torch.cat(pieces)
     body = layout[-1][0] + layout[-1][4] - HEADER_BYTES if layout else 0
+    # the bytes a sound message's summary holds: its header's first 12, then (after the header's stored checksum
+    # and the computed one) its section headers; DeviceChecks.fault_flag compares them on the device
+    head_bytes = b"".join(_SECTION.pack(int(codec), param, count, nbytes) for _, codec, param, count, nbytes in layout)
+    want = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12] + head_bytes
 
     def fault(got: bytes) -> str | None:
         """What is wrong with the message whose summary's bytes are ``got``, in the host path's order, or None for
         a sound one (ConfigError for a failed sender check)."""
-        checks = got[HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout) :]
+        checks = got[HEADER_BYTES + 8 + len(head_bytes) :]
         if pending:
             _raise_failed(pending, checks[len(checks) - len(pending) :])
-        if got[:12] != _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12]:
+        if got[:12] != want[:12]:
             return "its header is not the one its layout implies (magic, version, flags, sections or length)"
         if got[12:HEADER_BYTES] != got[HEADER_BYTES : HEADER_BYTES + 8]:
             return "checksum mismatch: the message body is corrupted"
-        heads = b"".join(_SECTION.pack(int(codec), param, count, nbytes) for _, codec, param, count, nbytes in layout)
-        if got[HEADER_BYTES + 8 : HEADER_BYTES + 8 + SECTION_HEADER_BYTES * len(layout)] != heads:
+        if got[HEADER_BYTES + 8 : HEADER_BYTES + 8 + len(head_bytes)] != head_bytes:
             return "a section header is not the one its layout implies"
         return _data_fault(checks)
 
     if later is not None:
-        want = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body, 0)[:12] + b"".join(
-            _SECTION.pack(int(codec), param, count, nbytes) for _, codec, param, count, nbytes in layout)
         later._items.append((summary, fault, buf, specs, want))
         return out
     return out if fault(_read_bytes(summary)) is None else None  # the one read back (tens of bytes, ten per section)
