@@ -22,7 +22,7 @@ EXPECTED = {
     "none": {"subtract_sent"}, "fp16": {"subtract_sent"}, "bf16": {"subtract_sent"},
     "topk": {"accumulate", "sent_entries"}, "threshold": {"accumulate", "sent_entries", "select_sized"},
     "randomk": {"accumulate", "sent_entries"}, "randomblock": {"accumulate", "sent_entries"},
-    "sbc": {"accumulate", "sent_entries"}, "stc": {"accumulate", "sent_entries"},
+    "sbc": {"accumulate", "sent_entries"}, "stc": {"accumulate", "sent_entries", "select_sized"},
     "dgc": {"accumulate"},
     "cnat": {"accumulate"}, "random_dithering": {"accumulate"}, "natural_dithering": {"accumulate"},
     "terngrad": {"accumulate"}, "qsgd": {"accumulate"},

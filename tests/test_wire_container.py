@@ -760,8 +760,12 @@ VARIABLE_METHODS = {
     "threshold": ("threshold", {"threshold": 0.5}),  # selected on the device, compacted after the size exchange
     "threshold-ef": ("threshold", {"threshold": 0.5, "error_feedback": True}),  # the same under error feedback
     "threshold-golomb": ("threshold", {"threshold": 0.5, "positions": "golomb"}),  # declines: compress_slots
+    # declines under error feedback: the messages compress_slots made, their Golomb lengths computed on the device
+    "threshold-golomb-ef": ("threshold", {"threshold": 0.5, "positions": "golomb", "error_feedback": True}),
     "sbc": ("sbc", {"density": 0.05}),
-    "stc": ("stc", {"density": 0.05}),
+    "stc": ("stc", {"density": 0.05}),  # selected on the device, its Golomb lengths from the top-k and a mask
+    "stc-sparse": ("stc", {"density": 0.05}),  # with fewer nonzero entries than k: fewer positions sent
+    "stc-fixed-sparse": ("stc", {"density": 0.05, "positions": "fixed"}),
     "dgc": ("dgc", {"density": 0.05}),
 }
 
@@ -785,6 +789,8 @@ def test_a_variable_exchange_on_the_device_path_equals_the_host_paths(label, mon
                 g = torch.Generator().manual_seed(10 * step + t.rank)
                 for p in model.parameters():
                     p.grad = torch.randn(p.shape, generator=g)
+                    if label.endswith("-sparse"):  # about 2 % nonzero, under STC's 5 %; none at all in a step
+                        p.grad *= torch.rand(p.shape, generator=g) < (0.02 if step != 1 else 0.0)
                 agg.step()
                 out.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()]))
             return out
@@ -812,6 +818,30 @@ def test_length_from_counts_is_encodes_length():
         assert int(length_from_counts(specs, counts)) == encode(fields, specs).numel()
     with pytest.raises(ConfigError, match="GOLOMB"):
         length_from_counts([FieldSpec(Codec.GOLOMB, max_count=5, universe=50)], [torch.tensor(3)])
+
+
+@pytest.mark.parametrize("b", [0, 2, 5])
+def test_a_golomb_streams_length_from_its_kept_positions_is_encodes(b):
+    """STC's device path sizes its message before selecting the kept positions: the stream length of
+    ``positions[kept]`` computed from all of them and the mask (a running maximum, no selection) is encode's, for
+    masks that keep all, none, the first, the last, runs and scattered entries; with it, length_from_counts takes a
+    GOLOMB field."""
+    from gradcomp.wire.container import length_from_counts
+    from gradcomp.wire.golomb import golomb_encode, golomb_stream_bits
+
+    g = torch.Generator().manual_seed(b)
+    positions = torch.sort(torch.randperm(5000, generator=g)[:300]).values
+    masks = [torch.ones(300, dtype=torch.bool), torch.zeros(300, dtype=torch.bool), torch.arange(300) == 0,
+             torch.arange(300) == 299, (torch.arange(300) // 7) % 2 == 0, torch.rand(300, generator=g) < 0.3]
+    specs = [FieldSpec(Codec.GOLOMB, max_count=300, universe=5000, golomb_b=b), FieldSpec(Codec.F32, count=1)]
+    for kept in masks:
+        bits = golomb_stream_bits(positions, b, kept)
+        assert int(bits) == golomb_encode(positions[kept], b)[1]
+        fields = [positions[kept], torch.ones(1)]
+        length = length_from_counts(specs, [kept.sum(), 1], bits.reshape(1))
+        assert int(length) == encode(fields, specs).numel()
+    with pytest.raises(ConfigError, match="1 GOLOMB fields"):
+        length_from_counts(specs, [torch.tensor(3), 1])
 
 
 def test_the_device_path_keeps_the_heads_of_fixed_layouts_only(monkeypatch):

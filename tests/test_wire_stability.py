@@ -22,7 +22,9 @@ then send zeros), signed zeros, entries beyond fp16's range, and densities on bo
 To re-record after an intended change of a wire format: ``python tests/test_wire_stability.py`` prints the
 table; say in the commit which format changed and why. Re-recorded since: ``stc-0.01`` and ``stc-0.05``, when
 STC stopped sending the kept entries that are exactly zero (the ``sparse`` input has fewer nonzero entries
-than those k; they used to arrive as +mu, and now carry 0 as in the paper); ``dgc``, ``dgc-0.01-fixed`` and
+than those k; they used to arrive as +mu, and now carry 0 as in the paper), and again when STC's Golomb positions
+took the Rice parameter of the configured density k / d instead of that of the count sent (the same in every other
+input, where the count is k); ``dgc``, ``dgc-0.01-fixed`` and
 ``dgc-warmup-clip``, when DGC's selection began to send exactly the top-k (its sampled threshold is taken four
 standard deviations low and lowered further when fewer than k pass; the paper's threshold let fewer than k
 through on about half of the steps, and those were sent as they were); ``signsgd`` and ``signum``, when the
@@ -223,9 +225,9 @@ DIGESTS: dict[str, str] = {
     "sbc-0.001": "acd70ffd474ed35c797d29f69570052a11644ec320bdf7ca320cec2d54be4dc2",
     "sbc-0.05": "bfdaac8ad456c8d479a530b13de80c8dce519071b155ca9061487a12dae628e7",
     "sbc-0.01-fixed-ef": "157c084f979de0c8e294bd57560415eeac2aece3f57c2afee04b366c2a8d4545",
-    "stc-0.01": "da47dff107056aa2194e35fb6203eff15f8f8cf6a3e27e8e8e9177a75fe9b7f2",
+    "stc-0.01": "d4cff666a87472c98ef24b89f0e4e14ed7b059668652b34b166d3d5ef658401c",
     "stc-0.001": "d63d15a0fe00e22dff56922fea9a79b389d100460f6bb6ccf99e39513ca22ad6",
-    "stc-0.05": "3428faa95192a4327edf20a44d88a68ca6bb9fe3802a7de016b50eeadf074700",
+    "stc-0.05": "5aebb275cd9f8ed826b73805714a7c3b474c0c281b0619ba4cc80ca20bb04545",
     "stc-0.01-fixed-ef": "d75bed06cf736cb42aeeac5d3ac954b491c6d5c1a331b4f113bee6b87326fdc2",
     "dgc": "30ada3705012ec913f6d298b0acf370f79b2d790ae3d56597e3d9400345e9693",
     "dgc-0.01-fixed": "e93c9f70f96bb4d99193bda40ec4453970fbb32001a92fc431abadd131f81882",

@@ -247,11 +247,10 @@ class ErrorFeedback(_FeedbackWrapper):
         with self._fresh_start_on_failure(slots):
             inner = self.inner.select_sized(residuals, slots, step)
             if inner is None:
-                messages = self.inner.compress_slots(residuals, slots, step)
-                inner = SizedSelection([[int(f.numel()) for f in m] for m in messages], lambda _: messages)
+                inner = SizedSelection.made(self.inner, slots, self.inner.compress_slots(residuals, slots, step))
 
-        return SizedSelection(
-            inner.counts, lambda values: self._subtracted(lambda: inner.finish(values), residuals, slots, step)
+        return dataclasses.replace(
+            inner, finish=lambda values: self._subtracted(lambda: inner.finish(values), residuals, slots, step)
         )
 
     def __repr__(self) -> str:

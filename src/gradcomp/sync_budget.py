@@ -109,8 +109,9 @@ _TABLE: dict[str, tuple[int, int, str]] = {
     "threshold": (2, 2, f"{_SIZES}; the size exchange's read brings this worker's selection counts too: the slots' "
                   "masks |x| > threshold are counted on the device and compacted once the counts are read "
                   "(compressors.base.SizedSelection: Threshold.select_sized, ErrorFeedback.select_sized)"),
-    "stc": (3, 3, f"1 read of all the slots' counts of nonzero kept entries (sbc.SparseTernary."
-            f"compress_slots, once per message); {_SIZES}{_STREAMS}"),
+    "stc": (2, 2, f"{_SIZES}; the size exchange's read brings this worker's counts of nonzero kept entries and its "
+            "Golomb streams' lengths too, both computed on the device from the top-k and its nonzero mask (the Rice "
+            "parameter follows from k, not from the count: sbc.SparseTernary.select_sized)"),
     "dgc": (4, 4, f"1 read of all the slots' counts of candidates above their sampled "
             "thresholds and 1 of keep_largest's two conditions for all the slots with more candidates than k "
             "(dgc.DGC.compress_slots, once per message; a slot with too few candidates lowers its threshold on its "

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from gradcomp.errors import ConfigError
 from gradcomp.wire import FieldSpec
+from gradcomp.wire.container import length_on_device
 
 Fields = list[Tensor]
 
@@ -149,10 +150,21 @@ class SizedSelection:
     0-d int64 tensor on the device where it does (not read). ``finish(values)`` makes the messages, given the
     values of those device counts in the same order (read by the caller, with whatever else it reads: the size
     exchange); they are ``compress_slots``'s messages, byte for byte, and the compressor's state moves as it does.
+    ``stream_bits``: where the messages have GOLOMB fields, the lengths in bits of their streams, in field order,
+    an int64 tensor on the device (not read; the caller reads them with the counts and hands them to the encoder).
     """
 
     counts: list[list[int | Tensor]]
     finish: Any  # Callable[[list[int]], list[Fields]]
+    stream_bits: Tensor | None = None
+
+    @classmethod
+    def made(cls, compressor: Compressor, slots: Sequence[Slot], messages: list[Fields]) -> SizedSelection:
+        """The selection of messages already made (a compressor that declined to leave its sizes on the device):
+        their counts known, their GOLOMB streams' lengths computed on the device (not read)."""
+        specs = [spec for slot in slots for spec in compressor.specs(slot)]
+        bits = length_on_device([f for message in messages for f in message], specs)[2]
+        return cls([[int(f.numel()) for f in message] for message in messages], lambda _: messages, bits)
 
     def device_counts(self) -> list[Tensor]:
         """The counts still on the device, in the order ``finish`` takes their values."""

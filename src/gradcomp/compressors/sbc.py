@@ -22,7 +22,9 @@ entries and the difference between the kept entries and μ — stays in the resi
 sign bit each (bit-packed) and ONE shared magnitude μ = mean |A| over the kept entries. As in the paper's
 algorithm (μ = Σ|kept| / k; the message is μ·sign(kept)), a kept entry that is exactly zero carries 0: it is
 left out of the message, which then holds fewer than k positions (a tensor with fewer than k nonzero entries);
-μ is still the sum over k. (A one-bit sign cannot say 0: these entries used to arrive as +μ.)
+μ is still the sum over k. (A one-bit sign cannot say 0: these entries used to arrive as +μ.) Its Golomb positions
+use SBC's b* of the configured density p = k / d, also in a message with fewer than k positions: the encoder then
+needs no count to choose it, and on a GPU the stream's length is computed before the count is read.
 
 Choices where the papers are silent: ties between μ+ and μ− go to the positive side; if a tensor has fewer
 than k positive (negative) entries, the k largest (smallest) still fill up with entries of the other sign
@@ -50,7 +52,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors import sparse
-from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot
+from gradcomp.compressors.base import Capabilities, Compressor, Fields, SizedSelection, Slot
 from gradcomp.compressors.sparse import (
     KeptCount,
     check_positions_codec,
@@ -64,7 +66,8 @@ from gradcomp.compressors.sparse import (
     strided_sample,
     topk_positions,
 )
-from gradcomp.wire import Codec, FieldSpec
+from gradcomp.wire import Codec, FieldSpec, optimal_rice_parameter
+from gradcomp.wire.golomb import golomb_stream_bits
 
 
 def _decreasing(values: Tensor) -> Tensor:
@@ -176,13 +179,17 @@ class SparseBinary(_SharedValueSparsifier):
 
 
 class SparseTernary(_SharedValueSparsifier):
-    capabilities = Capabilities(accumulate=True, sent_entries=True)
+    capabilities = Capabilities(accumulate=True, sent_entries=True, select_sized=True)
     name = "stc"
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
-        # at most k positions: kept entries that are exactly zero are not sent (their ternary value is 0)
+        # at most k positions: kept entries that are exactly zero are not sent (their ternary value is 0). Golomb
+        # positions are coded with the Rice parameter of the density k / d, as the paper's b*(p), whatever the count
+        # sent: the encoder then knows it before the count is read, and a device can size the stream without a read
         k = self.count(slot)
         positions = replace(self._positions_spec(slot), count=None, max_count=k)
+        if positions.codec == Codec.GOLOMB:
+            positions = replace(positions, golomb_b=optimal_rice_parameter(k / slot.numel if slot.numel else 1.0))
         return [positions, FieldSpec(Codec.BITS, max_count=k, width=1, same_count_as=-1), FieldSpec(Codec.F32, count=1)]
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
@@ -205,6 +212,33 @@ class SparseTernary(_SharedValueSparsifier):
             self._empty(x.device) if k is None else self._message(*k, n, next(counts))
             for x, k, n in zip(tensors, kept, nonzero)
         ]
+
+    def select_sized(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> SizedSelection | None:
+        """The device path's two halves of ``compress_slots``: every slot's top-k, the counts of their nonzero
+        entries and their Golomb streams' lengths (of the nonzero entries' positions, ``golomb_stream_bits`` with
+        ``kept``) left on the device, read by the caller with its size exchange; then the messages."""
+        if sparse._numpy_path(tensors[0]):
+            return None
+        kept = [self._kept(x, slot) for x, slot in zip(tensors, slots)]
+        nonzero = [None if k is None else k[1] != 0 for k in kept]
+        counts: list[list[int | Tensor]] = [[0, 0, 1] if n is None else [n.sum(), n.sum(), 1] for n in nonzero]
+        bits = None
+        if self.positions == "golomb":
+            device = tensors[0].device
+            b = [spec.golomb_b for slot in slots for spec in self.specs(slot)[:1]]
+            bits = torch.stack([
+                torch.zeros((), dtype=torch.int64, device=device) if k is None else golomb_stream_bits(k[0], bi, n)
+                for k, n, bi in zip(kept, nonzero, b)
+            ])
+
+        def finish(values: list[int]) -> list[Fields]:
+            sent = iter(values[::2])  # (each slot's positions' count, then its signs')
+            return [
+                self._empty(x.device) if k is None else self._message(*k, n, next(sent))
+                for x, k, n in zip(tensors, kept, nonzero)
+            ]
+
+        return SizedSelection(counts, finish, bits)
 
     def _kept(self, x: Tensor, slot: Slot) -> tuple[Tensor, Tensor, Tensor] | None:
         """(positions, values, mean magnitude) of the k largest |x|, or None when k = 0."""

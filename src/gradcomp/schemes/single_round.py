@@ -47,6 +47,7 @@ from gradcomp.wire.container import (
     StepAbandoned,
     deferring,
     fetch_together,
+    free_sections,
     hold_for_the_pass,
     held_for_the_pass,
     holding_for_the_pass,
@@ -343,15 +344,18 @@ class SingleRound(Scheme):
         specs = [spec for slot in slots for spec in self.compressor.specs(slot)]
         device = tensors[0].device
         sized = select_sized(self.compressor, tensors, slots, step)
-        if sized is not None:  # (threshold) the selections' counts are read with the size exchange too
+        if sized is not None:  # (threshold, STC) the selections' counts are read with the size exchange too
             counts = sized.device_counts()
             per_field = [c for per_slot in sized.counts for c in per_slot]
-            length = length_from_counts(specs, per_field)
-            layout = layout_values(specs, per_field, None, device)
-            read = torch.stack(counts) if counts else torch.zeros(0, dtype=torch.int64, device=device)
+            bits = sized.stream_bits
+            bits = torch.zeros(0, dtype=torch.int64, device=device) if bits is None else bits.reshape(-1)
+            length = length_from_counts(specs, per_field, bits)
+            layout = layout_values(specs, per_field, bits, device)
+            read = torch.cat([torch.stack(counts).reshape(-1) if counts else bits[:0], bits])
             sizes, layouts, values = yield from exchange_lengths(length, read, layout)
-            fields = [f for message in sized.finish(values) for f in message]
-            return encode(fields, specs), sizes, layouts
+            fields = [f for message in sized.finish(values[: len(counts)]) for f in message]
+            streams = dict(zip(free_sections(specs)[1], values[len(counts) :]))
+            return encode(fields, specs, stream_bits=streams or None), sizes, layouts
         messages = self.compressor.compress_slots(tensors, slots, step)
         fields = [f for message in messages for f in message]
         del messages

@@ -310,21 +310,28 @@ def _golomb_bits(fields: list, specs: list, codecs: list, device: torch.device) 
     return which, stacked
 
 
-def length_from_counts(specs: Sequence[FieldSpec], counts: Sequence[int | torch.Tensor]) -> torch.Tensor:
+def length_from_counts(
+    specs: Sequence[FieldSpec], counts: Sequence[int | torch.Tensor], golomb_bits: torch.Tensor | None = None
+) -> torch.Tensor:
     """The length in bytes (a one-element int64 tensor) of the message of these ``specs`` whose fields have these
     element counts, some of them 0-d int64 tensors on the device (``compressors.base.SizedSelection``): computed
-    there, not read. For fields whose data length follows from their count (floats, BITS, POSITIONS); ConfigError
-    for a GOLOMB field, whose length depends on its positions (``length_on_device``)."""
+    there, not read. A GOLOMB field's length depends on its positions, not on its count: ``golomb_bits`` gives the
+    lengths in bits of the message's GOLOMB streams, in field order (ConfigError if they are not given, one each)."""
     specs = list(specs)
     codecs = _check_specs(specs)
     if len(counts) != len(specs):
         raise ConfigError(f"{len(counts)} counts but {len(specs)} specs")
+    golomb = free_sections(specs)[1]
+    given = 0 if golomb_bits is None else golomb_bits.numel()
+    if given != len(golomb):
+        raise ConfigError(f"{len(golomb)} GOLOMB fields, whose lengths depend on their positions, but {given} lengths")
     device = next((c.device for c in counts if isinstance(c, torch.Tensor)), torch.device("cpu"))
     total = torch.full((1,), HEADER_BYTES + SECTION_HEADER_BYTES * len(specs), dtype=torch.int64, device=device)
-    for i, (count, spec, codec) in enumerate(zip(counts, specs, codecs)):
-        if codec == Codec.GOLOMB:
-            raise ConfigError(f"field {i}: a GOLOMB field's length depends on its positions, not on its count")
-        total = total + _expected_nbytes(codec, _fixed_param(spec, codec), count)  # (ints and tensors alike)
+    for count, spec, codec in zip(counts, specs, codecs):
+        if codec != Codec.GOLOMB:
+            total = total + _expected_nbytes(codec, _fixed_param(spec, codec), count)  # (ints and tensors alike)
+    if golomb:
+        total = total + ((golomb_bits.to(device) + 7) // 8).sum()
     return total
 
 

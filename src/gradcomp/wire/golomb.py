@@ -85,15 +85,25 @@ def _checked_positions(positions: object) -> torch.Tensor:
     return positions.detach().reshape(-1).to(torch.int64)
 
 
-def golomb_stream_bits(positions: torch.Tensor, b: int) -> torch.Tensor:
+def golomb_stream_bits(positions: torch.Tensor, b: int, kept: torch.Tensor | None = None) -> torch.Tensor:
     """The length in bits of ``golomb_encode(positions, b)``'s stream, as a 0-d int64 tensor on the positions'
     device, not read: the wire's device path reads those of every Golomb field of a message at once and passes
-    each to :func:`golomb_encode` as ``total``. Garbage for positions that golomb_encode refuses."""
+    each to :func:`golomb_encode` as ``total``. Garbage for positions that golomb_encode refuses.
+
+    With ``kept`` (a bool tensor beside the positions), the length of ``golomb_encode(positions[kept], b)``'s
+    stream, without making that selection, whose size would have to be read: each kept position's gap is taken
+    from the last kept position before it (a running maximum of the kept ones: the positions increase)."""
     b = _check_b(b, ConfigError)
     pos = _checked_positions(positions)
     if pos.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=pos.device)
-    return (_gaps(pos).clamp(min=0) >> b).sum() + pos.numel() * (1 + b)
+    if kept is None:
+        return (_gaps(pos).clamp(min=0) >> b).sum() + pos.numel() * (1 + b)
+    kept = kept.reshape(-1)
+    last = torch.cummax(torch.where(kept, pos, -1), 0).values  # the last kept position up to each one
+    before = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=pos.device), last[:-1]])
+    quotients = torch.where(kept, (pos - before - 1).clamp(min=0) >> b, 0)
+    return quotients.sum() + kept.sum() * (1 + b)
 
 
 _ORDER = "positions must be non-negative and strictly increasing"
