@@ -23,7 +23,7 @@ EXPECTED = {
     "topk": {"accumulate", "sent_entries"}, "threshold": {"accumulate", "sent_entries", "select_sized"},
     "randomk": {"accumulate", "sent_entries"}, "randomblock": {"accumulate", "sent_entries"},
     "sbc": {"accumulate", "sent_entries"}, "stc": {"accumulate", "sent_entries", "select_sized"},
-    "dgc": {"accumulate"},
+    "dgc": {"accumulate", "select_sized"},
     "cnat": {"accumulate"}, "random_dithering": {"accumulate"}, "natural_dithering": {"accumulate"},
     "terngrad": {"accumulate"}, "qsgd": {"accumulate"},
     "signsgd": {"accumulate", "subtract_sent", "tally"}, "signum": {"accumulate", "subtract_sent", "tally"},

@@ -183,10 +183,10 @@ def test_the_hook_reads_once_per_pass_whatever_the_buckets(name, group, device_p
     assert counter.total == 1, f"{name}: {counter.total} reads for {len(buckets)} buckets: {counter}"
 
 
-@pytest.mark.parametrize("name", ["threshold", "sbc", "stc"])
+@pytest.mark.parametrize("name", ["threshold", "sbc", "stc", "dgc"])
 def test_the_hook_reads_the_variable_methods_data_checks_once_per_pass(name, group, device_paths, monkeypatch):
-    """Sizes that vary: the size exchange (which brings every message's layout values: no transfer of the messages
-    to the host) and STC's count read stay per bucket, the checks wait for the pass's one read
+    """Sizes that vary: the size exchange (which brings every message's layout values, and the selections' counts
+    where they vary: no transfer of the messages to the host) stays per bucket, the checks wait for the pass's one read
     (wire.container.hold_for_the_pass): with two buckets, one read fewer than two steps of one."""
     buckets: list = []
     counter = count_ddp_step(name, monkeypatch, buckets=buckets, bucket_cap_mb=0.001)

@@ -766,7 +766,11 @@ VARIABLE_METHODS = {
     "stc": ("stc", {"density": 0.05}),  # selected on the device, its Golomb lengths from the top-k and a mask
     "stc-sparse": ("stc", {"density": 0.05}),  # with fewer nonzero entries than k: fewer positions sent
     "stc-fixed-sparse": ("stc", {"density": 0.05, "positions": "fixed"}),
-    "dgc": ("dgc", {"density": 0.05}),
+    "dgc": ("dgc", {"density": 0.05}),  # torch.topk on the device path: the sampled threshold's positions
+    "dgc-sparse": ("dgc", {"density": 0.05}),  # fewer nonzero entries than k, then none
+    "dgc-fixed-sparse": ("dgc", {"density": 0.05, "positions": "fixed"}),
+    "dgc-warmup": ("dgc", {"density": 0.01, "warmup_steps": 1}),  # k, hence the Rice parameter, changes each step
+    "dgc-clip": ("dgc", {"density": 0.05, "clip": 0.5}),  # declines: compress_slots
 }
 
 

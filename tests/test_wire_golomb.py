@@ -307,3 +307,21 @@ def test_encode_with_a_known_length_and_deferred_checks(b):
     assert not bool(flags[0][0])
     with pytest.raises(ConfigError, match="strictly increasing"):
         golomb_encode(bad, b)
+
+
+@pytest.mark.parametrize("universe", [1, 2, 7, 100, 1000, 65_537, 2_000_003])
+def test_the_rice_parameter_on_the_device_is_the_hosts_for_every_count(universe):
+    """``rice_parameter_on_device`` compares a count with the counts where the host's parameter steps down: it
+    gives ``optimal_rice_parameter(count / universe)`` exactly, for every count of the smaller universes and
+    around every step of the larger (where an off-by-one would show), and a stream length with it is encode's."""
+    from gradcomp.wire.golomb import _rice_steps, golomb_stream_bits, rice_parameter_on_device
+
+    steps = _rice_steps(universe)
+    counts = set(range(universe + 1)) if universe <= 1000 else {0, universe, universe // 2}
+    counts |= {c + e for c in steps for e in (-1, 0, 1) if 0 <= c + e <= universe}
+    for count in sorted(counts):
+        expected = optimal_rice_parameter(count / universe)
+        assert int(rice_parameter_on_device(torch.tensor(count), universe)) == expected, count
+    pos = random_positions(universe, min(universe, 40), 3)
+    b = rice_parameter_on_device(torch.tensor(pos.numel()), universe)
+    assert int(golomb_stream_bits(pos, b)) == golomb_encode(pos, optimal_rice_parameter(pos.numel() / universe))[1]

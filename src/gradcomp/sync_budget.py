@@ -112,11 +112,11 @@ _TABLE: dict[str, tuple[int, int, str]] = {
     "stc": (2, 2, f"{_SIZES}; the size exchange's read brings this worker's counts of nonzero kept entries and its "
             "Golomb streams' lengths too, both computed on the device from the top-k and its nonzero mask (the Rice "
             "parameter follows from k, not from the count: sbc.SparseTernary.select_sized)"),
-    "dgc": (4, 4, f"1 read of all the slots' counts of candidates above their sampled "
-            "thresholds and 1 of keep_largest's two conditions for all the slots with more candidates than k "
-            "(dgc.DGC.compress_slots, once per message; a slot with too few candidates lowers its threshold on its "
-            "own, with reads: rare); "
-            f"{_SIZES}{_STREAMS}"),
+    "dgc": (2, 2, f"{_SIZES}; the size exchange's read brings this worker's counts of nonzero entries among each "
+            "slot's k largest |v| and its Golomb streams' lengths too (torch.topk over the slot on the device path "
+            "instead of the sampled threshold, whose candidates' count would be read; the Rice parameter of each "
+            "count computed on the device: dgc.DGC.select_sized, wire.golomb.rice_parameter_on_device); with clip, "
+            "compress_slots reads the norm and the counts (not counted here)"),
 }  # fmt: skip
 
 BUDGETS: dict[str, dict[str, int]] = {name: {"aggregator": a, "ddp": d} for name, (a, d, _) in _TABLE.items()}

@@ -55,6 +55,10 @@ exchange index ``step`` it does, in this order:
      top-k of |v| (ties at the k-th value broken by torch). Every step sends k values (fewer only when v
      has fewer than k nonzero entries).
 
+   On the device path of a gathered exchange (a GPU's), the selection is ``torch.topk`` over all of |v| instead
+   (``DGC.select_sized``): the same k largest |v| except which entries a tie at the k-th value keeps, and no
+   count of candidates to read before the size exchange (the sampled threshold's would cost two reads a message).
+
    The cost is one pass over the d entries (|v| >= tau, chunked through cache-sized scratch:
    ``gradcomp.compressors.sparse.magnitude_candidates``), rarely two, plus top-k over n_s + O(k) values,
    instead of ``torch.topk`` over all d. The k largest candidates are found by ``sparse.keep_largest`` (a
@@ -99,6 +103,7 @@ from gradcomp.compressors.base import (
     Capabilities,
     Compressor,
     Fields,
+    SizedSelection,
     Slot,
     check_density,
     check_int,
@@ -117,6 +122,7 @@ from gradcomp.compressors.sparse import (
 from gradcomp.compressors.state import Momentum
 from gradcomp.errors import ConfigError
 from gradcomp.wire import Codec, FieldSpec
+from gradcomp.wire.golomb import golomb_stream_bits, rice_parameter_on_device
 
 __all__ = [
     "DGC", "MIN_SAMPLE_KEPT", "WARMUP_DENSITIES", "SampledThresholdTopK", "clip_norm", "sample_count", "warmup_density",
@@ -274,6 +280,19 @@ class SampledThresholdTopK(_PositionsAndValues):
                 found[i] = found[i][compact(keep, k)]
         return found
 
+    def largest_on_device(self, values: Tensor, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:
+        """The device path's selection, nothing read (``DGC.select_sized``): ``(the sorted positions of the k
+        largest |v| by torch.topk over all of them, which of those are nonzero)``, or None for an empty slot. The
+        positions of the nonzero ones are :meth:`select`'s (the sampled threshold only narrows the search to
+        candidates that hold the top-k), except which entries a tie at the k-th largest value keeps."""
+        d = values.numel()
+        if d == 0:
+            return None
+        magnitudes = values.abs()
+        top = torch.topk(magnitudes, kept_count(self.density_at(step), d), sorted=False).indices
+        positions = torch.sort(top).values
+        return positions, torch.index_select(magnitudes, 0, positions) > 0
+
     @staticmethod
     def _lowered(values: Tensor, samples: Tensor, rank: int, k: int, tau: float) -> Tensor:
         """Candidates |v| >= a lower tau, when the ``rank``-th largest sample ``tau`` let fewer than k through.
@@ -327,7 +346,7 @@ def clip_norm(g: Tensor, clip: float) -> Tensor:
 class DGC(Compressor):
     """Deep Gradient Compression; see the module docstring for the algorithm and every choice."""
 
-    capabilities = Capabilities(accumulate=True)
+    capabilities = Capabilities(accumulate=True, select_sized=True)
     name = "dgc"
     owns_momentum = True
     owns_feedback = True  # its momentum correction keeps the residual: no error feedback on top
@@ -418,6 +437,51 @@ class DGC(Compressor):
                 self.memory.state.drop(slot)  # half updated: start afresh (as compress)
             raise
         return out
+
+    def select_sized(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> SizedSelection | None:
+        """The device path's :meth:`compress_slots` in two halves, so that sizing the message reads nothing of its
+        own: every slot's momentum step and its k largest |v| (``SampledThresholdTopK.largest_on_device``), with
+        the counts of their nonzero entries and their Golomb streams' lengths (the Rice parameter of each count
+        computed on the device too: ``wire.golomb.rice_parameter_on_device``) left for the caller's size exchange
+        to read; then, given the counts, the messages and every slot's v − sent and masking. None with ``clip``
+        (its norm is read) and on the CPU's numpy path."""
+        if not tensors or sparse._numpy_path(tensors[0]) or self.clip is not None:
+            return None
+        try:
+            vs = [self.memory.step(slot, x.reshape(-1).to(torch.float32))[1] for x, slot in zip(tensors, slots)]
+            tops = [self.selector.largest_on_device(v, slot, step) for v, slot in zip(vs, slots)]
+        except BaseException:
+            for slot in slots:
+                self.memory.state.drop(slot)  # half updated: start afresh (as compress)
+            raise
+        nonzero = [None if top is None else top[1].sum() for top in tops]
+        counts: list[list[int | Tensor]] = [[0, 0] if n is None else [n, n] for n in nonzero]
+        bits = None
+        if self.selector.positions == "golomb":
+            bits = torch.stack([
+                torch.zeros((), dtype=torch.int64, device=v.device) if top is None
+                else golomb_stream_bits(top[0], rice_parameter_on_device(n, slot.numel), top[1])
+                for v, slot, top, n in zip(vs, slots, tops, nonzero)
+            ])  # fmt: skip
+
+        def finish(values: list[int]) -> list[Fields]:
+            sent = iter(values[::2])  # (each slot's positions' count, then its values')
+            out = []
+            try:
+                for v, slot, top in zip(vs, slots, tops):
+                    positions = torch.zeros(0, dtype=torch.int64, device=v.device) if top is None else top[0]
+                    if top is not None and (n := next(sent)) < positions.numel():
+                        positions = positions[compact(top[1], n)]
+                    fields = [positions, torch.index_select(v, 0, positions).to(torch.float32)]
+                    self.memory.sent(slot, *fields, masking=True)
+                    out.append(fields)
+            except BaseException:
+                for slot in slots:
+                    self.memory.state.drop(slot)
+                raise
+            return out
+
+        return SizedSelection(counts, finish, bits)
 
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         return self.selector.decompress(fields, slot, step)

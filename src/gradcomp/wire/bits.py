@@ -65,6 +65,13 @@ def host_path(t: torch.Tensor) -> bool:
     return host_device(t.device)
 
 
+def ints_on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, in one host-to-device transfer that does not make the host wait
+    on CUDA (pinned memory: torch's pinned allocator keeps the block until the copy is done)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 def host_device(device: torch.device) -> bool:
     """:func:`host_path` for tensors on ``device``."""
     return device.type == "cpu" and os.environ.get("GRADCOMP_DEVICE_PATH") != "1"

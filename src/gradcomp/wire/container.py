@@ -83,6 +83,7 @@ from gradcomp.wire.bits import (
     decoded_dtype,
     host_device,
     host_path,
+    ints_on,
     pack_bits,
     pack_bits_into,
     packed_nbytes,
@@ -374,10 +375,10 @@ def layout_values(
     or 0-d int64 tensors on the device), then every GOLOMB section's stream length in bytes (``golomb_bits``: their
     lengths in bits, in order, from :func:`length_on_device`). A size exchange sends them with the message's length,
     so that receivers decode the message where it is (:func:`decode` ``layout=``) instead of bringing it to the host
-    for its headers. Host ints go in one transfer that does not make the host wait (``_ints_on``)."""
+    for its headers. Host ints go in one transfer that does not make the host wait (``ints_on``)."""
     free, golomb = free_sections(specs)
     chosen = [counts[i] for i in free]
-    from_host = iter(_ints_on(device, [int(c) for c in chosen if not isinstance(c, torch.Tensor)]).unbind())
+    from_host = iter(ints_on(device, [int(c) for c in chosen if not isinstance(c, torch.Tensor)]).unbind())
     pieces = [c.reshape(()).to(torch.int64) if isinstance(c, torch.Tensor) else next(from_host) for c in chosen]
     if golomb:
         nbytes = (golomb_bits + 7) // 8 if golomb_bits is not None and golomb_bits.numel() == len(golomb) else None
@@ -463,15 +464,8 @@ def _heads_on(device: torch.device, heads: tuple[tuple[int, bytes], ...]) -> tup
     """The offsets (int64) and bytes (uint8) of ``heads`` on ``device``, in one host-to-device transfer that does not
     make the host wait on CUDA (pinned memory: torch's pinned allocator keeps the block until the copy is done)."""
     index = [off + k for off, h in heads for k in range(len(h))]
-    both = _ints_on(device, index + list(b"".join(h for _, h in heads)))
+    both = ints_on(device, index + list(b"".join(h for _, h in heads)))
     return both[: len(index)], both[len(index):].to(torch.uint8)
-
-
-def _ints_on(device: torch.device, values: list[int]) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, in one host-to-device transfer that does not make the host wait
-    on CUDA (pinned memory: torch's pinned allocator keeps the block until the copy is done)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -1057,7 +1051,7 @@ class DeviceChecks:
         (``train.exchange.settle``). The expected header and section bytes of every message come to the device in
         one transfer that does not make the host wait."""
         wants = [want for _, _, _, _, want in self._items if want is not None]
-        expected = _ints_on(device, list(b"".join(wants))).to(torch.uint8) if wants else None
+        expected = ints_on(device, list(b"".join(wants))).to(torch.uint8) if wants else None
         bad, at = [], 0
         for summary, _, _, _, want in self._items:
             if want is None:  # a host-read layout's data checks: one byte each, 1 passed

@@ -22,15 +22,17 @@ bool tensor instead of raising (:func:`_decode_deferred`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from gradcomp.errors import ConfigError, WireError
-from gradcomp.wire.bits import _as_uint8_buffer, _pack, _unpack
+from gradcomp.wire.bits import _as_uint8_buffer, _pack, _unpack, ints_on
 
 __all__ = [
     "optimal_rice_parameter",
+    "rice_parameter_on_device",
     "golomb_encode",
     "golomb_stream_bits",
     "golomb_decode",
@@ -64,6 +66,38 @@ def optimal_rice_parameter(density: float) -> int:
     return int(min(MAX_RICE_PARAMETER, max(0, b)))
 
 
+@functools.lru_cache(maxsize=1024)
+def _rice_steps(universe: int) -> tuple[int, ...]:
+    """For j = 0 .. 30, the smallest count c in [0, universe] whose ``optimal_rice_parameter(c / universe)`` is at
+    most j (found by bisection: the parameter does not grow with the count; tests/test_wire_golomb.py checks it
+    count by count). The parameter of a count c is then 31 minus the number of these steps that c reaches."""
+    def rice(count: int) -> int:
+        return optimal_rice_parameter(count / universe)
+
+    steps = []
+    for j in range(MAX_RICE_PARAMETER):
+        low, high = 0, universe  # rice(universe) = 0 <= j
+        while low < high:
+            middle = (low + high) // 2
+            if rice(middle) <= j:
+                high = middle
+            else:
+                low = middle + 1
+        steps.append(low)
+    return tuple(steps)
+
+
+def rice_parameter_on_device(count: torch.Tensor, universe: int) -> torch.Tensor:
+    """``optimal_rice_parameter(count / universe)`` (what the container encodes a GOLOMB field of that count with)
+    for a 0-d int64 ``count`` on the device, as a 0-d int64 tensor there, not read: the stream's length of a
+    selection whose count is not yet read (:func:`golomb_stream_bits` takes it as ``b``). Exactly the host's
+    value: it is compared with the counts where the host's parameter steps down (:func:`_rice_steps`)."""
+    if universe <= 0:
+        return torch.zeros((), dtype=torch.int64, device=count.device)
+    steps = ints_on(count.device, list(_rice_steps(int(universe))))
+    return MAX_RICE_PARAMETER - (count.reshape(()) >= steps).sum()
+
+
 def _check_b(b: object, exc: type[Exception]) -> int:
     if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_RICE_PARAMETER:
         raise exc(f"Rice parameter b must be an int in [0, {MAX_RICE_PARAMETER}], got {b!r}")
@@ -85,15 +119,19 @@ def _checked_positions(positions: object) -> torch.Tensor:
     return positions.detach().reshape(-1).to(torch.int64)
 
 
-def golomb_stream_bits(positions: torch.Tensor, b: int, kept: torch.Tensor | None = None) -> torch.Tensor:
+def golomb_stream_bits(
+    positions: torch.Tensor, b: int | torch.Tensor, kept: torch.Tensor | None = None
+) -> torch.Tensor:
     """The length in bits of ``golomb_encode(positions, b)``'s stream, as a 0-d int64 tensor on the positions'
     device, not read: the wire's device path reads those of every Golomb field of a message at once and passes
     each to :func:`golomb_encode` as ``total``. Garbage for positions that golomb_encode refuses.
 
     With ``kept`` (a bool tensor beside the positions), the length of ``golomb_encode(positions[kept], b)``'s
     stream, without making that selection, whose size would have to be read: each kept position's gap is taken
-    from the last kept position before it (a running maximum of the kept ones: the positions increase)."""
-    b = _check_b(b, ConfigError)
+    from the last kept position before it (a running maximum of the kept ones: the positions increase). ``b`` may
+    be a 0-d int64 tensor on the positions' device (:func:`rice_parameter_on_device`), in [0, 31]."""
+    if not isinstance(b, torch.Tensor):
+        b = _check_b(b, ConfigError)
     pos = _checked_positions(positions)
     if pos.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=pos.device)
