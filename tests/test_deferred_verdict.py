@@ -25,6 +25,10 @@ DEFERRED = {
     "local_topk": ("local_topk", {"density": 0.25}, "auto"),
     "true_topk": ("true_topk", {"density": 0.25}, "auto"),
     "sketch": ("sketch", {"density": 0.25}, "auto"),
+    # the leader's broadcast of positions first, as it is; the verdict rides on the next message, read at the end
+    "lgc-training": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 3}, "auto"),
+    "lgc-compressed": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 1}, "auto"),
+    "lgc-ps": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 1, "variant": "ps"}, "auto"),
 }
 
 
@@ -67,8 +71,6 @@ AT_FIRST_MESSAGE = {  # sizes that vary, or a first message the verdict cannot w
     "sbc": ("sbc", {"density": 0.25}, "auto"),
     "stc": ("stc", {"density": 0.25}, "auto"),
     "dgc": ("dgc", {"density": 0.25}, "auto"),
-    "lgc-training": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 3}, "auto"),
-    "lgc-compressed": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 1}, "auto"),
 }
 
 

@@ -99,12 +99,12 @@ _TABLE: dict[str, tuple[int, int, str]] = {
                         f"goes into the max-allreduce as +Inf (no check of its own){_PASS}"),
     "local_topk": (1, 1, "1 read of the agreed verdict with the gathered messages' checks and the range check of "
                    f"their coordinates (accumulation.split_indices, handed to DeviceChecks){_PASS}"),
-    "lgc": (3, 3, "1 read of the agreed verdict, marked on the device on the first message every worker "
-            "contributes to (the leader's broadcasts pass first: exchange._drive_deferred); 1 read of the Golomb "
-            "stream's length (the leader encoding; the other workers read the broadcast length instead, "
-            "sizes.broadcast_buffer); 1 read of the "
-            "decoded positions' checks (one Golomb section of known count: its length follows from the message's, "
-            "decoded on the device like a fixed layout)"),
+    "lgc": (2, 2, "1 size read: the Golomb stream's length of the leader's positions (the leader encoding; the "
+            "other workers read the broadcast length instead, sizes.broadcast_buffer); 1 read of the agreed verdict, "
+            "marked on the device on the first message every worker contributes to (the leader's broadcasts pass "
+            "first: exchange._drive_deferred, LGC.defers_verdict) in the same transfer as every decoded message's "
+            "checks (the positions' Golomb section of known count, decoded on the device like a fixed layout, "
+            f"clamped into the slot until then: lgc._decoded){_PASS}"),
     "sbc": (2, 2, f"{_SIZES}{_STREAMS}"),
     "threshold": (2, 2, f"{_SIZES}; the size exchange's read brings this worker's selection counts too: the slots' "
                   "masks |x| > threshold are counted on the device and compacted once the counts are read "

@@ -106,6 +106,7 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.lgc_autoencoder import AutoencoderTrainer, latent_size, padded_length
 from gradcomp.transport.requests import AllReduce, Rounds
 from gradcomp.wire import Codec, FieldSpec, decode, encode, encoded_size
+from gradcomp.wire.container import held_for_the_pass
 from gradcomp.wire.golomb import optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")
@@ -131,6 +132,13 @@ class Layout:
     losses: list[float] = field(default_factory=list)  # the autoencoder's training loss per stage-2 step
     # stage 3, per step: (energy of the values, of their m largest, of the error) on the device, read by report()
     held_out: list[Tensor] = field(default_factory=list)
+
+
+def _decoded(message: Tensor, specs: list[FieldSpec]) -> list[Tensor]:
+    """``decode``, its checks joining the step's held ones where a step holds them (the aggregator, the DDP hook,
+    FSDP on the device path: read once, with the verdict, at the step's or the pass's end; the positions are clamped
+    into their slot meanwhile), else read at once."""
+    return decode(message, specs, held_for_the_pass())
 
 
 class LGC(Scheme):
@@ -200,6 +208,13 @@ class LGC(Scheme):
         if self.variant == "ps" and self.root >= world_size:
             raise ConfigError(f"parameter-server root {self.root} is not a rank of a world of size {world_size}")
         super().bind(rank, world_size)
+
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        """True: the leader's positions are broadcast before any message every worker contributes to (with their
+        length first: the same collectives whatever the data), and every later message has the size the layout
+        fixes; the verdict rides on the first of those and is read after the rounds, with the decoded messages'
+        checks (``_decoded``)."""
+        return True
 
     def stage(self, step: int) -> int:
         """1 (dense), 2 (top-k, training the autoencoder) or 3 (compressed with the frozen autoencoder)."""
@@ -329,7 +344,7 @@ class LGC(Scheme):
             specs = [floats_spec(layout.k)]
             gathered = yield from allgather_buffers(self.rank, encode([acc[positions]], specs),
                                                     [encoded_size(specs)] * world)  # fmt: skip
-            batch = torch.stack([decode(b, specs)[0] for b in gathered])  # (W, k): the same on every worker
+            batch = torch.stack([_decoded(b, specs)[0] for b in gathered])  # (W, k): the same on every worker
             update = batch.mean(0)
             dense_mean = (yield AllReduce(dense, inplace=True)).div_(world) if dense.numel() else dense
             acc.index_fill_(0, positions, 0.0)  # a scalar fill: no host-to-device copy of the 0
@@ -385,7 +400,7 @@ class LGC(Scheme):
         specs = [self._positions_spec(layout)]
         message = encode([largest(acc, layout.k).sort().values], specs) if self.rank == leader else None
         message = yield from broadcast_buffer(message, leader, acc.device, peer=True)
-        return decode(message, specs)[0].to(acc.device)
+        return _decoded(message, specs)[0].to(acc.device)
 
     @staticmethod
     def _positions_spec(layout: Layout) -> FieldSpec:
@@ -416,7 +431,7 @@ class LGC(Scheme):
             lead_code = trainer.encode(_pad((lead_values / lead_scale).unsqueeze(0), layout.length)).reshape(-1)
             message = encode([torch.cat([lead_scale, lead_code]), chosen], lead_specs)
         message = yield from broadcast_buffer(message, leader, device, peer=True)
-        floats, positions = decode(message, lead_specs)
+        floats, positions = _decoded(message, lead_specs)
         lead_scale, lead_code = floats[0], floats[1:].unsqueeze(0)
         positions = positions.to(device)
 
@@ -433,7 +448,7 @@ class LGC(Scheme):
         def serve(buffers: list[Tensor]) -> Tensor:
             total = torch.zeros(k + dense.numel(), dtype=torch.float32, device=device)
             for w, received in enumerate(buffers):  # rank order
-                their_values, their_index, their_dense = decode(received, up)
+                their_values, their_index, their_dense = _decoded(received, up)
                 (their_index,) = split_indices(their_index, [n], [k], "lgc innovation")
                 rebuilt = trainer.decode(lead_code, w)[0, :k].mul(lead_scale)
                 rebuilt.index_add_(0, their_index, their_values)
@@ -444,7 +459,7 @@ class LGC(Scheme):
         mine = encode([missing[picked], picked, dense], up)
         means = yield from parameter_server(self.rank, mine, serve, self.root, [encoded_size(up)] * world,
                                             encoded_size(down))  # fmt: skip
-        (means,) = decode(means, down)
+        (means,) = _decoded(means, down)
         carried = predicted.clone()
         carried[picked] += missing[picked]
         return positions, means[:k], means[k:], carried
