@@ -824,8 +824,9 @@ def test_length_from_counts_is_encodes_length():
         length_from_counts([FieldSpec(Codec.GOLOMB, max_count=5, universe=50)], [torch.tensor(3)])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b", [0, 2, 5])
-def test_a_golomb_streams_length_from_its_kept_positions_is_encodes(b):
+def test_a_golomb_streams_length_from_its_kept_positions_is_encodes(b, device):
     """STC's device path sizes its message before selecting the kept positions: the stream length of
     ``positions[kept]`` computed from all of them and the mask (a running maximum, no selection) is encode's, for
     masks that keep all, none, the first, the last, runs and scattered entries; with it, length_from_counts takes a
@@ -834,14 +835,15 @@ def test_a_golomb_streams_length_from_its_kept_positions_is_encodes(b):
     from gradcomp.wire.golomb import golomb_encode, golomb_stream_bits
 
     g = torch.Generator().manual_seed(b)
-    positions = torch.sort(torch.randperm(5000, generator=g)[:300]).values
+    positions = torch.sort(torch.randperm(5000, generator=g)[:300]).values.to(device)
     masks = [torch.ones(300, dtype=torch.bool), torch.zeros(300, dtype=torch.bool), torch.arange(300) == 0,
              torch.arange(300) == 299, (torch.arange(300) // 7) % 2 == 0, torch.rand(300, generator=g) < 0.3]
+    masks = [m.to(device) for m in masks]
     specs = [FieldSpec(Codec.GOLOMB, max_count=300, universe=5000, golomb_b=b), FieldSpec(Codec.F32, count=1)]
     for kept in masks:
         bits = golomb_stream_bits(positions, b, kept)
         assert int(bits) == golomb_encode(positions[kept], b)[1]
-        fields = [positions[kept], torch.ones(1)]
+        fields = [positions[kept], torch.ones(1, device=device)]
         length = length_from_counts(specs, [kept.sum(), 1], bits.reshape(1))
         assert int(length) == encode(fields, specs).numel()
     with pytest.raises(ConfigError, match="1 GOLOMB fields"):

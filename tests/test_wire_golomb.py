@@ -309,8 +309,9 @@ def test_encode_with_a_known_length_and_deferred_checks(b):
         golomb_encode(bad, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("universe", [1, 2, 7, 100, 1000, 65_537, 2_000_003])
-def test_the_rice_parameter_on_the_device_is_the_hosts_for_every_count(universe):
+def test_the_rice_parameter_on_the_device_is_the_hosts_for_every_count(universe, device):
     """``rice_parameter_on_device`` compares a count with the counts where the host's parameter steps down: it
     gives ``optimal_rice_parameter(count / universe)`` exactly, for every count of the smaller universes and
     around every step of the larger (where an off-by-one would show), and a stream length with it is encode's."""
@@ -319,9 +320,9 @@ def test_the_rice_parameter_on_the_device_is_the_hosts_for_every_count(universe)
     steps = _rice_steps(universe)
     counts = set(range(universe + 1)) if universe <= 1000 else {0, universe, universe // 2}
     counts |= {c + e for c in steps for e in (-1, 0, 1) if 0 <= c + e <= universe}
-    for count in sorted(counts):
-        expected = optimal_rice_parameter(count / universe)
-        assert int(rice_parameter_on_device(torch.tensor(count), universe)) == expected, count
-    pos = random_positions(universe, min(universe, 40), 3)
-    b = rice_parameter_on_device(torch.tensor(pos.numel()), universe)
+    counts = sorted(counts)
+    got = torch.stack([rice_parameter_on_device(torch.tensor(c, device=device), universe) for c in counts])
+    assert got.tolist() == [optimal_rice_parameter(c / universe) for c in counts]
+    pos = random_positions(universe, min(universe, 40), 3, device)
+    b = rice_parameter_on_device(torch.tensor(pos.numel(), device=device), universe)
     assert int(golomb_stream_bits(pos, b)) == golomb_encode(pos, optimal_rice_parameter(pos.numel() / universe))[1]
