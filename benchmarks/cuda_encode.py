@@ -4,7 +4,8 @@ Since the device checksum (gradcomp.wire.checksum.checksum64_tensor) a message b
 computes the checksum on the device and decode reads back one small summary (docs/wire.md). For a 10M-entry fp32
 gradient on the current device, per registered compressor (the methods that own their rounds send no framed
 message and are skipped): compress, encode and decode (median of 7, synchronised around each), the message size,
-and a device-to-device copy of the 40 MB input (``clone``) to compare with. Then, for ``none`` (a 40 MB fp32
+and a device-to-device copy of the 40 MB input (``clone``) to compare with; for threshold, STC and DGC, their
+selection with its own reads of the counts against the device path's (``sized_line``). Then, for ``none`` (a 40 MB fp32
 message): encode + decode against the copy (target <= 3x), in wall time and in the GPU's busy time (the device time
 of the kernels and copies they run, torch.profiler), the device checksum alone (each kernel at 1 KB, 1 MB and 40
 MB, and the busy time per call of both Triton kernels at 40 MB), and what the host path costs (a copy to pinned
@@ -22,7 +23,7 @@ import time
 import torch
 
 from gradcomp import available, make, wire
-from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.compressors.base import Compressor, Slot, select_sized
 from gradcomp.wire.checksum import _triton_kernel, checksum64, checksum64_tensor
 
 CPU = os.environ.get("GRADCOMP_BENCH_CPU") == "1"  # a smoke run of this script on the CPU (tiny; not a measurement)
@@ -72,6 +73,27 @@ def measure(name: str, x: torch.Tensor, copy_ms: float) -> str:
     )
 
 
+def sized_line(name: str, x: torch.Tensor) -> str:
+    """A variable-size method's selection both ways: ``compress_slots`` (its counts read by the compressor itself;
+    DGC's sampled threshold) against ``select_sized`` with its counts and stream lengths read once, as the size
+    exchange reads them, then ``finish`` (DGC: torch.topk over the slot). Each of two compressors runs its own way
+    every time (DGC's momentum moves as in training)."""
+    slot = Slot(name="x", index=0, numel=x.numel())
+    classic, sized = make(name), make(name)
+
+    def two_halves() -> None:
+        selection = select_sized(sized, [x], [slot], 1)
+        counts = selection.device_counts()
+        read = torch.cat([torch.stack(counts).reshape(-1)] + ([selection.stream_bits] if selection.stream_bits
+                                                               is not None else [])).tolist()  # fmt: skip
+        selection.finish(read[: len(counts)])
+
+    return (
+        f"{name:18s} selection: compress_slots {median_ms(lambda: classic.compress_slots([x], [slot], 1)):7.3f}"
+        f"  select_sized + one read + finish {median_ms(two_halves):7.3f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=10_000 if CPU else 10_000_000)
@@ -94,6 +116,12 @@ def main() -> None:
             print(measure(n, x, copy_ms), flush=True)
         except Exception as exc:  # noqa: BLE001 - report it and go on
             print(f"{n:18s} error {type(exc).__name__}: {exc}", flush=True)
+    for n in ("threshold", "stc", "dgc"):
+        if n in names:
+            try:
+                print(sized_line(n, x), flush=True)
+            except Exception as exc:  # noqa: BLE001 - report it and go on
+                print(f"{n:18s} selection: error {type(exc).__name__}: {exc}", flush=True)
     slot = Slot(name="x", index=0, numel=x.numel())
     specs = make("none").specs(slot)
     buf = wire.encode([x], specs)
