@@ -48,3 +48,12 @@ def test_the_hook_benchmark_runs_on_the_cpu():
     assert "total 0" in done.stdout and "error" not in done.stdout, done.stdout  # no sync warnings exist on a CPU
     for method in ("none", "topk"):
         assert f"  {method} " in done.stdout
+
+
+def test_the_encode_benchmark_runs_on_the_cpu():
+    done = _run([sys.executable, "benchmarks/cuda_encode.py", "--only", "none", "threshold", "stc", "dgc"],
+                GRADCOMP_BENCH_CPU="1")
+    assert done.returncode == 0, done.stderr
+    assert "error" not in done.stdout, done.stdout
+    for method in ("threshold", "stc", "dgc"):  # each selection timed both ways
+        assert f"{method:18s} selection: compress_slots" in done.stdout, done.stdout
