@@ -1,7 +1,16 @@
-"""Spawning real gloo workers on 127.0.0.1 for tests, with a hard time-out so nothing hangs."""
+"""Starting real gloo workers on 127.0.0.1 for tests, with a hard time-out so nothing hangs.
+
+Workers are forked from multiprocessing's fork server, not spawned: the server imports torch and gradcomp once per
+test session, and each worker is a fork of it (a fraction of a second, where a spawned worker imports torch afresh:
+two to four seconds per test on two cores). The server never runs any of gradcomp, so every worker starts from a
+fresh import, as a spawned one does. What a worker would have inherited from the test at spawn time is handed to it
+instead: the environment (``GRADCOMP_DEVICE_PATH`` and the like, set by the test), applied before ``fn`` runs. Its
+standard output and error are the server's, not the test's: a test that needs a worker's output returns it.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import sys
@@ -14,8 +23,17 @@ import torch.multiprocessing as mp
 
 from gradcomp.experiments.run.launch import join_group, rendezvous_store
 
+# imported once by the fork server, so that a forked worker has them already
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "numpy", "gradcomp", "distributed"])
 
-def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple, teardown: bool = True) -> None:
+
+def _entry(
+    rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple, teardown: bool = True,
+    environment: dict | None = None,
+) -> None:
+    if environment is not None:  # the test's environment, as a spawned worker would have inherited it
+        os.environ.clear()
+        os.environ.update(environment)
     torch.set_num_threads(1)
     join_group("gloo", port, rank, world_size, timeout_s=60)
     result = fn(rank, world_size, *args)
@@ -39,8 +57,8 @@ def run_workers(fn, world_size: int, *args, timeout: float = 240.0, teardown: bo
     store = rendezvous_store(world_size, timeout_s=60)  # kept alive by this frame while the workers run
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
-            _entry, args=(fn, world_size, store.port, out_dir, args, teardown), nprocs=world_size, join=False,
-            start_method="spawn",
+            _entry, args=(fn, world_size, store.port, out_dir, args, teardown, dict(os.environ)), nprocs=world_size,
+            join=False, start_method="forkserver",
         )
         deadline = time.monotonic() + timeout
         while not context.join(timeout=1.0):
