@@ -26,8 +26,7 @@ the messages):
 - r = x + r is ``torch.add(x, r, out=r)``: the same operands in the same order (the first step copies x);
   with m = C(r) it is the inner compressor's ``compress_sum`` (``compressors/base.py``): EF-signSGD and 1-bit
   SGD, which read their input chunk by chunk, add each chunk just before reading it (the same sums; one pass
-  over the residual fewer from memory: 10M entries, one thread, 12.1 -> 10.8 ms a step for 1-bit SGD,
-  10.2 -> 9.1 ms for EF-signSGD);
+  over the residual fewer from memory: docs/methods/sign.md has the times);
 - m = C(r): the inner compressor reads the buffer. A message field that is a view of it (uncompressed fp32
   returns its input itself) is copied before the buffer changes (``_detached``);
 - r = r - D(m) (``subtract_sent`` of ``compressors/base.py``, which each compressor may override next to its

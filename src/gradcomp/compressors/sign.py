@@ -37,9 +37,8 @@ the aggregate, are refused), whatever the gradient's size: typical values
 are 1e-4 to 1e-3 on MNIST with plain SGD and no momentum in the optimizer (for signum the CLI turns the
 optimizer's momentum off). A learning rate tuned for fp32 SGD (0.01–0.1) moves every weight by that much
 every step and diverges. For efsignsgd and onebit the fp32 scale keeps the gradient's magnitude (each
-coordinate moves by the mean |p| of its side), so the usual SGD lr works — measured on MNIST
-(docs/methods/sign.md): lr 0.4 without optimizer momentum, about the reference's effective step
-0.05/(1 − 0.9); momentum 0.9 on top of error feedback diverged at lr 0.05 and was worse at lr 0.01.
+coordinate moves by the mean |p| of its side), so the usual SGD lr works, without optimizer momentum on top of
+error feedback (docs/methods/sign.md has the learning rates tried and what each gave).
 
 Wire layout. The sign bits are the LSB-first bitmap of the *negative* mask: bit k of byte k // 8 (counted
 from the least significant bit) is 1 when entry k is < 0; the unused high bits of the last byte are 0.
@@ -354,10 +353,10 @@ class _Sign(Compressor):
         """``out -= decompress(...)``: each chunk's decoded values (rows of the same 256-row table that
         ``decompress`` reads) gathered into a reused scratch buffer and subtracted from that chunk.
 
-        Measured on one CPU thread, 10M entries: 6 ms, against 28 ms for ``out.sub_(decompress(...))``; chunks
-        of 2^18 entries cost the same as 2^20 and keep the per-thread scratch at 1 MB. Decoding by integer
-        selection between the two values' bit patterns in numpy was no faster, nor was deferring the
-        subtraction to error feedback's next x + r pass: the gather, not the memory traffic, is the cost.
+        Why: it spares the d-sized tensor that ``decompress`` must return and a second pass over it; chunks of
+        2^18 entries keep the per-thread scratch at 1 MB. The gather, not the memory traffic, is the cost, so
+        neither integer selection between the two values' bit patterns nor deferring the subtraction to error
+        feedback's next x + r pass helps (docs/methods/sign.md has the times).
         """
         packed = fields[0]
         _check_packed(packed, slot.numel, f"{self.name}: {slot.name}", received=False)
@@ -396,9 +395,8 @@ class VoteTally(Tally):
     bitmap's bytes read 8 at a time), and adding a worker's bitmap is a ripple of word-wise AND / XOR through
     the planes. The vote of W workers is + where n < W/2, − where n > W/2 and 0 on a tie (n = W/2, even W):
     exactly ``sign`` of the float sum of ±1 that ``accumulate`` + ``aggregate`` compute (a tie is +0.0 there
-    too), but without decoding every worker's message into 32-bit floats; only the result is expanded.
-    Measured on one CPU thread, 4 workers: 1.2 ms against 3.2 ms for 1.2M coordinates, container decoding
-    included (``benchmarks/vote_aggregate.py``).
+    too), but without decoding every worker's message into 32-bit floats; only the result is expanded
+    (``benchmarks/vote_aggregate.py`` times it against decoding; docs/methods/sign.md has the times).
     """
 
     def __init__(self, slot: Slot, device: torch.device, name: str):

@@ -33,7 +33,7 @@ Choices made where the paper is silent (each a parameter where it matters):
   tensor uncompressed in one dense allreduce and accumulate no error. Torch's hook recommends deferring
   compression (its default is 1000, its docstring example 10), epfml's library defaults to 100 steps: the
   first, large and fast-changing gradients are the ones a rank-r approximation hurts most. The paper
-  compresses from the first step, and with error feedback that measured no worse on the default job, while a
+  compresses from the first step, and with error feedback that does as well on the default job, while a
   few dense steps cost as many bytes as hundreds of compressed ones (docs/methods/powersgd.md has the runs).
   Raise it for a model whose first steps are fragile. The step is the exchange's step argument, so a resumed run knows
   where it is without a counter of its own.

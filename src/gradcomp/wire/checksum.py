@@ -12,7 +12,8 @@ Both read the bytes in order and each byte least significant bit first, which is
 
 Why a CRC. The version-1 checksum was a weighted sum of 64-bit words modulo 2**64. It is linear over the
 integers, so flipping the same bit in two words changes the sum by ±2^b·(w_i ± w_j), which vanishes modulo
-2**64 whenever the weights agree in enough low bits: about 3.6 % of mutated buffers decoded to other values.
+2**64 whenever the weights agree in enough low bits: the fuzz found mutated buffers that decoded to other values
+(docs/wire.md has the rate).
 A CRC is linear over GF(2) instead: a change ``e`` of the body (a polynomial whose coefficients are the
 flipped bits) goes unnoticed exactly when the generator polynomial divides ``e``.
 
@@ -33,16 +34,13 @@ format can carry (the length field is a u32, so at most 2^35 bits):
 
 Speed, and why a wheel. CRC-32C comes from ``google-crc32c`` (Google's C library behind a small Python
 extension, Apache-2.0, binary wheels on PyPI; it uses the SSE 4.2 / ARMv8 CRC instructions), CRC-32 from
-Intel's ISA-L through ``isal`` (``isal.isal_zlib.crc32``: binary wheels on PyPI, PCLMUL folding, about
-30 GB/s here against zlib's 2.9 GB/s, which made CRC-32 the largest part of encoding a 20 MB fp16 message;
+Intel's ISA-L through ``isal`` (``isal.isal_zlib.crc32``: binary wheels on PyPI, PCLMUL folding, an order of
+magnitude faster than zlib's table-driven CRC-32, which had been the largest part of encoding an fp16 message;
 the standard library's ``zlib.crc32`` computes the same values and is used if ``isal`` cannot be imported,
 ``CRC32_IMPLEMENTATION`` says which). A vectorised numpy or torch CRC would need per-byte table lookups or GF(2)
-matrix folding in many array passes and would run far below the wheel's memory speed; the weighted sum
-itself ran at about 2 GB/s. Both checksums timed in one run on the project's 2-core CPU machine
-(``scripts/fuzz_wire.py --checksum-speed``; table in docs/wire.md): the CRC pair was 2.8x faster on 1 KB,
-5.0x on 1 MB and 3.3x on 10 MB (1.3x to 8.8x over five runs on the busy machine), with zlib's CRC-32, which
-was most of the cost (CRC-32C alone runs at about 15 GB/s); ISA-L's CRC-32 then took 0.67 ms for 20 MB
-against zlib's 7.0 ms. If the package's C extension cannot load,
+matrix folding in many array passes and would run far below the wheels' memory speed. The speeds of both CRCs,
+and of the version-1 sum they replaced, are measured by ``scripts/fuzz_wire.py --checksum-speed`` (docs/wire.md
+has the tables). If the package's C extension cannot load,
 ``google_crc32c`` falls back to its pure-Python code (correct, slow, with a RuntimeWarning):
 ``CRC32C_IMPLEMENTATION`` says which one is in use.
 
@@ -202,7 +200,7 @@ def _affine_constant(n: int) -> int:
     """What init and final xor add to the linear part for an n-byte body: shift_n(all ones) ^ all ones.
 
     That is the checksum of n zero bytes (whose linear part is 0), which the host CRCs give in microseconds for a
-    short body; longer ones compose the "2**j zero bytes" tables (about 0.2 ms of numpy calls, hence the cache).
+    short body; longer ones compose the "2**j zero bytes" tables (many small numpy calls, hence the cache).
     """
     if n <= 1 << 16:
         return _pair(bytes(n))
