@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
-from gradcomp.errors import ConfigError
+from gradcomp.errors import ConfigError, WireError
+from gradcomp.train import exchange as exchange_module
 from gradcomp.transport.sim import SimulatedCluster
 
 
@@ -135,6 +136,38 @@ def test_different_parameters_on_the_simulated_workers_are_refused_before_anythi
             in message
         )
         assert collectives == 0  # the check is not booked, and no exchange ran
+
+
+def test_a_slot_list_corrupted_on_its_way_raises_wire_error_not_a_parse_error(monkeypatch):
+    """The lists exchanged when the digests differ are container messages: one bit flipped in the copy of rank 0's
+    list that rank 1 receives is a WireError there (a bare JSON list raised the parser's error, or named a wrong
+    difference); rank 0 still names the difference. Nothing of a step is sent on either."""
+    real = exchange_module._setup_all_gather
+
+    def corrupting(transport, t):
+        gathered = real(transport, t)
+        if t.dtype == torch.uint8 and transport.rank == 1:
+            gathered = [g.clone() for g in gathered]
+            gathered[0][-1] ^= 4
+        return gathered
+
+    monkeypatch.setattr(exchange_module, "_setup_all_gather", corrupting)
+    cluster = SimulatedCluster(2)
+    models = [_net() for _ in range(2)]
+    named = [list(models[0].named_parameters()), list(models[1].named_parameters())[:-1]]
+    aggs = [gradcomp.GradientAggregator(n, _topk(), t) for n, t in zip(named, cluster.transports)]
+
+    def train(transport):
+        m = models[transport.rank]
+        F.cross_entropy(m(_batch(0)[0]), _batch(0)[1]).backward()
+        with pytest.raises((ConfigError, WireError)) as caught:
+            aggs[transport.rank].step()
+        return caught.type, str(caught.value), transport.counter.collectives
+
+    (type0, message0, collectives0), (type1, message1, collectives1) = cluster.run(train)
+    assert type0 is ConfigError and "the workers' parameters differ (slot 3 is 2.bias" in message0
+    assert type1 is WireError and "checksum" in message1
+    assert collectives0 == collectives1 == 0
 
 
 def test_the_same_parameters_pass_the_check_once_and_it_is_counted_as_set_up_only():

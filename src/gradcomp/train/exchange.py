@@ -49,7 +49,10 @@ from gradcomp.transport.requests import (
     execute,
 )
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import DeviceChecks, Refusals, StepAbandoned, defer_verdict, refusing_later, take_verdict
+from gradcomp.wire.container import (
+    Codec, DeviceChecks, FieldSpec, Refusals, StepAbandoned, decode, defer_verdict, encode, encoded_size,
+    refusing_later, take_verdict,
+)
 
 TOPOLOGIES = (*SINGLE_ROUND_TOPOLOGIES, "sharded")
 
@@ -269,7 +272,9 @@ class GradientExchange:
         (names and sizes, in order); the message names the first difference. Otherwise the first exchange would
         hand collectives of different sizes to the transport (gloo aborts the process on one rank, the others
         report a lost worker). Costs one all-gather of two int64 (a digest of the slot list and its length), and
-        a second one of the lists only when they differ: call it once per run. Booked as set-up traffic
+        a second one of the lists only when they differ, each a container message (its bytes a BITS field of
+        width 8, so that a list corrupted on its way raises WireError, as any message does, instead of an error
+        of the JSON parser or a wrong difference): call it once per run. Booked as set-up traffic
         (``counter.up_setup`` / ``down_setup``) and nowhere else, so the step counts stay the exchanges' own and
         a resumed run's steps count what an uninterrupted run's do."""
         transport = self.transport
@@ -281,11 +286,17 @@ class GradientExchange:
         gathered = [g.tolist() for g in _setup_all_gather(transport, mine)]
         if all(g == gathered[0] for g in gathered):
             return
-        padded = torch.zeros(max(length for _, length in gathered), dtype=torch.uint8, device=transport.device)
-        padded[: len(listed)] = torch.frombuffer(bytearray(listed), dtype=torch.uint8).to(transport.device)
+        def spec(length: int) -> list[FieldSpec]:
+            return [FieldSpec(Codec.BITS, count=length, width=8)]
+
+        mine_listed = torch.frombuffer(bytearray(listed), dtype=torch.uint8).to(transport.device)
+        message = encode([mine_listed], spec(len(listed)))
+        sizes = [encoded_size(spec(length)) for _, length in gathered]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=transport.device)
+        padded[: message.numel()] = message
         lists = [
-            [tuple(s) for s in json.loads(bytes(t[:length].tolist()).decode())]
-            for t, (_, length) in zip(_setup_all_gather(transport, padded), gathered)
+            [tuple(s) for s in json.loads(bytes(decode(t[:size], spec(length))[0].tolist()).decode())]
+            for t, size, (_, length) in zip(_setup_all_gather(transport, padded), sizes, gathered)
         ]
         raise ConfigError(
             f"{owner}: the workers' parameters differ ({first_difference(lists)}); every worker must "
