@@ -20,10 +20,12 @@ from gradcomp.registry import BUILTIN, compressor_class
 # What every built-in single-message compressor declares (what the method-resolution inference it replaced gave).
 EXPECTED = {
     "none": {"subtract_sent"}, "fp16": {"subtract_sent"}, "bf16": {"subtract_sent"},
-    "topk": {"accumulate", "sent_entries"}, "threshold": {"accumulate", "sent_entries", "select_sized"},
+    "topk": {"accumulate", "sent_entries"},
+    "threshold": {"accumulate", "sent_entries", "select_sized", "compress_slots"},
     "randomk": {"accumulate", "sent_entries"}, "randomblock": {"accumulate", "sent_entries"},
-    "sbc": {"accumulate", "sent_entries"}, "stc": {"accumulate", "sent_entries", "select_sized"},
-    "dgc": {"accumulate", "select_sized"},
+    "sbc": {"accumulate", "sent_entries"},
+    "stc": {"accumulate", "sent_entries", "select_sized", "compress_slots"},
+    "dgc": {"accumulate", "select_sized", "compress_slots"},
     "cnat": {"accumulate"}, "random_dithering": {"accumulate"}, "natural_dithering": {"accumulate"},
     "terngrad": {"accumulate"}, "qsgd": {"accumulate"},
     "signsgd": {"accumulate", "subtract_sent", "tally"}, "signum": {"accumulate", "subtract_sent", "tally"},
@@ -31,7 +33,8 @@ EXPECTED = {
     "onebit": {"accumulate", "subtract_sent", "compress_sum"},
 }
 HOOKS = {"accumulate": "accumulate", "sent_entries": "sent_entries", "subtract_sent": "subtract_sent",
-         "compress_sum": "compress_sum", "tally": "new_tally", "select_sized": "select_sized"}
+         "compress_sum": "compress_sum", "tally": "new_tally", "select_sized": "select_sized",
+         "compress_slots": "compress_slots"}
 
 
 def _declared(cls: type) -> set[str]:

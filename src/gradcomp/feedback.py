@@ -191,10 +191,11 @@ class ErrorFeedback(_FeedbackWrapper):
 
     def compress_slots(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> list[Fields]:
         """:meth:`compress` for the slots of one message, through the inner compressor's ``compress_slots`` where it
-        has its own (it then reads all the slots' sizes back from a GPU at once: STC) and the tensors are not on
+        declares its own (``capabilities.compress_slots``: it reads all the slots' sizes back from a GPU at once)
+        and the tensors are not on
         the CPU's host path (whose fused, chunked a = x + r keeps :meth:`compress`): every a = x + r first, then the
         inner messages of all of them, then every r = a - D(m). The same arithmetic, so the same messages."""
-        if not tensors or host_path(tensors[0]) or type(self.inner).compress_slots is Compressor.compress_slots:
+        if not tensors or host_path(tensors[0]) or not self.inner.capabilities.compress_slots:
             return super().compress_slots(tensors, slots, step)
         residuals = self._added(tensors, slots)
         return self._subtracted(lambda: self.inner.compress_slots(residuals, slots, step), residuals, slots, step)

@@ -125,7 +125,8 @@ class Capabilities:
 
     Callers go through this module's functions of the same names (``accumulate``, ``sent_entries``,
     ``subtract_sent``, ``compress_sum``, ``new_tally``), which take the shortcut where it is declared and the
-    generic route otherwise. A class declares its capabilities in its own body (``capabilities =
+    generic route otherwise; ``compress_slots`` is called directly (its generic route is ``compress`` slot by slot),
+    and its flag tells wrappers (error feedback) whether the inner compressor's own is worth going through. A class declares its capabilities in its own body (``capabilities =
     Capabilities(...)``); one that does not has none, even if its parent has some (see
     ``Compressor.__init_subclass__``). A subclass that keeps its parent's decoding and wants its shortcuts says so:
     ``capabilities = Parent.capabilities``.
@@ -137,6 +138,7 @@ class Capabilities:
     compress_sum: bool = False  # compress_sum(): into += x fused with compress (chunk by chunk, in cache)
     tally: bool = False  # new_tally(): a compact running aggregate (majority vote's count of sign bits)
     select_sized: bool = False  # select_sized(): a message's selections with their sizes left on the device
+    compress_slots: bool = False  # compress_slots(): a message's slots compressed together, sizes read at once
 
 
 NO_CAPABILITIES = Capabilities()

@@ -346,7 +346,7 @@ def clip_norm(g: Tensor, clip: float) -> Tensor:
 class DGC(Compressor):
     """Deep Gradient Compression; see the module docstring for the algorithm and every choice."""
 
-    capabilities = Capabilities(accumulate=True, select_sized=True)
+    capabilities = Capabilities(accumulate=True, select_sized=True, compress_slots=True)
     name = "dgc"
     owns_momentum = True
     owns_feedback = True  # its momentum correction keeps the residual: no error feedback on top

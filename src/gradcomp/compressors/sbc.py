@@ -179,7 +179,7 @@ class SparseBinary(_SharedValueSparsifier):
 
 
 class SparseTernary(_SharedValueSparsifier):
-    capabilities = Capabilities(accumulate=True, sent_entries=True, select_sized=True)
+    capabilities = Capabilities(accumulate=True, sent_entries=True, select_sized=True, compress_slots=True)
     name = "stc"
 
     def specs(self, slot: Slot) -> list[FieldSpec]:

@@ -565,7 +565,7 @@ class RandomK(_SharedRandomSelection):
 
 
 class Threshold(_PositionsAndValues):
-    capabilities = dataclasses.replace(_PositionsAndValues.capabilities, select_sized=True)
+    capabilities = dataclasses.replace(_PositionsAndValues.capabilities, select_sized=True, compress_slots=True)
     name = "threshold"
 
     def __init__(self, threshold: float = 1e-3, positions: str = "fixed"):
