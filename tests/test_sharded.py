@@ -17,7 +17,8 @@ from gradients import rank_order_mean, worker_gradients
 import gradcomp
 from gradcomp import ConfigError, GradientExchange, SimulatedCluster, Slot
 from gradcomp.compressors.dense import NoCompression
-from gradcomp.schemes.sharded import Sharded, alltoall_buffers, shard_bounds
+from gradcomp.protocols import alltoall_buffers
+from gradcomp.schemes.sharded import Sharded, shard_bounds
 from gradcomp.train.exchange import build_scheme
 from gradcomp.transport.dist import DistTransport
 from gradcomp.transport.requests import drive

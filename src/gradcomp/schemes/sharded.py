@@ -80,12 +80,10 @@ from torch import Tensor
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
-from gradcomp.protocols import allgather_buffers, pad_to
-from gradcomp.protocols.sizes import check_size
+from gradcomp.protocols import allgather_buffers, alltoall_buffers
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots, fixed_buffer_size
-from gradcomp.transport.base import CONTROL
-from gradcomp.transport.requests import AllToAll, Rounds
+from gradcomp.transport.requests import Rounds
 from gradcomp.wire.container import fetch_together
 
 
@@ -106,35 +104,6 @@ class _Layout:
 
     bounds: list[tuple[int, int]]
     shards: list[Slot | None]
-
-
-def alltoall_buffers(rank: int, buffers: Sequence[Tensor], known: Sequence[int] | None = None) -> Rounds:
-    """Send ``buffers[j]`` (uint8, any lengths) to worker j; returns the W buffers received, in rank order.
-
-    A control all-to-all of (length for you, my longest) per destination comes first; every buffer is then
-    padded to the longest buffer of all, and the padding is booked apart and cut off again. ``known[j]``: the
-    length of every worker's buffer for worker j, when all of them know it in advance (fixed-width messages);
-    the control round is then skipped (this worker's buffers are checked against it first).
-    """
-    world = len(buffers)
-    device = buffers[0].device
-    lengths = [int(b.numel()) for b in buffers]
-    if known is None:
-        longest_mine = max(lengths)
-        sizes = torch.tensor([[n, longest_mine] for n in lengths], dtype=torch.int64, device=device)
-        received = yield AllToAll(sizes, kind=CONTROL)
-        incoming = [int(n) for n in received[:, 0].tolist()]  # length of worker i's buffer for me
-        chunk = max(int(n) for n in received[:, 1].tolist())  # the longest buffer anyone sends
-    else:
-        for j, buffer in enumerate(buffers):
-            check_size(buffer, known[j], f"worker {rank}'s buffer for worker {j}")
-        incoming = [int(known[rank])] * world
-        chunk = max(int(n) for n in known)
-    pad_up = sum(chunk - n for j, n in enumerate(lengths) if j != rank)
-    pad_down = sum(chunk - n for i, n in enumerate(incoming) if i != rank)
-    payload = torch.cat([pad_to(b, chunk) for b in buffers])
-    got = yield AllToAll(payload, pad_up=pad_up, pad_down=pad_down)
-    return [piece[:n] for piece, n in zip(got.reshape(world, chunk).unbind(0), incoming)]
 
 
 def _fixed_sizes(compressor: Compressor, per_owner: Sequence[Sequence[Slot]]) -> list[int] | None:

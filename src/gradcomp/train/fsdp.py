@@ -104,7 +104,7 @@ from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.state import Journal, journal
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.finite import all_finite, check_nonfinite, check_scaler, finite_flag, loss_scale
-from gradcomp.schemes.sharded import alltoall_buffers
+from gradcomp.protocols import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
 from gradcomp.train.exchange import (
     agreed_non_finite,
