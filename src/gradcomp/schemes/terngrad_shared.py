@@ -43,7 +43,8 @@ from gradcomp.compressors.base import Slot
 from gradcomp.compressors.natural import TernGrad
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
-from gradcomp.transport.requests import AllGather, AllReduce, Rounds
+from gradcomp.protocols import allgather_buffers
+from gradcomp.transport.requests import AllReduce, Rounds
 from gradcomp.wire import Codec, FieldSpec, decode, encode
 from gradcomp.wire.container import DeviceChecks, hold_for_the_pass
 
@@ -98,7 +99,8 @@ class TernGradShared(Scheme):
             sums = torch.split(summed.to(torch.float32), [s.numel for s in slots])
         else:
             specs = [FieldSpec(Codec.BITS, count=s.numel, width=2) for s in slots]
-            gathered = yield AllGather(encode(units, specs))
+            message = encode(units, specs)  # its size fixed by the specs: no size round
+            gathered = yield from allgather_buffers(self.rank, message, [message.numel()] * self.world_size)
             sums = [torch.zeros(s.numel, dtype=torch.float32, device=device) for s in slots]
             later = DeviceChecks()  # device buffers: every message's checks in one read after the loop (or the pass's)
             for buffer in gathered:  # rank order: the same sums on every worker
