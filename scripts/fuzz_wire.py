@@ -537,6 +537,9 @@ SCHEME_CASES = (  # (label, name, params, topology, steps)
     ("powersgd", "powersgd", {}, "auto", 2),
     ("terngrad_shared", "terngrad_shared", {}, "auto", 2),
     ("topk topology=sharded", "topk", {"density": 0.1, "error_feedback": False}, "sharded", 1),
+    # a size that varies over the sharded topology: its all-to-all's control round runs (its lengths cut the
+    # buffers that the mutated messages are taken from)
+    ("threshold topology=sharded", "threshold", {"threshold": 1.0, "error_feedback": False}, "sharded", 1),
 )
 
 
