@@ -161,6 +161,18 @@ def test_every_unit_has_a_layer():
     assert not stale, f"LAYERS names units that do not exist: {stale}"
 
 
+def test_the_picture_in_the_docs_is_the_list_checked_here():
+    """docs/architecture.md's "Layers" picture, read top to bottom, names the units of ``LAYERS`` in the same
+    layers and order (highest first there): the page cannot drift from what this file enforces."""
+    text = (ROOT.parent.parent / "docs" / "architecture.md").read_text()
+    picture = text.split("## Layers: the direction of imports", 1)[1].split("```", 2)[1]
+    drawn = []
+    for line in picture.strip().splitlines():
+        units = line.split("   ")[0].strip()  # the units, then a gap of spaces, then what the layer is
+        drawn.append(tuple(u.strip().split(" ")[0] for u in units.split("·")))
+    assert drawn[::-1] == LAYERS
+
+
 def test_packages_follow_the_layers():
     graph = unit_graph(module_graph())
     wrong = [(a, b, m) for a, b, m in layer_violations(graph, LAYERS) if (a, b) not in KNOWN_EXCEPTIONS]
