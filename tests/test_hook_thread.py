@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -200,14 +201,19 @@ def _each_stage(rank: int, world: int) -> dict:
         t = torch.ones(2)
         dist.all_reduce(t)  # the default group is usable at once
         out[stage] = {"error": error, "text": text, "seconds": seconds, "failure": repr(state.failure),
-                      "closed": closed, "sum": t.tolist()}
+                      "closed": closed, "sum": t.tolist(), "bound": state._worker.timeout}
+    short = dist.new_group(backend="gloo", timeout=timedelta(seconds=7))
+    out["timeouts"] = (ddp_hook.group_timeout(None), ddp_hook.group_timeout(short))
     return out
 
 
 @pytest.mark.slow
 def test_a_bucket_broken_at_each_stage_raises_from_backward_on_every_rank():
     for per_rank in run_workers(_each_stage, 2, timeout=110):
+        # the thread's waits are bounded by the group's time-out (60 s in these workers) and a margin
+        assert per_rank.pop("timeouts") == (60.0, 7.0)
         for stage, r in per_rank.items():
+            assert r["bound"] == ddp_hook.wait_bound(60.0) == 70.0, (stage, r)
             assert r["text"] in r["error"], (stage, r)
             assert r["text"] in r["failure"], (stage, r)
             assert r["seconds"] < 30 and r["closed"], (stage, r)
