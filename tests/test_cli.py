@@ -29,8 +29,11 @@ def test_train_spawns_real_workers_and_reports_measured_bits(tmp_path, capsys):
     assert result["bits_down_per_worker"] == result["bits_up_per_worker"]
     assert result["compression_ratio_up"] == 1.0 and result["padding_bits"] == 0
     assert 0.0 <= result["test_accuracy"] <= 1.0
+    # the once-per-run slot check, apart from the steps: two int64 up, and from each of the two others down
+    assert result["setup_bits"] == 8 * (16 + 2 * 16)
     printed = capsys.readouterr().out
     assert "test accuracy" in printed and "bits up / worker" in printed
+    assert "set-up" in printed and "384 bit" in printed and "once (the slot check" in printed
 
 
 @pytest.mark.slow
