@@ -52,9 +52,14 @@ def _layout(scheme, slots=SLOTS):
     return scheme._layouts[tuple(s.name for s in slots)]
 
 
+def _trainer(scheme, slots=SLOTS):
+    """The slot list's autoencoder (None before its first top-k step)."""
+    return scheme.state.get("autoencoder", lgc.list_slot(_layout(scheme, slots)))
+
+
 def _residual(scheme):
     layout = scheme._layouts.get(tuple(s.name for s in SLOTS))
-    residual = None if layout is None else scheme.residuals.get("residual", lgc.list_slot(layout))
+    residual = None if layout is None else scheme.state.get("residual", lgc.list_slot(layout))
     return None if residual is None else residual.clone()
 
 
@@ -140,7 +145,7 @@ def test_autoencoder_copies_stay_identical_and_replicas_agree(variant):
             assert history[step]["digests"] == ref["digests"]
             for o, r in zip(history[step]["out"], ref["out"]):
                 assert torch.equal(o, r)
-    trainer = next(iter(runs[0][1]._layouts.values())).trainer
+    trainer = _trainer(runs[0][1])
     assert trainer.steps == 3 and len(trainer.model.decoders) == (WORLD if variant == "ps" else 1)
     # frozen in stage 3: the digest after the last top-k step is the final one
     assert runs[0][0][4]["digests"] == runs[0][0][6]["digests"] != runs[0][0][2]["digests"]
@@ -185,19 +190,29 @@ def test_ps_stage_three_bytes():
             assert h["down"] == means + (0 if rank == leader else message)
 
 
-def _earlier_format(state):
+def _by_names(state):
+    """The state dict as LGC wrote it before its autoencoders moved into its SlotState: the residuals in it, each
+    slot list's autoencoder and flag under its names joined by ``|`` (a compressed one not synced yet: False)."""
+    names = {key: key.rpartition("#")[0] for key in state["residual"]}
+    return {"residual": state["residual"], "layouts": {
+        names[key]: {"autoencoder": part, "synced": state["synced"].get(key, False)}
+        for key, part in state["autoencoder"].items()}}  # fmt: skip
+
+
+def _per_slot_list(state):
     """The state dict as LGC wrote it before its residuals moved into a SlotState: one entry per slot list."""
-    residuals = {key.rpartition("#")[0]: t for key, t in state["residual"].items()}
-    return {k: {**part, "residual": residuals[k]} for k, part in state["layouts"].items()}
+    earlier = _by_names(state)
+    residuals = {key.rpartition("#")[0]: t for key, t in earlier["residual"].items()}
+    return {k: {**part, "residual": residuals[k]} for k, part in earlier["layouts"].items()}
 
 
-@pytest.mark.parametrize("earlier", [False, True])
-def test_state_round_trip_continues_exactly(earlier):
+@pytest.mark.parametrize("written", ["now", "by names", "per slot list"])
+def test_state_round_trip_continues_exactly(written):
     runs = run_cluster(1, make(variant="ring"), 4)
     state = runs[0][1].state_dict()
-    assert set(state) == {"residual", "layouts"} and len(state["residual"]) == 1
-    if earlier:
-        state = _earlier_format(state)
+    assert set(state) == {"residual", "autoencoder", "synced"}
+    assert len(state["residual"]) == 1 and state["autoencoder"].keys() == state["residual"].keys()
+    state = {"now": dict, "by names": _by_names, "per slot list": _per_slot_list}[written](state)
 
     def continued(load):
         def worker(t):
@@ -352,6 +367,42 @@ def _passes(t, scheme, steps):
     return history
 
 
+def test_a_restore_undoes_an_autoencoder_made_in_the_undone_step_and_loads_into_a_live_one():
+    """Restoring the state taken before the first top-k step leaves no autoencoder (the step done again makes a
+    fresh one); restoring one taken later puts it into the autoencoder that is there. Either way the state dict is
+    the one restored, and the run goes on as the uninterrupted one; a state loaded into a fresh LGC and not used
+    yet is its state dict too."""
+    from distributed import same
+
+    def worker(t):
+        scheme = LGC(density=0.01, dense_steps=1, topk_steps=3)
+        ex = GradientExchange(scheme, t)
+        outs = [ex.exchange(SLOTS, grads(t.rank, 0), 0)]
+        before = scheme.state_dict()
+        ex.exchange(SLOTS, grads(t.rank, 1), 1)  # undone: its autoencoder was made and trained
+        made = _trainer(scheme) is not None
+        scheme.load_state_dict(before)
+        checks = [made, _trainer(scheme) is None, same(scheme.state_dict(), before)]
+        outs.append(ex.exchange(SLOTS, grads(t.rank, 1), 1))
+        trainer, taken = _trainer(scheme), scheme.state_dict()
+        ex.exchange(SLOTS, grads(t.rank, 2), 2)  # undone
+        scheme.load_state_dict(taken)
+        checks += [_trainer(scheme) is trainer, same(scheme.state_dict(), taken)]
+        outs += [ex.exchange(SLOTS, grads(t.rank, s), s) for s in (2, 3)]
+        fresh = LGC(density=0.01, dense_steps=1, topk_steps=3)
+        fresh.load_state_dict(taken)
+        checks.append(same(fresh.state_dict(), taken))
+        return outs, checks
+
+    with gradcomp.SimulatedCluster(2) as cluster:
+        runs = cluster.run(worker)
+    full = run_cluster(2, make(dense_steps=1), 4)
+    for rank, (outs, checks) in enumerate(runs):
+        assert all(checks), checks
+        for step, out in enumerate(outs):
+            assert all(torch.equal(a, b) for a, b in zip(out, full[rank][0][step]["out"])), (rank, step)
+
+
 def test_a_loaded_buckets_residual_waits_through_ddps_first_pass():
     """Resumed under DDP, the first pass is one bucket again: the rebuilt buckets' loaded residuals must
     survive its retain until those buckets come back."""
@@ -365,14 +416,15 @@ def test_a_loaded_buckets_residual_waits_through_ddps_first_pass():
         g = grads(t.rank, 3)
         ex.exchange(SLOTS, g, 3)  # DDP's first pass after the restart: the whole model in one bucket
         resumed.retain(SLOTS)
-        return state, resumed.residuals.state_dict()["residual"]
+        return state, resumed.state.state_dict()
 
     with gradcomp.SimulatedCluster(2) as cluster:
         runs = cluster.run(worker)
     for state, kept in runs:
         tail = "|".join(s.name for s in TAIL)
         key = next(k for k in state["residual"] if k.rpartition("#")[0] == tail)
-        assert key in kept and torch.equal(kept[key], state["residual"][key])
+        assert key in kept["residual"] and torch.equal(kept["residual"][key], state["residual"][key])
+        assert kept["autoencoder"][key]["steps"] == state["autoencoder"][key]["steps"] > 0  # its autoencoder too
 
 
 def test_every_buckets_residual_and_autoencoder_survive_the_passes():
@@ -387,10 +439,10 @@ def test_every_buckets_residual_and_autoencoder_survive_the_passes():
         # the first pass's single bucket never came back: dropped; the two buckets kept across the passes
         assert set(scheme._layouts) == {tuple(s.name for s in TAIL), tuple(s.name for s in HEAD)}
         tail = _layout(scheme, TAIL)
-        assert tail.trainer.steps == 3 and len(tail.held_out) == 2
+        assert _trainer(scheme, TAIL).steps == 3 and len(tail.held_out) == 2
         state, names = scheme.state_dict(), "|".join(s.name for s in TAIL)
-        assert set(state["layouts"]) == {names}  # the dense bucket has no state
-        assert set(state["residual"]) == {f"{names}#{tail.d}"}
+        # the dense bucket has no state; the compressed one's is keyed one way
+        assert set(state["residual"]) == set(state["autoencoder"]) == set(state["synced"]) == {f"{names}#{tail.d}"}
     g = [grads(r, 5) for r in range(2)]
     for i in (0, 1, 4, 5):  # the model's first and last layer: the dense mean
         torch.testing.assert_close(runs[0][0][5][i], (g[0][i] + g[1][i]) / 2, rtol=0, atol=1e-6)
@@ -406,7 +458,7 @@ def test_replicas_stay_identical_when_the_autoencoder_copies_differ(variant):
     def perturb(scheme, step):
         if step == 3 and scheme.rank == 1:
             with torch.no_grad():
-                for p in _layout(scheme).trainer.model.parameters():
+                for p in _trainer(scheme).model.parameters():
                     p.mul_(1.01)
 
     def worker(t):
@@ -416,7 +468,7 @@ def test_replicas_stay_identical_when_the_autoencoder_copies_differ(variant):
         for step in range(5):
             perturb(scheme, step)
             history.append([o.clone() for o in ex.exchange(SLOTS, grads(t.rank, step), step)])
-        trainer = _layout(scheme).trainer
+        trainer = _trainer(scheme)
         return history, [trainer.decoder_weights(i) for i in range(len(trainer.model.decoders))]
 
     with gradcomp.SimulatedCluster(3) as cluster:
@@ -498,8 +550,9 @@ def _ddp_worker(rank, world_size):
         state.wait()
         out[variant] = {
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-            "layouts": {key: (lay.d, lay.trainer.steps if lay.trainer else 0) for key, lay in scheme._layouts.items()},
-            "state": sorted(state.state_dict()["exchange"]["layouts"]),
+            "layouts": {key: (lay.d, getattr(scheme.state.get("autoencoder", lgc.list_slot(lay)), "steps", 0))
+                        for key, lay in scheme._layouts.items()},  # fmt: skip
+            "state": sorted(state.state_dict()["exchange"]["autoencoder"]),
         }
         state.close()
     return out
@@ -517,4 +570,4 @@ def test_ddp_hook_with_several_buckets_keeps_every_buckets_autoencoder(single_th
         # autoencoder trained in both top-k passes; the bucket of conv2's bias and the first layer (conv1) is dense
         # (32 values left after the skip: too few for a code)
         assert sorted(layouts.values()) == [(0, 0), (12800, 2), (16512, 2)]
-        assert first["state"] == sorted("|".join(k) for k, (d, _) in layouts.items() if d)
+        assert first["state"] == sorted(f"{'|'.join(k)}#{d}" for k, (d, _) in layouts.items() if d)

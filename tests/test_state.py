@@ -1,6 +1,6 @@
 """gradcomp.compressors.state: the one per-slot store (keys, retain, state dict, checked loading, the journal that
-undoes one call) and the momentum arithmetic that feedback.MomentumCorrection, DGC and the sketched-SGD methods
-share."""
+undoes one call, held fields for state that is not a tensor) and the momentum arithmetic that
+feedback.MomentumCorrection, DGC and the sketched-SGD methods share, and Signum's moving average."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import gradcomp
 from gradcomp.compressors.base import Slot
 from gradcomp.errors import ConfigError
 from gradcomp.feedback import ErrorFeedback, MomentumCorrection
-from gradcomp.compressors.state import Momentum, SlotState, slot_key
+from gradcomp.compressors.state import Momentum, MovingAverage, SlotState, journal, slot_key
 
 SRC = Path(gradcomp.__file__).parent
 A, B = Slot("a.weight", 0, 6), Slot("b.bias", 1, 3)
@@ -93,6 +93,66 @@ def test_momentum_arithmetic_and_release():
         Momentum(1.0, "test")
 
 
+def test_moving_average_is_signums_arithmetic_bit_for_bit():
+    """m ← β·m + (1 − β)·g, m = 0 before the first step, with the float ops Signum has always used (so its
+    signs and its checkpoints do not move): g·(1 − β) first, then m·β + (1 − β)·g in place, whole or by chunks."""
+    beta, gen = 0.9, torch.Generator().manual_seed(0)
+    average = MovingAverage(beta, "test")
+    g1, g2 = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    m, update = average.step(A, g1)
+    assert update is None and torch.equal(m, g1 * (1.0 - beta)) and average.state.get("momentum", A) is m
+    m, update = average.step(A, g2)
+    assert torch.equal(m, g1 * (1.0 - beta))  # not yet: the caller runs the update, chunk by chunk
+    update(0, 4)
+    update(4, 6)
+    assert torch.equal(m, (g1 * (1.0 - beta)).mul_(beta).add_(g2, alpha=1.0 - beta))
+    shaped = torch.randn(2, 3, generator=gen)  # a gradient not flat: updated at once
+    expected = m.clone().mul_(beta).add_(shaped.reshape(-1), alpha=1.0 - beta)
+    m, update = average.step(A, shaped)
+    assert update is None and torch.equal(m, expected)
+    with pytest.raises(ConfigError, match="momentum"):
+        MovingAverage(1.0, "test")
+
+
+class _Counter:
+    """A held object: state that is not a tensor, changed in place."""
+
+    def __init__(self):
+        self.count = 0
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_held_fields_are_kept_saved_loaded_and_undone_like_tensors():
+    state = SlotState("test", ["x"], held=["object", "flag"])
+    obj = state.put("object", A, _Counter())
+    state.put("flag", A, True)
+    state.put("x", A, torch.ones(6))
+    obj.count = 2
+    saved = state.state_dict()
+    assert saved["object"] == {"a.weight#6": {"count": 2}} and saved["flag"] == {"a.weight#6": True}
+    obj.count = 5
+    state.load_state_dict(saved)  # the object that holds the key takes the saved state in place
+    assert state.get("object", A) is obj and obj.count == 2
+    state.load_state_dict({"object": {"a.weight#6": {"count": 7}, "b.bias#3": {"count": 1}}})
+    assert obj.count == 7 and state["object"]["b.bias#3"] == {"count": 1}  # none for B: kept as saved
+    assert state.get("flag", A) is None and state["x"] == {}  # what the state did not have is gone
+    with journal() as touched:
+        state.get("object", A).count = 9
+        state.put("flag", B, True)
+    touched.undo()
+    assert obj.count == 7 and state.get("flag", B) is None
+    state.retain([B])
+    assert set(state["object"]) == {"b.bias#3"}
+    with pytest.raises(ConfigError, match="bad test state key"):
+        state.load_state_dict({"object": {"b.bias": {"count": 1}}})
+    assert set(state["object"]) == {"b.bias#3"}
+
+
 def test_every_stateful_method_keeps_its_state_in_one_slot_state():
     topk = gradcomp.make("topk", density=0.5, error_feedback=False)
     stores = {
@@ -103,6 +163,8 @@ def test_every_stateful_method_keeps_its_state_in_one_slot_state():
         "local_topk": gradcomp.make("local_topk").memory.state,
         "true_topk": gradcomp.make("true_topk").memory.state,
         "powersgd": gradcomp.make("powersgd").state,
+        "signum": gradcomp.make("signum").average.state,
+        "lgc": gradcomp.make("lgc").state,  # residuals, autoencoders and their flags
     }
     for what, store in stores.items():
         assert isinstance(store, SlotState), what
@@ -146,8 +208,6 @@ def test_a_journal_undoes_exactly_what_a_step_changed(label):
     """Two steps make state; a third, compressed inside ``journal()`` over A and a slot seen for the first time,
     is undone: the state dict is the one before it, bit for bit, and the new slot has no state again."""
     from distributed import same
-
-    from gradcomp.compressors.state import journal
 
     name, params = STATEFUL[label]
     compressor = gradcomp.make(name, **params)

@@ -15,8 +15,8 @@ workers (2 of 4 say +, 2 say −: that coordinate stays where it is this step).
 ``signum`` — sign with momentum kept on the worker: m = β·m + (1 − β)·g (``momentum`` β = 0.9 by default,
 m starts at 0, so the first step sends sign(g)), the worker sends sign(m), the update is the majority vote.
 The method applies momentum itself (``owns_momentum``: the CLI sets the optimizer's momentum to 0). The
-momentum is per slot, a ``SlotState`` (compressors/state.py: keyed by the slot's name and size), is
-checkpointed by ``state_dict`` and dropped for slots that disappear by ``retain``.
+momentum is per slot, a ``MovingAverage`` on a ``SlotState`` (compressors/state.py: keyed by the slot's name and
+size), is checkpointed by ``state_dict`` and dropped for slots that disappear by ``retain``.
 
 ``efsignsgd`` — the scaled sign C(p) = (||p||_1 / d)·sign(p) of p = g + residual, with error feedback on by
 default (``make`` wraps it in ``ErrorFeedback``: the residual p − C(p) is added to the next step's input).
@@ -116,7 +116,7 @@ from torch import Tensor
 from gradcomp import kernels
 from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot, Tally
 from gradcomp.compressors.sparse import workspace
-from gradcomp.compressors.state import SlotState, check_momentum
+from gradcomp.compressors.state import MovingAverage
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
@@ -521,25 +521,14 @@ class Signum(_MajorityVote):
     owns_momentum: ClassVar[bool] = True
 
     def __init__(self, momentum: float = 0.9):
-        self.momentum = check_momentum(momentum)
-        self.state = SlotState("signum", ("momentum",))  # m per slot; its state dict: {"momentum": {key: m}}
+        self.average = MovingAverage(momentum, "signum")  # m per slot; its state dict: {"momentum": {key: m}}
+        self.momentum, self.state = self.average.beta, self.average.state
 
     def params(self) -> dict[str, Any]:
         return {"momentum": self.momentum}
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
-        g = _f32(x)
-        m = self.state.get("momentum", slot, g)
-        if m is None:
-            m = self.state.put("momentum", slot, g.reshape(-1) * (1.0 - self.momentum))  # from m = 0
-            return [self._signs(m, step)]
-        if m.shape != g.shape:
-            m.mul_(self.momentum).add_(g.reshape(-1), alpha=1.0 - self.momentum)
-            return [self._signs(m, step)]
-
-        def update(start: int, end: int) -> None:  # the same in-place update, chunk by chunk (elementwise)
-            m[start:end].mul_(self.momentum).add_(g[start:end], alpha=1.0 - self.momentum)
-
+        m, update = self.average.step(slot, _f32(x))
         return [self._signs(m, step, before=update)]  # each chunk's signs packed right after its update, in cache
 
     def retain(self, slots: list[Slot]) -> None:

@@ -19,6 +19,13 @@ the others: what FSDP's compressed reduce-scatter needs to undo one module's com
 at its first message, that some rank's gradients were not finite (``train.fsdp``; ``snapshot``/``restore`` of
 the whole state serve the other drivers, which undo a whole step).
 
+A method's state that is not a tensor goes in ``held`` fields, keyed the same way, kept, dropped, saved and
+loaded by the same code: an object that changes in place (LGC's autoencoder, whose "slot" is a slot list: one
+``Slot`` of the list's names joined by ``|`` and its compressed size) or a plain value (a flag). Such an object
+is saved by its own ``state_dict()``; loading puts a saved state into the object that holds the key (the same
+object stays, on its device), and keeps it as saved where none does, for the method to make its object from when
+it needs it (on the gradient's device).
+
 ``Momentum`` is the worker momentum with error accumulation that DGC's momentum correction
 (``feedback.MomentumCorrection``, ``compressors.dgc``) and the sketched-SGD paper's methods
 (``schemes.accumulation``) share, in place on a ``SlotState`` (no d-sized temporary per step):
@@ -27,11 +34,15 @@ the whole state serve the other drivers, which undo a whole step).
     v ← v + u            accumulated velocity: what the worker would like to send (v = u at first)
     after sending:       v ← v − sent at the sent coordinates; u ← 0 where a nonzero value went out
                          (momentum factor masking)
+
+``MovingAverage`` is Signum's momentum, the exponential moving average m ← β·m + (1 − β)·g (m = 0 before a
+slot's first step), in place too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -71,16 +82,33 @@ class Journal:
     def note(self, state: SlotState, field: str, key: str) -> None:
         if (id(state), field, key) not in self._before:
             t = state._fields[field].get(key)
-            self._before[id(state), field, key] = (state, field, key, None if t is None else t.detach().clone())
+            self._before[id(state), field, key] = (state, field, key, None if t is None else _saved(t))
 
     def undo(self) -> None:
-        """Put every noted slot's tensors back as they were (a slot that had none has none again)."""
+        """Put every noted slot's state back as it was (a slot that had none has none again)."""
         for state, field, key, t in self._before.values():
+            values = state._fields[field]
             if t is None:
-                state._fields[field].pop(key, None)
-            else:
-                state._fields[field][key] = t
+                values.pop(key, None)
+            elif not _loaded_into(values.get(key), t):
+                values[key] = t
         self._before.clear()
+
+
+def _saved(value: Any) -> Any:
+    """A copy of a field's value, as a state dict holds it: a tensor's clone, an object's ``state_dict()`` (the
+    object's own copy), else a deep copy."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    return value.state_dict() if hasattr(value, "state_dict") else copy.deepcopy(value)
+
+
+def _loaded_into(now: Any, saved: Any) -> bool:
+    """Whether ``now`` is a held object (one with ``load_state_dict``) and has taken ``saved`` in place."""
+    if isinstance(now, Tensor) or not hasattr(now, "load_state_dict"):
+        return False
+    now.load_state_dict(saved)
+    return True
 
 
 _journals = threading.local()  # .open: the journal recording on this thread, or None
@@ -108,19 +136,24 @@ def _note(state: SlotState, fields: Iterable[str], key: str) -> None:
 class SlotState:
     """Per-slot float32 tensors of one method, in named ``fields``, keyed by ``slot_key``; ``owner`` names the
     method in errors, ``check`` (field, key, numel, tensor) → reason or None is the shape a loaded tensor must
-    have (flat, the slot's size, unless the method keeps another: PowerSGD's Q)."""
+    have (flat, the slot's size, unless the method keeps another: PowerSGD's Q). ``held``: fields of values that
+    are not tensors (the module docstring), loaded unchecked but for their keys."""
 
-    def __init__(self, owner: str, fields: Iterable[str], check: Callable[..., str | None] = flat_of_numel):
-        self.owner, self._check = owner, check
-        self._fields: dict[str, dict[str, Tensor]] = {name: {} for name in fields}
+    def __init__(
+        self, owner: str, fields: Iterable[str], check: Callable[..., str | None] = flat_of_numel,
+        held: Iterable[str] = (),
+    ):
+        self.owner, self._check, self._held = owner, check, tuple(held)
+        self._fields: dict[str, dict[str, Any]] = {name: {} for name in (*fields, *self._held)}
 
-    def __getitem__(self, field: str) -> dict[str, Tensor]:
-        """A field's tensors by key (to read; change them through ``put`` / ``drop``)."""
+    def __getitem__(self, field: str) -> dict[str, Any]:
+        """A field's values by key (to read; change them through ``put`` / ``drop``)."""
         return self._fields[field]
 
-    def get(self, field: str, slot: Slot, like: Tensor | None = None) -> Tensor | None:
-        """The slot's tensor, or None. With ``like`` (a flat float32 tensor): ready to be updated in place next
-        to it, a tensor restored elsewhere being moved to its device, flat, contiguous, once and kept so."""
+    def get(self, field: str, slot: Slot, like: Tensor | None = None) -> Any:
+        """The slot's value, or None. With ``like`` (a flat float32 tensor; tensor fields only): ready to be
+        updated in place next to it, a tensor restored elsewhere being moved to its device, flat, contiguous, once
+        and kept so."""
         key = slot_key(slot)
         _note(self, (field,), key)
         t = self._fields[field].get(key)
@@ -129,7 +162,7 @@ class SlotState:
                 t = self._fields[field][key] = t.to(device=like.device, dtype=torch.float32).reshape(-1).contiguous()
         return t
 
-    def put(self, field: str, slot: Slot, t: Tensor) -> Tensor:
+    def put(self, field: str, slot: Slot, t: Any) -> Any:
         key = slot_key(slot)
         _note(self, (field,), key)
         self._fields[field][key] = t
@@ -147,8 +180,8 @@ class SlotState:
         keep = {slot_key(s) for s in slots}
         self._fields = {name: {k: v for k, v in ts.items() if k in keep} for name, ts in self._fields.items()}
 
-    def state_dict(self) -> dict[str, dict[str, Tensor]]:
-        return {name: {k: v.detach().clone() for k, v in ts.items()} for name, ts in self._fields.items()}
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: {k: _saved(v) for k, v in ts.items()} for name, ts in self._fields.items()}
 
     def restore_where(self, saved: dict[str, Any], bad: Tensor) -> bool:
         """In place, without reading ``bad`` (a bool tensor of shape ()): every tensor becomes ``torch.where(bad,
@@ -170,7 +203,9 @@ class SlotState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Copies of ``state``'s tensors, after checking all of it: ConfigError, and nothing changed, for an
-        unknown field, a key that is not a slot key, a value that is not a float32 tensor of the right shape."""
+        unknown field, a key that is not a slot key, a value that is not a float32 tensor of the right shape.
+        A held field's saved values go into the objects that hold their keys, last (where one refuses its state,
+        it raises as its own ``load_state_dict`` does), else are kept as deep copies."""
         unknown = set(state) - set(self._fields) if isinstance(state, dict) else {"<not a dict>"}
         if unknown:
             raise ConfigError(f"unexpected {self.owner} state keys {sorted(map(str, unknown))}")
@@ -182,6 +217,8 @@ class SlotState:
                 numel = key_numel(key)
                 if numel is None:
                     raise ConfigError(f"bad {self.owner} state key {key!r} in {name!r} (expected '<slot name>#<d>')")
+                if name in self._held:
+                    continue
                 if not isinstance(t, Tensor):
                     raise ConfigError(f"{self.owner} state {name!r} must map slot keys to tensors; {key!r} does not")
                 if t.dtype != torch.float32:
@@ -189,7 +226,13 @@ class SlotState:
                 reason = self._check(name, key, numel, t)
                 if reason is not None:
                     raise ConfigError(f"{self.owner} state {name!r}: {key!r} has {reason}")
-        self._fields = {name: {k: t.detach().clone() for k, t in state.get(name, {}).items()} for name in self._fields}
+        loaded = {name: {k: t.detach().clone() for k, t in state.get(name, {}).items()} for name in self._fields
+                  if name not in self._held}
+        for name in self._held:
+            now = self._fields[name]
+            loaded[name] = {k: now[k] if _loaded_into(now.get(k), v) else copy.deepcopy(v)
+                            for k, v in state.get(name, {}).items()}
+        self._fields = {name: loaded[name] for name in self._fields}
 
 
 def check_momentum(momentum: object) -> float:
@@ -243,3 +286,28 @@ class Momentum:
         if masking:
             self.state.get(self.u_field, slot).masked_fill_(sent != 0, 0.0)
         self.state.get(self.v_field, slot).sub_(sent)
+
+
+class MovingAverage:
+    """The exponential moving average m ← β·m + (1 − β)·g of a slot's gradients (Signum's momentum; m = 0 before
+    the slot's first step) on ``self.state``, a ``SlotState`` of one field, ``field``."""
+
+    def __init__(self, beta: float, owner: str, field: str = "momentum"):
+        self.beta = check_momentum(beta)
+        self.field = field
+        self.state = SlotState(owner, (field,))
+
+    def step(self, slot: Slot, g: Tensor) -> tuple[Tensor, Callable[[int, int], None] | None]:
+        """(m, None) with m updated; or, for a flat ``g`` that meets the m of an earlier step, (m, update): m not
+        yet updated, ``update(start, end)`` the same update (elementwise, in place) of m[start:end] only, which the
+        caller runs over every chunk (Signum packs each chunk's signs right after its update, while it is in cache)."""
+        m = self.state.get(self.field, slot, g)
+        if m is None:
+            return self.state.put(self.field, slot, g.reshape(-1) * (1.0 - self.beta)), None  # from m = 0
+        if m.shape != g.shape:
+            return m.mul_(self.beta).add_(g.reshape(-1), alpha=1.0 - self.beta), None
+
+        def update(start: int, end: int) -> None:
+            m[start:end].mul_(self.beta).add_(g[start:end], alpha=1.0 - self.beta)
+
+        return m, update

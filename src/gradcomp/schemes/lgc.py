@@ -80,15 +80,15 @@ Bad parameters (a variant other than ring/ps, negative stage lengths, topk_steps
 to follow, densities outside (0, 1], a latent code not smaller than the k values of the whole model, skip
 with a flattened slot, a model of empty tensors) raise ConfigError before anything is sent.
 
-State (``state_dict``): per slot list that is compressed, the residual (a ``SlotState`` of
-compressors/state.py, keyed by the list's names and size), the autoencoder's weights and Adam state, and
-whether its decoders were synced. The DDP hook's ``retain`` keeps every bucket's state across
-passes and drops that of buckets that did not come back (DDP's first-pass buckets after its rebuild).
+State (``state_dict``): per slot list that is compressed, the residual, the autoencoder (its weights and Adam
+state) and whether its decoders were synced, in one ``SlotState`` of compressors/state.py (the autoencoder and
+the flag in its held fields), keyed by the ``slot_key`` of the list taken as one slot (``list_slot``: its names
+joined by ``|``, its d compressed values). The DDP hook's ``retain`` keeps every bucket's state across passes
+and drops that of buckets that did not come back (DDP's first-pass buckets after its rebuild).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -98,7 +98,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Slot, check_bool, check_density, check_int, kept_count
-from gradcomp.compressors.state import SlotState
+from gradcomp.compressors.state import SlotState, key_numel, slot_key
 from gradcomp.errors import ConfigError
 from gradcomp.protocols import allgather_buffers, broadcast_buffer, parameter_server
 from gradcomp.schemes.accumulation import floats_spec, indices_spec, largest, offsets_of, split_indices
@@ -110,12 +110,12 @@ from gradcomp.wire.container import held_for_the_pass
 from gradcomp.wire.golomb import optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")
-LAYOUT_KEYS = {"autoencoder", "synced"}
+FIELDS = ("residual", "autoencoder", "synced")  # the state's fields; "autoencoder" and "synced" are held ones
 
 
 @dataclass
 class Layout:
-    """One slot list: which slots are compressed, the sizes, and the state kept for it."""
+    """One slot list: which slots are compressed, the sizes, its training's diagnostics (its state: ``LGC.state``)."""
 
     names: tuple[str, ...]
     compressed: list[int]
@@ -127,8 +127,6 @@ class Layout:
     innovation: int
     rice: int
     ends: tuple[str, str] | None = None  # the model's first and last module, sent dense (None: nothing skipped)
-    synced: bool = False  # the decoders were made to agree (at the first stage-3 step; see ``LGC._sync``)
-    trainer: AutoencoderTrainer | None = None
     losses: list[float] = field(default_factory=list)  # the autoencoder's training loss per stage-2 step
     # stage 3, per step: (energy of the values, of their m largest, of the error) on the device, read by report()
     held_out: list[Tensor] = field(default_factory=list)
@@ -180,9 +178,10 @@ class LGC(Scheme):
         self.lr, self.similarity = float(lr), float(similarity)
         self.seed = check_int("seed", seed, minimum=0)
         self._layouts: dict[tuple[str, ...], Layout] = {}
-        # the residual of each compressed slot list, keyed "<its names joined by |>#<d>" (``list_slot``)
-        self.residuals = SlotState("lgc", ("residual",))
-        self._pending_state: dict[str, dict[str, Any]] = {}  # loaded autoencoders, applied when their slot list comes
+        # per compressed slot list (``list_slot``): its residual, its autoencoder (made at its first top-k step, or
+        # the state loaded for it until then) and True once its decoders were made to agree (``_sync``)
+        self.state = SlotState("lgc", FIELDS[:1], held=FIELDS[1:])
+        self._unseen: set[str] = set()  # the keys loaded whose slot list has not come since: kept through retain
         self._model_size: int | None = None  # the model's number of slots, from retain() (the DDP hook)
         self._model_ends: tuple[str, str] | None = None  # the modules skip sends dense, from retain()
         self._seen: tuple[int, int] = (-1, -1)  # (step, the highest slot index exchanged at that step)
@@ -304,12 +303,24 @@ class LGC(Scheme):
             self.layout(slots)
 
     def _trainer(self, layout: Layout, device: torch.device) -> AutoencoderTrainer:
-        if layout.trainer is None:
+        """The slot list's autoencoder, made on ``device`` at its first top-k step (from the state loaded for it,
+        if one was)."""
+        trainer = self.state.get("autoencoder", list_slot(layout))
+        if not isinstance(trainer, AutoencoderTrainer):
             decoders = self.world_size if self.variant == "ps" else 1
-            layout.trainer = AutoencoderTrainer(
+            made = AutoencoderTrainer(
                 self.latent_channels, decoders, seed=self.seed, lr=self.lr, similarity=self.similarity, device=device
             )
-        return layout.trainer
+            if trainer is not None:
+                made.load_state_dict(trainer)
+            trainer = self.state.put("autoencoder", list_slot(layout), made)
+        return trainer
+
+    def _trainers(self) -> dict[tuple[str, ...], AutoencoderTrainer]:
+        """The autoencoders made so far, by slot list."""
+        held = self.state["autoencoder"]
+        found = {names: held.get(slot_key(list_slot(lay))) for names, lay in self._layouts.items() if lay.d}
+        return {names: t for names, t in found.items() if isinstance(t, AutoencoderTrainer)}
 
     # -- the rounds -----------------------------------------------------------------------------------------------
 
@@ -321,8 +332,8 @@ class LGC(Scheme):
         layout = self.layout(slots, step)  # raises before anything is sent
         self._seen = (step, max(self._seen[1] if self._seen[0] == step else -1, *(s.index for s in slots)))
         self._used.add(layout.names)
-        if self._pending_state and layout.d:
-            self._restore(layout, tensors[0].device)
+        if self._unseen and layout.d:
+            self._seen_since_load(layout)
         flat = [t.reshape(-1).to(torch.float32) for t in tensors]
         world = self.world_size
         stage = self.stage(step)
@@ -332,7 +343,7 @@ class LGC(Scheme):
 
         device = flat[0].device
         acc = torch.cat([flat[i] for i in layout.compressed])
-        residual = self.residuals.get("residual", list_slot(layout), acc)
+        residual = self.state.get("residual", list_slot(layout), acc)
         if residual is not None:
             acc.add_(residual)
         dense = torch.cat([flat[i] for i in layout.skipped]) if layout.skipped else acc.new_empty(0)
@@ -352,14 +363,14 @@ class LGC(Scheme):
             layout.losses.append(trainer.train_step(_pad(batch / scale, layout.length),
                                                     leader if self.variant == "ps" else None))  # fmt: skip
         else:
-            if not layout.synced and world > 1 and self.variant == "ring":
+            if not self.state.get("synced", list_slot(layout)) and world > 1 and self.variant == "ring":
                 yield from self._sync(layout, trainer)
-            layout.synced = True
+            self.state.put("synced", list_slot(layout), True)
             compressed = self._ring if self.variant == "ring" else self._ps
             positions, update, dense_mean, carried = yield from compressed(layout, acc, dense, leader, trainer)
             self._record_error(layout, acc[positions], carried)
             acc[positions] -= carried
-        self.residuals.put("residual", list_slot(layout), acc)
+        self.state.put("residual", list_slot(layout), acc)
 
         out_c = torch.zeros(layout.d, dtype=torch.float32, device=device)
         out_c[positions] = update
@@ -468,10 +479,11 @@ class LGC(Scheme):
 
     def retain(self, slots: Sequence[Slot]) -> None:
         """``slots``: every slot of the model (the DDP hook passes every slot of the backward pass, after its last
-        bucket). Learns the model (its size, the modules ``skip`` sends dense) and keeps the layouts (residual,
-        autoencoder) whose slots are all among ``slots``, that were exchanged since the last retain (every bucket
-        of the pass; DDP's first-pass buckets never come back after its bucket rebuild) and that skip what the
-        model's layouts skip."""
+        bucket). Learns the model (its size, the modules ``skip`` sends dense) and keeps the layouts whose slots
+        are all among ``slots``, that were exchanged since the last retain (every bucket of the pass; DDP's
+        first-pass buckets never come back after its bucket rebuild) and that skip what the model's layouts skip,
+        with their state, and the state loaded for slot lists not seen since (DDP's rebuilt buckets come back after
+        its first pass)."""
         if slots:
             self._model_size = len(slots)
             self._model_ends = _skip_ends(slots) if self.skip else None
@@ -482,16 +494,15 @@ class LGC(Scheme):
             for key, lay in self._layouts.items()
             if set(key) <= live and (key in used or not used) and lay.ends == self._model_ends
         }
-        # and the residuals of loaded slot lists not seen yet (DDP's rebuilt buckets come back after its first pass)
-        loaded = (key.rpartition("#") for key in self.residuals["residual"])
-        pending = [Slot(name, 0, int(numel)) for name, _, numel in loaded if name in self._pending_state]
-        self.residuals.retain([list_slot(lay) for lay in self._layouts.values()] + pending)
+        loaded = [Slot(key.rpartition("#")[0], 0, key_numel(key)) for key in self._unseen]
+        self.state.retain([list_slot(lay) for lay in self._layouts.values() if lay.d] + loaded)
 
     def report(self) -> dict[str, Any]:
         """What the run's JSON records of the method: the autoencoder's training (time, steps, loss) and its
         held-out errors against plain top-k values of the same bits, per slot list."""
         out: dict[str, Any] = {"autoencoder_seconds": self.training_seconds(), "layouts": []}
-        for lay in self._layouts.values():
+        trainers = self._trainers()
+        for names, lay in self._layouts.items():
             if lay.d == 0:
                 continue
             sums = torch.stack(lay.held_out).tolist() if lay.held_out else []  # (energy, kept, error) per step
@@ -499,7 +510,7 @@ class LGC(Scheme):
             topk = [1.0 - kept / energy for energy, kept, _ in sums if energy != 0.0]  # is not counted
             out["layouts"].append({
                 "compressed": lay.d, "k": lay.k, "latent": lay.latent, "innovation": lay.innovation,
-                "autoencoder_steps": 0 if lay.trainer is None else lay.trainer.steps,
+                "autoencoder_steps": trainers[names].steps if names in trainers else 0,
                 "train_loss_first": lay.losses[0] if lay.losses else None,
                 "train_loss_last": lay.losses[-1] if lay.losses else None,
                 "held_out_steps": len(errors),
@@ -509,57 +520,63 @@ class LGC(Scheme):
         return out
 
     def autoencoder_digests(self) -> dict[tuple[str, ...], str]:
-        return {key: lay.trainer.digest() for key, lay in self._layouts.items() if lay.trainer is not None}
+        return {names: trainer.digest() for names, trainer in self._trainers().items()}
 
     def training_seconds(self) -> float:
         """Time spent training the autoencoder(s) so far."""
-        return sum(lay.trainer.seconds for lay in self._layouts.values() if lay.trainer is not None)
+        return sum(trainer.seconds for trainer in self._trainers().values())
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"residual": {"<names>#<d>": tensor}, "layouts": {"<names>": {"autoencoder": ..., "synced": ...}}}``,
-        ``<names>`` a compressed slot list's names joined by ``|`` (a dense one has no state)."""
-        layouts = {
-            "|".join(names): {"autoencoder": None if lay.trainer is None else lay.trainer.state_dict(),
-                              "synced": lay.synced}
-            for names, lay in self._layouts.items() if lay.d
-        }
-        layouts.update(copy.deepcopy(self._pending_state))  # loaded, not yet applied: the state is the one loaded
-        return {**self.residuals.state_dict(), "layouts": layouts}
+        """``{"residual": {key: tensor}, "autoencoder": {key: its state_dict()}, "synced": {key: True}}``, ``key``
+        a compressed slot list's ``slot_key(list_slot(layout))``; a state loaded and not yet used is the one loaded."""
+        return self.state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if isinstance(state, dict) and "layouts" not in state and state:  # the format before the residuals' SlotState
-            state = {
-                "residual": {f"{k}#{p['residual'].numel()}": p["residual"] for k, p in state.items()
-                             if isinstance(p, dict) and isinstance(p.get("residual"), Tensor)},
-                "layouts": {k: {n: v for n, v in p.items() if n != "residual"} if isinstance(p, dict) else p
-                            for k, p in state.items()},
-            }
-        if not isinstance(state, dict) or set(state) - {"residual", "layouts"}:
-            raise ConfigError("lgc state: expected 'residual' and 'layouts'")
-        layouts = state.get("layouts", {})
-        for key, part in layouts.items():
-            if not isinstance(key, str) or not isinstance(part, dict) or set(part) - LAYOUT_KEYS:
-                raise ConfigError(f"lgc state {key!r}: expected {sorted(LAYOUT_KEYS)} per slot list")
-        self.residuals.load_state_dict({"residual": state.get("residual", {})})
-        self._pending_state = dict(layouts)  # applied when the slot list is seen (its device known)
+        if isinstance(state, dict) and not set(state) <= set(FIELDS):
+            state = _keyed_by_names(state)
+        self.state.load_state_dict(state)
+        self._unseen = {key for name in FIELDS for key in self.state[name]}
 
-    def _restore(self, layout: Layout, device: torch.device) -> None:
-        joined = "|".join(layout.names)
-        for key, t in self.residuals["residual"].items():
-            if key.rpartition("#")[0] == joined and t.numel() != layout.d:
-                raise ConfigError(f"lgc state: residual of {t.numel()} values for {layout.d} compressed ones")
-        part = self._pending_state.pop(joined, None)
-        if part is None:
-            return
-        if part.get("autoencoder") is not None:
-            self._trainer(layout, device).load_state_dict(part["autoencoder"])
-        else:  # saved before its autoencoder existed (a step undone that made it): none now either
-            layout.trainer = None
-        layout.synced = bool(part.get("synced", False))  # older states: synced at the next stage-3 step
+    def _seen_since_load(self, layout: Layout) -> None:
+        """The slot list's loaded state is in use from now on (no longer kept through retain for it); a state
+        loaded for the same slot list but another number of compressed values is refused."""
+        key = slot_key(list_slot(layout))
+        for other in self._unseen - {key}:
+            if other.rpartition("#")[0] == key.rpartition("#")[0]:
+                raise ConfigError(f"lgc state: saved for {key_numel(other)} compressed values, not {layout.d}")
+        self._unseen.discard(key)
+
+
+def _keyed_by_names(state: dict[str, Any]) -> dict[str, Any]:
+    """LGC's earlier state formats, keyed by the compressed slot lists' names joined by ``|`` (``{"residual":
+    {key: tensor}, "layouts": {names: {"autoencoder", "synced"}}}``, and before the residuals' SlotState ``{names:
+    {"residual", "autoencoder", "synced"}}``), in this one: a slot list's autoencoder and flag go under its
+    residual's key. One without a residual had completed no top-k or compressed step (its residual is kept at the
+    end of the step that trains its autoencoder): it has nothing to keep."""
+    if "layouts" not in state:  # before the residuals' SlotState
+        state = {
+            "residual": {f"{k}#{p['residual'].numel()}": p["residual"] for k, p in state.items()
+                         if isinstance(p, dict) and isinstance(p.get("residual"), Tensor)},
+            "layouts": {k: {n: v for n, v in p.items() if n != "residual"} if isinstance(p, dict) else p
+                        for k, p in state.items()},
+        }
+    residual, layouts = state.get("residual", {}), state["layouts"]
+    if set(state) - {"residual", "layouts"} or not isinstance(residual, dict) or not isinstance(layouts, dict):
+        raise ConfigError("lgc state: expected 'residual' and 'layouts'")
+    keys = {key.rpartition("#")[0]: key for key in residual if isinstance(key, str)}
+    out: dict[str, Any] = {"residual": residual, "autoencoder": {}, "synced": {}}
+    for names, part in layouts.items():
+        if not isinstance(part, dict) or set(part) - {"autoencoder", "synced"}:
+            raise ConfigError(f"lgc state {names!r}: expected ['autoencoder', 'synced'] per slot list")
+        if names in keys and part.get("autoencoder") is not None:
+            out["autoencoder"][keys[names]] = part["autoencoder"]
+        if names in keys and part.get("synced"):
+            out["synced"][keys[names]] = True
+    return out
 
 
 def list_slot(layout: Layout) -> Slot:
-    """The slot a compressed slot list's residual is kept under: its names joined by ``|``, d values."""
+    """The slot a compressed slot list's state is kept under: its names joined by ``|``, d values."""
     return Slot(name="|".join(layout.names), index=0, numel=layout.d)
 
 
