@@ -113,7 +113,9 @@ def test_a_state_saved_before_ranks_were_recorded_still_loads():
     assert agg.steps == 2
 
 
-def test_different_parameters_on_the_simulated_workers_are_refused_before_anything_is_sent():
+def _step_with_a_parameter_missing_on_rank_1() -> list[tuple[Exception | None, int]]:
+    """One step of two simulated workers whose slot lists differ (rank 1 lacks the last bias): per rank, what
+    step() raised (None if nothing) and the collectives booked."""
     cluster = SimulatedCluster(2)
     models = [_net() for _ in range(2)]
     named = [list(models[0].named_parameters()), list(models[1].named_parameters())[:-1]]
@@ -124,16 +126,19 @@ def test_different_parameters_on_the_simulated_workers_are_refused_before_anythi
         F.cross_entropy(m(_batch(0)[0]), _batch(0)[1]).backward()
         try:
             aggs[transport.rank].step()
-        except ConfigError as exc:
-            return str(exc), transport.counter.collectives
+        except (ConfigError, WireError) as exc:
+            return exc, transport.counter.collectives
         return None, transport.counter.collectives
 
-    for message, collectives in cluster.run(train):
-        assert (
-            message is not None
-            and "the workers' parameters differ (slot 3 is 2.bias (10 entries) on rank 0 "
+    return cluster.run(train)
+
+
+def test_different_parameters_on_the_simulated_workers_are_refused_before_anything_is_sent():
+    for error, collectives in _step_with_a_parameter_missing_on_rank_1():
+        assert isinstance(error, ConfigError) and (
+            "the workers' parameters differ (slot 3 is 2.bias (10 entries) on rank 0 "
             "but nothing on rank 1; rank 0 has 4 slots, rank 1 3)"
-            in message
+            in str(error)
         )
         assert collectives == 0  # the check is not booked, and no exchange ran
 
@@ -152,21 +157,9 @@ def test_a_slot_list_corrupted_on_its_way_raises_wire_error_not_a_parse_error(mo
         return gathered
 
     monkeypatch.setattr(exchange_module, "_setup_all_gather", corrupting)
-    cluster = SimulatedCluster(2)
-    models = [_net() for _ in range(2)]
-    named = [list(models[0].named_parameters()), list(models[1].named_parameters())[:-1]]
-    aggs = [gradcomp.GradientAggregator(n, _topk(), t) for n, t in zip(named, cluster.transports)]
-
-    def train(transport):
-        m = models[transport.rank]
-        F.cross_entropy(m(_batch(0)[0]), _batch(0)[1]).backward()
-        with pytest.raises((ConfigError, WireError)) as caught:
-            aggs[transport.rank].step()
-        return caught.type, str(caught.value), transport.counter.collectives
-
-    (type0, message0, collectives0), (type1, message1, collectives1) = cluster.run(train)
-    assert type0 is ConfigError and "the workers' parameters differ (slot 3 is 2.bias" in message0
-    assert type1 is WireError and "checksum" in message1
+    (error0, collectives0), (error1, collectives1) = _step_with_a_parameter_missing_on_rank_1()
+    assert isinstance(error0, ConfigError) and "the workers' parameters differ (slot 3 is 2.bias" in str(error0)
+    assert isinstance(error1, WireError) and "checksum" in str(error1)
     assert collectives0 == collectives1 == 0
 
 
