@@ -105,7 +105,7 @@ def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: tor
 
     For k >= n/4 a permutation's prefix. Otherwise draw with replacement, in rounds of about 1.25·k, and keep
     the first k distinct values in draw order: the first k distinct values of an i.i.d. uniform sequence are
-    a uniform k-subset. (A full ``randperm(n)`` to keep 1 % costs 100× more.) The answer is a function of
+    a uniform k-subset. (A full ``randperm(n)`` to keep 1 % does about n / k times the work.) The answer is a function of
     the generator's stream alone, so it is looked for in a prefix of the first round first, just longer than
     k (``_draw_sizes``): the first k distinct values lie there unless more than about k²/n draws repeat.
     Drawing a round in two calls draws the same numbers as in one.

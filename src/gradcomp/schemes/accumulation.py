@@ -105,7 +105,7 @@ def largest(x: Tensor, n: int) -> Tensor:
 
     ``torch.topk`` makes no promise about *which* of equal values it returns, but the n-th largest value itself
     is well defined. So: every coordinate above it, then the lowest-indexed ones equal to it until there are n
-    (ascending order within each group). A stable sort would give the same set at 6–9× the time. A NaN
+    (ascending order within each group). A stable sort would give the same set at several times the cost. A NaN
     counts as the largest magnitude (as in ``torch.topk``), so there are always n.
 
     On the device path (``wire.bits.host_path`` False) nothing is read back: the n chosen coordinates are the
