@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import sys
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
@@ -322,3 +323,16 @@ def test_gradcomp_train_trains_with_the_plugin_scheme(tmp_path, capsys):
     assert main(args[:-4] + ["--param", "density=2"]) == 2
     err = capsys.readouterr().err
     assert "density (the fraction of each slot's entries sent) must be a number in (0, 1], got 2" in err
+
+
+def test_the_docs_walkthrough_shows_the_plugins_code_as_it_is():
+    """docs/adding-a-method.md quotes the compressor's class and the plugin's entry points: each quoted block
+    stands verbatim in examples/plugin, so the page cannot drift from the code it walks through."""
+    root = Path(__file__).resolve().parent.parent
+    blocks = re.findall(r"```(\w+)\n(.*?)```", (root / "docs" / "adding-a-method.md").read_text(), re.S)
+    compressor = (root / "examples" / "plugin" / "gradcomp_blocksign.py").read_text()
+    project = (root / "examples" / "plugin" / "pyproject.toml").read_text()
+    quoted = [b for lang, b in blocks if lang == "python" and b.startswith("class BlockSign(")]
+    assert len(quoted) == 1 and quoted[0] in compressor
+    tomls = [b for lang, b in blocks if lang == "toml"]
+    assert tomls and all(b in project for b in tomls)
