@@ -15,16 +15,24 @@ import gradcomp
 
 def test_an_interrupt_in_the_calling_thread_stops_every_worker_at_its_next_rendezvous():
     steps_done = [0, 0]
+    running = [threading.Event(), threading.Event()]
 
     def worker(t):
         deadline = time.perf_counter() + 30  # far longer than the test waits
         while time.perf_counter() < deadline:
             t.all_reduce_sum(torch.ones(4))
             steps_done[t.rank] += 1
+            running[t.rank].set()
             time.sleep(0.001)
         return "finished"
 
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C
+    def ctrl_c():  # once both workers are in their loop (not at a fixed delay: a busy machine starts them late)
+        for event in running:
+            event.wait(20)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Thread(target=ctrl_c, daemon=True)
     started = time.perf_counter()
     timer.start()
     with pytest.raises(KeyboardInterrupt):
