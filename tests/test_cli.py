@@ -84,6 +84,22 @@ def test_simulated_train_gives_the_spawned_runs_model(tmp_path):
     assert sim["syncs"] == real["syncs"] == 6
 
 
+def test_list_into_a_reader_that_leaves_early_is_quiet():
+    """`gradcomp list | head -1`: the closed pipe ends the command without a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    code = "import sys; from gradcomp.cli import run; sys.argv = ['gradcomp', 'list']; run()"
+    lister = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                              bufsize=0)
+    lister.stdout.close()  # the reader is gone before the command writes its first line
+    stderr = lister.stderr.read().decode()
+    assert lister.wait(timeout=120) == 1
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
 @pytest.mark.slow
 def test_train_as_launched_by_torchrun(tmp_path):
     import os

@@ -317,7 +317,14 @@ def run() -> None:
     # same setting themselves, unless GRADCOMP_KEEP_FREED_MEMORY=0. Not in main(): a caller of main() in its
     # own process (a notebook, the tests) keeps its allocator as it was.
     keep_freed_memory()
-    code = main()
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader of our output left (``gradcomp list | head``): what it wanted it has; say nothing more.
+        # stdout is pointed at /dev/null so that the interpreter's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
     if launched_by_torchrun():
         sys.stdout.flush()
         sys.stderr.flush()
