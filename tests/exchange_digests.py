@@ -9,7 +9,12 @@ mt19937 to a counter-based SplitMix64 (for the compiled kernel): only the parame
 changed (cnat, cnat-ps-both, topk+cnat), no byte count. Re-recorded on 2026-11-24 on another machine (an AVX-512
 FP16 Xeon), whose float kernels round differently: every parameter digest changed there, every byte count stayed
 the same (the variable-size ones too); the file now also holds ``arithmetic_fingerprint()`` of the recording
-machine, and the parameter digests are compared only on a machine with the same fingerprint.
+machine, and the parameter digests are compared only on a machine with the same fingerprint. Byte counts re-recorded
+on 2026-12-05: every configuration that encodes a container message sends 4 bytes more up and receives 4 more down
+per step (200 over 50 steps), the all-reduced flag by which the workers agree that no rank refused a message
+(train.exchange.settle); the summed-only ones (none, none-model, fp16, bf16, random-k, random block) are unchanged,
+and so is every parameter digest. That change went unseen for a week because the byte counts were compared only
+with the parameters, on the recording machine; they are now compared on every machine.
 
 A digest is the SHA-256 of the flat parameters after the last step, plus the bytes each worker sent up and received
 down, so a changed trajectory or a changed wire format both show.
