@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradcomp.protocols.sizes import check_size, pad_to
+from gradcomp.protocols.sizes import check_size, pad_to, received_lengths
 from gradcomp.transport.base import CONTROL
 from gradcomp.transport.requests import AllToAll, Rounds
 
@@ -33,8 +33,8 @@ def alltoall_buffers(rank: int, buffers: Sequence[Tensor], known: Sequence[int] 
         longest_mine = max(lengths)
         sizes = torch.tensor([[n, longest_mine] for n in lengths], dtype=torch.int64, device=device)
         received = yield AllToAll(sizes, kind=CONTROL)
-        incoming = [int(n) for n in received[:, 0].tolist()]  # length of worker i's buffer for me
-        chunk = max(int(n) for n in received[:, 1].tolist())  # the longest buffer anyone sends
+        incoming = received_lengths(received[:, 0].tolist(), "the all-to-all's length round")  # worker i's for me
+        chunk = max(received_lengths(received[:, 1].tolist(), "the all-to-all's length round"))  # anyone's longest
     else:
         for j, buffer in enumerate(buffers):
             check_size(buffer, known[j], f"worker {rank}'s buffer for worker {j}")

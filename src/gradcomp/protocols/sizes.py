@@ -4,6 +4,14 @@ A size round costs one collective, i.e. one more wait for every worker, for a fe
 knows every buffer's length in advance (a message of fixed-width fields: its wire layout follows from the
 compressor's specs, ``wire.encoded_size``), the protocols take those lengths instead and skip the round;
 ``known_sizes`` checks this worker's buffer against them before anything is sent.
+
+The lengths a size round brings are plain int64 values, not container messages: framing each of them would
+add 30 bytes to every variable-size message's 8. They are checked instead (``received_lengths``) before any
+buffer is allocated for them: a length no container message can have (negative, or beyond the header's u32
+body length) raises ``WireError`` on the worker that received it. A corrupted length that is still possible
+cuts or pads a message, which the message's own checksum and length field then refuse, or, where it changes
+the padded size of the next collective on one worker only, leaves the workers' collectives unequal, which the
+process group reports (gloo's size check, or its time-out).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from torch import Tensor
 from gradcomp.errors import WireError
 from gradcomp.transport.base import CONTROL
 from gradcomp.transport.requests import AllGather, Broadcast, Rounds
+from gradcomp.wire import MAX_MESSAGE_BYTES
 
 
 def exchange_sizes(buffer: Tensor) -> Rounds:
@@ -23,7 +32,21 @@ def exchange_sizes(buffer: Tensor) -> Rounds:
     in one transfer (``AllGather(read=True)``: a step's verdict on finiteness can ride on it)."""
     mine = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
     gathered = yield AllGather(mine, kind=CONTROL, read=True)
-    return [int(s) for s in gathered]
+    return received_lengths(gathered, "the size round")
+
+
+def received_lengths(values, what: str) -> list[int]:
+    """``values`` (message lengths in bytes, one per worker, as a round brought them) as ints, after checking
+    that each is a length a container message can have: in [0, MAX_MESSAGE_BYTES]. Raises WireError naming the
+    round and the worker otherwise, before anything is allocated for it."""
+    lengths = [int(v) for v in values]
+    for worker, n in enumerate(lengths):
+        if not 0 <= n <= MAX_MESSAGE_BYTES:
+            raise WireError(
+                f"{what} brought length {n} for worker {worker}'s message, which no message can have (0 to "
+                f"{MAX_MESSAGE_BYTES} bytes): a control value corrupted on its way; nothing was allocated for it"
+            )
+    return lengths
 
 
 def exchange_lengths(length: Tensor, also: Tensor, layout: Tensor) -> Rounds:
@@ -38,7 +61,9 @@ def exchange_lengths(length: Tensor, also: Tensor, layout: Tensor) -> Rounds:
     gathered, mine = yield AllGather(sent, kind=CONTROL, read=True, also=also)
     n = sent.numel()  # (the same on every worker: the specs fix how many layout values a message has)
     rows = [[int(v) for v in gathered[r : r + n]] for r in range(0, len(gathered), n)]
-    return [row[0] for row in rows], [row[1:] for row in rows], [int(v) for v in mine]
+    # (the layout values are checked where they are used: wire.container refuses any a message cannot have)
+    lengths = received_lengths([row[0] for row in rows], "the size round")
+    return lengths, [row[1:] for row in rows], [int(v) for v in mine]
 
 
 def buffer_sizes(buffer: Tensor, rank: int, known: Sequence[int] | None = None) -> Rounds:
@@ -97,7 +122,7 @@ def broadcast_buffer(
             count = torch.zeros(1, dtype=torch.int64, device=device)
         count = yield Broadcast(count, root, kind=CONTROL, peer=peer)
         # the root knows its own length: only the others read the broadcast one (a wait for the device on a GPU)
-        length = buffer.numel() if buffer is not None else int(count.item())
+        length = buffer.numel() if buffer is not None else received_lengths([count.item()], "the length broadcast")[0]
     if buffer is None:
         buffer = torch.empty(length, dtype=torch.uint8, device=device)
     return (yield Broadcast(buffer, root, peer=peer))

@@ -107,6 +107,7 @@ __all__ = [
     "encoded_size",
     "HEADER_BYTES",
     "SECTION_HEADER_BYTES",
+    "MAX_MESSAGE_BYTES",
     "FORMAT_VERSION",
     "MAGIC",
     "DeviceChecks",
@@ -128,6 +129,7 @@ _HEADER = struct.Struct("<2sBBHHIQ")
 _SECTION = struct.Struct("<BBII")
 assert _HEADER.size == HEADER_BYTES and _SECTION.size == SECTION_HEADER_BYTES
 _U32_MAX = (1 << 32) - 1
+MAX_MESSAGE_BYTES = HEADER_BYTES + _U32_MAX  # the header's u32 body length bounds every message
 _MAX_POSITIONS_UNIVERSE = 1 << 32  # bits_needed(universe) must fit pack_bits' 32-bit maximum
 
 
