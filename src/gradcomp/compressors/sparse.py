@@ -105,10 +105,10 @@ def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: tor
 
     For k >= n/4 a permutation's prefix. Otherwise draw with replacement, in rounds of about 1.25·k, and keep
     the first k distinct values in draw order: the first k distinct values of an i.i.d. uniform sequence are
-    a uniform k-subset. (A full ``randperm(n)`` to keep 1 % does about n / k times the work.) The answer is a function of
-    the generator's stream alone, so it is looked for in a prefix of the first round first, just longer than
-    k (``_draw_sizes``): the first k distinct values lie there unless more than about k²/n draws repeat.
-    Drawing a round in two calls draws the same numbers as in one.
+    a uniform k-subset. (A full ``randperm(n)`` to keep 1 % does about n / k times the work.) The answer is a
+    function of the generator's stream alone, so it is looked for in a prefix of the first round first, just
+    longer than k (``_draw_sizes``): the first k distinct values lie there unless more than about k²/n draws
+    repeat. Drawing a round in two calls draws the same numbers as in one.
 
     On the CPU with the compiled kernels, from 4097 positions and down to a density of 1/1024
     (``kernels.sample``), they are found with a bitmap of n bits and a radix sort instead
@@ -246,8 +246,8 @@ def scatter_dense(numel: int, positions: Tensor, values: Tensor) -> Tensor:
 # _CHUNK entries through small per-thread scratch buffers (numpy's comparison and flatnonzero kernels, which
 # on one thread run several times faster than torch's bool comparison and nonzero): no d-sized temporary is
 # allocated, and fresh multi-megabyte tensors are what costs most on the CPU (their pages are faulted in and
-# zeroed on first touch; 40 MB cost eight times the arithmetic on them). Other devices and dtypes use the
-# plain torch expressions, which give the same positions.
+# zeroed on first touch, which costs more than the arithmetic on them: docs/host_performance.md). Other devices
+# and dtypes use the plain torch expressions, which give the same positions.
 
 _CHUNK = 1 << 18  # entries per chunk: 1 MB of float32 scratch plus 256 kB of mask, cache-resident
 FAST_MIN = 1 << 16  # smaller tensors use torch.topk / nonzero directly: fixed costs would dominate

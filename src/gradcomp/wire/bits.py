@@ -107,8 +107,8 @@ def _work_dtype(width: int) -> torch.dtype:
 
 
 # Up to this many values on the CPU, numpy's packbits / unpackbits (LSB-first bit order: the same layout)
-# do the work: a handful of numpy calls instead of ~3·width torch ops, whose fixed cost (~10 us each)
-# dominates the small messages of per-layer compression (a bias's top-k positions).
+# do the work: a handful of numpy calls instead of ~3·width torch ops, whose fixed cost per call dominates the
+# small messages of per-layer compression (a bias's top-k positions; docs/host_performance.md).
 _SMALL = 4096
 _BIT_WEIGHTS = {w: 1 << np.arange(w, dtype=np.int64) for w in range(1, _MAX_WIDTH + 1)}
 

@@ -34,8 +34,8 @@ format can carry (the length field is a u32, so at most 2^35 bits):
 
 Speed, and why a wheel. CRC-32C comes from ``google-crc32c`` (Google's C library behind a small Python
 extension, Apache-2.0, binary wheels on PyPI; it uses the SSE 4.2 / ARMv8 CRC instructions), CRC-32 from
-Intel's ISA-L through ``isal`` (``isal.isal_zlib.crc32``: binary wheels on PyPI, PCLMUL folding, an order of
-magnitude faster than zlib's table-driven CRC-32, which had been the largest part of encoding an fp16 message;
+Intel's ISA-L through ``isal`` (``isal.isal_zlib.crc32``: binary wheels on PyPI, PCLMUL folding, far faster than
+zlib's table-driven CRC-32, which had been the largest part of encoding an fp16 message;
 the standard library's ``zlib.crc32`` computes the same values and is used if ``isal`` cannot be imported,
 ``CRC32_IMPLEMENTATION`` says which). A vectorised numpy or torch CRC would need per-byte table lookups or GF(2)
 matrix folding in many array passes and would run far below the wheels' memory speed. The speeds of both CRCs,

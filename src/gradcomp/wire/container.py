@@ -411,8 +411,8 @@ def _given_layout(specs: list, codecs: list, values: Sequence[int]) -> tuple[lis
     return _placed(specs, codecs, counts, streams)
 
 
-# Up to this many data bytes, CPU sections are copied by numpy (about 1 us) rather than by a torch slice, view
-# and copy_ (several times numpy's fixed cost), which matters for messages of many small sections (one per layer);
+# Up to this many data bytes, CPU sections are copied by numpy rather than by a torch slice, view and copy_
+# (several times numpy's fixed cost), which matters for messages of many small sections (one per layer);
 # above it torch's copy, faster than numpy's on large bodies, wins (docs/host_performance.md).
 _SMALL_COPY = 1 << 16
 

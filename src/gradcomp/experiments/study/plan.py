@@ -75,7 +75,7 @@ DEFAULT_METHODS = (
 )
 FP32 = "none"
 WARMUP_STEPS = 2
-TIMED_STEPS = 8  # a colocated timing of 3 steps moved by up to 2x between two plans of the same code
+TIMED_STEPS = 8  # a colocated timing of 3 steps was not repeatable between two plans of the same code
 COMPUTE_REPEATS = 5
 CACHE_FORMAT = 7  # bump when a measure_* function below changes what it measures
 SMALL_MARGIN = 0.05  # a recommendation that saves less than this fraction of fp32's step says so
