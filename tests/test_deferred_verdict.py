@@ -29,6 +29,9 @@ DEFERRED = {
     "lgc-training": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 3}, "auto"),
     "lgc-compressed": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 1}, "auto"),
     "lgc-ps": ("lgc", {"density": 0.25, "dense_steps": 1, "topk_steps": 1, "variant": "ps"}, "auto"),
+    # fixed sizes both ways: the verdict rides on the all-to-all and is read with the owner's checks of it
+    "topk-ef-sharded": ("topk", {"density": 0.25, "error_feedback": True}, "sharded"),
+    "cnat-sharded": ("cnat", {}, "sharded"),
 }
 
 
@@ -62,11 +65,10 @@ def test_a_non_finite_step_is_abandoned_at_the_one_read_and_undone_exactly(label
     assert device_path.count(True) == 6 * 3 + 5 * 3 - 3  # every other step went through the deferred path too
 
 
-AT_FIRST_MESSAGE = {  # sizes that vary, or a first message the verdict cannot wait after (ps, sharded)
+AT_FIRST_MESSAGE = {  # sizes that vary, or a first message the verdict cannot wait after (ps)
     "threshold": ("threshold", {"threshold": 0.01, "error_feedback": True}, "auto"),
     "threshold-ps": ("threshold", {"threshold": 0.01, "error_feedback": True}, "ps"),
     "threshold-sharded": ("threshold", {"threshold": 0.01, "error_feedback": True}, "sharded"),
-    "topk-ef-sharded": ("topk", {"density": 0.25, "error_feedback": True}, "sharded"),
     "qsgd-ps": ("qsgd", {}, "ps"),
     "sbc": ("sbc", {"density": 0.25}, "auto"),
     "stc": ("stc", {"density": 0.25}, "auto"),
@@ -76,7 +78,7 @@ AT_FIRST_MESSAGE = {  # sizes that vary, or a first message the verdict cannot w
 
 @pytest.mark.parametrize("label", list(AT_FIRST_MESSAGE))
 def test_a_variable_size_step_agrees_on_its_first_message_and_is_undone_exactly(label, device_path):
-    """Sizes that vary (or ps, sharded): a bad worker's tensors are zeroed on the device and the verdict, marked on
+    """Sizes that vary (or ps): a bad worker's tensors are zeroed on the device and the verdict, marked on
     the device, is read with the size exchange (or the first message every worker contributes to): the same step
     raises on every worker and is undone exactly."""
     _abandoned_and_undone(label, *AT_FIRST_MESSAGE[label], device_path)

@@ -24,12 +24,14 @@ METHODS = {
     "topk-ef": lambda: gradcomp.make("topk", density=0.25, error_feedback=True),
     "signum": lambda: gradcomp.make("signum"),
     "topk-ef-ps": lambda: gradcomp.make("topk", density=0.25, error_feedback=True),
+    # two rounds; on the device path the verdict rides on the all-to-all and is read by every shard owner
+    "cnat-sharded": lambda: gradcomp.make("cnat"),
     "none": lambda: gradcomp.make("none"),
     # all-reduce only: on the device path the DDP hook reads their verdict once per backward pass, at the last bucket
     "powersgd": lambda: gradcomp.make("powersgd"),
     "fp16": lambda: gradcomp.make("fp16"),
 }
-TOPOLOGY = {"topk-ef-ps": "ps"}
+TOPOLOGY = {"topk-ef-ps": "ps", "cnat-sharded": "sharded"}
 
 
 def _net() -> nn.Module:

@@ -11,6 +11,7 @@ from.
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
 import threading
@@ -26,7 +27,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.registry import BUILTIN
-from gradcomp.sync_budget import BUDGETS, FIXED_SIZE, READS_NOTHING_HANDED_ON, NOTES, VERDICT_IN_RESULT
+from gradcomp.sync_budget import (
+    BUDGETS, FIXED_SIZE, NOTES, READS_NOTHING_HANDED_ON, TOPOLOGIES, VERDICT_IN_RESULT, topology_table,
+)
 from gradcomp.train import ddp_hook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -373,6 +376,41 @@ def test_variable_messages_come_to_the_host_in_one_transfer_whatever_the_world_s
     bad[-1] ^= 1  # a flipped bit in the last section's data: the checksum no longer matches
     with pytest.raises(WireError, match="checksum"):
         aggregate_buffers(compressor, slots, [buffers[0], buffers[1], bad], 0, torch.device("cpu"))
+
+
+def _count_simulated(name: str, topology: str, world: int, steps: int):
+    """Every worker's reads over ``steps`` steps of GradientAggregator on a simulated cluster of ``world``."""
+    from gradcomp.transport.sim import SimulatedCluster
+
+    base = _model()
+
+    def work(transport):
+        model = copy.deepcopy(base)
+        aggregator = gradcomp.GradientAggregator(model, _method(name), transport, topology=topology)
+        for step in range(steps):
+            x, y = _batch(10 * step + transport.rank)
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            aggregator.step()
+
+    with SimulatedCluster(world) as cluster, counting() as counter:
+        cluster.run(work)
+    return counter
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("name", ["cnat", "topk", "none"])
+def test_a_topologys_reads_per_step_are_its_budget(name, topology, device_paths):
+    """A steady-state step's reads (those of 3 steps less those of 2, the same set-up in both) at W = 2 and 3:
+    the root's (or an owner's) and each other worker's budget, whatever W."""
+    root, other = TOPOLOGIES[topology][0]
+    for world in (2, 3):
+        three, two = (_count_simulated(name, topology, world, steps) for steps in (3, 2))
+        assert three.total - two.total == root + (world - 1) * other, f"{name} over {topology}, W = {world}: {three}"
+
+
+def test_the_docs_topology_table_is_the_budget():
+    assert topology_table() in (ROOT / "docs" / "gpu.md").read_text()
 
 
 def test_the_docs_table_is_the_budget():

@@ -131,6 +131,23 @@ BEFORE: dict[str, tuple[int | None, int | None]] = {
 }  # fmt: skip
 
 
+# Topologies: reads per worker and step of a fixed-size method (C_nat, top-k, none: the same counts) under
+# GradientAggregator on the simulated cluster, whatever W; (the parameter server's root or shard owner, each other
+# worker), (the same at 2782a3e), what they are. tests/test_sync_count.py counts them at W = 2 and 3.
+TOPOLOGIES: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = {
+    "allgather": ((1, 1), (1, 1), "the budget above: the verdict with every message's checks, once per step"),
+    "sharded": ((2, 2), (5, 5), "1 read at each shard owner of the W buffers it received, their checks with the "
+                "agreed verdict (which rode on the all-to-all: Sharded.defers_verdict), before it compresses its "
+                "aggregate again (a message that fails its checks, or a sum that overflowed, must be known before "
+                "anything is sent on); 1 read, at the step's end, of the owners' downstream buffers' checks, held for "
+                "it (wire.container.hold_for_the_pass)"),
+    "ps": ((5, 3), (6, 4), "every worker: its verdict, read before the gather (not deferred: the root would have "
+           "to pass the marks it gathers on in its broadcast without reading them; not done), the mark of the root's broadcast, and the step's end, which reads "
+           "the downstream message's checks held for it; the root also: the marks of the gathered messages, and "
+           "its checks of them before it compresses their aggregate again"),
+}  # fmt: skip
+
+
 def markdown_table() -> str:
     """The table of docs/gpu.md (tests/test_sync_count.py checks that the page shows these numbers)."""
     lines = [
@@ -143,4 +160,15 @@ def markdown_table() -> str:
         was = "–" if before[0] is None else f"{before[0]} / {before[1]}"
         kind = "fixed" if name in FIXED_SIZE else "variable"
         lines.append(f"| `{name}` | {kind} | {a} | {d} | {was} | {note} |")
+    return "\n".join(lines)
+
+
+def topology_table() -> str:
+    """The topologies' table of docs/gpu.md (tests/test_sync_count.py checks that the page shows these numbers)."""
+    lines = [
+        "| topology | root or owner | each other worker | at 2782a3e | what they are |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name, ((root, other), (was_root, was_other), note) in TOPOLOGIES.items():
+        lines.append(f"| `{name}` | {root} | {other} | {was_root} / {was_other} | {note} |")
     return "\n".join(lines)

@@ -84,7 +84,7 @@ from gradcomp.protocols import allgather_buffers, alltoall_buffers
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots, fixed_buffer_size
 from gradcomp.transport.requests import Rounds
-from gradcomp.wire.container import fetch_together
+from gradcomp.wire.container import DeviceChecks, fetch_together, hold_for_the_pass
 
 
 def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
@@ -178,6 +178,13 @@ class Sharded(Scheme):
         for slot in slots:
             self.layout(slot)
 
+    def defers_verdict(self, slots: Sequence[Slot]) -> bool:
+        """Messages of sizes the specs fix both ways: the workers' verdict rides on the all-to-all and is read with
+        the owner's checks of the buffers it received (``aggregate_buffers``), before it compresses its aggregate
+        again, in the one read the owner makes there anyway; a bad step is abandoned there on every worker."""
+        up, down = self.fixed_sizes(slots)
+        return up is not None and down is not None
+
     def fixed_sizes(self, slots: Sequence[Slot]) -> tuple[list[int] | None, list[int] | None]:
         """Bytes of the buffer every worker sends to owner j, and of owner j's downstream buffer, for every j,
         when the specs fix them (fixed-width messages; None when a message's size depends on the data): every
@@ -231,14 +238,21 @@ class Sharded(Scheme):
         gathered = yield from allgather_buffers(rank, downstream, down_sizes)
         results = [torch.empty(s.numel, dtype=torch.float32, device=device) for s in slots]
         specs = [[spec for _, s in owned for spec in self.server_compressor.specs(s)] for owned in per_owner]
-        with fetch_together([(buffer, sp) for buffer, sp, owned in zip(gathered, specs, per_owner) if owned]):
+        # every owner's buffer decoded on the device and its checks read once with the others' (or held for the
+        # step's or the DDP hook's pass's one read: these shards are this worker's result, sent on to no one)
+        later = DeviceChecks()
+        held = [(buffer, sp) for buffer, sp, owned in zip(gathered, specs, per_owner) if owned]
+        with later.collecting(), fetch_together(held):
             for j, (owned, buffer) in enumerate(zip(per_owner, gathered)):
                 if not owned:
                     continue
                 shard_slots = [s for _, s in owned]
-                for (i, shard), fields in zip(owned, decode_slots(self.server_compressor, shard_slots, buffer)):
+                decoded = decode_slots(self.server_compressor, shard_slots, buffer, later)
+                for (i, shard), fields in zip(owned, decoded):
                     start, stop = self.layout(slots[i]).bounds[j]
                     results[i][start:stop] = self.server_compressor.decompress(fields, shard, step)
+        if not hold_for_the_pass(later):
+            later.read()
         return results
 
     # -- state -----------------------------------------------------------------------------------------------

@@ -411,10 +411,16 @@ class SingleRound(Scheme):
         downstream = yield from parameter_server(
             self.rank, self._encoded(slots, tensors, step), serve, self.root, sizes, downstream_size
         )
-        return [
-            self.server_compressor.decompress(fields, s, step)
-            for s, fields in zip(slots, decode_slots(self.server_compressor, slots, downstream))
-        ]
+        # this worker's result, sent on to no one: its checks may wait for the step's (or the pass's) one read
+        later = DeviceChecks()
+        with later.collecting():
+            result = [
+                self.server_compressor.decompress(fields, s, step)
+                for s, fields in zip(slots, decode_slots(self.server_compressor, slots, downstream, later))
+            ]
+        if not hold_for_the_pass(later):
+            later.read()
+        return result
 
     # -- state -----------------------------------------------------------------------------------------------
 
