@@ -151,3 +151,32 @@ def test_a_step_of_broadcasts_only_agrees_in_one_flag_round_after_them(flag):
     with SimulatedCluster(3) as cluster:
         assert cluster.run(lambda t: fn(t, None)) == [(True, 10.0)] * 3
         assert cluster.run(lambda t: fn(t, 2)) == [(False, None)] * 3
+
+
+def test_sharded_with_a_worker_that_owns_nothing_agrees_at_the_first_message(device_path):
+    """Slots smaller than W leave some worker without a shard to serve, so it makes no owner's read that could
+    take the deferred verdict: the sharded topology then agrees at its first message, and a NaN on one worker
+    stops every worker at the same step (deferred, the others abandoned before the all-gather that this one
+    entered: a collective of unequal sizes)."""
+    import gradcomp
+    from gradcomp.transport.sim import SimulatedCluster
+
+    def work(transport):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)  # slots of 2 and 1 entries: worker 2 of 3 owns no entry
+        aggregator = gradcomp.GradientAggregator(model, gradcomp.make("cnat"), transport, topology="sharded")
+        raised = []
+        for step in range(4):
+            x = torch.randn(4, 2)
+            if step == 2 and transport.rank == 1:
+                x[0, 0] = float("nan")
+            model.zero_grad()
+            model(x).sum().backward()
+            try:
+                aggregator.step()
+            except gradcomp.NonFiniteGradientError:
+                raised.append(step)
+        return raised
+
+    with SimulatedCluster(3, timeout=30) as cluster:
+        assert cluster.run(work) == [[2], [2], [2]]

@@ -181,9 +181,12 @@ class Sharded(Scheme):
     def defers_verdict(self, slots: Sequence[Slot]) -> bool:
         """Messages of sizes the specs fix both ways: the workers' verdict rides on the all-to-all and is read with
         the owner's checks of the buffers it received (``aggregate_buffers``), before it compresses its aggregate
-        again, in the one read the owner makes there anyway; a bad step is abandoned there on every worker."""
+        again, in the one read the owner makes there anyway; a bad step is abandoned there on every worker. Not where
+        some worker owns no entry (slots smaller than W): it makes no such read, and would go on to the all-gather
+        that the others abandoned."""
         up, down = self.fixed_sizes(slots)
-        return up is not None and down is not None
+        every_owner = all(self.owned(slots, j) for j in range(self.world_size))
+        return up is not None and down is not None and every_owner
 
     def fixed_sizes(self, slots: Sequence[Slot]) -> tuple[list[int] | None, list[int] | None]:
         """Bytes of the buffer every worker sends to owner j, and of owner j's downstream buffer, for every j,
