@@ -8,9 +8,9 @@ oneDNN's by processor). So the recorded digests are compared only on the torch r
 (2.13.0, which constraints.txt pins) and on a machine whose float arithmetic gives the recorded
 ``arithmetic_fingerprint``; elsewhere those comparisons are skipped, saying why. What holds on every machine is
 checked on every machine: the recorded byte counts, and that the simulated cluster and 4 real gloo workers send
-the same bytes for every configuration and end with the same parameters wherever no allreduce sums floats in gloo's own order (live, both
-computed here), and the wire formats themselves are checked on any
-torch and processor by tests/test_wire_stability.py.
+the same bytes for every configuration and end with the same parameters wherever no allreduce sums floats in
+gloo's own order (live, both computed here); the wire formats themselves are checked on any torch and processor by
+tests/test_wire_stability.py.
 """
 
 from __future__ import annotations

@@ -142,9 +142,10 @@ TOPOLOGIES: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = {
                 "anything is sent on); 1 read, at the step's end, of the owners' downstream buffers' checks, held for "
                 "it (wire.container.hold_for_the_pass)"),
     "ps": ((5, 3), (6, 4), "every worker: its verdict, read before the gather (not deferred: the root would have "
-           "to pass the marks it gathers on in its broadcast without reading them; not done), the mark of the root's broadcast, and the step's end, which reads "
-           "the downstream message's checks held for it; the root also: the marks of the gathered messages, and "
-           "its checks of them before it compresses their aggregate again"),
+           "to pass the marks it gathers on in its broadcast without reading them; not done), the mark of the "
+           "root's broadcast, and the step's end, which reads the downstream message's checks held for it; the "
+           "root also: the marks of the gathered messages, and its checks of them before it compresses their "
+           "aggregate again"),
 }  # fmt: skip
 
 

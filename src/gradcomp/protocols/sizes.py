@@ -122,7 +122,10 @@ def broadcast_buffer(
             count = torch.zeros(1, dtype=torch.int64, device=device)
         count = yield Broadcast(count, root, kind=CONTROL, peer=peer)
         # the root knows its own length: only the others read the broadcast one (a wait for the device on a GPU)
-        length = buffer.numel() if buffer is not None else received_lengths([count.item()], "the length broadcast")[0]
+        if buffer is not None:
+            length = buffer.numel()
+        else:
+            length = received_lengths([count.item()], "the length broadcast")[0]
     if buffer is None:
         buffer = torch.empty(length, dtype=torch.uint8, device=device)
     return (yield Broadcast(buffer, root, peer=peer))

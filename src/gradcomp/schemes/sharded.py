@@ -244,8 +244,8 @@ class Sharded(Scheme):
         # every owner's buffer decoded on the device and its checks read once with the others' (or held for the
         # step's or the DDP hook's pass's one read: these shards are this worker's result, sent on to no one)
         later = DeviceChecks()
-        held = [(buffer, sp) for buffer, sp, owned in zip(gathered, specs, per_owner) if owned]
-        with later.collecting(), fetch_together(held):
+        served = [(buffer, sp) for buffer, sp, owned in zip(gathered, specs, per_owner) if owned]
+        with later.collecting(), fetch_together(served):
             for j, (owned, buffer) in enumerate(zip(per_owner, gathered)):
                 if not owned:
                     continue

@@ -25,6 +25,6 @@ from gradcomp.wire.golomb import golomb_decode, golomb_encode, optimal_rice_para
 
 __all__ = [
     "Codec", "FieldSpec", "FLOAT_DTYPES", "encode", "decode", "encoded_size", "HEADER_BYTES", "SECTION_HEADER_BYTES",
-    "MAX_MESSAGE_BYTES", "FORMAT_VERSION", "pack_bits", "unpack_bits", "bits_needed", "pack_bool", "unpack_bool", "golomb_encode",
-    "golomb_decode", "optimal_rice_parameter", "checksum64",
+    "MAX_MESSAGE_BYTES", "FORMAT_VERSION", "pack_bits", "unpack_bits", "bits_needed", "pack_bool", "unpack_bool",
+    "golomb_encode", "golomb_decode", "optimal_rice_parameter", "checksum64",
 ]
