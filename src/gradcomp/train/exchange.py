@@ -541,14 +541,17 @@ def _mark(t: Tensor, chunks: int = 1, value: float = float("nan")) -> Tensor:
 
 
 def _mark_flags(received: list[Tensor] | Tensor, chunks: int = 1) -> Tensor:
-    """For each received tensor (or chunk of one), whether its sender marked it: a bool tensor, nothing read."""
+    """For each received tensor (or chunk of one), whether its sender marked it: a bool tensor, nothing read.
+    Only what a mark changes is looked at (a float's first entry, a container's first two bytes), not copied
+    whole: with W gathered messages a copy of all of them cost more than decoding them (a simulated cluster of 256)."""
     parts = received if isinstance(received, list) else [received]
-    rows = torch.cat([r.reshape(chunks, -1) for r in parts])
-    if rows.is_floating_point():
-        return ~torch.isfinite(rows[:, 0])
-    if rows.dtype == torch.int64:
-        return (rows < 0).any(dim=1)
-    return (rows[:, 0] == NF_MARK[0]) & (rows[:, 1] == NF_MARK[1])
+    rows = [r.reshape(chunks, -1) for r in parts]
+    if rows[0].is_floating_point():
+        return ~torch.isfinite(torch.cat([r[:, 0] for r in rows]))
+    if rows[0].dtype == torch.int64:  # sizes and counts: every entry of a marked one is negative
+        return torch.cat([(r < 0).any(dim=1) for r in rows])
+    heads = torch.cat([r[:, :2] for r in rows])
+    return (heads[:, 0] == NF_MARK[0]) & (heads[:, 1] == NF_MARK[1])
 
 
 def _marked(received: list[Tensor] | Tensor, chunks: int = 1) -> list[bool]:
