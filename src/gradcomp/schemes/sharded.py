@@ -185,8 +185,7 @@ class Sharded(Scheme):
         some worker owns no entry (slots smaller than W): it makes no such read, and would go on to the all-gather
         that the others abandoned."""
         up, down = self.fixed_sizes(slots)
-        every_owner = all(self.owned(slots, j) for j in range(self.world_size))
-        return up is not None and down is not None and every_owner
+        return up is not None and down is not None and all(up)  # (an owner of nothing is sent 0 bytes)
 
     def fixed_sizes(self, slots: Sequence[Slot]) -> tuple[list[int] | None, list[int] | None]:
         """Bytes of the buffer every worker sends to owner j, and of owner j's downstream buffer, for every j,
