@@ -34,7 +34,8 @@ def rows_table(result: dict) -> str:
             f"| {r['compressor']} | {setting} | {'bare cast (xcast)' if cast else 'copy (xbeside)'} "
             f"| {1000 * r['compress_encode_s']:.2f} | {'–' if ref_s is None else f'{1000 * ref_s:.2f}'} "
             f"| {'–' if value is None else f'{value:.3g}'} "
-            f"| {'≤' if cast else '≥'} {r['target']:.3g} | {'met' if ok else ('MISSED' if ok is False else '–')} |")
+            f"| {'≤' if cast else '≥'} {r['target']:.3g} "
+            f"| {'met' if ok else ('MISSED' if ok is False else '–')} |")
     lines.append("")
     lines.append(f"{met} of {total} targeted rows met.")
     return "\n".join(lines)

@@ -297,9 +297,9 @@ def measure_method(
     bucket's slots with the hook's ``min_compression_rate`` (a small tensor that would not compress travels in a
     dense all-reduce), the copy of the averages back into the bucket, and the scheme told at the last bucket
     which slots the pass held, with the ranks' agreement on refused messages (``settle``: one 4-byte all-reduce per
-    pass of a method that sends containers); for ``none``, ``fp16`` and ``bf16`` the hook's own all-reduce of the bucket buffer
-    (in place, or of its cast; divided by W, its finiteness folded into the first entry and read back), with no
-    exchange. A multi-round
+    pass of a method that sends containers); for ``none``, ``fp16`` and ``bf16`` the hook's own all-reduce of the
+    bucket buffer (in place, or of its cast; divided by W, its finiteness folded into the first entry and read
+    back), with no exchange. A multi-round
     method (PowerSGD) then runs its rounds once per bucket, and a variable-size one (SBC) its size round once
     per bucket, as in the race. What the hook does on top, handing each bucket to its communication thread
     while backward runs, is not in this measurement. With
