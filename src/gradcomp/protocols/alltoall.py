@@ -33,8 +33,9 @@ def alltoall_buffers(rank: int, buffers: Sequence[Tensor], known: Sequence[int] 
         longest_mine = max(lengths)
         sizes = torch.tensor([[n, longest_mine] for n in lengths], dtype=torch.int64, device=device)
         received = yield AllToAll(sizes, kind=CONTROL)
-        incoming = received_lengths(received[:, 0].tolist(), "the all-to-all's length round")  # worker i's for me
-        chunk = max(received_lengths(received[:, 1].tolist(), "the all-to-all's length round"))  # anyone's longest
+        rows = received.tolist()  # one read for both columns (two, before: one per column)
+        incoming = received_lengths([r[0] for r in rows], "the all-to-all's length round")  # worker i's for me
+        chunk = max(received_lengths([r[1] for r in rows], "the all-to-all's length round"))  # anyone's longest
     else:
         for j, buffer in enumerate(buffers):
             check_size(buffer, known[j], f"worker {rank}'s buffer for worker {j}")
