@@ -141,11 +141,11 @@ TOPOLOGIES: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = {
                 "aggregate again (a message that fails its checks, or a sum that overflowed, must be known before "
                 "anything is sent on); 1 read, at the step's end, of the owners' downstream buffers' checks, held for "
                 "it (wire.container.hold_for_the_pass)"),
-    "ps": ((5, 3), (6, 4), "every worker: its verdict, read before the gather (not deferred: the root would have "
-           "to pass the marks it gathers on in its broadcast without reading them; not done), the mark of the "
-           "root's broadcast, and the step's end, which reads the downstream message's checks held for it; the "
-           "root also: the marks of the gathered messages, and its checks of them before it compresses their "
-           "aggregate again"),
+    "ps": ((2, 1), (6, 4), "every worker: 1 read at the step's end, of the downstream message's checks (held for "
+           "it) with the mark of the root's broadcast; the root also: 1 read of the gathered messages' checks with "
+           "the agreed verdict (which rode on the gather: SingleRound.passes_verdict_on) before it compresses their "
+           "aggregate again; a bad verdict, or an aggregate that is not finite, goes on in place of its broadcast "
+           "(wire.container.AbandonedHere), and every worker abandons the step at its step's end read"),
 }  # fmt: skip
 
 

@@ -62,6 +62,13 @@ class Scheme(ABC):
         at that read. False (read at the first message) unless a scheme says otherwise."""
         return False
 
+    def passes_verdict_on(self, slots: Sequence[Slot]) -> bool:
+        """Whether a deferred verdict may ride on a parameter server's gather (the step's first message): only the
+        root reads it there, with its checks of what it gathered, so only a scheme whose server then broadcasts an
+        abandoned message in place of its aggregate (``wire.container.AbandonedHere``) may say so. False unless a
+        scheme says otherwise: the verdict is then read at the gather, on every worker."""
+        return False
+
     def verdict_in_result(self, slots: Sequence[Slot]) -> bool:
         """Whether a step that one worker's non-finite gradients spoil ends with a NaN in every worker's result
         and changes no state: a GradScaler's own check of the result is then the workers' verdict, and the

@@ -84,7 +84,10 @@ from gradcomp.protocols import allgather_buffers, alltoall_buffers
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots, fixed_buffer_size
 from gradcomp.transport.requests import Rounds
-from gradcomp.wire.container import DeviceChecks, fetch_together, hold_for_the_pass
+from gradcomp.wire.container import (
+    AbandonedHere, DeviceChecks, abandon_flags, abandon_message, add_to_verdict, deferring, fetch_together,
+    hold_for_the_pass,
+)
 
 
 def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
@@ -230,14 +233,19 @@ class Sharded(Scheme):
         # 4. serve: aggregate my shards, compress them again, one downstream buffer
         mine = [s for _, s in per_owner[rank]]
         if mine:
-            aggregates = aggregate_buffers(self.compressor, mine, received, step, device)
-            down = [self.server_compressor.compress(a, s, step) for s, a in zip(mine, aggregates)]
-            downstream = encode_slots(self.server_compressor, mine, down)
+            try:
+                aggregates = aggregate_buffers(self.compressor, mine, received, step, device)
+                down = [self.server_compressor.compress(a, s, step) for s, a in zip(mine, aggregates)]
+                downstream = encode_slots(self.server_compressor, mine, down)
+            except AbandonedHere:  # (a deferred verdict: fixed sizes) my aggregate is not finite: the others must
+                downstream = abandon_message(down_sizes[rank], device)  # learn it from my buffer
         else:
             downstream = torch.empty(0, dtype=torch.uint8, device=device)
 
         # 5. all-gather of the owners' buffers; everyone puts every shard in place
         gathered = yield from allgather_buffers(rank, downstream, down_sizes)
+        if deferring():  # an owner's abandoned buffer abandons the step on every worker, at the step's end's read
+            add_to_verdict(abandon_flags(gathered))
         results = [torch.empty(s.numel, dtype=torch.float32, device=device) for s in slots]
         specs = [[spec for _, s in owned for spec in self.server_compressor.specs(s)] for owned in per_owner]
         # every owner's buffer decoded on the device and its checks read once with the others' (or held for the

@@ -43,8 +43,12 @@ from gradcomp.transport.requests import Rounds
 from gradcomp.transport.sim import Shared, computed_once
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
 from gradcomp.wire.container import (
+    AbandonedHere,
     DeviceChecks,
     StepAbandoned,
+    abandon_flags,
+    abandon_message,
+    add_to_verdict,
     deferring,
     fetch_together,
     free_sections,
@@ -180,9 +184,11 @@ def aggregate_buffers(
             # Not an overflow: a message itself held NaN / Inf (on the device path compressors do not refuse one: a
             # NaN / Inf in g + residual, a norm that overflows float32 travels in the message instead; on either
             # path a compressor may make one that no check of its own sees). Every worker sees the same messages,
-            # so every worker abandons the step here, its state restored, instead of applying it. (A server's or a
-            # shard's aggregate, not final, goes on as it is: the others could not learn of an abandon here.)
-            raise StepAbandoned
+            # so every worker abandons the step here, its state restored, instead of applying it. A server's or a
+            # shard owner's aggregate (not final) is seen by this worker alone: it sends an abandoned message in its
+            # place (AbandonedHere, while the verdict is deferred), from which every worker learns it at its next
+            # read; outside a deferred step it goes on as it is (the others could not learn of an abandon here).
+            raise StepAbandoned if final else AbandonedHere
         results.append(compressor.aggregate(total, 1))
     return results
 
@@ -251,8 +257,18 @@ class SingleRound(Scheme):
         return {"compressor": self.compressor, "topology": self.topology}
 
     def defers_verdict(self, slots: Sequence[Slot]) -> bool:
-        """Messages of a size the specs fix, all-reduced or all-gathered (a parameter server's root decides alone)."""
-        return self.topology in ("allreduce", "allgather") and self._fixed_size(self.compressor, slots) is not None
+        """Messages of a size the specs fix: all-reduced, all-gathered, or through a parameter server whose downstream
+        message's size the server compressor's specs fix too (``passes_verdict_on``)."""
+        if self._fixed_size(self.compressor, slots) is None:
+            return False
+        return self.topology != "ps" or self._fixed_size(self.server_compressor, slots) is not None
+
+    def passes_verdict_on(self, slots: Sequence[Slot]) -> bool:
+        """A parameter server of fixed sizes both ways: the verdict rides on the gather, the root reads it with its
+        checks of the gathered messages (the read it makes before it compresses their aggregate again) and, if it
+        is bad, broadcasts an abandoned message of the downstream size instead; every worker reads that message's
+        mark with its checks at the step's end (or the DDP hook's pass's), and all abandon the step there."""
+        return self.topology == "ps" and self.defers_verdict(slots)
 
     def verdict_in_result(self, slots: Sequence[Slot]) -> bool:
         """All-reduced by a compressor that declares it (``nan_in_result``: none, fp16, bf16, random-k and random
@@ -401,7 +417,12 @@ class SingleRound(Scheme):
         device = tensors[0].device
 
         def serve(buffers: list[Tensor]) -> Tensor:
-            aggregates = aggregate_buffers(self.compressor, slots, buffers, step, device)
+            try:
+                aggregates = aggregate_buffers(self.compressor, slots, buffers, step, device)
+            except (StepAbandoned, AbandonedHere):  # a deferred verdict (fixed sizes both ways), read here alone:
+                if not deferring():  # a bad one, or an aggregate that is not finite, goes to every worker in place
+                    raise  # of the downstream message
+                return abandon_message(downstream_size, device)
             down = [self.server_compressor.compress(a, s, step) for s, a in zip(slots, aggregates)]
             return encode_slots(self.server_compressor, slots, down)
 
@@ -411,6 +432,8 @@ class SingleRound(Scheme):
         downstream = yield from parameter_server(
             self.rank, self._encoded(slots, tensors, step), serve, self.root, sizes, downstream_size
         )
+        if deferring():  # the root's abandoned message abandons the step on every worker, at the read below
+            add_to_verdict(abandon_flags([downstream]))
         # this worker's result, sent on to no one: its checks may wait for the step's (or the pass's) one read
         later = DeviceChecks()
         with later.collecting():

@@ -50,8 +50,8 @@ from gradcomp.transport.requests import (
 )
 from gradcomp.wire.bits import host_path
 from gradcomp.wire.container import (
-    Codec, DeviceChecks, FieldSpec, Refusals, StepAbandoned, decode, defer_verdict, encode, encoded_size,
-    refusing_later, take_verdict,
+    ABANDON_MARK, Codec, DeviceChecks, FieldSpec, Refusals, StepAbandoned, decode, defer_verdict, encode,
+    encoded_size, refusing_later, take_verdict,
 )
 
 TOPOLOGIES = (*SINGLE_ROUND_TOPOLOGIES, "sharded")
@@ -375,10 +375,13 @@ class GradientExchange:
                 inputs = tensors if finite else [torch.zeros_like(t) for t in tensors]
             read = not (defer and handed_on and self.scheme.verdict_in_result(slots))
             read = verdicts if read and defer else read
+            served = defer and self.scheme.passes_verdict_on(slots)
             started_sending: list[bool] = []
             rounds = _watched(self.scheme.run(slots, inputs, step), started_sending)
             try:
-                agreed, result = drive_agreeing(self.transport, rounds, finite, after_rounds=defer, read=read)
+                agreed, result = drive_agreeing(
+                    self.transport, rounds, finite, after_rounds=defer, read=read, served=served
+                )
             except StepAbandoned:  # an all-gather's aggregate a message made non-finite: the same on every worker
                 agreed, result = False, None
             except NonFiniteGradientError as refused:
@@ -513,7 +516,7 @@ def first_difference(lists: Sequence[Sequence[tuple[str, int]]]) -> str:
 
 # -- agreeing that a step is finite, on the step's first message ---------------------------------------------------
 
-NF_MARK = (ord("N"), ord("F"))  # bytes 0-1 of a byte message from a worker whose gradients are not finite (else b"GC")
+NF_MARK = tuple(ABANDON_MARK)  # bytes 0-1 of a byte message from a worker whose gradients are not finite (b"NF")
 
 
 def _can_mark(t: Tensor, chunks: int = 1) -> bool:
@@ -597,7 +600,7 @@ def _flag_round(transport: Transport, rounds: Rounds, request: Request, bad: boo
 
 def drive_agreeing(
     transport: Transport, rounds: Rounds, finite: bool | Tensor, *, after_rounds: bool = True,
-    read: bool | list[Tensor] | None = True,
+    read: bool | list[Tensor] | None = True, served: bool = False,
 ) -> tuple[bool, Any]:
     """Run a scheme's rounds like ``drive``, with this worker's finiteness riding on the step's first message.
 
@@ -621,10 +624,12 @@ def drive_agreeing(
     exchange makes anyway. Elsewhere ``finite`` is read at once and all goes as above. ``read=False`` (a deferred
     verdict that the result carries, for a GradScaler to read): the verdict left after the rounds is not read; a
     list: it is appended there, for the caller to read later (``GradientExchange.exchange(verdicts=...)``); None:
-    read, as True.
+    read, as True. ``served`` (``Scheme.passes_verdict_on``): a first message that is a parameter server's gather
+    carries the device flag too; the root reads the verdict with its checks of what it gathered, and passes a bad
+    one on in its broadcast (``wire.container.AbandonedHere``), which every worker reads at its step's end.
     """
     if isinstance(finite, Tensor):
-        return _drive_deferred(transport, rounds, finite, after_rounds, read)
+        return _drive_deferred(transport, rounds, finite, after_rounds, read, served)
     world = transport.world_size
     try:
         request = next(rounds)
@@ -680,10 +685,12 @@ def _past_broadcasts(
 
 
 def _drive_deferred(
-    transport: Transport, rounds: Rounds, finite: Tensor, after_rounds: bool, read: bool | list[Tensor] | None = True
+    transport: Transport, rounds: Rounds, finite: Tensor, after_rounds: bool, read: bool | list[Tensor] | None = True,
+    served: bool = False,
 ) -> tuple[bool, Any]:
     """``drive_agreeing`` with a device flag: the verdict read with the sizes, after the rounds, or at once (or,
-    after the rounds, not at all: ``read=False``; handed to the caller: ``read`` a list)."""
+    after the rounds, not at all: ``read=False``; handed to the caller: ``read`` a list). ``served``: a first
+    gather to a parameter server carries it too (the root's to read and pass on)."""
     try:
         request = next(rounds)
     except StopIteration as done:
@@ -700,8 +707,10 @@ def _drive_deferred(
             rounds.close()
             return False, None
         return True, _continue(transport, rounds, values)
+    gather = isinstance(request, Gather) and served and after_rounds
     if not (
         isinstance(request, (AllGather, AllToAll)) or (isinstance(request, AllReduce) and t.is_floating_point())
+        or gather
     ) or not _can_mark(t, chunks) or host_path(t):
         return _agree_now(transport, rounds, request, bool(finite))
     value = float("inf") if isinstance(request, AllReduce) and request.op == "max" else float("nan")
@@ -715,7 +724,11 @@ def _drive_deferred(
             rounds.close()
             return False, None
         return True, _continue(transport, rounds, received)
-    defer_verdict(_mark_flags(received, chunks).any())
+    if gather:  # the root reads the verdict with its checks (and passes it on); the others learn it from the root
+        defer_verdict(_mark_flags(received).any() if received is not None else torch.zeros((), dtype=torch.bool,
+                                                                                            device=t.device))
+    else:
+        defer_verdict(_mark_flags(received, chunks).any())
     try:
         result = _continue(transport, rounds, received)
     except StepAbandoned:  # a device read found the verdict bad: every worker abandons the step at that read

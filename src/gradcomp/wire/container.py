@@ -116,7 +116,12 @@ __all__ = [
     "check_pending",
     "check_received",
     "StepAbandoned",
+    "AbandonedHere",
+    "ABANDON_MARK",
+    "abandon_message",
+    "abandon_flags",
     "defer_verdict",
+    "add_to_verdict",
     "deferring",
     "take_verdict",
 ]
@@ -1201,6 +1206,36 @@ class StepAbandoned(Exception):
     """
 
 
+class AbandonedHere(Exception):
+    """Only this worker found that the step must be abandoned, as a server (a parameter server's root, a shard's
+    owner) whose aggregate of finite-looking messages is not finite, or the only worker to read a gathered verdict
+    (the root). Raised only while the verdict is deferred (``deferring``): the server then sends an abandoned
+    message (``abandon_message``) in place of its aggregate, and every worker learns of it from that message at its
+    next read, at the same point (``abandon_flags``, ``add_to_verdict``)."""
+
+
+ABANDON_MARK = b"NF"  # the first two bytes of a message that says "abandon this step" (a container starts with MAGIC)
+
+
+def abandon_message(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 buffer of ``nbytes`` (at least 2; a fixed-size message's length, which every receiver expects) that
+    says "abandon this step" and nothing else: ``ABANDON_MARK``, then zeros."""
+    out = torch.zeros(int(nbytes), dtype=torch.uint8, device=device)
+    out[0], out[1] = ABANDON_MARK
+    return out
+
+
+def abandon_flags(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Whether any of the received uint8 ``buffers`` says "abandon this step" (starts with ``ABANDON_MARK``): a
+    one-element bool tensor on their device, nothing read (an empty buffer says nothing)."""
+    heads = [b[:2] for b in buffers if b.numel() >= 2]
+    if not heads:
+        device = buffers[0].device if buffers else None
+        return torch.zeros((), dtype=torch.bool, device=device)
+    head = torch.stack(heads)
+    return ((head[:, 0] == ABANDON_MARK[0]) & (head[:, 1] == ABANDON_MARK[1])).any()
+
+
 _verdict = threading.local()  # .flag: this thread's pending verdict of the step (a bool tensor, True = abandon)
 
 
@@ -1217,6 +1252,13 @@ def deferring() -> bool:
     ``defer_verdict(None)``, whether or not a read has taken the flag yet): such a step may be abandoned by
     raising StepAbandoned on every worker at the same point."""
     return getattr(_verdict, "deferring", False)
+
+
+def add_to_verdict(flag: torch.Tensor) -> None:
+    """Adds ``flag`` (a one-element bool tensor, True: abandon) to the step's deferred verdict: the next device read
+    reads both (the pending verdict or'ed with it, or ``flag`` alone where a read took the verdict already)."""
+    pending = take_verdict()
+    defer_verdict(flag.reshape(()) if pending is None else pending.reshape(()) | flag.reshape(()).to(pending.device))
 
 
 def take_verdict() -> torch.Tensor | None:
