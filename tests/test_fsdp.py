@@ -587,6 +587,50 @@ def test_a_compression_that_overflows_on_one_rank_stops_every_rank(name):
     assert run_workers(_overflowing_reduce_scatter, 2, name, timeout=120) == [(0, False, True), (0, True, True)]
 
 
+def _owner_overflow(rank, world, name, params):
+    """Three compressed reduce-scatters of finite rows; rank 1's row for rank 0 is 3e38 from the second on (at the
+    second half of it: SBC keeps the rest as residuals, and its third message, gradient plus residual, is Inf;
+    QSGD's 2-norm of that chunk overflows at once). Only rank 0 aggregates that chunk. Per call: what this rank
+    raised, and whether the compressor's state is unchanged."""
+    import gradcomp
+    from distributed import same
+
+    model = _shard(_model(), world)
+    state = gradcomp.compress_fsdp(model, gradcomp.make(name, **params))
+    comm = state.comms[-1]
+    events = []
+    for call in range(3):
+        rows = torch.full((world, comm.row), 0.5)
+        if rank == 1 and call:
+            rows[0] = 3e38
+            if call == 1:
+                rows[0, ::2] = 0.5
+        before = state.state_dict()
+        try:
+            comm(output_tensor=torch.zeros(comm.row), input_tensor=rows.reshape(-1), group=None, op=dist.ReduceOp.AVG)
+            events.append((call, "applied"))
+        except gradcomp.NonFiniteGradientError as exc:
+            events.append((call, exc.step, same(before, state.state_dict())))
+    return events
+
+
+@pytest.mark.parametrize("name,params,path,bad", [
+    ("sbc", {"density": 0.1}, "host", 2), ("sbc", {"density": 0.1}, "device", 2), ("qsgd", {}, "device", 1),
+])  # fmt: skip
+def test_an_owners_aggregate_that_a_message_makes_non_finite_stops_every_rank(name, params, path, bad, monkeypatch):
+    """A rank aggregates its own shard only, so a message that makes that aggregate non-finite is seen by that rank
+    alone. It used to raise there alone: StepAbandoned (an internal exception) left the other rank waiting at the
+    pass's end until the time-out on the host path, and on the device path one rank undid the call while the other
+    applied it. Every rank now learns it in the pass's end agreement (train.exchange.settle) and raises the same
+    error at the same call, no state changed."""
+    if path == "device":
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    runs = run_workers(_owner_overflow, 2, name, params, timeout=120)
+    want = [(0, "applied"), *[(1, "applied")] * (bad == 2), *[(call, bad, True) for call in range(bad, 3)]]
+    assert runs == [want, want]
+
+
 def _refusals(rank, world):
     import gradcomp
 

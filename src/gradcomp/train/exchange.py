@@ -147,22 +147,31 @@ def settle(
     the flag is computed where the checks are (``DeviceChecks.fault_flag``) and its sum is read in the one
     transfer that reads the checks and the ``verdicts`` (``read_after``): no read more than before.
 
+    A flag held in ``checks`` that abandons the step (``DeviceChecks.abandon``, ``hold_for_the_pass``) may be this
+    worker's alone (an FSDP rank's aggregate of its own shard): it rides in the same all-reduced value, so every
+    worker abandons the step with it.
+
     Returns True when the verdicts say the step is abandoned as not finite (the same on every worker; refusals do
     not matter then, nothing of the step is applied). Raises WireError on every worker when some worker refused a
     message, naming the fault on the worker that refused it; the caller then puts its state back as it was before the
     step (nothing of the step may be applied). Else False.
     """
     checks = checks if checks is not None else DeviceChecks()
-    extra = []
-    if refusals.used and transport.world_size > 1:
+    extra, verdicts = [], list(verdicts)
+    world = transport.world_size
+    if refusals.used and world > 1:
         if refusals.messages:
             mine = torch.ones((), dtype=torch.bool, device=device)
         else:
             mine = checks.fault_flag(device) if checks.pending else torch.zeros((), dtype=torch.bool, device=device)
-        total = transport.all_reduce_sum(mine.to(torch.float32).reshape(1), kind=CONTROL)
-        extra = [total.reshape(()) > 0]
+        # The same 4 bytes also carry "abandon" flags that only this worker holds (an FSDP owner's aggregate of its
+        # own shard that is not finite): refused + (W + 1) * abandon, summed exactly in float32 for W below 4000.
+        value = mine.to(torch.float32) + (world + 1) * checks.abandon_flag(device).to(torch.float32)
+        total = transport.all_reduce_sum(value.reshape(1), kind=CONTROL).reshape(())
+        extra = [torch.remainder(total, world + 1) > 0]
+        verdicts.append(total >= world + 1)
     with refusing_later(refusals):
-        abandoned, seen = checks.read_after(list(verdicts), extra)
+        abandoned, seen = checks.read_after(verdicts, extra)
     if abandoned:
         return True
     at = f" at exchange {step}" if step is not None else ""

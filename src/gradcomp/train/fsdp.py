@@ -64,7 +64,10 @@ Other choices:
   round of their own (``drive_agreeing``: a bad rank marks its buffers, which every rank receives a chunk of). The
   state keeps one journal for the whole pass (``FSDPCompressionState.pass_begins``; FSDP calls every module's
   reduce-scatter once per pass, in the same order on every rank), so a bad pass puts back every slot its calls
-  changed, the finite calls before the bad one included, and every call's step count. Catch the error, call FSDP2's
+  changed, the finite calls before the bad one included, and every call's step count. A message that is itself not
+  finite makes one rank's aggregate of its own shard non-finite, which no other rank sees: that rank holds an
+  "abandon" flag, which the pass's end agreement (``train.exchange.settle``) carries to every rank, and every rank
+  raises there. Catch the error, call FSDP2's
   ``reset_iter_state()`` on the root module (its recovery after an exception in backward) and ``zero_grad()``, and
   go on: the run is then the run without that step, bit for bit (tests/test_fsdp.py). The price: the journal's copy
   of every slot's state the pass changed, held until the pass ends (with error feedback, all the residuals).
@@ -117,7 +120,7 @@ from gradcomp.train.exchange import (
 )
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import DeviceChecks, Refusals, holding_for_the_pass, refusing_later
+from gradcomp.wire.container import DeviceChecks, Refusals, StepAbandoned, holding_for_the_pass, refusing_later
 
 try:  # torch >= 2.6 (FSDP2's custom collectives: 2.8)
     from torch.distributed.fsdp import FSDPModule
@@ -240,7 +243,13 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                 slots = [s for _, s in mine]
                 if not mine:
                     return []
-                return aggregate_buffers(compressor, slots, received, step, input_tensor.device, final=True)
+                try:
+                    return aggregate_buffers(compressor, slots, received, step, input_tensor.device, final=True)
+                except StepAbandoned:  # (read at once) a message made this rank's aggregate of its own shard not
+                    # finite: the others cannot see it; every rank learns it at the pass's end (settle), which
+                    # abandons the pass there. (Deferred, the aggregate's flag is held for that read instead.)
+                    state.pass_checks.abandon(torch.ones((), dtype=torch.bool, device=input_tensor.device))
+                    return [torch.full((s.numel,), float("nan"), device=input_tensor.device) for s in slots]
 
             held = isinstance(finite, Tensor)  # (a refusal made it a bool: read at once)
             state.pass_device = input_tensor.device

@@ -1017,6 +1017,19 @@ class DeviceChecks:
         """Whether checks (or flags held for a pass) wait here to be read."""
         return bool(self._items or self._received or self._abandon)
 
+    def abandon(self, flag: torch.Tensor) -> None:
+        """Holds ``flag`` (a one-element bool tensor, True: abandon the step) to be read with the checks, as
+        :func:`hold_for_the_pass` does with an aggregate's."""
+        self._abandon.append(flag)
+
+    def abandon_flag(self, device: torch.device) -> torch.Tensor:
+        """Whether any flag held here says abandon, as a one-element bool tensor on ``device`` (nothing read): for
+        the workers to agree on it where only this worker holds it (``train.exchange.settle``; an FSDP owner's
+        aggregate of its own shard)."""
+        if not self._abandon:
+            return torch.zeros((), dtype=torch.bool, device=device)
+        return torch.stack([f.reshape(()).to(device=device, dtype=torch.bool) for f in self._abandon]).any()
+
     def copy_from(self, other: DeviceChecks) -> None:
         """Adds ``other``'s pending checks and held flags to these, leaving ``other`` as it is (a simulated cluster's
         aggregate, computed once: every worker holds the checks it would have made itself)."""
