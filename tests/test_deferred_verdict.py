@@ -133,77 +133,19 @@ def test_a_message_that_overflows_inside_a_compressor_abandons_the_step_on_every
     assert device_path.count(False) == 2
 
 
-def _server_overflow(transport, topology: str) -> list[tuple]:
-    """QSGD over ``topology``; at step 2 worker 1's gradients are finite but the last row of the weight's is 3e38,
-    so one shard's (sharded: the last owner's) or the root's aggregate is not finite while the others are."""
-    from distributed import same
-
-    import gradcomp
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(40, 30)
-    agg = gradcomp.GradientAggregator(model, gradcomp.make("qsgd"), transport, topology=topology)
-    events = []
-    for step in range(4):
-        for p in model.parameters():
-            p.grad = torch.full_like(p, 0.5 + transport.rank)
-        if step == 2 and transport.rank == 1:
-            model.weight.grad[-1].fill_(3e38)  # finite; its shard's 2-norm is not
-        before = agg.state_dict()["exchange"]
-        try:
-            agg.step()
-            events.append((step, all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())))
-        except gradcomp.NonFiniteGradientError as exc:
-            events.append((step, exc.step, same(before, agg.state_dict()["exchange"])))
-    return events
-
-
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("topology", ["sharded", "ps"])
 def test_a_servers_aggregate_that_a_message_makes_non_finite_abandons_the_step_on_every_worker(
     topology, world, device_path
 ):
     """A shard owner or a parameter server is the only worker that sees its aggregate; when a message makes it
-    non-finite under a deferred verdict, it cannot stop alone (the others wait in its collective, which hung until
-    the time-out): it sends an abandoned message in its aggregate's place, and every worker abandons the step at its
-    next read, the state as before it."""
-    from gradcomp.transport.sim import SimulatedCluster
+    non-finite under a deferred verdict (QSGD: fixed sizes), it cannot stop alone (the others wait in its collective,
+    which hung until the time-out): it sends an abandoned message in its aggregate's place, and every worker
+    abandons the step at its next read, the state as before it."""
+    from test_faults import server_overflow_run
 
-    with SimulatedCluster(world, timeout=30) as cluster:
-        per_worker = cluster.run(lambda t: _server_overflow(t, topology))
-    assert per_worker == [[(0, True), (1, True), (2, 2, True), (3, True)]] * world
+    assert server_overflow_run("qsgd", topology, world) == [[(0, True), (1, True), (2, 2, True), (3, True)]] * world
     assert device_path.count(False) == world  # abandoned through the deferred verdict, on every worker
-
-
-def _hook_server_overflow(rank: int, world: int, topology: str) -> dict:
-    import torch.distributed as dist
-    from distributed import same
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import gradcomp
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(40, 30)
-    ddp = DDP(model, bucket_cap_mb=0.001)
-    state = gradcomp.register_ddp_hook(ddp, gradcomp.make("qsgd"), topology=topology)
-    events = []
-    for step in range(4):
-        x = torch.full((1, 40), 0.5 + rank)
-        if step == 2 and rank == 1:
-            x.fill_(3e38)  # the last row of the weight's gradient: finite, its shard's 2-norm is not
-        before = state.state_dict()["exchange"]
-        try:
-            ddp(x)[:, -1].sum().backward()
-            events.append((step, "applied"))
-        except RuntimeError:
-            failure = state.failure
-            events.append((step, type(failure).__name__, getattr(failure, "step", None),
-                           same(before, state.state_dict()["exchange"])))
-            break
-    state.close(timeout=20)
-    t = torch.ones(1)
-    dist.all_reduce(t)  # the group is usable at once
-    return {"events": events, "sum": float(t)}
 
 
 @pytest.mark.slow
@@ -211,12 +153,9 @@ def _hook_server_overflow(rank: int, world: int, topology: str) -> dict:
 def test_the_hook_abandons_a_pass_whose_server_aggregate_is_not_finite_on_every_rank(topology, device_path):
     """The same under the DDP hook, two gloo processes: both ranks raise NonFiniteGradientError in backward at the
     same step, the state unchanged, and the group is free at once (no rank left waiting in a collective)."""
-    from distributed import run_workers
+    from test_faults import check_hook_server_overflow
 
-    runs = run_workers(_hook_server_overflow, 2, topology, timeout=120)
-    want = [(0, "applied"), (1, "applied"), (2, "NonFiniteGradientError", 2, True)]
-    assert [r["events"] for r in runs] == [want, want]
-    assert [r["sum"] for r in runs] == [2.0, 2.0]
+    check_hook_server_overflow("qsgd", topology)
 
 
 @pytest.mark.parametrize("flag", ["bool", "device"])

@@ -243,6 +243,103 @@ def test_a_compression_that_overflows_on_one_worker_stops_every_worker(name):
     assert [("compression of its finite gradients" in events[0][3]) for events in per_worker] == [False, True]
 
 
+# -- a server's (or a shard owner's) aggregate that a message makes non-finite: only that worker sees it ------------
+
+
+def _spoil(name: str, step: int, grad: torch.Tensor) -> None:
+    """Rank 1's weight gradient at ``step``: its last row 3e38, finite, in the last shard (sharded) only. QSGD's
+    2-norm of it overflows at step 2; SBC sends part of it at step 1 (half the row) and keeps the rest as residuals
+    of 3e38, so its step 2 message, gradient plus residual, is Inf."""
+    if step == 2 or (step == 1 and name == "sbc"):
+        grad[-1].fill_(3e38)
+        if step == 1:
+            grad[-1, ::2] = 0.5
+
+
+def _server_overflow(transport, name: str, topology: str) -> list[tuple]:
+    from distributed import same
+
+    torch.manual_seed(0)
+    model = nn.Linear(40, 30)
+    params = {"density": 0.1} if name == "sbc" else {}
+    agg = gradcomp.GradientAggregator(model, gradcomp.make(name, **params), transport, topology=topology)
+    events = []
+    for step in range(4):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5 + transport.rank)
+        if transport.rank == 1:
+            _spoil(name, step, model.weight.grad)
+        before = agg.state_dict()["exchange"]
+        try:
+            agg.step()
+            events.append((step, all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())))
+        except gradcomp.NonFiniteGradientError as exc:
+            events.append((step, exc.step, same(before, agg.state_dict()["exchange"])))
+    return events
+
+
+def server_overflow_run(name: str, topology: str, world: int) -> list[list[tuple]]:
+    """Per worker of a simulated cluster: (step, all gradients finite) of each step applied, (step, the error's
+    step, state unchanged) of each step that raised NonFiniteGradientError."""
+    from gradcomp.transport.sim import SimulatedCluster
+
+    with SimulatedCluster(world, timeout=30) as cluster:
+        return cluster.run(lambda t: _server_overflow(t, name, topology))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("topology", ["sharded", "ps"])
+def test_a_servers_aggregate_that_a_message_makes_non_finite_stops_every_worker(topology, world):
+    """SBC over a parameter server or sharded: the root or the last shard's owner alone sees that a message made its
+    aggregate non-finite. That aggregate used to go on as it was: every worker applied Inf gradients without an
+    error, and the residuals stayed Inf for the steps after. The server now notes it for the step's end agreement
+    (settle), and every worker raises at that step, its state as before it. (The device path, where QSGD's fixed
+    sizes defer the verdict: tests/test_deferred_verdict.py.)"""
+    assert server_overflow_run("sbc", topology, world) == [[(0, True), (1, True), (2, 2, True), (3, True)]] * world
+
+
+def _hook_server_overflow(rank: int, world: int, name: str, topology: str) -> dict:
+    from distributed import same
+
+    torch.manual_seed(0)
+    model = nn.Linear(40, 30)
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    params = {"density": 0.1} if name == "sbc" else {}
+    state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name, **params), topology=topology)
+    events = []
+    for step in range(4):
+        x = torch.full((1, 40), 0.5 + rank)
+        if rank == 1:
+            _spoil(name, step, x)  # the last row of the weight's gradient is x
+        before = state.state_dict()["exchange"]
+        try:
+            ddp(x)[:, -1].sum().backward()
+            events.append((step, "applied"))
+        except RuntimeError:
+            failure = state.failure
+            events.append((step, type(failure).__name__, getattr(failure, "step", None),
+                           same(before, state.state_dict()["exchange"])))
+            break
+    state.close(timeout=20)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group is usable at once
+    return {"events": events, "sum": float(t)}
+
+
+def check_hook_server_overflow(name: str, topology: str) -> None:
+    runs = run_workers(_hook_server_overflow, 2, name, topology, timeout=120)
+    want = [(0, "applied"), (1, "applied"), (2, "NonFiniteGradientError", 2, True)]
+    assert [r["events"] for r in runs] == [want, want]
+    assert [r["sum"] for r in runs] == [2.0, 2.0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["sharded", "ps"])
+def test_the_hook_stops_every_rank_when_a_servers_aggregate_is_not_finite(topology):
+    """The same under the DDP hook, two gloo processes, on the host path."""
+    check_hook_server_overflow("sbc", topology)
+
+
 @pytest.mark.parametrize("path", ["host", "device"])
 def test_an_aggregate_that_a_message_makes_non_finite_abandons_the_step_on_every_worker(path, monkeypatch):
     """SBC keeps residuals, and no check of its own sees g + residual overflow float32: at step 2 worker 1's finite

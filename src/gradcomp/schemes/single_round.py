@@ -47,6 +47,7 @@ from gradcomp.wire.container import (
     DeviceChecks,
     StepAbandoned,
     abandon_flags,
+    abandon_later,
     abandon_message,
     add_to_verdict,
     deferring,
@@ -180,15 +181,20 @@ def aggregate_buffers(
             one.zero_()
             accumulate(compressor, decode_slots(compressor, slots, buffer)[i], slot, step, one)
             total += one.div_(len(buffers))
-        if (final or deferring()) and not all_finite(total):
+        if not all_finite(total):
             # Not an overflow: a message itself held NaN / Inf (on the device path compressors do not refuse one: a
             # NaN / Inf in g + residual, a norm that overflows float32 travels in the message instead; on either
             # path a compressor may make one that no check of its own sees). Every worker sees the same messages,
             # so every worker abandons the step here, its state restored, instead of applying it. A server's or a
             # shard owner's aggregate (not final) is seen by this worker alone: it sends an abandoned message in its
             # place (AbandonedHere, while the verdict is deferred), from which every worker learns it at its next
-            # read; outside a deferred step it goes on as it is (the others could not learn of an abandon here).
-            raise StepAbandoned if final else AbandonedHere
+            # read; else it goes on as it is, noted for the step's end agreement (abandon_later, settle), which
+            # abandons the step on every worker (outside one, as before: the others could not learn of it).
+            if final:
+                raise StepAbandoned
+            if deferring():
+                raise AbandonedHere
+            abandon_later()
         results.append(compressor.aggregate(total, 1))
     return results
 

@@ -421,7 +421,7 @@ class _CommThread:
     def _locally_bad(self) -> list[str]:
         """This rank's buckets of the pass whose gradients were not finite (read on a failure only), named by their
         parameters: their gradients are averages by now, so no closer than the bucket."""
-        return locally_bad([(names, flag) for _, flag, names in self._pass_buckets])  # (device path only)
+        return locally_bad([(names, flag) for _, flag, names in self._pass_buckets])
 
 
     @staticmethod

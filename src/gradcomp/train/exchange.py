@@ -148,8 +148,9 @@ def settle(
     transfer that reads the checks and the ``verdicts`` (``read_after``): no read more than before.
 
     A flag held in ``checks`` that abandons the step (``DeviceChecks.abandon``, ``hold_for_the_pass``) may be this
-    worker's alone (an FSDP rank's aggregate of its own shard): it rides in the same all-reduced value, so every
-    worker abandons the step with it.
+    worker's alone (an FSDP rank's aggregate of its own shard), and so is ``refusals.abandoned`` (a server's or a
+    shard owner's aggregate that a message made non-finite: ``wire.container.abandon_later``): either rides in the
+    same all-reduced value, so every worker abandons the step with it.
 
     Returns True when the verdicts say the step is abandoned as not finite (the same on every worker; refusals do
     not matter then, nothing of the step is applied). Raises WireError on every worker when some worker refused a
@@ -166,10 +167,13 @@ def settle(
             mine = checks.fault_flag(device) if checks.pending else torch.zeros((), dtype=torch.bool, device=device)
         # The same 4 bytes also carry "abandon" flags that only this worker holds (an FSDP owner's aggregate of its
         # own shard that is not finite): refused + (W + 1) * abandon, summed exactly in float32 for W below 4000.
-        value = mine.to(torch.float32) + (world + 1) * checks.abandon_flag(device).to(torch.float32)
+        here = torch.ones((), dtype=torch.bool, device=device) if refusals.abandoned else checks.abandon_flag(device)
+        value = mine.to(torch.float32) + (world + 1) * here.to(torch.float32)
         total = transport.all_reduce_sum(value.reshape(1), kind=CONTROL).reshape(())
         extra = [torch.remainder(total, world + 1) > 0]
         verdicts.append(total >= world + 1)
+    elif refusals.abandoned:
+        verdicts.append(torch.ones((), dtype=torch.bool, device=device))
     with refusing_later(refusals):
         abandoned, seen = checks.read_after(verdicts, extra)
     if abandoned:
@@ -189,12 +193,13 @@ def settle(
 
 
 def locally_bad(groups: Sequence[tuple[Sequence[str], Tensor]]) -> list[str]:
-    """Which of this worker's groups of tensors (their names, and a one-element bool device flag, True: finite) were
-    not finite, named "one of <names>": what a deferred pass can say once its gradients are averages (one read, on a
-    failure only)."""
+    """Which of this worker's groups of tensors (their names, and a one-element bool device flag, True: finite; on the
+    host path the verdict itself, a bool) were not finite, named "one of <names>": what a pass abandoned at its end
+    can say once its gradients are averages (one read, on a failure only)."""
     if not groups:
         return []
-    values = torch.stack([flag.reshape(()) for _, flag in groups]).tolist()
+    flags = [flag for _, flag in groups]
+    values = flags if isinstance(flags[0], bool) else torch.stack([f.reshape(()) for f in flags]).tolist()
     return [f"one of {', '.join(names) or '(unnamed)'}" for (names, _), ok in zip(groups, values) if not ok]
 
 

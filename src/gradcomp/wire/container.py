@@ -113,6 +113,7 @@ __all__ = [
     "DeviceChecks",
     "Refusals",
     "refusing_later",
+    "abandon_later",
     "check_pending",
     "check_received",
     "StepAbandoned",
@@ -1140,9 +1141,22 @@ class Refusals:
     def __init__(self) -> None:
         self.messages: list[str] = []
         self.used = 0
+        self.abandoned = False  # this worker alone found that the step must be abandoned (``abandon_later``)
 
 
 _refusals = threading.local()  # .now: the Refusals of the step this thread runs, inside refusing_later
+
+
+def abandon_later() -> bool:
+    """Notes, in the step's Refusals, that this worker alone found that the step must be abandoned (a server's or a
+    shard owner's aggregate that a message made non-finite, where the verdict is not deferred), for the workers to
+    agree on at the step's end with the refusals (``train.exchange.settle``); False outside
+    :func:`refusing_later` (the caller then goes on as before)."""
+    refusals = getattr(_refusals, "now", None)
+    if refusals is None:
+        return False
+    refusals.abandoned = True
+    return True
 
 
 def refusing_later(refusals: Refusals | None):
