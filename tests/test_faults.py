@@ -340,6 +340,43 @@ def test_the_hook_stops_every_rank_when_a_servers_aggregate_is_not_finite(topolo
     check_hook_server_overflow("sbc", topology)
 
 
+def _hook_refusal_behind_a_dense_slot(rank: int, world: int) -> list[tuple]:
+    from distributed import same
+
+    torch.manual_seed(0)
+    model = nn.Linear(40, 2)  # its 2-entry bias is not worth compressing: it goes first, in a dense all-reduce
+    ddp = DDP(model)
+    state = gradcomp.register_ddp_hook(ddp, gradcomp.make("qsgd"))  # (the default min_compression_rate)
+    events = []
+    for step in range(4):
+        x = torch.full((1, 40), 0.5 + rank)
+        if rank == 1 and step == 2:
+            x.fill_(3e38)  # the weight's gradient is x: finite, its 2-norm is not
+        before = state.state_dict()["exchange"]
+        try:
+            ddp(x).sum().backward()
+            events.append((step, "applied"))
+        except RuntimeError:
+            failure = state.failure
+            events.append((step, type(failure).__name__, failure.step, same(before, state.state_dict()["exchange"]),
+                           "compression of its finite gradients" in str(failure)))
+            break
+    state.close(timeout=20)
+    return events
+
+
+@pytest.mark.slow
+def test_a_refusal_behind_a_dense_slot_stops_every_rank():
+    """The DDP hook sends a bucket's slots that are not worth compressing first, in a dense all-reduce, and used to
+    compress the others after it: QSGD's refusal of rank 1's finite gradients (their 2-norm above float32's range)
+    then raised on rank 1 alone, and rank 0 waited in the all-gather until the time-out. The compression now runs
+    before anything is sent, so the refusal is rank 1's verdict and both ranks raise at step 2."""
+    runs = run_workers(_hook_refusal_behind_a_dense_slot, 2, timeout=120)
+    head = [(0, "applied"), (1, "applied")]
+    assert runs == [head + [(2, "NonFiniteGradientError", 2, True, False)],
+                    head + [(2, "NonFiniteGradientError", 2, True, True)]]
+
+
 @pytest.mark.parametrize("path", ["host", "device"])
 def test_an_aggregate_that_a_message_makes_non_finite_abandons_the_step_on_every_worker(path, monkeypatch):
     """SBC keeps residuals, and no check of its own sees g + residual overflow float32: at step 2 worker 1's finite

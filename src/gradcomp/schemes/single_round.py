@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -218,6 +219,16 @@ def _add_buffer(
             accumulate(compressor, fields, slot, step, total)
 
 
+def _from(rounds: Rounds, first: Any) -> Rounds:
+    """The rest of ``rounds``, which has yielded ``first`` already (its first request): ``yield from`` it."""
+    request = first
+    try:
+        while True:
+            request = rounds.send((yield request))
+    except StopIteration as done:
+        return done.value
+
+
 class SingleRound(Scheme):
     name = "single-round"
 
@@ -304,13 +315,23 @@ class SingleRound(Scheme):
             return (yield from self._compressed(slots, tensors, step))
         results: list[Tensor | None] = [None] * len(slots)
         dense = [i for i, k in enumerate(keep) if not k]
+        chosen = [i for i, k in enumerate(keep) if k]
+        # The chosen slots are compressed before the dense all-reduce is sent (their rounds run up to their first
+        # request): a compressor that refuses this worker's finite gradients (QSGD's norm above float32's range)
+        # then raises before anything of the step is sent, where the exchange turns it into this worker's verdict,
+        # not after the all-reduce, on this worker alone, with the others waiting in the next collective.
+        compressed = self._compressed([slots[i] for i in chosen], [tensors[i] for i in chosen], step)
+        try:
+            first = next(compressed) if chosen else None
+        except StopIteration as done:
+            first, out = None, done.value
         flat = torch.cat([tensors[i].reshape(-1).to(torch.float32) for i in dense]).div_(self.world_size)
         summed = yield from allreduce_sum(flat, inplace=True)
         for i, piece in zip(dense, torch.split(summed, [slots[i].numel for i in dense])):
             results[i] = piece
-        chosen = [i for i, k in enumerate(keep) if k]
+        if first is not None:
+            out = yield from _from(compressed, first)
         if chosen:
-            out = yield from self._compressed([slots[i] for i in chosen], [tensors[i] for i in chosen], step)
             for i, r in zip(chosen, out):
                 results[i] = r
         return results
