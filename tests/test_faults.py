@@ -256,13 +256,14 @@ def _spoil(name: str, step: int, grad: torch.Tensor) -> None:
             grad[-1, ::2] = 0.5
 
 
-def _server_overflow(transport, name: str, topology: str) -> list[tuple]:
+def _server_overflow(transport, name: str, topology: str, server: str | None = None) -> list[tuple]:
     from distributed import same
 
     torch.manual_seed(0)
     model = nn.Linear(40, 30)
     params = {"density": 0.1} if name == "sbc" else {}
-    agg = gradcomp.GradientAggregator(model, gradcomp.make(name, **params), transport, topology=topology)
+    extra = {} if server is None else {"server_compressor": gradcomp.make(server)}
+    agg = gradcomp.GradientAggregator(model, gradcomp.make(name, **params), transport, topology=topology, **extra)
     events = []
     for step in range(4):
         for p in model.parameters():
@@ -278,13 +279,29 @@ def _server_overflow(transport, name: str, topology: str) -> list[tuple]:
     return events
 
 
-def server_overflow_run(name: str, topology: str, world: int) -> list[list[tuple]]:
+def server_overflow_run(name: str, topology: str, world: int, server: str | None = None) -> list[list[tuple]]:
     """Per worker of a simulated cluster: (step, all gradients finite) of each step applied, (step, the error's
     step, state unchanged) of each step that raised NonFiniteGradientError."""
     from gradcomp.transport.sim import SimulatedCluster
 
     with SimulatedCluster(world, timeout=30) as cluster:
-        return cluster.run(lambda t: _server_overflow(t, name, topology))
+        return cluster.run(lambda t: _server_overflow(t, name, topology, server))
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("topology", ["sharded", "ps"])
+def test_a_server_compressor_that_cannot_compress_a_finite_aggregate_stops_every_worker(topology, path, monkeypatch):
+    """`none` up, QSGD down: the root's (or the last owner's) aggregate of rank 1's 3e38 row is finite, but QSGD's
+    2-norm of it is not. On the host path the server compressor refused it on that worker alone, after the step's
+    first message, and the others waited in the broadcast (all-gather) until the time-out; it now notes it for the
+    step's end agreement and sends a stand-in. On the device path, where QSGD sends its Inf norm, every worker
+    applied Inf gradients without an error; the decoded result's finiteness is now read with its checks. Either way
+    every worker raises at step 2, its state as before it."""
+    if path == "device":
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    want = [(0, True), (1, True), (2, 2, True), (3, True)]
+    assert server_overflow_run("none", topology, 3, server="qsgd") == [want] * 3
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -82,11 +82,12 @@ from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
 from gradcomp.protocols import allgather_buffers, alltoall_buffers
 from gradcomp.schemes.base import Scheme
-from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots, fixed_buffer_size
+from gradcomp.schemes.single_round import (
+    aggregate_buffers, decode_slots, encode_slots, fixed_buffer_size, read_result, serve_compressed,
+)
 from gradcomp.transport.requests import Rounds
 from gradcomp.wire.container import (
     AbandonedHere, DeviceChecks, abandon_flags, abandon_message, add_to_verdict, deferring, fetch_together,
-    hold_for_the_pass,
 )
 
 
@@ -235,8 +236,8 @@ class Sharded(Scheme):
         if mine:
             try:
                 aggregates = aggregate_buffers(self.compressor, mine, received, step, device)
-                down = [self.server_compressor.compress(a, s, step) for s, a in zip(mine, aggregates)]
-                downstream = encode_slots(self.server_compressor, mine, down)
+                downstream = serve_compressed(self.server_compressor, mine, aggregates, step,
+                                              None if down_sizes is None else down_sizes[rank], device)
             except AbandonedHere:  # (a deferred verdict: fixed sizes) my aggregate is not finite: the others must
                 downstream = abandon_message(down_sizes[rank], device)  # learn it from my buffer
         else:
@@ -261,8 +262,7 @@ class Sharded(Scheme):
                 for (i, shard), fields in zip(owned, decoded):
                     start, stop = self.layout(slots[i]).bounds[j]
                     results[i][start:stop] = self.server_compressor.decompress(fields, shard, step)
-        if not hold_for_the_pass(later):
-            later.read()
+        read_result(later, results)
         return results
 
     # -- state -----------------------------------------------------------------------------------------------

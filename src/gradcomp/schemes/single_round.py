@@ -35,8 +35,8 @@ from torch import Tensor
 
 from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, accumulate, new_tally, select_sized
 from gradcomp.compressors.dense import NoCompression
-from gradcomp.errors import ConfigError
-from gradcomp.finite import all_finite
+from gradcomp.errors import ConfigError, NonFiniteGradientError
+from gradcomp.finite import all_finite, finite_flag
 from gradcomp.protocols import allgather_buffers, allreduce_sum, parameter_server
 from gradcomp.protocols.sizes import exchange_lengths
 from gradcomp.schemes.base import Scheme
@@ -198,6 +198,38 @@ def aggregate_buffers(
             abandon_later()
         results.append(compressor.aggregate(total, 1))
     return results
+
+
+def serve_compressed(
+    server: Compressor, slots: Sequence[Slot], aggregates: Sequence[Tensor], step: int, size: int | None,
+    device: torch.device,
+) -> Tensor:
+    """A server's (or a shard owner's) downstream buffer: its aggregates compressed again by ``server`` and encoded.
+
+    A server compressor that refuses a finite aggregate (the host path's QSGD: a 2-norm above float32's range) does so
+    on this worker alone, after the step's first message: while the verdict is deferred the worker sends an abandoned
+    message of the downstream ``size`` instead; elsewhere it notes it for the step's end agreement (``abandon_later``)
+    and sends a stand-in (zeros compressed), and every worker abandons the step there; outside an agreement it
+    raises, as before."""
+    try:
+        down = [server.compress(a, s, step) for s, a in zip(slots, aggregates)]
+    except NonFiniteGradientError:
+        if deferring():
+            return abandon_message(size, device)
+        if not abandon_later():
+            raise
+        down = [server.compress(torch.zeros_like(a), s, step) for s, a in zip(slots, aggregates)]
+    return encode_slots(server, slots, down)
+
+
+def read_result(later: DeviceChecks, results: Sequence[Tensor]) -> None:
+    """The checks of a downstream message this worker decoded into ``results`` (the same on every worker), read, or
+    held for the DDP hook's pass. On the device path the results' finiteness is read with them: a server compressor
+    there sends what it would refuse on the host (QSGD's Inf norm) and the result is not finite on every worker alike,
+    which abandons the step (StepAbandoned) instead of applying it."""
+    bad = None if not results or host_path(results[0]) else ~finite_flag(results)
+    if not hold_for_the_pass(later, bad) and later.read([] if bad is None else [bad]) == [True]:
+        raise StepAbandoned
 
 
 def _add_buffer(
@@ -450,8 +482,7 @@ class SingleRound(Scheme):
                 if not deferring():  # a bad one, or an aggregate that is not finite, goes to every worker in place
                     raise  # of the downstream message
                 return abandon_message(downstream_size, device)
-            down = [self.server_compressor.compress(a, s, step) for s, a in zip(slots, aggregates)]
-            return encode_slots(self.server_compressor, slots, down)
+            return serve_compressed(self.server_compressor, slots, aggregates, step, downstream_size, device)
 
         size = self._fixed_size(self.compressor, slots)
         sizes = None if size is None else [size] * self.world_size
@@ -468,8 +499,7 @@ class SingleRound(Scheme):
                 self.server_compressor.decompress(fields, s, step)
                 for s, fields in zip(slots, decode_slots(self.server_compressor, slots, downstream, later))
             ]
-        if not hold_for_the_pass(later):
-            later.read()
+        read_result(later, result)
         return result
 
     # -- state -----------------------------------------------------------------------------------------------
