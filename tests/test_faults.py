@@ -394,6 +394,64 @@ def test_a_refusal_behind_a_dense_slot_stops_every_rank():
                     head + [(2, "NonFiniteGradientError", 2, True, True)]]
 
 
+def _lgc_huge(transport, variant: str, spoiled: tuple[int, ...], step_bad: int, value: float) -> list[tuple]:
+    """LGC (1 dense step, 2 top-k steps, then compressed), 6 steps; at ``step_bad`` the first layer's gradient of the
+    ``spoiled`` workers is ``value``, finite. Per step: applied and all finite, or (the error's step, state
+    unchanged)."""
+    from distributed import same
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    method = gradcomp.make("lgc", density=0.1, dense_steps=1, topk_steps=2, variant=variant)
+    agg = gradcomp.GradientAggregator(model, method, transport)
+    events = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * step + transport.rank)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        if step == step_bad and transport.rank in spoiled:
+            model[0].weight.grad.fill_(value)
+        before = agg.state_dict()["exchange"]
+        try:
+            agg.step()
+            events.append((step, all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())))
+        except gradcomp.NonFiniteGradientError as exc:
+            events.append((step, exc.step, same(before, agg.state_dict()["exchange"])))
+    return events
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("variant", ["ps", "ring"])
+def test_lgc_compresses_a_finite_gradient_of_any_size(variant, path, monkeypatch):
+    """A finite gradient of 1e20 on one worker, kept in its residual: the leader's (ps) or the workers' (ring) scale,
+    a root mean square, overflowed float32, so every value became NaN: applied on every worker for every later step
+    (ps), or read as a "not finite" mark in the scales' max all-reduce, which abandoned every later step (ring). The
+    scale is now overflow-safe: every step applies finite gradients, the same on both workers."""
+    from gradcomp.transport.sim import SimulatedCluster
+
+    if path == "device":
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    with SimulatedCluster(2, timeout=30) as cluster:
+        runs = cluster.run(lambda t: _lgc_huge(t, variant, (1,), 2, 1e20))
+    assert runs == [[(step, True) for step in range(6)]] * 2
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_lgc_abandons_a_step_whose_result_overflows_on_every_worker(path, monkeypatch):
+    """Both workers' gradients 3e38 at a top-k step: their mean overflows float32. It was applied as Inf, and the
+    residuals and the autoencoder stayed non-finite for good; the step is now abandoned on both workers alike, its
+    state as before it, and the later steps are finite."""
+    from gradcomp.transport.sim import SimulatedCluster
+
+    if path == "device":
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    with SimulatedCluster(2, timeout=30) as cluster:
+        runs = cluster.run(lambda t: _lgc_huge(t, "ps", (0, 1), 1, 3e38))
+    assert runs == [[(0, True), (1, 1, True), *[(step, True) for step in range(2, 6)]]] * 2
+
+
 @pytest.mark.parametrize("path", ["host", "device"])
 def test_an_aggregate_that_a_message_makes_non_finite_abandons_the_step_on_every_worker(path, monkeypatch):
     """SBC keeps residuals, and no check of its own sees g + residual overflow float32: at step 2 worker 1's finite

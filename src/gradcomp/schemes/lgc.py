@@ -65,7 +65,10 @@ Choices where the paper is silent, and why:
   leader's message) and the ring's decoder sync are peer broadcasts (``Broadcast(peer=True)``), booked as the
   sender's upload and the others' download; the ps server's broadcast of the means is the server's downlink.
 - **Scale**: the network sees unit-RMS values; the scale is sent as one fp32 (ring: the max over workers,
-  by an allreduce, so that all codes share it).
+  by an allreduce, so that all codes share it). Where the squares overflow float32 (entries above about 1e19) the
+  RMS is taken of the values divided by their largest magnitude and multiplied back (``_rms``), so a finite
+  gradient of any size has a finite scale. A compressed step whose result is still not finite (a mean of values
+  near float32's largest) is abandoned on every worker alike, its state put back, instead of applied.
 - **Stage 2 is an allgather in both variants**, so that every worker has the training data; the
   parameter-server variant's stage 3 is a true gather/broadcast through the server.
 - **Messages**: whatever is not summed by an allreduce (the positions, stage 2's values, the decoder sync, the
@@ -100,13 +103,14 @@ from torch import Tensor
 from gradcomp.compressors.base import Slot, check_bool, check_density, check_int, kept_count
 from gradcomp.compressors.state import SlotState, key_numel, slot_key
 from gradcomp.errors import ConfigError
+from gradcomp.finite import finite_flag
 from gradcomp.protocols import allgather_buffers, broadcast_buffer, parameter_server
 from gradcomp.schemes.accumulation import floats_spec, indices_spec, largest, offsets_of, split_indices
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.lgc_autoencoder import AutoencoderTrainer, latent_size, padded_length
 from gradcomp.transport.requests import AllReduce, Rounds
 from gradcomp.wire import Codec, FieldSpec, decode, encode, encoded_size
-from gradcomp.wire.container import held_for_the_pass
+from gradcomp.wire.container import StepAbandoned, held_for_the_pass
 from gradcomp.wire.golomb import optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")
@@ -359,7 +363,7 @@ class LGC(Scheme):
             update = batch.mean(0)
             dense_mean = (yield AllReduce(dense, inplace=True)).div_(world) if dense.numel() else dense
             acc.index_fill_(0, positions, 0.0)  # a scalar fill: no host-to-device copy of the 0
-            scale = batch.pow(2).mean().sqrt().clamp_min(1e-30)
+            scale = _rms(batch)
             layout.losses.append(trainer.train_step(_pad(batch / scale, layout.length),
                                                     leader if self.variant == "ps" else None))  # fmt: skip
         else:
@@ -371,6 +375,7 @@ class LGC(Scheme):
             self._record_error(layout, acc[positions], carried)
             acc[positions] -= carried
         self.state.put("residual", list_slot(layout), acc)
+        _abandon_unless_finite([update, dense_mean])
 
         out_c = torch.zeros(layout.d, dtype=torch.float32, device=device)
         out_c[positions] = update
@@ -421,8 +426,7 @@ class LGC(Scheme):
         world, k = self.world_size, layout.k
         positions = yield from self._positions(layout, acc, leader)
         values = acc[positions]
-        rms = values.pow(2).mean().sqrt().clamp_min(1e-30).reshape(1)
-        scale = (yield AllReduce(rms, op="max"))[0]
+        scale = (yield AllReduce(_rms(values), op="max"))[0]
         code = trainer.encode(_pad((values / scale).unsqueeze(0), layout.length))  # (1, latent)
         summed = yield AllReduce(torch.cat([code.reshape(-1), dense]), inplace=True)
         mean_code = summed[: layout.latent].div(world).unsqueeze(0)
@@ -438,7 +442,7 @@ class LGC(Scheme):
         if self.rank == leader:
             chosen = largest(acc, k).sort().values
             lead_values = acc[chosen]
-            lead_scale = lead_values.pow(2).mean().sqrt().clamp_min(1e-30).reshape(1)
+            lead_scale = _rms(lead_values)
             lead_code = trainer.encode(_pad((lead_values / lead_scale).unsqueeze(0), layout.length)).reshape(-1)
             message = encode([torch.cat([lead_scale, lead_code]), chosen], lead_specs)
         message = yield from broadcast_buffer(message, leader, device, peer=True)
@@ -597,6 +601,31 @@ def _dense_layout(names: tuple[str, ...], n: int, ends: tuple[str, str] | None =
     return Layout(names=names, compressed=[], skipped=list(range(n)), d=0, k=0, length=0, latent=0, innovation=0,
                   rice=0, ends=ends)  # fmt: skip
 
+
+
+def _abandon_unless_finite(results: list[Tensor]) -> None:
+    """A compressed step's results, the same on every worker (the means the server broadcast, or the decoded mean
+    code): where they are not finite (a gradient near float32's largest value: the scale times the decoder's output,
+    the server's sum of rebuilt values), the step is abandoned on every worker alike instead of applied. The flag
+    joins the step's held checks (read once, with the verdict) where a step holds them, else it is read here."""
+    bad = ~finite_flag(results)
+    held = held_for_the_pass()
+    if held is not None:
+        held.abandon(bad)
+    elif bool(bad):
+        raise StepAbandoned
+
+
+def _rms(values: Tensor) -> Tensor:
+    """The root mean square of ``values`` (at least 1e-30), one float32 element: the scale a worker's values are
+    divided by before the encoder. Squared as they are (the same bits as before this function), except where that
+    overflows float32 (entries above about 1e19): then scaled by their largest magnitude first, so that a finite
+    gradient of any size has a finite scale. (An Inf scale made every value NaN; in the ring it went into the
+    scales' max all-reduce, where it reads as a "not finite" mark: every later step was abandoned.)"""
+    plain = values.pow(2).mean().sqrt()
+    peak = values.abs().amax()
+    scaled = peak * (values / peak).pow(2).mean().sqrt()
+    return torch.where(torch.isfinite(plain), plain, scaled).clamp_min(1e-30).reshape(1)
 
 def _pad(x: Tensor, length: int) -> Tensor:
     """(B, n) → (B, length), zeros appended."""
