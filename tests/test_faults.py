@@ -243,6 +243,19 @@ def test_a_compression_that_overflows_on_one_worker_stops_every_worker(name):
     assert [("compression of its finite gradients" in events[0][3]) for events in per_worker] == [False, True]
 
 
+def _step_event(agg, model: nn.Module, step: int) -> tuple:
+    """``agg.step()``: (step, every gradient finite) if it was applied, (step, the error's step, the method's state
+    unchanged) if it raised NonFiniteGradientError."""
+    from distributed import same
+
+    before = agg.state_dict()["exchange"]
+    try:
+        agg.step()
+    except gradcomp.NonFiniteGradientError as exc:
+        return step, exc.step, same(before, agg.state_dict()["exchange"])
+    return step, all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+
+
 # -- a server's (or a shard owner's) aggregate that a message makes non-finite: only that worker sees it ------------
 
 
@@ -257,8 +270,6 @@ def _spoil(name: str, step: int, grad: torch.Tensor) -> None:
 
 
 def _server_overflow(transport, name: str, topology: str, server: str | None = None) -> list[tuple]:
-    from distributed import same
-
     torch.manual_seed(0)
     model = nn.Linear(40, 30)
     params = {"density": 0.1} if name == "sbc" else {}
@@ -270,12 +281,7 @@ def _server_overflow(transport, name: str, topology: str, server: str | None = N
             p.grad = torch.full_like(p, 0.5 + transport.rank)
         if transport.rank == 1:
             _spoil(name, step, model.weight.grad)
-        before = agg.state_dict()["exchange"]
-        try:
-            agg.step()
-            events.append((step, all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())))
-        except gradcomp.NonFiniteGradientError as exc:
-            events.append((step, exc.step, same(before, agg.state_dict()["exchange"])))
+        events.append(_step_event(agg, model, step))
     return events
 
 
@@ -398,8 +404,6 @@ def _lgc_huge(transport, variant: str, spoiled: tuple[int, ...], step_bad: int, 
     """LGC (1 dense step, 2 top-k steps, then compressed), 6 steps; at ``step_bad`` the first layer's gradient of the
     ``spoiled`` workers is ``value``, finite. Per step: applied and all finite, or (the error's step, state
     unchanged)."""
-    from distributed import same
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     method = gradcomp.make("lgc", density=0.1, dense_steps=1, topk_steps=2, variant=variant)
@@ -411,12 +415,7 @@ def _lgc_huge(transport, variant: str, spoiled: tuple[int, ...], step_bad: int, 
             p.grad = torch.randn(p.shape, generator=g)
         if step == step_bad and transport.rank in spoiled:
             model[0].weight.grad.fill_(value)
-        before = agg.state_dict()["exchange"]
-        try:
-            agg.step()
-            events.append((step, all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())))
-        except gradcomp.NonFiniteGradientError as exc:
-            events.append((step, exc.step, same(before, agg.state_dict()["exchange"])))
+        events.append(_step_event(agg, model, step))
     return events
 
 
@@ -458,8 +457,6 @@ def test_an_aggregate_that_a_message_makes_non_finite_abandons_the_step_on_every
     gradients (3e38) on top of the residuals of 3e38 that step 1 left send an Inf message. The gathered aggregate is
     then Inf on every worker, which abandons the step on every worker, the state as before it, instead of applying
     it (on either path)."""
-    from distributed import same
-
     from gradcomp.transport.sim import SimulatedCluster
 
     if path == "device":
@@ -478,12 +475,7 @@ def test_an_aggregate_that_a_message_makes_non_finite_abandons_the_step_on_every
                     p.grad.view(-1)[::2] = 3e38  # sent in part: residuals of 3e38 stay
                 if step == 2 and t.rank == 1:
                     p.grad.fill_(3e38)
-            before = agg.state_dict()["exchange"]
-            try:
-                agg.step()
-                events.append((step, all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())))
-            except gradcomp.NonFiniteGradientError as exc:
-                events.append((step, exc.step, same(before, agg.state_dict()["exchange"])))
+            events.append(_step_event(agg, model, step))
         return events
 
     with SimulatedCluster(2) as cluster:
