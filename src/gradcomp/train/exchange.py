@@ -165,8 +165,8 @@ def settle(
             mine = torch.ones((), dtype=torch.bool, device=device)
         else:
             mine = checks.fault_flag(device) if checks.pending else torch.zeros((), dtype=torch.bool, device=device)
-        # The same 4 bytes also carry "abandon" flags that only this worker holds (an FSDP owner's aggregate of its
-        # own shard that is not finite): refused + (W + 1) * abandon, summed exactly in float32 for W below 4000.
+        # The same 4 bytes also carry an "abandon" flag that only this worker may hold (a server's or an FSDP
+        # owner's aggregate that is not finite): refused + (W + 1) * abandon, summed exactly in float32 (W < 4000).
         here = torch.ones((), dtype=torch.bool, device=device) if refusals.abandoned else checks.abandon_flag(device)
         value = mine.to(torch.float32) + (world + 1) * here.to(torch.float32)
         total = transport.all_reduce_sum(value.reshape(1), kind=CONTROL).reshape(())
