@@ -4,6 +4,7 @@ synchronisations a step makes (docs/gpu.md; run by scripts/gpu_check.sh).
     python benchmarks/gpu_hook.py step   [--rounds 10] [--batch 256 4096]   # world size 1 over NCCL: DDP step times
     python benchmarks/gpu_hook.py sim    [--workers 8]   # SimulatedCluster on one GPU: aggregator step per method
     python benchmarks/gpu_hook.py sync   [--only M ...]  # sync-debug warnings in one step (default: fixed-size methods)
+    python benchmarks/gpu_hook.py topologies [--workers 3]  # the same per topology, on a simulated cluster
 
 ``step``: one MLP of 12.6M parameters (three 2048x2048 layers and a 2048x10 one, 50 MB of fp32 gradients, DDP's
 default 25 MB buckets), batch 256 (``--batch``: others too; at 256 the step is bound by the host's kernel launches,
@@ -19,7 +20,9 @@ number of "called a synchronizing CUDA operation" warnings under ``torch.cuda.se
 one steady-state step of the aggregator and of the DDP hook (both threads), per fixed-size method (target: 0);
 ``sync --scaler --only none fp16 bf16 randomk randomblock powersgd sketch true_topk``: the hook under a GradScaler,
 where these read nothing;
-``sync --nonfinite propagate --only ...``: the same without a scaler.
+``sync --nonfinite propagate --only ...``: the same without a scaler. ``topologies``: the warnings of one steady-state
+step of GradientAggregator over allgather, sharded and ps (C_nat, top-k, none) on a simulated cluster on the GPU,
+against the reads ``gradcomp.sync_budget.TOPOLOGIES`` counts on the CPU (a world of 1 cannot show them).
 """
 
 from __future__ import annotations
@@ -299,9 +302,52 @@ def part_sync(args) -> None:
     dist.destroy_process_group()
 
 
+def part_topologies(args) -> None:
+    """The sync-debug warnings of a steady-state step (those of 3 steps less those of 2, as tests/test_sync_count.py
+    counts reads on the CPU) of GradientAggregator over each topology, on a simulated cluster of ``--workers`` on the
+    GPU, against ``sync_budget.TOPOLOGIES``: the root's (or an owner's) reads plus W - 1 times another worker's."""
+    from gradcomp.sync_budget import TOPOLOGIES
+    from gradcomp.transport.sim import SimulatedCluster
+
+    world = args.workers
+    print(f"synchronisation warnings of one steady-state step per topology, SimulatedCluster of {world} on one "
+          f"{_name()}; budget = gradcomp.sync_budget.TOPOLOGIES, counted on the CPU")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 10))
+    x, y = torch.randn(32, 40, device=DEVICE), torch.randint(0, 10, (32,), device=DEVICE)
+
+    def warnings_of(name: str, topology: str, steps: int, where: collections.Counter) -> int:
+        def work(transport):
+            model = copy.deepcopy(base).to(DEVICE)
+            aggregator = gradcomp.GradientAggregator(model, gradcomp.make(name), transport, topology=topology)
+            for _ in range(steps):
+                model.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                aggregator.step()
+
+        with SimulatedCluster(world) as cluster:
+            return _count_warnings(lambda: cluster.run(work), where)
+
+    total = over = 0
+    for topology, ((root, other), _, _) in TOPOLOGIES.items():
+        budget = root + (world - 1) * other
+        for name in ("cnat", "topk", "none"):
+            try:
+                where: collections.Counter = collections.Counter()
+                three = warnings_of(name, topology, 3, where)
+                n = three - warnings_of(name, topology, 2, collections.Counter())
+                total, over = total + n, over + max(0, n - budget)
+                print(f"  {topology:9s} {name:5s} {n:3d} (budget {budget}: {root} + {world - 1} x {other})", flush=True)
+                for spot, k in where.most_common(6):
+                    print(f"      {k:3d} at {spot} (3 steps)")
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f"  {topology:9s} {name:5s} error {type(exc).__name__}: {exc}", flush=True)
+    print(f"  total {total}, above the budgets {over} (target 0)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["step", "sim", "sync"])
+    parser.add_argument("part", choices=["step", "sim", "sync", "topologies"])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--profile", nargs="*", help="step: print a torch.profiler table of these variants")
@@ -315,7 +361,7 @@ def main(argv=None) -> int:
     if not CPU and not torch.cuda.is_available():
         print(f"benchmarks/gpu_hook.py {args.part}: skipped, no CUDA device")
         return 0
-    {"step": part_step, "sim": part_sim, "sync": part_sync}[args.part](args)
+    {"step": part_step, "sim": part_sim, "sync": part_sync, "topologies": part_topologies}[args.part](args)
     return 0
 
 

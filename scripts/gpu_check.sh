@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of docs/gpu.md, at most 8 minutes on one CUDA GPU (the parts' time-outs add up to 470 s; an H200 took
+# The GPU check of docs/gpu.md, at most 8 minutes on one CUDA GPU (the parts' time-outs add up to 480 s; an H200 took
 # about 2 minutes): the CUDA tests; per compressor, compress +
 # encode + decode against a device copy of the same 10M-entry fp32 tensor; the DDP hook's step against torch DDP's
 # (none, fp16, top-k, PowerSGD, Signum; world size 1 over NCCL) and the simulated cluster of 8 for the compression
@@ -37,13 +37,13 @@ fi
 if ! $PYTHON -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "== no CUDA device: every GPU part is skipped"
   $PYTHON benchmarks/cuda_encode.py
-  for part in step sim sync; do $PYTHON benchmarks/gpu_hook.py $part; done
+  for part in step sim sync topologies; do $PYTHON benchmarks/gpu_hook.py $part; done
   echo "results in $OUT (nothing measured)"
   exit 0
 fi
 
-echo "== 1. the CUDA tests (timeout 100 s)"
-timeout 100 $PYTHON -m pytest -q -p no:cacheprovider -k "cuda or pinned" tests/test_natural.py tests/test_qsgd.py \
+echo "== 1. the CUDA tests (timeout 90 s)"
+timeout 90 $PYTHON -m pytest -q -p no:cacheprovider -k "cuda or pinned" tests/test_natural.py tests/test_qsgd.py \
   tests/test_sign.py tests/test_wire_bits.py tests/test_wire_container.py tests/test_wire_elias.py \
   tests/test_wire_golomb.py tests/test_wire_checksum.py 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
 
@@ -54,8 +54,8 @@ echo "== 3. the DDP hook's step vs torch DDP's, world size 1 over NCCL, batch 25
 timeout 100 $PYTHON benchmarks/gpu_hook.py step --rounds 10 --batch 256 4096 --profile none fp16 2>&1 \
   | tee "$OUT/step.log"
 
-echo "== 4. compression cost: a simulated cluster of 8 on the GPU (timeout 60 s)"
-timeout 60 $PYTHON benchmarks/gpu_hook.py sim --workers 8 2>&1 | tee "$OUT/sim.log"
+echo "== 4. compression cost: a simulated cluster of 8 on the GPU (timeout 50 s)"
+timeout 50 $PYTHON benchmarks/gpu_hook.py sim --workers 8 2>&1 | tee "$OUT/sim.log"
 
 echo "== 5. synchronisation warnings in one step per fixed-size method (timeout 40 s)"
 timeout 40 $PYTHON benchmarks/gpu_hook.py sync 2>&1 | tee "$OUT/sync.log"
@@ -71,5 +71,8 @@ timeout 30 $PYTHON benchmarks/gpu_hook.py sync --nonfinite propagate --only $ALL
 
 echo "== 6. the same for the variable-size methods (their budgets allow a size exchange; timeout 30 s)"
 timeout 30 $PYTHON benchmarks/gpu_hook.py sync --only threshold sbc stc dgc lgc 2>&1 | tee "$OUT/sync_variable.log"
+
+echo "== 7. the topologies' reads: a simulated cluster of 3 on the GPU, allgather / sharded / ps (timeout 30 s)"
+timeout 30 $PYTHON benchmarks/gpu_hook.py topologies --workers 3 2>&1 | tee "$OUT/sync_topologies.log"
 
 echo "done in $((SECONDS - START)) s; results in $OUT"

@@ -28,7 +28,7 @@ def test_the_script_parses():
 def test_without_a_gpu_every_part_says_it_is_skipped(tmp_path):
     done = _run(["bash", "scripts/gpu_check.sh", str(tmp_path)])
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("skipped, no CUDA device") == 4, done.stdout
+    assert done.stdout.count("skipped, no CUDA device") == 5, done.stdout
     assert "no CUDA device: every GPU part is skipped" in done.stdout
 
 
@@ -48,6 +48,14 @@ def test_the_hook_benchmark_runs_on_the_cpu():
     assert "total 0" in done.stdout and "error" not in done.stdout, done.stdout  # no sync warnings exist on a CPU
     for method in ("none", "topk"):
         assert f"  {method} " in done.stdout
+
+
+def test_the_topologies_part_runs_on_the_cpu():
+    done = _run([sys.executable, "benchmarks/gpu_hook.py", "topologies", "--workers", "2"], GRADCOMP_BENCH_CPU="1")
+    assert done.returncode == 0, done.stderr
+    assert "above the budgets 0" in done.stdout and "error" not in done.stdout, done.stdout
+    for topology in ("allgather", "sharded", "ps"):
+        assert done.stdout.count(f"  {topology} ") == 3, done.stdout  # C_nat, top-k, none
 
 
 def test_the_encode_benchmark_runs_on_the_cpu():
