@@ -44,15 +44,20 @@ def _method(name: str):
     return gradcomp.make("powersgd", rank=2)
 
 
-def _train(rank: int, name: str, freeze: bool) -> dict:
+def _train(rank: int, name: str, freeze: bool | str) -> dict:
+    """``freeze``: True freezes ``a.weight`` at step FREEZE_AT; "before the hook" between wrapping the model in DDP
+    and registering the hook (DDP's buckets then still hold it)."""
     torch.manual_seed(0)
     model = Branchy()
     ddp = DDP(model, bucket_cap_mb=CAP, find_unused_parameters=True)
+    frozen = None
+    if freeze == "before the hook":
+        model.a.weight.requires_grad_(False)
+        frozen = model.a.weight.detach().clone()
     state = gradcomp.register_ddp_hook(ddp, _method(name))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    frozen = None
     for step in range(STEPS):
-        if freeze and step == FREEZE_AT:
+        if freeze is True and step == FREEZE_AT:
             model.a.weight.requires_grad_(False)
             frozen = model.a.weight.detach().clone()
         g = torch.Generator().manual_seed(1000 * step + rank)
@@ -78,6 +83,8 @@ def _train(rank: int, name: str, freeze: bool) -> dict:
 def _unused_and_frozen(rank: int, world: int) -> dict:
     runs = {f"{name}-unused": _train(rank, name, freeze=False) for name in ("topk", "powersgd")}
     runs["topk-frozen"] = _train(rank, "topk", freeze=True)
+    # a ConfigError "DDP bucket 1 holds parameters the hook was not registered with" before 2026-12-05
+    runs["powersgd-frozen-before-the-hook"] = _train(rank, "powersgd", freeze="before the hook")
     # an explicit group is used as given; DDP's own group is refused with find_unused_parameters=True
     torch.manual_seed(0)
     ddp = DDP(Branchy(), bucket_cap_mb=CAP, find_unused_parameters=True)
@@ -99,7 +106,7 @@ def unused_runs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", ["topk-unused", "powersgd-unused", "topk-frozen"])
+@pytest.mark.parametrize("label", ["topk-unused", "powersgd-unused", "topk-frozen", "powersgd-frozen-before-the-hook"])
 def test_find_unused_parameters_finishes_with_identical_replicas(unused_runs, label):
     runs = [r[label] for r in unused_runs]
     assert all(r["own_group"] for r in runs), "the hook must not share DDP's process group"
@@ -111,6 +118,13 @@ def test_find_unused_parameters_finishes_with_identical_replicas(unused_runs, la
 @pytest.mark.slow
 def test_parameter_frozen_mid_training_no_longer_moves(unused_runs):
     assert [r["topk-frozen"]["frozen_moved"] for r in unused_runs] == [False, False]
+
+
+@pytest.mark.slow
+def test_parameter_frozen_after_wrapping_before_the_hook_trains_and_stays(unused_runs):
+    """A backbone frozen after DDP wrapped the model but before the hook was registered stays in DDP's buckets:
+    the hook gives it a slot of its own, it does not move, and the rest trains with identical replicas."""
+    assert [r["powersgd-frozen-before-the-hook"]["frozen_moved"] for r in unused_runs] == [False, False]
 
 
 @pytest.mark.slow

@@ -516,6 +516,12 @@ class CompressionHookState:
         self.param_slots: dict[int, Slot] = {
             id(p): slot for (_, p), slot in zip(named, GradientAggregator.slots_for(named, "layer"))
         }
+        # Parameters frozen when the hook is registered but maybe not when DDP wrapped the model (a backbone frozen
+        # after wrapping: DDP's buckets still hold it): slots of their own, numbered after the others, so that the
+        # others' slots (and with them shared randomness and saved states) are those GradientAggregator gives.
+        frozen = [(name, p) for name, p in (named_parameters or []) if not p.requires_grad]
+        for i, (name, p) in enumerate(frozen, start=len(named)):
+            self.param_slots[id(p)] = Slot(name, i, p.numel(), tuple(p.shape))
         self.step = 0
         self.bucket_sizes: dict[int, int] = {}  # bucket index → elements, as of the latest complete pass
         scheme = self.exchange.scheme
@@ -559,8 +565,9 @@ class CompressionHookState:
                 unknown = [s.name for s in per_param if s.index < 0]
                 if unknown:
                     raise ConfigError(
-                        f"DDP bucket {bucket.index()} holds parameters the hook was not registered with "
-                        f"({', '.join(unknown)}); register the hook with register_ddp_hook(ddp_model, ...)"
+                        f"DDP bucket {bucket.index()} holds parameters that are not the wrapped module's "
+                        f"({', '.join(unknown)}): register the hook with register_ddp_hook(ddp_model, ...) on the "
+                        "DistributedDataParallel that owns them"
                     )
                 slots = per_param
             else:
