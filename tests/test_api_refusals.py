@@ -71,3 +71,41 @@ def test_float32_parameters_give_no_warning():
     with SimulatedCluster(1) as cluster, warnings.catch_warnings():
         warnings.simplefilter("error")
         cluster.run(lambda t: _aggregate_once(t, nn.Linear(4, 3)))
+
+
+class _Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.words = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.words(ids).mean(1))
+
+
+def _sparse_refused(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    try:
+        gradcomp.register_ddp_hook(DDP(_Tagger()), gradcomp.make("topk"))
+    except ConfigError as exc:
+        refused = str(exc)
+    model = _Tagger()
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["words.weight"])  # kept out of DDP: not refused
+    ddp = DDP(model)
+    state = gradcomp.register_ddp_hook(ddp, gradcomp.make("topk", density=0.5))
+    ddp(torch.randint(0, 50, (4, 5))).sum().backward()
+    state.close()
+    return refused, state.step
+
+
+def test_sparse_gradients_are_refused_when_the_hook_is_registered():
+    """nn.Embedding(sparse=True) under the DDP hook failed inside backward: "Could not run 'aten::as_strided' with
+    arguments from the 'SparseCPU' backend" for none, "1 slots but 0 tensors" for the others. It is now refused when
+    the hook is registered, naming the parameter; kept out of DDP, the module is no obstacle."""
+    from distributed import run_workers
+
+    ((refused, steps),) = run_workers(_sparse_refused, 1, timeout=120)
+    assert "words.weight get sparse gradients" in refused and "sparse=False" in refused, refused
+    assert steps == 1

@@ -147,6 +147,12 @@ DEFAULT_MIN_COMPRESSION_RATE = 2.0
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group time-out, when the group's own cannot be read
 
 
+CLOSED = (
+    "this DDP hook state was closed; torch allows one communication hook per DistributedDataParallel model, so wrap "
+    "the module in a new DistributedDataParallel, register a hook on it and load this state's state_dict() into it"
+)
+
+
 def group_timeout(group: dist.ProcessGroup | None, device: torch.device | None = None) -> float | None:
     """The process group's time-out in seconds, or None when torch does not expose it."""
     with contextlib.suppress(Exception):  # not a public API: the group's backend options
@@ -228,7 +234,7 @@ class _CommThread:
     def submit(self, job: _Job) -> None:
         with self._cond:
             if self._stopped:
-                raise CommunicationError("this DDP hook state was closed; register a new hook")
+                raise CommunicationError(CLOSED)
             if self._dead is not None:
                 _fail_future(job.future, _refusal(self._dead, "the DDP hook's communication thread died"))
                 return
@@ -579,7 +585,7 @@ class CompressionHookState:
 
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
         if self._worker.closed:
-            raise CommunicationError("this DDP hook state was closed; register a new hook")
+            raise CommunicationError(CLOSED)
         if bucket.index() == 0:  # DDP hands buckets over in index order: a new backward pass
             self._pass_slots, self._pass_sizes, self._direct_pass = [], {}, []
         buffer = bucket.buffer()
@@ -824,6 +830,19 @@ def register_ddp_hook(
             "register_ddp_hook: process_group is the DDP model's own group, on which DDP(find_unused_parameters="
             "True) issues collectives of its own during backward, in an order that differs from the hook's "
             "between ranks (the job hangs); leave process_group out (the hook then makes a group of its own)"
+        )
+    ignored = getattr(model, "parameters_to_ignore", set())
+    sparse = [
+        f"{prefix}.weight" if prefix else "weight"
+        for prefix, module in model.module.named_modules()
+        if getattr(module, "sparse", False) is True and isinstance(getattr(module, "weight", None), nn.Parameter)
+        and (f"{prefix}.weight" if prefix else "weight") not in ignored
+    ]
+    if sparse:  # (DDP all-reduces them as sparse tensors; a bucket of them has no dense buffer to compress)
+        raise ConfigError(
+            f"register_ddp_hook: {', '.join(sparse)} get sparse gradients (sparse=True), which gradcomp does not "
+            "compress: build the module with sparse=False, or keep it out of DDP "
+            "(DistributedDataParallel._set_params_and_buffers_to_ignore_for_model) and average its gradient yourself"
         )
     warn_float64(list(model.module.named_parameters()), "register_ddp_hook")
     state = CompressionHookState(
