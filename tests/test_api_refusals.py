@@ -109,3 +109,76 @@ def test_sparse_gradients_are_refused_when_the_hook_is_registered():
     ((refused, steps),) = run_workers(_sparse_refused, 1, timeout=120)
     assert "words.weight get sparse gradients" in refused and "sparse=False" in refused, refused
     assert steps == 1
+
+
+def _two_workers(fn):
+    with SimulatedCluster(2, timeout=30) as cluster:
+        return cluster.run(fn)
+
+
+def test_a_parameter_frozen_at_construction_and_unfrozen_later_is_refused_not_trained_apart():
+    """A backbone frozen for warm-up when the aggregator is built has no slot; unfrozen, it used to train on each
+    worker's own gradient, never averaged, and the replicas parted without an error. step() now refuses it, naming
+    it, before anything is sent; freezing after construction is still fine (the slot sends zeros)."""
+
+    def work(transport):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model[0].weight.requires_grad_(False)
+        agg = gradcomp.GradientAggregator(model, gradcomp.make("none"), transport)
+        model(torch.ones(1, 4)).sum().backward()
+        agg.step()  # as built: fine
+        model[0].weight.requires_grad_(True)
+        model(torch.ones(1, 4)).sum().backward()
+        before = transport.counter.snapshot()
+        try:
+            agg.step()
+        except ConfigError as exc:
+            return str(exc), transport.counter.snapshot() == before
+        return None
+
+    (message, unsent), (again, _) = _two_workers(work)
+    assert message == again and "0.weight require gradients but have no slot" in message, message
+    assert unsent
+
+
+def test_unscale_before_step_is_refused():
+    """scaler.unscale_(opt) before step() (the usual clipping recipe, in the wrong order) made the aggregator divide
+    by the scale twice and, when another worker overflowed, let this worker's scaler apply NaN gradients (its own
+    verdict, taken at unscale_, said finite): the replicas were lost. It is now refused, saying the order."""
+
+    def work(transport):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        agg = gradcomp.GradientAggregator(model, gradcomp.make("topk", density=0.5), transport, scaler=scaler)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+        scaler.unscale_(opt)
+        try:
+            agg.step()
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    for message in _two_workers(work):
+        assert message is not None and "unscale_(optimizer) was called before step()" in message, message
+
+
+def test_a_sparse_gradient_is_refused_by_the_aggregator():
+    """nn.Embedding(sparse=True) failed deep inside torch ("reshape is not implemented for sparse tensors") after the
+    set-up all-gather; it is now a ConfigError naming the parameter, before anything is sent."""
+
+    def work(transport):
+        model = nn.Embedding(10, 3, sparse=True)
+        agg = gradcomp.GradientAggregator(model, gradcomp.make("topk", density=0.5), transport)
+        model(torch.tensor([1, 2])).sum().backward()
+        try:
+            agg.step()
+        except ConfigError as exc:
+            counter = transport.counter.snapshot()
+            return str(exc), counter.collectives + counter.up_setup + counter.up_payload
+        return None
+
+    for message, sent in _two_workers(work):
+        assert "weight: a torch.sparse_coo gradient" in message and sent == 0, (message, sent)

@@ -184,3 +184,53 @@ def test_a_state_round_trip_restores_anchor_and_counters():
 
     with gradcomp.SimulatedCluster(1) as cluster:
         assert cluster.run(worker) == [True]
+
+
+def _loaded_after_building(reset: bool) -> float:
+    """Two simulated workers; pretrained weights are loaded after the exchange is built, then 4 local SGD steps of
+    lr 1e-3 and a sync: how far the parameters end from the pretrained ones."""
+    from gradcomp.transport.sim import SimulatedCluster
+
+    def work(transport):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        pretrained = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+        agg = gradcomp.GradientAggregator(model, gradcomp.make("topk", density=0.1, error_feedback=True), transport)
+        local = gradcomp.LocalUpdateExchange(agg, 4)
+        model.load_state_dict(pretrained)
+        if reset:
+            local.reset_anchor()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for step in range(4):
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(10 * step + transport.rank)
+            model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+            opt.step()
+            local.after_local_step()
+        return max(float((p.detach() - 0.5).abs().max()) for p in model.parameters())
+
+    with SimulatedCluster(2, timeout=30) as cluster:
+        return max(cluster.run(work))
+
+
+def test_weights_loaded_after_building_stay_with_reset_anchor():
+    """The anchors are the parameters when the exchange was built: weights loaded after that counted as the first
+    local update and were compressed (top-k 10 %) and mostly reverted. reset_anchor() takes them as the new anchor:
+    the parameters then move by the local steps only."""
+    assert _loaded_after_building(reset=False) > 0.1  # what happens without it: most of the load is undone
+    assert _loaded_after_building(reset=True) < 0.01
+
+
+def test_reset_anchor_refuses_pending_steps():
+    from gradcomp.transport.sim import SimulatedCluster
+
+    def work(transport):
+        model = torch.nn.Linear(2, 2)
+        local = gradcomp.LocalUpdateExchange(gradcomp.GradientAggregator(model, gradcomp.make("none"), transport), 3)
+        local.after_local_step()
+        with pytest.raises(ConfigError, match="1 local steps are pending"):
+            local.reset_anchor()
+        return True
+
+    with SimulatedCluster(1) as cluster:
+        assert cluster.run(work) == [True]

@@ -52,13 +52,21 @@ GRANULARITIES = ("layer", "model")
 
 
 def _named_parameters(params) -> list[tuple[str, nn.Parameter]]:
+    """Every parameter given, named, frozen ones included."""
     if isinstance(params, nn.Module):
-        named = list(params.named_parameters())
-    else:
-        named = []
-        for i, item in enumerate(params):
-            named.append(item if isinstance(item, tuple) else (f"param{i}", item))
-    return [(name, p) for name, p in named if p.requires_grad]
+        return list(params.named_parameters())
+    named = []
+    for i, item in enumerate(params):
+        named.append(item if isinstance(item, tuple) else (f"param{i}", item))
+    return named
+
+
+def _unscaled_already(scaler) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` was called for some optimizer since the last ``scaler.update()``."""
+    from torch.amp.grad_scaler import OptState
+
+    states = getattr(scaler, "_per_optimizer_states", {})
+    return any(state.get("stage") is OptState.UNSCALED for state in states.values())
 
 
 class GradientAggregator:
@@ -86,7 +94,13 @@ class GradientAggregator:
         check_scaler(scaler, "GradientAggregator")
         check_nonfinite(nonfinite, "GradientAggregator")
         self.propagate = nonfinite == "propagate"
-        self.named = _named_parameters(params)
+        given = _named_parameters(params)
+        self.named = [(name, p) for name, p in given if p.requires_grad]
+        # parameters frozen now, which get no slot (a frozen backbone costs nothing on the wire); one that requires a
+        # gradient later would be trained on each worker's own gradient: step() refuses it (_check_unfrozen)
+        self._module = params if isinstance(params, nn.Module) else None
+        self._frozen_at_start = [(name, p) for name, p in given if not p.requires_grad]
+        self._slotted = {id(p) for _, p in self.named}
         if not self.named:
             raise ConfigError("no parameters that require gradients")
         if transport is None:
@@ -133,6 +147,18 @@ class GradientAggregator:
         for name, g in zip(self.names, grads):
             if not g.is_floating_point():
                 raise ConfigError(f"{name}: gradcomp compresses floating-point tensors, got dtype {g.dtype}")
+            if g.layout != torch.strided:
+                raise ConfigError(
+                    f"{name}: a {g.layout} gradient (nn.Embedding(sparse=True)?): gradcomp compresses dense "
+                    "tensors; build the module with sparse=False, or leave the parameter out of this aggregator and "
+                    "average its gradient yourself. Nothing was sent"
+                )
+        if self.scaler is not None and _unscaled_already(self.scaler):
+            raise ConfigError(
+                "GradientAggregator: scaler.unscale_(optimizer) was called before step(): the aggregator unscales "
+                "(and judges the step's finiteness on every worker) itself. Call step() right after backward(), then "
+                "scaler.unscale_(optimizer) for clipping, then scaler.step(optimizer). Nothing was sent"
+            )
         # On the host path this worker's verdict is read here (names for the error); on the device path it stays
         # a device flag, read once with the step's other checks (GradientExchange.exchange), and the names are
         # looked for only on a step that failed.
@@ -219,9 +245,13 @@ class GradientAggregator:
         residual (error feedback) is not flushed into it: it drains through its slot's messages and that slot's
         aggregate is discarded (with ``granularity="model"`` it competes with the other parameters for the
         selected entries until drained); what is left flows back if it is unfrozen. Freeze it on every worker.
+        A parameter frozen when the aggregator was built has no slot (a frozen backbone costs nothing on the wire);
+        if it requires a gradient later, step() refuses it (ConfigError, nothing sent): its gradient would never be
+        averaged, and each worker would train it apart.
         """
         if not self._warned_float64:  # model.double() after construction
             self._warned_float64 = warn_float64(self.named, "GradientAggregator", stacklevel=4)
+        self._check_unfrozen()
         averaged = self.aggregate(self.current_gradients())
         if averaged is None:  # skipped (a scaler, and some worker overflowed): every optimizer must see it
             for _, p in self.named:
@@ -236,6 +266,21 @@ class GradientAggregator:
             else:
                 p.grad.copy_(a)
         return None if self.propagate else True
+
+    def _check_unfrozen(self) -> None:
+        """ConfigError, before anything is sent, for a parameter that requires a gradient now but has no slot: frozen
+        when this aggregator was built (or added to the module since). Its gradient would never be averaged: each
+        worker would train it on its own, and the replicas would part without an error."""
+        current = self._module.named_parameters() if self._module is not None else self._frozen_at_start
+        late = [name for name, p in current if p.requires_grad and id(p) not in self._slotted]
+        if late:
+            raise ConfigError(
+                f"GradientAggregator: {', '.join(late[:5])}{' and more' if len(late) > 5 else ''} require gradients "
+                "but have no slot (frozen when this aggregator was built, or added since): their gradients would not "
+                "be averaged and the replicas would part. Build the aggregator with every parameter that will train "
+                "unfrozen (freezing one later is fine: it then sends zeros), or build a new GradientAggregator now "
+                "(its residuals start empty). Nothing was sent"
+            )
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "exchange": self.exchange.state_dict(), **self.exchange.identity(self.slots)}

@@ -41,7 +41,8 @@ def check_compressors(compressor: object, server_compressor: object | None = Non
 
 
 class LocalUpdateExchange:
-    """Call ``after_local_step()`` after every ``optimizer.step()``; it syncs every ``local_steps`` calls."""
+    """Call ``after_local_step()`` after every ``optimizer.step()``; it syncs every ``local_steps`` calls. Weights
+    loaded into the model after this is built: call ``reset_anchor()`` on every worker before the next local step."""
 
     def __init__(self, aggregator: GradientAggregator, local_steps: int):
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
@@ -60,6 +61,21 @@ class LocalUpdateExchange:
         self.anchor = [p.detach().clone() for p in self.params]
         self.pending = 0
         self.syncs = 0
+
+    @torch.no_grad()
+    def reset_anchor(self) -> None:
+        """Take the parameters as they are now as the point the next local steps are measured from. The anchors are
+        the parameters when the exchange was built (or at the last sync): weights loaded into the model after that
+        (a pretrained checkpoint, a model-only resume, a broadcast from rank 0) would otherwise count as the first
+        local update and be averaged and compressed away, mostly reverted. Call it on every worker, with the same
+        parameters on every worker, before the first local step after loading (ConfigError with steps pending)."""
+        if self.pending:
+            raise ConfigError(
+                f"LocalUpdateExchange.reset_anchor: {self.pending} local steps are pending since the last sync; call "
+                "it right after loading the weights, before any local step (or call sync() first)"
+            )
+        for p, a in zip(self.params, self.anchor):
+            a.copy_(p.detach())
 
     @torch.no_grad()
     def after_local_step(self) -> bool:
