@@ -631,6 +631,38 @@ def test_an_owners_aggregate_that_a_message_makes_non_finite_stops_every_rank(na
     assert runs == [want, want]
 
 
+def _linear_probe(rank, world):
+    """A frozen backbone and a head of one output: the head's weight (1, 7) has one row, so rank 1 owns nothing of
+    the pass's only reduce-scatter."""
+    import gradcomp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+    model[0].requires_grad_(False)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = gradcomp.compress_fsdp(model, gradcomp.make("topk", density=0.5, error_feedback=True))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for step in range(3):
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y[:, :1]).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor().detach().clone() for p in model[2].parameters()], state.calls
+
+
+def test_a_rank_that_owns_no_row_of_a_pass_makes_the_pass_end_agreement_too():
+    """Linear probing on 2 ranks: rank 1 owns no row of the head, decoded nothing, and so skipped the pass's end
+    agreement (settle's all-reduce) that rank 0 waited in until the time-out. Every call now counts on every rank."""
+    (head0, calls0), (head1, calls1) = run_workers(_linear_probe, 2, timeout=120)
+    assert calls0 == calls1 == 3
+    assert all(torch.equal(a, b) for a, b in zip(head0, head1))
+
+
 def _refusals(rank, world):
     import gradcomp
 

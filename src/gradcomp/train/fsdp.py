@@ -253,6 +253,10 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
 
             held = isinstance(finite, Tensor)  # (a refusal made it a bool: read at once)
             state.pass_device = input_tensor.device
+            # Every call counts as a use of the wire on every rank, so that every rank makes the pass's end agreement
+            # (settle): a rank that owns no row of the pass's modules decodes nothing, and counted only its decodes, it
+            # skipped the agreement's all-reduce while the others waited in it until the time-out.
+            state.pass_refusals.used += 1
             with holding_for_the_pass(state.pass_checks if held else None), refusing_later(state.pass_refusals):
                 agreed, aggregates = drive_agreeing(
                     state.transport, rounds(), finite, after_rounds=defer, read=state.pass_flags if held else True
