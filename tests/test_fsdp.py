@@ -663,6 +663,60 @@ def test_a_rank_that_owns_no_row_of_a_pass_makes_the_pass_end_agreement_too():
     assert all(torch.equal(a, b) for a, b in zip(head0, head1))
 
 
+def _swapped_freeze(rank, world):
+    """One FSDP unit holding two 4x4 weights; a's frozen when compress_fsdp lays it out, then a unfrozen and b frozen:
+    the same number of entries, another layout."""
+    import gradcomp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    model[0].weight.requires_grad_(False)
+    gradcomp.compress_fsdp(model, gradcomp.make("none"))
+    model[0].weight.requires_grad_(True)
+    model[1].weight.requires_grad_(False)
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+    except gradcomp.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_swapping_which_parameters_train_is_refused_not_laid_out_wrong():
+    """Unfreezing one parameter and freezing another of the same size kept the reduce-scatter's size, so the layout
+    made at compress_fsdp was applied to the other parameters: real entries zeroed as padding, one parameter's
+    residual added to another's, no error. It is refused now, naming both, before anything is sent."""
+    for message in run_workers(_swapped_freeze, 2, timeout=120):
+        assert message is not None and "0.weight, 1.weight were frozen or unfrozen after compress_fsdp" in message
+
+
+def _vote_under_fp16_reduction(rank, world):
+    import gradcomp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)), mp_policy=policy)
+    gradcomp.compress_fsdp(model, gradcomp.make("signum"))
+    try:
+        model(torch.ones(2, 5, dtype=torch.float16)).float().sum().backward()
+    except gradcomp.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_majority_vote_under_fp16_reduction_is_refused():
+    """FSDP reduces fp16 gradients as a sum of inputs it divided by a pre-factor, and divides the result by a
+    post-factor: a mean comes out right, but a vote is ±1 whatever its inputs' scale, and came out as ±pre-factor
+    (±2 on 2 ranks) with no error. Refused now, saying what to do."""
+    for message in run_workers(_vote_under_fp16_reduction, 2, timeout=120):
+        assert message is not None and "'signum' aggregates by majority vote" in message, message
+
+
 def _refusals(rank, world):
     import gradcomp
 

@@ -159,6 +159,9 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         self.key = key
         self.pieces = pieces
         self.params = list(params)  # the sharded parameters (their .grad: NaN when a skipped pass is found bad)
+        self.watched: list[Tensor] = []  # every sharded parameter of the module, and whether each required gradients
+        self.trainable: list[bool] = []  # when compress_fsdp laid the module out (set by it)
+        self.names: list[str] = []
         world = state.world_size
         self.row = sum(p.padded for p in pieces)
         # the slots rank j serves: (piece, slot) for every non-empty chunk j
@@ -200,10 +203,25 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
             factor = 1.0
         elif op == dist.ReduceOp.SUM:
             factor = float(world)
+            if getattr(state.compressor, "scale_free", False):
+                raise ConfigError(
+                    f"compress_fsdp: {state.compressor.name!r} aggregates by majority vote to ±1, but FSDP asked for a "
+                    "sum of inputs it divided by a pre-factor (fp16 gradient reduction, or "
+                    "set_force_sum_reduction_for_comms) and divides the result by a post-factor itself: the vote "
+                    "would come out as ±pre-factor. Reduce in float32 or bfloat16 "
+                    "(MixedPrecisionPolicy(reduce_dtype=...)). Nothing was sent"
+                )
         else:
             raise ConfigError(
                 f"compress_fsdp: FSDP asked for a reduce-scatter with {op!r}; only its average (and its sum with "
                 "pre/post division) are carried: do not call set_gradient_divide_factor on a compressed model"
+            )
+        if [p.requires_grad for p in self.watched] != self.trainable:  # (two of the same size swapped keep the size)
+            changed = [n for n, p, was in zip(self.names, self.watched, self.trainable) if p.requires_grad != was]
+            raise ConfigError(
+                f"compress_fsdp: FSDP module {self.key!r}: {', '.join(changed)} were frozen or unfrozen after "
+                "compress_fsdp, which laid out its reduce-scatter by the parameters that required gradients then; "
+                "call compress_fsdp again. Nothing was sent"
             )
         if input_tensor.numel() != world * self.row or output_tensor.numel() != self.row:
             raise ConfigError(
@@ -599,6 +617,9 @@ def compress_fsdp(
         prefix = pieces[0].name.rsplit(".", 1)[0] if "." in pieces[0].name else ""
         key = f"{len(state.comms)}:{prefix}"  # the module's place and its first parameter's owner
         comm = _CompressedReduceScatter(state, key, pieces, params)
+        comm.watched = [fp.sharded_param for fp in group.fsdp_params]  # (which require gradients: the layout)
+        comm.trainable = [p.requires_grad for p in comm.watched]
+        comm.names = [index_of.get(id(p), (0, "(a parameter)"))[1] for p in comm.watched]
         module.set_reduce_scatter_unused_params(True, recurse=False)
         module.set_custom_reduce_scatter(comm)
         state.comms.append(comm)
