@@ -95,3 +95,16 @@ def test_error_feedback_must_be_a_bool(value):
     # "no" is a truthy string: it used to turn error feedback on
     with pytest.raises(ConfigError, match=f"error_feedback must be true or false, got {value!r}"):
         gradcomp.make("topk", error_feedback=value)
+
+
+def test_a_state_saved_for_parameters_of_other_shapes_is_refused():
+    """The same names and sizes, other shapes: (16, 8) saved, (8, 16) here. PowerSGD's factors (and a top-k residual's
+    meaning) belong to the shape; the state loaded silently before 2026-12-06."""
+    torch.manual_seed(0)
+    saved = _trained(nn.Sequential(nn.Linear(8, 16, bias=False)), "powersgd").state_dict()
+    assert saved["shapes"] == [[16, 8]]
+    agg = _aggregator(nn.Sequential(nn.Linear(16, 8, bias=False)), "powersgd")
+    with pytest.raises(ConfigError, match=r"other shapes: 0.weight \(16, 8\) there, \(8, 16\) here"):
+        agg.load_state_dict(saved)
+    older = {k: v for k, v in saved.items() if k != "shapes"}  # a state saved before shapes were recorded
+    _aggregator(nn.Sequential(nn.Linear(8, 16, bias=False)), "powersgd").load_state_dict(older)

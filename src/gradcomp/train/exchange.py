@@ -448,11 +448,13 @@ class GradientExchange:
 
     def identity(self, slots: Sequence[Slot]) -> dict:
         """What a saved state belongs to, recorded by its owner's ``state_dict()``: the method (its repr, with its
-        parameters), the slots (name and size of each), and the worker (its rank and the world size): residuals
-        are one worker's own, so rank 0's state loaded on every rank would feed rank 0's residuals to all."""
+        parameters), the slots (name and size of each, and their shapes: a (32, 20) weight's PowerSGD factors do not
+        fit a (64, 10) one), and the worker (its rank and the world size): residuals are one worker's own, so rank 0's
+        state loaded on every rank would feed rank 0's residuals to all."""
         return {
             "method": repr(self.scheme),
             "slots": [[slot.name, slot.numel] for slot in slots],
+            "shapes": [None if slot.shape is None else list(slot.shape) for slot in slots],
             "rank": self.transport.rank,
             "world_size": self.transport.world_size,
         }
@@ -489,6 +491,15 @@ class GradientExchange:
                     f"{owner}.load_state_dict: the state was saved for other parameters: {'; '.join(differ[:3])}"
                     + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
                 )
+        if "shapes" in state and state["shapes"] != mine["shapes"]:  # (states saved before 2026-12-06 have none)
+            differ = [
+                f"{slot.name} {tuple(a) if a else a} there, {tuple(b) if b else b} here"
+                for slot, a, b in zip(slots, state["shapes"], mine["shapes"]) if a != b
+            ]
+            raise ConfigError(
+                f"{owner}.load_state_dict: the state was saved for parameters of other shapes: {'; '.join(differ[:3])}"
+                + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+            )
 
 
 def check_state(state: object, required: Sequence[str], owner: str) -> None:
