@@ -262,7 +262,7 @@ class Sharded(Scheme):
                 for (i, shard), fields in zip(owned, decoded):
                     start, stop = self.layout(slots[i]).bounds[j]
                     results[i][start:stop] = self.server_compressor.decompress(fields, shard, step)
-        read_result(later, results)
+        read_result(later, results, self.server_compressor)
         return results
 
     # -- state -----------------------------------------------------------------------------------------------

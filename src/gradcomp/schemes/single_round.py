@@ -222,12 +222,14 @@ def serve_compressed(
     return encode_slots(server, slots, down)
 
 
-def read_result(later: DeviceChecks, results: Sequence[Tensor]) -> None:
+def read_result(later: DeviceChecks, results: Sequence[Tensor], server: Compressor) -> None:
     """The checks of a downstream message this worker decoded into ``results`` (the same on every worker), read, or
     held for the DDP hook's pass. On the device path the results' finiteness is read with them: a server compressor
     there sends what it would refuse on the host (QSGD's Inf norm) and the result is not finite on every worker alike,
-    which abandons the step (StepAbandoned) instead of applying it."""
-    bad = None if not results or host_path(results[0]) else ~finite_flag(results)
+    which abandons the step (StepAbandoned) instead of applying it. Not for the default server (``NoCompression``):
+    it sends the aggregate as it is, whose finiteness the server checked already (no pass over the result then)."""
+    checked = not results or host_path(results[0]) or isinstance(server, NoCompression)
+    bad = None if checked else ~finite_flag(results)
     if not hold_for_the_pass(later, bad) and later.read([] if bad is None else [bad]) == [True]:
         raise StepAbandoned
 
@@ -499,7 +501,7 @@ class SingleRound(Scheme):
                 self.server_compressor.decompress(fields, s, step)
                 for s, fields in zip(slots, decode_slots(self.server_compressor, slots, downstream, later))
             ]
-        read_result(later, result)
+        read_result(later, result, self.server_compressor)
         return result
 
     # -- state -----------------------------------------------------------------------------------------------
