@@ -663,33 +663,62 @@ def test_a_rank_that_owns_no_row_of_a_pass_makes_the_pass_end_agreement_too():
     assert all(torch.equal(a, b) for a, b in zip(head0, head1))
 
 
-def _swapped_freeze(rank, world):
-    """One FSDP unit holding two 4x4 weights; a's frozen when compress_fsdp lays it out, then a unfrozen and b frozen:
-    the same number of entries, another layout."""
+def _freeze_schedule(rank, world, name, params):
+    """Two FSDP units: the first Linear alone, frozen whole when compress_fsdp lays the model out; the root holds the
+    other two. Steps 0-1: the first unit frozen, and the second Linear's weight; steps 2-3: both unfrozen and the
+    last Linear's weight frozen, a swap of two 7-row weights that keeps the root's row of 2 ranks at its size;
+    steps 4-5: everything trains. ``name`` None: plain FSDP2."""
     import gradcomp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    model[0].weight.requires_grad_(False)
-    gradcomp.compress_fsdp(model, gradcomp.make("none"))
-    model[0].weight.requires_grad_(True)
-    model[1].weight.requires_grad_(False)
-    try:
-        model(torch.ones(2, 4)).sum().backward()
-    except gradcomp.ConfigError as exc:
-        return str(exc)
-    return None
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 7), torch.nn.Tanh(), torch.nn.Linear(7, 7)
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    frozen = {0: [model[0].weight, model[0].bias, model[2].weight], 2: [model[4].weight], 4: []}
+    for p in frozen[0]:
+        p.requires_grad_(False)
+    state = None if name is None else gradcomp.compress_fsdp(model, gradcomp.make(name, **params))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bytes_after = []
+    for step in range(6):
+        if step in frozen:
+            for p in model.parameters():
+                p.requires_grad_(all(p is not q for q in frozen[step]))
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), torch.cat([y, y[:, :3], y[:, :1]], dim=1)).backward()
+        opt.step()
+        opt.zero_grad()
+        if state is not None:
+            bytes_after.append(state.counter.bytes_up)
+    steps = None if state is None else [(c.key, c.step, c.layouts) for c in state.comms]
+    return _full(model), steps, bytes_after
 
 
-def test_swapping_which_parameters_train_is_refused_not_laid_out_wrong():
-    """Unfreezing one parameter and freezing another of the same size kept the reduce-scatter's size, so the layout
-    made at compress_fsdp was applied to the other parameters: real entries zeroed as padding, one parameter's
-    residual added to another's, no error. It is refused now, naming both, before anything is sent."""
-    for message in run_workers(_swapped_freeze, 2, timeout=120):
-        assert message is not None and "0.weight, 1.weight were frozen or unfrozen after compress_fsdp" in message
+def test_freezing_and_unfreezing_after_compress_fsdp_lays_the_modules_out_again():
+    """Which parameters train, changed after compress_fsdp: FSDP2 lays its flat buffer out anew by the parameters
+    that require gradients, and so does each module's compressed reduce-scatter at its next call, its step count
+    going on. A swap of two same-size weights used to apply the old layout (real entries zeroed as padding, one
+    parameter's residual added to another's); a module frozen whole at compress_fsdp was left to FSDP's own
+    reduce-scatter, so once unfrozen its gradients went uncompressed and uncounted. `none` now equals plain FSDP
+    through the schedule; top-k with error feedback keeps the replicas identical and counts every call."""
+    plain = run_workers(_freeze_schedule, 2, None, {}, timeout=120)
+    ours = run_workers(_freeze_schedule, 2, "none", {}, timeout=120)
+    for rank in range(2):
+        for a, b in zip(plain[rank][0], ours[rank][0]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # the root (key 0, named by its first trainable parameter, 2.bias): 6 calls, laid out at compress_fsdp and at
+    # steps 2 and 4; the first unit (key 1) is first called at step 2: 4 calls, laid out at compress_fsdp and at step 2
+    assert ours[0][1] == [("0:2", 6, 3), ("1:0", 4, 2)]
+    sent = ours[0][2]
+    assert sent[1] - sent[0] < sent[2] - sent[1]  # from step 2 on, the first unit's gradients are compressed too
+    topk = run_workers(_freeze_schedule, 2, "topk", {"density": 0.5, "error_feedback": True}, timeout=120)
+    assert all(torch.equal(a, b) for a, b in zip(topk[0][0], topk[1][0]))
+    assert topk[0][1] == [("0:2", 6, 3), ("1:0", 4, 2)]
 
 
 def _vote_under_fp16_reduction(rank, world):

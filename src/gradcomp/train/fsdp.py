@@ -57,6 +57,13 @@ Other choices:
   of the flat buffer fixed and known; as with ``GradientAggregator``, an unused parameter then receives the
   aggregate (its residual, the other ranks' gradients) instead of ``None``.
 - Step: each FSDP module counts its own reduce-scatters; the count seeds shared randomness and is saved.
+- Freezing: every FSDP module with parameters gets a compressed reduce-scatter, also one frozen whole when
+  ``compress_fsdp`` is called. FSDP2 lays its flat buffer out anew, at each backward, by the parameters that
+  require gradients; a module's reduce-scatter compares that set with its own layout's at every call and, changed,
+  lays itself out again (``_CompressedReduceScatter.lay_out``) before anything is sent. A parameter keeps its slots
+  (numbered by its place in the model), so its residual waits while it is frozen and is sent once it trains
+  again; the module's step count goes on, so shared randomness never repeats. The state's identity lists the
+  slots of the parameters that train when it is saved.
 - Sharding: only FSDP2's default dim-0 sharding (``Shard(0)``) is carried; a ``shard_placement_fn`` that
   shards another dim is refused at registration (FSDP reorders such gradients before the copy-in).
 - NaN / Inf in a gradient on any rank: every rank raises the same ``NonFiniteGradientError`` from ``backward``, in
@@ -154,15 +161,67 @@ def _group_of(module: Any) -> Any:
 class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
     """FSDP2's ``ReduceScatter`` for one FSDP module: compress per destination, all-to-all, aggregate."""
 
-    def __init__(self, state: FSDPCompressionState, key: str, pieces: list[_Piece], params: Sequence[Tensor] = ()):
+    def __init__(self, state: FSDPCompressionState, key: str, group: Any = None, index_of: dict | None = None):
         self.state = state
         self.key = key
+        self.group = group  # FSDP2's parameter group of the module (None in tests that hand pieces in)
+        self.index_of = index_of or {}  # id(parameter) -> (its index, its name) in model.named_parameters()
+        self.watched: list[Tensor] = []  # every sharded parameter of the module, and whether each required gradients
+        self.trainable: list[bool] = []  # when the module was last laid out
+        self.names: list[str] = []
+        self.step = 0
+        self.layouts = 0  # how many times the module was laid out (1 + the changes of which parameters train)
+        if group is not None:
+            self.lay_out()
+
+    def lay_out(self) -> None:
+        """The module's place in FSDP's flat buffer, by the parameters that require gradients now: the pieces, the
+        slots each rank serves and the buffers' sizes. Made at ``compress_fsdp`` and again at the first call after
+        a parameter of the module was frozen or unfrozen (FSDP2 lays its buffer out by the same rule at each
+        backward). Slots are numbered by the parameters' places in the model, so a parameter keeps its slot, its
+        residual and its shared randomness across layouts; the step count goes on. ConfigError (on every rank
+        alike: the layout depends only on the model) before anything is sent."""
+        world, compressor = self.state.world_size, self.state.compressor
+        pieces, params, offset = [], [], 0
+        for fp in self.group.fsdp_params:
+            if not fp.sharded_param.requires_grad:
+                continue
+            if fp.fsdp_placement.dim != 0:
+                raise ConfigError(
+                    f"compress_fsdp: a parameter is sharded on dim {fp.fsdp_placement.dim}; only dim-0 sharding "
+                    "(FSDP2's default) is carried"
+                )
+            found = self.index_of.get(id(fp.sharded_param))
+            if found is None:
+                raise ConfigError("compress_fsdp: an FSDP parameter is not among model.named_parameters()")
+            index, name = found
+            if len(fp._orig_size) == 0:
+                raise ConfigError(f"compress_fsdp: {name} is a 0-dimensional parameter, which FSDP cannot shard")
+            padded = int(fp.padded_sharded_param_size.numel())
+            padded_rows = int(fp.padded_sharded_param_size[0])
+            rest = padded // padded_rows if padded_rows else 0  # entries per row of dim 0
+            rows = int(fp._orig_size[0])
+            slots = []
+            for j in range(world):
+                real = max(0, min(rows - j * padded_rows, padded_rows)) * rest
+                slots.append(Slot(f"{name}/shard{j}", index * world + j, real) if real > 0 else None)
+            for slot in slots:
+                if slot is not None:
+                    compressor.specs(slot)  # ConfigError (k larger than a chunk, ...) before anything is sent
+            pieces.append(_Piece(name, offset, padded, tuple(slots)))
+            params.append(fp.sharded_param)
+            offset += padded
+        self.watched = [fp.sharded_param for fp in self.group.fsdp_params]
+        self.trainable = [p.requires_grad for p in self.watched]
+        self.names = [self.index_of.get(id(p), (0, "(a parameter)"))[1] for p in self.watched]
+        self.set_pieces(pieces, params)
+        self.layouts += 1
+
+    def set_pieces(self, pieces: list[_Piece], params: Sequence[Tensor] = ()) -> None:
+        """The pieces, and what follows from them: a row's size, the slots each rank serves, the buffers' sizes."""
+        world, state = self.state.world_size, self.state
         self.pieces = pieces
         self.params = list(params)  # the sharded parameters (their .grad: NaN when a skipped pass is found bad)
-        self.watched: list[Tensor] = []  # every sharded parameter of the module, and whether each required gradients
-        self.trainable: list[bool] = []  # when compress_fsdp laid the module out (set by it)
-        self.names: list[str] = []
-        world = state.world_size
         self.row = sum(p.padded for p in pieces)
         # the slots rank j serves: (piece, slot) for every non-empty chunk j
         self.owned: list[list[tuple[_Piece, Slot]]] = [
@@ -173,7 +232,6 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
             size = fixed_buffer_size(state.compressor, [s for _, s in owned]) if owned else 0
             sizes.append(size)
         self.known: list[int] | None = None if any(s is None for s in sizes) else sizes  # type: ignore[misc]
-        self.step = 0
 
     def _messages(self, rows: Tensor, step: int, scale: Tensor | None = None) -> list[Tensor]:
         """This rank's wire buffer for every rank j: its chunk j of every parameter, compressed and encoded;
@@ -217,17 +275,12 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                 "pre/post division) are carried: do not call set_gradient_divide_factor on a compressed model"
             )
         if [p.requires_grad for p in self.watched] != self.trainable:  # (two of the same size swapped keep the size)
-            changed = [n for n, p, was in zip(self.names, self.watched, self.trainable) if p.requires_grad != was]
-            raise ConfigError(
-                f"compress_fsdp: FSDP module {self.key!r}: {', '.join(changed)} were frozen or unfrozen after "
-                "compress_fsdp, which laid out its reduce-scatter by the parameters that required gradients then; "
-                "call compress_fsdp again. Nothing was sent"
-            )
+            self.lay_out()  # frozen or unfrozen since the last layout: FSDP's buffer follows the new set, and so do we
         if input_tensor.numel() != world * self.row or output_tensor.numel() != self.row:
             raise ConfigError(
                 f"compress_fsdp: FSDP module {self.key!r} handed a reduce-scatter of {input_tensor.numel()} entries "
                 f"(output {output_tensor.numel()}), but its parameters that require gradients make "
-                f"{world} x {self.row}; were parameters frozen or unfrozen after compress_fsdp? Call it again"
+                f"{world} x {self.row}. Nothing was sent"
             )
         rows = input_tensor.reshape(world, self.row)
         names = [p.name for p in self.pieces]
@@ -455,7 +508,10 @@ class FSDPCompressionState:
                     f"{mine[key]!r} (residuals are one rank's own: save and load one state per rank)"
                 )
         if "slots" in state and [tuple(s) for s in state["slots"]] != [tuple(s) for s in mine["slots"]]:
-            raise ConfigError("FSDPCompressionState.load_state_dict: the state was saved for other parameters")
+            raise ConfigError(
+                "FSDPCompressionState.load_state_dict: the state was saved for other parameters, or with other "
+                "parameters training (freeze and unfreeze the model as it was when the state was saved, then load)"
+            )
         if set(state["steps"]) != {comm.key for comm in self.comms}:
             raise ConfigError(
                 f"FSDPCompressionState.load_state_dict: the state has FSDP modules {sorted(state['steps'])}, "
@@ -583,43 +639,13 @@ def compress_fsdp(
                 f"compress_fsdp: the FSDP mesh shards over {group.mesh_info.shard_mesh_size} ranks, the process "
                 f"group has {world}"
             )
-        pieces, params, offset = [], [], 0
-        for fp in group.fsdp_params:
-            if not fp.sharded_param.requires_grad:
-                continue
-            if fp.fsdp_placement.dim != 0:
-                raise ConfigError(
-                    f"compress_fsdp: a parameter is sharded on dim {fp.fsdp_placement.dim}; only dim-0 sharding "
-                    "(FSDP2's default) is carried"
-                )
-            found = index_of.get(id(fp.sharded_param))
-            if found is None:
-                raise ConfigError("compress_fsdp: an FSDP parameter is not among model.named_parameters()")
-            index, name = found
-            if len(fp._orig_size) == 0:
-                raise ConfigError(f"compress_fsdp: {name} is a 0-dimensional parameter, which FSDP cannot shard")
-            padded = int(fp.padded_sharded_param_size.numel())
-            padded_rows = int(fp.padded_sharded_param_size[0])
-            rest = padded // padded_rows if padded_rows else 0  # entries per row of dim 0
-            rows = int(fp._orig_size[0])
-            slots = []
-            for j in range(world):
-                real = max(0, min(rows - j * padded_rows, padded_rows)) * rest
-                slots.append(Slot(f"{name}/shard{j}", index * world + j, real) if real > 0 else None)
-            for slot in slots:
-                if slot is not None:
-                    compressor.specs(slot)  # ConfigError (k larger than a chunk, ...) before anything is sent
-            pieces.append(_Piece(name, offset, padded, tuple(slots)))
-            params.append(fp.sharded_param)
-            offset += padded
-        if not pieces:
-            continue
-        prefix = pieces[0].name.rsplit(".", 1)[0] if "." in pieces[0].name else ""
-        key = f"{len(state.comms)}:{prefix}"  # the module's place and its first parameter's owner
-        comm = _CompressedReduceScatter(state, key, pieces, params)
-        comm.watched = [fp.sharded_param for fp in group.fsdp_params]  # (which require gradients: the layout)
-        comm.trainable = [p.requires_grad for p in comm.watched]
-        comm.names = [index_of.get(id(p), (0, "(a parameter)"))[1] for p in comm.watched]
+        # Every module with parameters, frozen ones too: a module unfrozen later is compressed from its first call
+        # (one left to FSDP's own reduce-scatter would have sent plain gradients, counted by no one).
+        trainable = [fp.sharded_param for fp in group.fsdp_params if fp.sharded_param.requires_grad]
+        first = index_of.get(id((trainable or [group.fsdp_params[0].sharded_param])[0]), (0, ""))[1]
+        prefix = first.rsplit(".", 1)[0] if "." in first else ""
+        key = f"{len(state.comms)}:{prefix}"  # the module's place and its first trainable parameter's owner
+        comm = _CompressedReduceScatter(state, key, group, index_of)
         module.set_reduce_scatter_unused_params(True, recurse=False)
         module.set_custom_reduce_scatter(comm)
         state.comms.append(comm)
