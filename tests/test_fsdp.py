@@ -721,6 +721,63 @@ def test_freezing_and_unfreezing_after_compress_fsdp_lays_the_modules_out_again(
     assert topk[0][1] == [("0:2", 6, 3), ("1:0", 4, 2)]
 
 
+def _module_used_twice(rank, world):
+    """An FSDP block applied twice in each forward pass (FSDP2 reduce-scatters it once per use, in one backward); at
+    step 1 rank 1's gradients of its first use are NaN, so the pass's first call of the block (its second use) is
+    finite and moves residuals, and its second call is not. Per step: raised or not, state unchanged, step counts."""
+    import gradcomp
+    from distributed import same
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.head, self.spoil = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), False
+
+        def forward(self, x):
+            h = self.block(x)
+            if self.spoil:
+                h.register_hook(lambda g: g * float("nan"))
+            return self.head(self.block(torch.tanh(h)))
+
+    torch.manual_seed(0)
+    model = Twice()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = gradcomp.compress_fsdp(model, gradcomp.make("topk", density=0.5, error_feedback=True))
+    events = []
+    for step in range(3):
+        model.spoil = step == 1 and rank == 1
+        before = state.state_dict()
+        try:
+            model(torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean().backward()
+            events.append((step, "applied", [c.step for c in state.comms]))
+        except gradcomp.NonFiniteGradientError as exc:
+            events.append((step, exc.step, same(before, state.state_dict()), [c.step for c in state.comms]))
+            model.reset_iter_state()
+        model.zero_grad()
+    return events
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_module_used_twice_is_one_pass_undone_whole(path, monkeypatch):
+    """A block applied twice per forward pass is reduce-scattered twice in one backward. Its second call used to
+    open a new pass: a NaN there was raised on every rank, but the first call's residuals and step count (and, on
+    the device path, the first call's held checks) were left as they were. Both calls are now one pass: every
+    rank raises, and the state is as before the pass."""
+    if path == "device":
+        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        monkeypatch.setenv("GRADCOMP_KERNELS", "0")
+    runs = run_workers(_module_used_twice, 2, timeout=120)
+    # the root (the head, key 0) is called once a pass, the block (key 1) twice; step 1 leaves no trace. The error
+    # names the step count of the call that read the verdict: the block's bad call (3) on the host path, the pass's
+    # first call (the block's 2) at the pass's end on the device path
+    want = [(0, "applied", [1, 2]), (1, 3 if path == "host" else 2, True, [1, 2]), (2, "applied", [2, 4])]
+    assert runs == [want, want]
+
+
 def _vote_under_fp16_reduction(rank, world):
     import gradcomp
     from torch.distributed.device_mesh import init_device_mesh

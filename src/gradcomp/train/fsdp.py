@@ -400,9 +400,10 @@ class FSDPCompressionState:
         backward pass is a pass of its own. Its first call asks the engine to end it when the backward ends
         (``pass_ends``: the one read of what the pass deferred, and the record's copies dropped, not kept through the
         optimizer step and the next forward pass); a backward that failed never ends its pass that way, and the next
-        one's first call starts afresh."""
+        one's first call starts afresh. A module applied twice in one forward pass is reduce-scattered once per use
+        in the same backward: both calls belong to its pass (its journal and step count from before the first)."""
         task = _graph_task()
-        if self._pass_record is None or task == -1 or task != self._pass_task or comm.key in self._pass_calls:
+        if self._pass_record is None or task == -1 or task != self._pass_task:
             self._pass_calls, self._pass_record, self.pass_bad, self._pass_task = {}, Journal(), False, task
             self.pass_flags, self.pass_checks, self.pass_mine = [], DeviceChecks(), []
             self.pass_refusals = Refusals()
