@@ -126,6 +126,7 @@ from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import decoded_dtype, host_path
+from gradcomp.wire.container import check_received_range
 
 __all__ = ["NaturalCompression", "RandomDithering", "NaturalDithering", "TernGrad", "cnat_encode", "cnat_decode"]
 
@@ -491,7 +492,24 @@ class _Dithering(Compressor):
         mask = (1 << self.level_bits) - 1
         return _run_lookup(kernel, codes, mask, self.level_bits, self._table, self._norm_value(norm), out, add)
 
+    def check_message(self, norm: Tensor, codes: Tensor | None, slot: Slot) -> None:
+        """WireError (through ``wire.container.check_received``: on the device path with the step's one read) for
+        what no sender makes and a checksum cannot catch when the sender itself is wrong: a norm below 0 (every
+        decoded entry's sign flipped) or a level index above ``levels``, which the code's width allows unless
+        ``levels`` is 2^b − 1 (QSGD's 16 levels take 5 bits: indices up to 31 would decode above the norm). The
+        index check is one pass over the codes, made only where such an index fits."""
+        where = f"{self.name}: {slot.name}"
+        check_received_range(self._norm_value(norm).reshape(-1), 0.0, None, f"{where}: a negative norm")
+        if codes is not None and self.levels != (1 << self.level_bits) - 1:
+            index = codes.reshape(-1) & ((1 << self.level_bits) - 1)
+            check_received_range(index, None, self.levels, f"{where}: a level index above levels = {self.levels}")
+
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        self.check_message(fields[0], fields[1], slot)
+        return self._values(fields)
+
+    def _values(self, fields: Fields) -> Tensor:
+        """The message's values, unchecked (``check_message``)."""
         decoded = self._decode_compiled(fields)  # one compiled pass, the same values (kernels.lookup_kernel)
         if decoded is not None:
             return decoded
@@ -506,8 +524,12 @@ class _Dithering(Compressor):
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message (the same
         float32 addition per entry). A subclass that does not declare ``accumulate`` among its capabilities gets
         ``out += decompress(...)``."""
-        if not self.capabilities.accumulate or self._decode_compiled(fields, out, add=True) is None:
+        if not self.capabilities.accumulate:
             super().accumulate(fields, slot, step, out)
+            return
+        self.check_message(fields[0], fields[1], slot)
+        if self._decode_compiled(fields, out, add=True) is None:
+            out += self._values(fields)
 
 
 class RandomDithering(_Dithering):
@@ -720,7 +742,20 @@ class TernGrad(Compressor):
             return None
         return _run_lookup(kernel, codes, 3, _NO_SIGN_BIT, _TERNARY, scale, out, add)
 
+    def check_message(self, fields: Fields, slot: Slot) -> None:
+        """WireError (``wire.container.check_received``) for what no sender makes: a scale below 0 (every entry's
+        sign flipped) or code 3, which the 2-bit code allows and no sender writes (one pass over the codes)."""
+        scale, codes = fields
+        where = f"terngrad: {slot.name}"
+        check_received_range(scale.reshape(-1).to(torch.float32), 0.0, None, f"{where}: a negative scale")
+        check_received_range(codes.reshape(-1), None, 2, f"{where}: code 3, which no sender writes")
+
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
+        self.check_message(fields, slot)
+        return self._values(fields)
+
+    def _values(self, fields: Fields) -> Tensor:
+        """The message's values, unchecked (``check_message``)."""
         decoded = self._decode_compiled(fields)  # one compiled pass, the same values (kernels.lookup_kernel)
         if decoded is not None:
             return decoded
@@ -732,5 +767,9 @@ class TernGrad(Compressor):
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message. A subclass
         that does not declare ``accumulate`` among its capabilities gets ``out += decompress(...)``."""
-        if not self.capabilities.accumulate or self._decode_compiled(fields, out, add=True) is None:
+        if not self.capabilities.accumulate:
             super().accumulate(fields, slot, step, out)
+            return
+        self.check_message(fields, slot)
+        if self._decode_compiled(fields, out, add=True) is None:
+            out += self._values(fields)

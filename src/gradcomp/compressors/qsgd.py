@@ -165,15 +165,19 @@ class QSGD(RandomDithering):
         pass without temporaries, with the same values. The elias coding first rebuilds the dense codes
         (``_elias_codes``).
         """
-        norm, codes = fields if self.coding == "packed" else [fields[0], self._elias_codes(fields, slot)]
+        if self.coding == "packed":
+            norm, codes = fields
+            self.check_message(norm, codes, slot)
+        else:  # (the elias codes are checked against levels as they are rebuilt)
+            norm, codes = fields[0], self._elias_codes(fields, slot)
+            self.check_message(norm, None, slot)
         codes = codes.reshape(-1)
         if self._decode_compiled([norm, codes], out, add) is not None:  # the CPU: one compiled pass into out
             return
         chunk = _DECODE_CHUNK if host_path(codes) else _DEVICE_DECODE_CHUNK
         for start in range(0, slot.numel, chunk):
             piece = codes[start : start + chunk]
-            part = Slot(slot.name, slot.index, piece.numel(), None)
-            values = super().decompress([norm, piece], part, step)
+            values = self._values([norm, piece])
             if add:
                 out[start : start + piece.numel()] += values
             else:

@@ -67,6 +67,7 @@ from gradcomp.compressors.sparse import (
     topk_positions,
 )
 from gradcomp.wire import Codec, FieldSpec, optimal_rice_parameter
+from gradcomp.wire.container import check_received_range
 from gradcomp.wire.golomb import golomb_stream_bits
 
 
@@ -276,8 +277,15 @@ class SparseTernary(_SharedValueSparsifier):
         signs = 1.0 - 2.0 * negative.to(torch.float32)
         return positions, signs * magnitude.to(torch.float32)
 
+    def _received(self, fields: Fields, slot: Slot) -> tuple[Tensor, Tensor]:
+        """``_values`` of a received message, checked: WireError (``wire.container.check_received``) for a
+        magnitude below 0, which no sender makes (every sent sign flipped). A worker's own message
+        (``sent_entries``, for error feedback) is not checked."""
+        check_received_range(fields[2].reshape(-1).to(torch.float32), 0.0, None, f"stc: {slot.name}: a negative mean")
+        return self._values(fields)
+
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
-        positions, values = self._values(fields)
+        positions, values = self._received(fields, slot)
         out = torch.zeros(slot.numel, dtype=torch.float32, device=values.device)
         out[positions] = values
         return out
@@ -286,5 +294,5 @@ class SparseTernary(_SharedValueSparsifier):
         return self._values(fields)
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-        positions, values = self._values(fields)
+        positions, values = self._received(fields, slot)
         out.index_add_(0, positions, values.to(out.dtype))

@@ -120,7 +120,7 @@ from gradcomp.compressors.state import MovingAverage
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import check_received
+from gradcomp.wire.container import check_received, check_received_range
 
 __all__ = ["EFSignSGD", "OneBit", "SignSGD", "Signum", "pack_signs", "packed_count", "unpack_signs"]
 
@@ -343,10 +343,19 @@ class _Sign(Compressor):
         """(value for bit 0, value for bit 1) as float32 scalars."""
         raise NotImplementedError
 
+    def _received_values(self, fields: Fields, slot: Slot) -> tuple[Tensor, Tensor]:
+        """``_decode_values`` of a received message, checked: WireError (``wire.container.check_received``) for a
+        value for bit 0 below 0 or one for bit 1 above 0, which no sender makes (every decoded sign flipped)."""
+        positive, negative = self._decode_values(fields, slot)
+        where = f"{self.name}: {slot.name}"
+        check_received_range(positive.reshape(-1), 0.0, None, f"{where}: a negative value for the + sign")
+        check_received_range(negative.reshape(-1), None, 0.0, f"{where}: a positive value for the − sign")
+        return positive, negative
+
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         packed = fields[0]
         _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
-        positive, negative = self._decode_values(fields, slot)
+        positive, negative = self._received_values(fields, slot)
         return _expand(packed, slot.numel, positive, negative)
 
     def subtract_sent(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
@@ -381,7 +390,7 @@ class _Sign(Compressor):
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
         packed = fields[0]
         _check_packed(packed, slot.numel, f"{self.name}: {slot.name}")
-        positive, negative = self._decode_values(fields, slot)
+        positive, negative = self._received_values(fields, slot)
         if out.is_contiguous():
             _expand_add(packed, slot.numel, positive, negative, out.view(-1))
         else:  # a reshape would copy: add the dense tensor instead

@@ -16,12 +16,16 @@ from gradcomp.protocols.sizes import buffer_sizes, pad_to
 from gradcomp.transport.requests import AllGather, Rounds
 
 
-def allgather_buffers(rank: int, buffer: Tensor, sizes: Sequence[int] | None = None) -> Rounds:
+def allgather_buffers(
+    rank: int, buffer: Tensor, sizes: Sequence[int] | None = None, limit: int | None = None
+) -> Rounds:
     """Every worker's uint8 buffer, in rank order, without padding (``rank``: this worker's).
 
-    ``sizes``: every worker's buffer length when all of them know it in advance (checked for this worker's).
+    ``sizes``: every worker's buffer length when all of them know it in advance (checked for this worker's);
+    ``limit``: else the most bytes any worker's buffer can have (``wire.container.max_encoded_size``), which bounds
+    the lengths the size round brings before anything is allocated for them.
     """
-    sizes = yield from buffer_sizes(buffer, rank, sizes)
+    sizes = yield from buffer_sizes(buffer, rank, sizes, limit)
     largest = max(sizes)
     pad_up = largest - sizes[rank]
     pad_down = sum(largest - s for r, s in enumerate(sizes) if r != rank)

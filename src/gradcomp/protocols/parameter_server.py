@@ -27,8 +27,12 @@ def parameter_server(
     root: int = 0,
     sizes: Sequence[int] | None = None,
     downstream_size: int | None = None,
+    limit: int | None = None,
+    downstream_limit: int | None = None,
 ) -> Rounds:
-    sizes = yield from buffer_sizes(buffer, rank, sizes)
+    """``limit`` / ``downstream_limit``: the most bytes a worker's buffer / the downstream buffer can have
+    (``wire.container.max_encoded_size``), bounding the lengths their size rounds bring."""
+    sizes = yield from buffer_sizes(buffer, rank, sizes, limit)
     largest = max(sizes)
     pad_in = sum(largest - s for s in sizes)
     gathered = yield Gather(pad_to(buffer, largest), root, pad_up=largest - sizes[rank], pad_in=pad_in)
@@ -36,4 +40,4 @@ def parameter_server(
     if rank == root:
         assert gathered is not None
         downstream = aggregate([b[:s] for b, s in zip(gathered, sizes)])
-    return (yield from broadcast_buffer(downstream, root, buffer.device, downstream_size))
+    return (yield from broadcast_buffer(downstream, root, buffer.device, downstream_size, limit=downstream_limit))

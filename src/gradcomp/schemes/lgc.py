@@ -110,7 +110,7 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.lgc_autoencoder import AutoencoderTrainer, latent_size, padded_length
 from gradcomp.transport.requests import AllReduce, Rounds
 from gradcomp.wire import Codec, FieldSpec, decode, encode, encoded_size
-from gradcomp.wire.container import StepAbandoned, held_for_the_pass
+from gradcomp.wire.container import StepAbandoned, held_for_the_pass, max_encoded_size
 from gradcomp.wire.golomb import optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")
@@ -415,7 +415,7 @@ class LGC(Scheme):
         """The leader's top-k positions, Golomb–Rice coded and broadcast (length first); sorted int64."""
         specs = [self._positions_spec(layout)]
         message = encode([largest(acc, layout.k).sort().values], specs) if self.rank == leader else None
-        message = yield from broadcast_buffer(message, leader, acc.device, peer=True)
+        message = yield from broadcast_buffer(message, leader, acc.device, peer=True, limit=max_encoded_size(specs))
         return _decoded(message, specs)[0].to(acc.device)
 
     @staticmethod
@@ -445,7 +445,7 @@ class LGC(Scheme):
             lead_scale = _rms(lead_values)
             lead_code = trainer.encode(_pad((lead_values / lead_scale).unsqueeze(0), layout.length)).reshape(-1)
             message = encode([torch.cat([lead_scale, lead_code]), chosen], lead_specs)
-        message = yield from broadcast_buffer(message, leader, device, peer=True)
+        message = yield from broadcast_buffer(message, leader, device, peer=True, limit=max_encoded_size(lead_specs))
         floats, positions = _decoded(message, lead_specs)
         lead_scale, lead_code = floats[0], floats[1:].unsqueeze(0)
         positions = positions.to(device)

@@ -88,6 +88,7 @@ from gradcomp.schemes.single_round import (
 from gradcomp.transport.requests import Rounds
 from gradcomp.wire.container import (
     AbandonedHere, DeviceChecks, abandon_flags, abandon_message, add_to_verdict, deferring, fetch_together,
+    max_encoded_size,
 )
 
 
@@ -108,6 +109,14 @@ class _Layout:
 
     bounds: list[tuple[int, int]]
     shards: list[Slot | None]
+
+
+def _largest_sizes(compressor: Compressor, per_owner: Sequence[Sequence[Slot]]) -> list[int]:
+    """The most bytes a buffer for (or from) owner j can have, for every j: bounds a size round's lengths."""
+    return [
+        max_encoded_size([spec for s in shard_slots for spec in compressor.specs(s)]) if shard_slots else 0
+        for shard_slots in per_owner
+    ]
 
 
 def _fixed_sizes(compressor: Compressor, per_owner: Sequence[Sequence[Slot]]) -> list[int] | None:
@@ -229,7 +238,9 @@ class Sharded(Scheme):
 
         # 3. all-to-all: owner r receives every worker's buffer for shard r
         up_sizes, down_sizes = self.fixed_sizes(slots)
-        received = yield from alltoall_buffers(rank, up, up_sizes)
+        shards = [[s for _, s in owned] for owned in per_owner]
+        up_limits = None if up_sizes is not None else _largest_sizes(self.compressor, shards)
+        received = yield from alltoall_buffers(rank, up, up_sizes, up_limits)
 
         # 4. serve: aggregate my shards, compress them again, one downstream buffer
         mine = [s for _, s in per_owner[rank]]
@@ -244,7 +255,8 @@ class Sharded(Scheme):
             downstream = torch.empty(0, dtype=torch.uint8, device=device)
 
         # 5. all-gather of the owners' buffers; everyone puts every shard in place
-        gathered = yield from allgather_buffers(rank, downstream, down_sizes)
+        down_limit = None if down_sizes is not None else max(_largest_sizes(self.server_compressor, shards))
+        gathered = yield from allgather_buffers(rank, downstream, down_sizes, down_limit)
         if deferring():  # an owner's abandoned buffer abandons the step on every worker, at the step's end's read
             add_to_verdict(abandon_flags(gathered))
         results = [torch.empty(s.numel, dtype=torch.float32, device=device) for s in slots]

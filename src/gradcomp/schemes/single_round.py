@@ -60,6 +60,7 @@ from gradcomp.wire.container import (
     layout_values,
     length_from_counts,
     length_on_device,
+    max_encoded_size,
 )
 from gradcomp.wire.bits import bits_needed, host_path, packed_nbytes
 
@@ -429,7 +430,7 @@ class SingleRound(Scheme):
             length = length_from_counts(specs, per_field, bits)
             layout = layout_values(specs, per_field, bits, device)
             read = torch.cat([torch.stack(counts).reshape(-1) if counts else bits[:0], bits])
-            sizes, layouts, values = yield from exchange_lengths(length, read, layout)
+            sizes, layouts, values = yield from exchange_lengths(length, read, layout, max_encoded_size(specs))
             fields = [f for message in sized.finish(values[: len(counts)]) for f in message]
             streams = dict(zip(free_sections(specs)[1], values[len(counts) :]))
             return encode(fields, specs, stream_bits=streams or None), sizes, layouts
@@ -438,8 +439,12 @@ class SingleRound(Scheme):
         del messages
         length, which, bits = length_on_device(fields, specs)
         layout = layout_values(specs, [f.numel() for f in fields], bits, device)
-        sizes, layouts, streams = yield from exchange_lengths(length, bits, layout)
+        sizes, layouts, streams = yield from exchange_lengths(length, bits, layout, max_encoded_size(specs))
         return encode(fields, specs, stream_bits=dict(zip(which, streams))), sizes, layouts
+
+    def _largest(self, compressor: Compressor, slots: Sequence[Slot]) -> int:
+        """The most bytes a message of ``compressor`` for ``slots`` can have (bounds a size round's lengths)."""
+        return max_encoded_size([spec for slot in slots for spec in compressor.specs(slot)])
 
     def _fixed_size(self, compressor: Compressor, slots: Sequence[Slot]) -> int | None:
         key = (compressor is self.server_compressor, tuple(slots))
@@ -453,7 +458,8 @@ class SingleRound(Scheme):
             buffer, sizes, layouts = yield from self._sized_on_device(slots, tensors, step)
         else:  # (the host path reads a variable message's headers where it is: its size exchange sends lengths only)
             buffer, sizes = self._encoded(slots, tensors, step), None if size is None else [size] * self.world_size
-        buffers = yield from allgather_buffers(self.rank, buffer, sizes)
+        limit = None if sizes is not None else self._largest(self.compressor, slots)
+        buffers = yield from allgather_buffers(self.rank, buffer, sizes, limit)
         # the same aggregate on every worker: a simulated cluster computes it once (transport.sim), and the checks it
         # leaves for the pass's read go to every worker's pass
         pass_checks = held_for_the_pass()
@@ -490,7 +496,9 @@ class SingleRound(Scheme):
         sizes = None if size is None else [size] * self.world_size
         downstream_size = self._fixed_size(self.server_compressor, slots)
         downstream = yield from parameter_server(
-            self.rank, self._encoded(slots, tensors, step), serve, self.root, sizes, downstream_size
+            self.rank, self._encoded(slots, tensors, step), serve, self.root, sizes, downstream_size,
+            limit=None if sizes is not None else self._largest(self.compressor, slots),
+            downstream_limit=None if downstream_size is not None else self._largest(self.server_compressor, slots),
         )
         if deferring():  # the root's abandoned message abandons the step on every worker, at the read below
             add_to_verdict(abandon_flags([downstream]))

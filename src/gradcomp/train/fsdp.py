@@ -127,7 +127,9 @@ from gradcomp.train.exchange import (
 )
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import DeviceChecks, Refusals, StepAbandoned, holding_for_the_pass, refusing_later
+from gradcomp.wire.container import (
+    DeviceChecks, Refusals, StepAbandoned, holding_for_the_pass, max_encoded_size, refusing_later,
+)
 
 try:  # torch >= 2.6 (FSDP2's custom collectives: 2.8)
     from torch.distributed.fsdp import FSDPModule
@@ -232,6 +234,11 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
             size = fixed_buffer_size(state.compressor, [s for _, s in owned]) if owned else 0
             sizes.append(size)
         self.known: list[int] | None = None if any(s is None for s in sizes) else sizes  # type: ignore[misc]
+        # else the most bytes a buffer for rank j can have: bounds the lengths the all-to-all's length round brings
+        self.limits = None if self.known is not None else [
+            max_encoded_size([spec for _, s in owned for spec in state.compressor.specs(s)]) if owned else 0
+            for owned in self.owned
+        ]
 
     def _messages(self, rows: Tensor, step: int, scale: Tensor | None = None) -> list[Tensor]:
         """This rank's wire buffer for every rank j: its chunk j of every parameter, compressed and encoded;
@@ -310,7 +317,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                     up = self._messages(torch.zeros_like(rows), step)  # (only the messages' sizes matter then)
 
             def rounds():  # the all-to-all, then the decoding (its checks held for the pass when deferred)
-                received = yield from alltoall_buffers(rank, up, self.known)
+                received = yield from alltoall_buffers(rank, up, self.known, self.limits)
                 slots = [s for _, s in mine]
                 if not mine:
                     return []

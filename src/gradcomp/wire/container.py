@@ -91,6 +91,7 @@ from gradcomp.wire.bits import (
 )
 from gradcomp.wire.checksum import checksum64, checksum64_tensor, to_host
 from gradcomp.wire.golomb import (
+    MAX_RICE_PARAMETER,
     MAX_UNIVERSE,
     golomb_decode,
     golomb_encode,
@@ -108,6 +109,7 @@ __all__ = [
     "HEADER_BYTES",
     "SECTION_HEADER_BYTES",
     "MAX_MESSAGE_BYTES",
+    "max_encoded_size",
     "FORMAT_VERSION",
     "MAGIC",
     "DeviceChecks",
@@ -116,6 +118,7 @@ __all__ = [
     "abandon_later",
     "check_pending",
     "check_received",
+    "check_received_range",
     "StepAbandoned",
     "AbandonedHere",
     "ABANDON_MARK",
@@ -1319,6 +1322,32 @@ def check_received(ok: torch.Tensor | bool, message: str) -> None:
         _refuse(WireError(message))
 
 
+def check_received_range(values: torch.Tensor, low: float | None, high: float | None, message: str) -> None:
+    """A receiver's check that a decoded field lies in ``[low, high]`` (None: unbounded), through
+    :func:`check_received`: one read now on the host path, handed to the collecting :class:`DeviceChecks` on the
+    device path. Non-finite values pass (NaN, and ±Inf for floats): a non-finite scale is how the device path sends
+    a non-finite gradient (a C_nat-coded NaN norm decodes to ±Inf), and the finiteness check of the sums deals with
+    it. For values a sender never makes (a negative norm, a level above the method's), which a checksum cannot
+    catch when the sender itself is wrong."""
+    if values.numel() == 0:
+        return
+    if values.is_floating_point():  # (scales: a few entries)
+        out = torch.zeros_like(values, dtype=torch.bool)
+        if low is not None:
+            out |= values < low
+        if high is not None:
+            out |= values > high
+        bad = (out & torch.isfinite(values)).any()
+    else:  # (codes: one min/max pass)
+        least, most = torch.aminmax(values)
+        bad = torch.zeros((), dtype=torch.bool, device=values.device)
+        if low is not None:
+            bad = bad | (least < low)
+        if high is not None:
+            bad = bad | (most > high)
+    check_received(not bool(bad) if host_path(values) else ~bad, message)
+
+
 def _unpack_checked(
     data: torch.Tensor, width: int, count: int, where: str, dtype: torch.dtype, flags: list | None = None
 ) -> torch.Tensor:
@@ -1326,6 +1355,25 @@ def _unpack_checked(
         return _unpack(data, width, count, dtype, flags)
     except WireError as e:
         raise WireError(f"{where}: {e}") from None
+
+
+def max_encoded_size(specs: Sequence[FieldSpec]) -> int:
+    """The most bytes a message of ``specs`` can have and still decode: every field at its count (or max_count), a
+    GOLOMB stream at the longest :func:`decode` accepts (universe + count · b + 7 bits, b at the spec's or the
+    largest Rice parameter). A receiver bounds the lengths a size round brings by it
+    (``protocols.sizes.received_lengths``) before it allocates anything for them."""
+    total = HEADER_BYTES
+    for i, spec in enumerate(specs):
+        codec = _check_spec(spec, i)
+        n = spec.count if spec.count is not None else spec.max_count
+        if codec == Codec.GOLOMB:
+            b = spec.golomb_b if spec.golomb_b is not None else MAX_RICE_PARAMETER
+            nbytes = -(-(spec.universe + n * b + 7) // 8)
+        else:
+            param = spec.width if codec == Codec.BITS else bits_needed(spec.universe) if codec == Codec.POSITIONS else 0
+            nbytes = _expected_nbytes(codec, param, n)
+        total += SECTION_HEADER_BYTES + nbytes
+    return total
 
 
 def encoded_size(specs: Sequence[FieldSpec], counts: Sequence[int] | None = None) -> int | None:
