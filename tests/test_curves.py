@@ -52,3 +52,45 @@ def test_curves_reject_runs_without_a_curve_and_bad_targets(tmp_path, capsys):
     bare.write_text(json.dumps({"accuracy_curve": [[1, 0.5]], "steps": 1, "test_accuracy": 0.5}))
     assert main(["curves", str(bare), "--targets", "97"]) == 2
     assert "(0, 1]" in capsys.readouterr().err
+
+
+def _fake_run(path):
+    """A finished run's result as curves reads it, without training one."""
+    path.write_text(json.dumps({"accuracy_curve": [[1, 0.5], [2, 0.6]], "steps": 2, "test_accuracy": 0.6,
+                                "compressor": "none", "bits_up_per_worker": 1000}))
+    return path
+
+
+def test_curves_refuse_json_that_is_no_result(tmp_path, capsys):
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")  # valid JSON, but no result object
+    assert main(["curves", str(listed)]) == 2
+    captured = capsys.readouterr()
+    assert "not a result of gradcomp train" in captured.err and captured.out == ""
+
+
+def test_curves_refuse_an_out_that_is_no_image_before_printing(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--out needs matplotlib")
+    run = _fake_run(tmp_path / "run1.json")
+    existing = tmp_path / "existing.json"
+    existing.write_text('{"keep": 1}')
+    for out in (existing, run):  # not even over the run it reads
+        before = out.read_text()
+        assert main(["curves", str(run), "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert "cannot write a .json plot" in captured.err and ".png" in captured.err and captured.out == ""
+        assert out.read_text() == before
+
+
+def test_curves_out_that_cannot_be_written_is_a_clear_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--out needs matplotlib")
+    from gradcomp.errors import GradcompError
+    from gradcomp.experiments.study.curves import load_run, render_plot
+
+    run = _fake_run(tmp_path / "run1.json")
+    # /proc takes no new file, but root's os.access says it does: refused by trying, before the table
+    assert main(["curves", str(run), "--out", "/proc/gradcomp-curves.png"]) == 2
+    captured = capsys.readouterr()
+    assert "gradcomp: error: --out /proc/gradcomp-curves.png" in captured.err and captured.out == ""
+    with pytest.raises(GradcompError, match="cannot write the plot"):  # should it fail only when saved
+        render_plot([load_run(str(run))], "/proc/gradcomp-curves.png", "steps")

@@ -252,10 +252,15 @@ def _entry_point(name: str, value: str):
     return EntryPoint(name, value, ENTRY_POINT_GROUP)
 
 
+WARNED_ENV = "GRADCOMP_IGNORED_PLUGINS_WARNED"  # registry._WARNED_ENV: where the warnings given are remembered
+
+
 @pytest.fixture
 def plugins(monkeypatch):
     """Replace the installed packages' entry points of the group by the ones a test gives."""
     from gradcomp import registry
+
+    monkeypatch.setenv(WARNED_ENV, "")  # warnings already given (in this process or a parent) forgotten
 
     def install(*eps):
         monkeypatch.setattr(registry, "_entry_points", lambda: tuple(eps))
@@ -263,17 +268,62 @@ def plugins(monkeypatch):
     return install
 
 
-def test_a_plugin_that_fails_to_load_is_a_clear_error(plugins, capsys):
+def _list_output(capsys) -> tuple[dict[str, str], str]:
+    """``gradcomp list``'s rows by name, and its stderr; the command must succeed."""
     from gradcomp.cli import main
 
+    assert main(["list"]) == 0
+    captured = capsys.readouterr()
+    return {line.split()[0]: line for line in captured.out.splitlines()}, captured.err
+
+
+def test_a_plugin_that_fails_to_load_is_a_clear_error(plugins, capsys):
     plugins(_entry_point("topk_again", "tests_plugin_fixture:TopKAgain"))  # a module that is not on the path
     assert "topk_again" in gradcomp.available()
     with pytest.raises(ConfigError, match="failed to load: ModuleNotFoundError"):
         gradcomp.make("topk_again")
-    assert main(["list"]) == 2
-    err = capsys.readouterr().err
-    assert "plugin method 'topk_again'" in err and "tests_plugin_fixture:TopKAgain" in err and "Traceback" not in err
+    rows, err = _list_output(capsys)  # the other methods are listed, the broken one reported
+    assert "broken" in rows["topk_again"] and "summable" in rows["fp16"] and len(rows) == len(gradcomp.available())
+    assert "gradcomp: warning: plugin method 'topk_again'" in err and "tests_plugin_fixture:TopKAgain" in err
+    assert "Traceback" not in err
     assert type(gradcomp.make("topk")) is TopK  # a broken plugin does not break the other methods
+
+
+# what a broken plugin's module holds (the entry point names its class X), and what its error says
+BROKEN_PLUGINS = {
+    "import_error": ("import tests_no_such_module_xyz\n", "ModuleNotFoundError"),
+    "raises": ("raise RuntimeError('boom at import')\n", "RuntimeError: boom at import"),
+    "syntax": ("def (\n", "SyntaxError"),
+    "exits": ("import sys\nsys.exit(3)\n", "SystemExit: 3"),  # SystemExit is no Exception: caught all the same
+    "not_a_method": ("class X:\n    name = 'broken_not_a_method'\n", "not a gradcomp Compressor or Scheme class"),
+    "misnamed": ("from gradcomp.compressors import TopK\nclass X(TopK):\n    name = 'other'\n", "named 'other'"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN_PLUGINS))
+def test_a_broken_plugin_is_reported_and_every_other_method_still_works(kind, plugins, tmp_path, monkeypatch,
+                                                                         capsys):
+    from gradcomp.cli import main
+
+    source, error = BROKEN_PLUGINS[kind]
+    module, name = f"tests_broken_plugin_{kind}", f"broken_{kind}"
+    (tmp_path / f"{module}.py").write_text(source)
+    (tmp_path / "tests_good_plugin.py").write_text(
+        "from gradcomp.compressors import TopK\nclass Good(TopK):\n    name = 'good_plugin'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugins(_entry_point(name, f"{module}:X"), _entry_point("good_plugin", "tests_good_plugin:Good"))
+    rows, err = _list_output(capsys)
+    assert set(rows) == set(gradcomp.available()) and {"topk", "powersgd", "good_plugin", name} <= set(rows)
+    assert "broken" in rows[name] and "broken" not in rows["good_plugin"]
+    assert f"gradcomp: warning: plugin method {name!r}" in err and f"{module}:X" in err and error in err
+    assert "Traceback" not in err
+    with pytest.raises(ConfigError, match=error):  # asked for by name, it is still refused
+        gradcomp.make(name)
+    assert type(gradcomp.make("topk")) is TopK and gradcomp.make("good_plugin").name == "good_plugin"
+    train = ["train", "--simulate", "--no-progress", "--dataset", "synthetic", "--model", "mlp", "--steps", "1"]
+    assert main([*train, "--compressor", name]) == 2
+    assert "gradcomp: error: plugin method" in capsys.readouterr().err
 
 
 def test_a_plugin_loads_from_its_module(plugins, tmp_path, monkeypatch):
@@ -295,22 +345,33 @@ def test_a_plugin_loads_from_its_module(plugins, tmp_path, monkeypatch):
         gradcomp.make("number")
 
 
-@pytest.mark.parametrize("clash", ["builtin", "two plugins"])
-def test_a_plugin_name_clash_is_a_clear_error(plugins, clash, capsys):
-    from gradcomp.cli import main
+def test_a_plugin_with_a_builtin_name_is_ignored_with_a_warning(plugins, tmp_path, monkeypatch, capsys):
+    from gradcomp.registry import PluginWarning
 
-    if clash == "builtin":
-        plugins(_entry_point("topk", "somewhere:TopK"))
-        expected = "plugin method 'topk' from .* has the name of a built-in method"
-    else:
-        plugins(_entry_point("mine", "one:Mine"), _entry_point("mine", "two:Mine"))
-        expected = "two plugins name a method 'mine'"
-    with pytest.raises(ConfigError, match=expected):
-        gradcomp.available()
-    with pytest.raises(ConfigError, match=expected):
-        gradcomp.make("fp16")  # whichever name is asked for: which class a name means must not be in doubt
-    assert main(["list"]) == 2
-    assert "gradcomp: error:" in capsys.readouterr().err
+    (tmp_path / "tests_clash_plugin.py").write_text(
+        "from gradcomp.compressors import TopK\nclass TopK2(TopK):\n    name = 'topk'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugins(_entry_point("topk", "tests_clash_plugin:TopK2"))
+    with pytest.warns(PluginWarning, match=r"ignoring plugin method 'topk' from .*tests_clash_plugin:TopK2.*"
+                                           r"the built-in one wins"):
+        assert type(gradcomp.make("fp16")) is Float16  # whichever name is asked for: the warning, no error
+    assert type(gradcomp.make("topk")) is TopK  # the built-in
+    assert gradcomp.available().count("topk") == 1 and gradcomp.registry.origin("topk") == "built-in"
+    monkeypatch.setenv(WARNED_ENV, "")  # warned once: again for the list
+    rows, err = _list_output(capsys)
+    assert "plugin" not in rows["topk"] and "summable" in rows["fp16"]
+    assert "gradcomp: warning: ignoring plugin method 'topk'" in err and "Traceback" not in err
+
+
+def test_two_plugins_of_one_name_break_that_name_only(plugins, capsys):
+    plugins(_entry_point("mine", "one:Mine"), _entry_point("mine", "two:Mine"))
+    assert gradcomp.available().count("mine") == 1
+    with pytest.raises(ConfigError, match="two plugins name a method 'mine'.*one:Mine.*two:Mine"):
+        gradcomp.make("mine")  # which class the name means is in doubt: neither
+    assert type(gradcomp.make("fp16")) is Float16
+    rows, err = _list_output(capsys)
+    assert "broken" in rows["mine"] and "gradcomp: warning: two plugins name a method 'mine'" in err
 
 
 def test_register_at_run_time_and_its_clashes():

@@ -103,3 +103,22 @@ def test_without_matplotlib_the_sweep_says_it_wrote_no_plots(tmp_path, capsys, m
     assert main(args) == 0
     assert "gradcomp sweep: table.md only, no plots: matplotlib is not installed" in capsys.readouterr().err
     assert (tmp_path / "s" / "table.md").exists()
+
+
+def test_a_sweep_run_again_with_other_settings_is_refused_and_the_same_settings_resume(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = ["sweep", "--dataset", "synthetic", "--model", "mlp", "--steps", "1", "--workers", "2", "--schemes", "topk",
+            "--densities", "0.5", "--granularities", "layer", "--memory", "off", "--no-baseline", "--out", str(out)]
+    assert main([*args, "--seeds", "0"]) == 0
+    results = (out / "results.jsonl").read_text()
+    capsys.readouterr()
+    assert main([*args, "--seeds", "0", "--steps", "2", "--lr", "0.1"]) == 2  # the later --steps wins
+    captured = capsys.readouterr()
+    assert "other settings" in captured.err and "--steps 1 there, 2 now" in captured.err
+    assert "--lr 0.05 there, 0.1 now" in captured.err and "new --out" in captured.err
+    assert captured.out == "" and (out / "results.jsonl").read_text() == results  # nothing ran
+    assert main([*args, "--seeds", "0,1"]) == 0  # the same settings: resumed, and the grid extended
+    assert "2 cells, 1 already done, 1 to run" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["settings"] == rows[1]["settings"]  # each cell records what it ran with
+    assert rows[0]["settings"]["steps"] == 1 and rows[0]["settings"]["lr"] == 0.05

@@ -189,39 +189,78 @@ def _add_list(sub: argparse._SubParsersAction) -> None:
 
 
 def _list(args: argparse.Namespace) -> int:
-    import inspect
+    """The method table on stdout. A plugin that cannot be used (it fails to import, even with ``sys.exit``, or
+    is no method class, or two plugins give its name) gets a "broken" row and its error on stderr as a warning,
+    as does a plugin left out because a built-in has its name: one bad package must not hide every other
+    method, so the command still succeeds."""
+    import warnings
 
-    from gradcomp.registry import available, compressor_class, origin
-    from gradcomp.schemes.base import Scheme
+    from gradcomp.registry import PluginWarning, available, compressor_class
 
-    rows = []
-    for name in available():
-        cls = compressor_class(name)
-        try:  # the values a default-built instance really uses (density=None means density 0.01 for top-k)
-            effective = cls().params()
-        except Exception:  # a method that cannot be built without arguments: its signature's defaults
-            effective = {}
-        params = []
-        for p in inspect.signature(cls.__init__).parameters.values():
-            if p.name == "self" or p.default is inspect.Parameter.empty:
+    rows, broken = [], []
+    with warnings.catch_warnings(record=True) as ignored:  # plugins left out: said after the table, as one line each
+        warnings.simplefilter("always", PluginWarning)
+        for name in available():
+            try:
+                cls = compressor_class(name)
+            except ConfigError as exc:
+                rows.append((name, f"broken {_plugin_origin(name)}", "(see the warning below)"))
+                broken.append(str(exc))
                 continue
-            value = effective.get(p.name) if p.default is None else None
-            params.append(f"{p.name}={(p.default if value is None else value)!r}")
-        if issubclass(cls, Scheme):
-            flags = "own rounds"
-        else:
-            flags = ("summable" if cls.summable else "gathered") + (", unbiased" if cls.unbiased else "")
-        if cls.owns_momentum:
-            flags += ", momentum"
-        if getattr(cls, "default_error_feedback", False):
-            flags += ", error feedback on"  # make(name) wraps it in ErrorFeedback unless error_feedback=False
-        if origin(name).startswith("plugin"):
-            flags += f", {origin(name)}"  # from another installed package (entry-point group gradcomp.methods)
-        rows.append((name, flags, " ".join(params)))
+            rows.append((name, *_describe_method(name, cls)))
+    for w in ignored:
+        if issubclass(w.category, PluginWarning):
+            broken.append(str(w.message).removeprefix("gradcomp: "))
+        else:  # any other warning as it would have been shown
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     name_width, flags_width = (max(len(row[i]) for row in rows) for i in (0, 1))
     for name, flags, params in rows:
         print(f"{name:{name_width}s}  {flags:{flags_width}s}  {params}".rstrip())
+    sys.stdout.flush()  # the table before the warnings, where both go to one terminal
+    for message in broken:
+        print(f"gradcomp: warning: {message}", file=sys.stderr)
     return 0
+
+
+def _plugin_origin(name: str) -> str:
+    """``origin(name)`` ("plugin PACKAGE VERSION"), or just "plugin" where even that cannot be told."""
+    from gradcomp.registry import origin
+
+    try:
+        return origin(name)
+    except ConfigError:
+        return "plugin"
+
+
+def _describe_method(name: str, cls: type) -> tuple[str, str]:
+    """The flags (how its messages travel, what it declares, where it comes from) and the parameters with the
+    values a default-built instance uses, of the method ``name`` whose class is ``cls``: one row of ``list``."""
+    import inspect
+
+    from gradcomp.registry import origin
+    from gradcomp.schemes.base import Scheme
+
+    try:  # the values a default-built instance really uses (density=None means density 0.01 for top-k)
+        effective = cls().params()
+    except Exception:  # a method that cannot be built without arguments: its signature's defaults
+        effective = {}
+    params = []
+    for p in inspect.signature(cls.__init__).parameters.values():
+        if p.name == "self" or p.default is inspect.Parameter.empty:
+            continue
+        value = effective.get(p.name) if p.default is None else None
+        params.append(f"{p.name}={(p.default if value is None else value)!r}")
+    if issubclass(cls, Scheme):
+        flags = "own rounds"
+    else:
+        flags = ("summable" if cls.summable else "gathered") + (", unbiased" if cls.unbiased else "")
+    if cls.owns_momentum:
+        flags += ", momentum"
+    if getattr(cls, "default_error_feedback", False):
+        flags += ", error feedback on"  # make(name) wraps it in ErrorFeedback unless error_feedback=False
+    if origin(name).startswith("plugin"):
+        flags += f", {origin(name)}"  # from another installed package (entry-point group gradcomp.methods)
+    return flags, " ".join(params)
 
 
 # The lab's commands: each module has add_arguments(parser) and main(args), imported only when needed.

@@ -13,9 +13,13 @@ Both paths build the same object. Where a name comes from, in the order looked u
    names are read when first needed; a plugin's module is imported only when its method is asked for, or
    listed.
 
-A plugin whose name is a built-in's or another plugin's, or that fails to import, or whose object is not a
-``Compressor`` or ``Scheme`` class with that ``name``, is a ConfigError that names the package to fix. Unknown
-names and bad parameters raise ConfigError before anything is sent.
+A broken plugin breaks only its own name. One that fails to import (an ImportError, any exception, a syntax
+error, even ``sys.exit`` at import), whose object is not a ``Compressor`` or ``Scheme`` class with that ``name``,
+or whose name two plugins give, is a ConfigError naming the package to fix when that name is asked for; every
+other name keeps working, and ``gradcomp list`` lists the others and reports each broken one. A plugin whose
+name is a built-in's (or a ``register``-ed class's) is ignored with a ``PluginWarning`` that names its package:
+the built-in wins, so which class ``topk`` means never depends on what else is installed. Unknown names and bad
+parameters raise ConfigError before anything is sent.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
+import warnings
 from collections.abc import Iterable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -32,8 +38,8 @@ from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
 
 __all__ = [
-    "BUILTIN", "ENTRY_POINT_GROUP", "available", "compressor_class", "make", "origin", "parse_param_strings",
-    "register",
+    "BUILTIN", "ENTRY_POINT_GROUP", "PluginWarning", "available", "compressor_class", "make", "origin",
+    "parse_param_strings", "register",
 ]
 
 ENTRY_POINT_GROUP = "gradcomp.methods"
@@ -109,30 +115,50 @@ def _entry_points() -> tuple[EntryPoint, ...]:
     return tuple(entry_points(group=ENTRY_POINT_GROUP))
 
 
-def _plugins() -> dict[str, EntryPoint]:
-    """The plugins' names → entry points (nothing imported); ConfigError for a name given twice."""
-    found: dict[str, EntryPoint] = {}
+class PluginWarning(UserWarning):
+    """An installed plugin is ignored (its name is a built-in's or a registered class's): the warning names the
+    package to fix. A warning, not an error: the method of that name still works, it is the built-in one."""
+
+
+# The shadowed entry points already warned about, as "name=value" words: in this process, and through the
+# environment in the worker processes it starts (which look the names up again), so the warning shows once.
+_WARNED_ENV = "GRADCOMP_IGNORED_PLUGINS_WARNED"
+
+
+def _plugins() -> dict[str, EntryPoint | tuple[EntryPoint, ...]]:
+    """The plugins' names → entry point (nothing imported), or → the several entry points of a name that more
+    than one plugin gives (that name is unusable; the others are not).
+
+    A plugin whose name is a built-in's or a registered class's is left out with a PluginWarning (once, not again
+    in the workers a command starts): a broken or careless package must not take over, or take away, a method
+    that gradcomp ships.
+    """
+    found: dict[str, list[EntryPoint]] = {}
     for ep in _entry_points():
         if ep.name in BUILTIN or ep.name in _REGISTERED:
-            raise ConfigError(
-                f"plugin method {ep.name!r} from {_describe(ep)} has the name of a built-in method; "
-                "rename it in that package's entry points (or uninstall it)"
-            )
-        other = found.get(ep.name)
-        if other is not None and other.value != ep.value:
-            raise ConfigError(
-                f"two plugins name a method {ep.name!r}: {_describe(other)} and {_describe(ep)}; "
-                "uninstall or rename one"
-            )
-        found[ep.name] = ep
-    return found
+            said = os.environ.get(_WARNED_ENV, "").split()
+            if f"{ep.name}={ep.value}" not in said:
+                os.environ[_WARNED_ENV] = " ".join([*said, f"{ep.name}={ep.value}"])
+                which = "built-in" if ep.name in BUILTIN else "registered"
+                warnings.warn(
+                    f"gradcomp: ignoring plugin method {ep.name!r} from {_describe(ep)}: {ep.name!r} is a {which} "
+                    f"method's name, and the {which} one wins; rename it in that package's entry points "
+                    "(or uninstall it)",
+                    PluginWarning,
+                    stacklevel=3,
+                )
+            continue
+        same = found.setdefault(ep.name, [])
+        if all(other.value != ep.value for other in same):  # one package seen twice on the path is one plugin
+            same.append(ep)
+    return {name: eps[0] if len(eps) == 1 else tuple(eps) for name, eps in found.items()}
 
 
 @functools.cache
 def _load_plugin(ep: EntryPoint) -> type:
     try:
         cls = ep.load()
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: a module that calls sys.exit() when imported
         raise ConfigError(
             f"plugin method {ep.name!r} from {_describe(ep)} failed to load: {type(exc).__name__}: {exc}"
         ) from exc
@@ -154,14 +180,23 @@ def available() -> list[str]:
 
 
 def compressor_class(name: str) -> type:
-    """The class of the method ``name`` (importing its module, or the plugin's, on first use)."""
-    plugins = _plugins()  # a clash is reported whichever name is asked for
+    """The class of the method ``name`` (importing its module, or the plugin's, on first use).
+
+    A broken plugin is a ConfigError for its own name only; built-ins win over plugins of the same name.
+    """
     if name in BUILTIN:
+        _plugins()  # warn now about a plugin that this built-in shadows, whichever name is asked for
         return _builtin_class(name)
     if name in _REGISTERED:
+        _plugins()
         return _REGISTERED[name]
-    if name in plugins:
-        return _load_plugin(plugins[name])
+    plugin = _plugins().get(name)
+    if isinstance(plugin, tuple):
+        raise ConfigError(
+            f"two plugins name a method {name!r}: {' and '.join(map(_describe, plugin))}; uninstall or rename one"
+        )
+    if plugin is not None:
+        return _load_plugin(plugin)
     raise ConfigError(f"unknown compressor {name!r}; available: {', '.join(available())}")
 
 
@@ -171,11 +206,12 @@ def origin(name: str) -> str:
         return "built-in"
     if name in _REGISTERED:
         return "registered"
-    ep = _plugins().get(name)
-    if ep is None:
+    plugin = _plugins().get(name)
+    if plugin is None:
         raise ConfigError(f"unknown compressor {name!r}; available: {', '.join(available())}")
-    dist = getattr(ep, "dist", None)
-    return f"plugin {dist.name} {dist.version}" if dist is not None else "plugin"
+    dists = [getattr(ep, "dist", None) for ep in (plugin if isinstance(plugin, tuple) else (plugin,))]
+    named = [f"{dist.name} {dist.version}" for dist in dists if dist is not None]
+    return f"plugin {' and '.join(named)}" if named else "plugin"
 
 
 def make(

@@ -18,7 +18,7 @@ import argparse
 import json
 from typing import Any
 
-from gradcomp.errors import ConfigError
+from gradcomp.errors import ConfigError, GradcompError
 
 
 def load_run(spec: str) -> tuple[str, dict[str, Any]]:
@@ -27,8 +27,10 @@ def load_run(spec: str) -> tuple[str, dict[str, Any]]:
     try:
         with open(path) as f:
             result = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read run result {path!r}: {exc}") from None
+    if not isinstance(result, dict):  # valid JSON, but a list or a number is no result
+        raise ConfigError(f"{path}: not a result of gradcomp train (a JSON {type(result).__name__}, not an object)")
     if not result.get("accuracy_curve"):
         raise ConfigError(f"{path}: no accuracy curve recorded (train with --eval-every N)")
     if not isinstance(result.get("steps"), int):
@@ -130,8 +132,40 @@ def render_plot(runs: list[tuple[str, dict[str, Any]]], path: str, x: str) -> No
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:  # checked before, but permission bits do not tell everything (root, /proc, a full disk)
+        raise GradcompError(f"--out {path}: cannot write the plot ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)
+
+
+def check_plot_file(path: str) -> None:
+    """ConfigError now, before the table is printed, if ``--out`` could not take the plot: a folder that is
+    missing or not writable, or a name whose suffix is no image format matplotlib writes (``--out run.json``
+    would be refused only after the table, and could overwrite a result if it were not)."""
+    import os
+
+    from gradcomp.experiments.run.report import check_output_file
+
+    check_output_file(path, "--out")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ConfigError("--out needs matplotlib: pip install 'gradcomp[plots]'") from None
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise ConfigError(f"--out {path}: matplotlib cannot write a .{suffix} plot; give a name ending in one of "
+                          f".{', .'.join(sorted(formats))} (e.g. curves.png)")
+    existed = os.path.exists(path)
+    try:  # by doing it: as root, os.access says yes to anything (e.g. /proc), and a mount may be read-only
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--out {path}: cannot be written ({exc.strerror or exc})") from None
+    if not existed:
+        os.unlink(path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -151,13 +185,7 @@ def main(args: argparse.Namespace) -> int:
     if any(not 0 < t <= 1 for t in targets):
         raise ConfigError(f"--targets are accuracies in (0, 1], got {targets}")
     if args.out:  # before anything is printed: the table without the plot asked for is no success
-        from gradcomp.experiments.run.report import check_output_file
-
-        check_output_file(args.out, "--out")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ConfigError("--out needs matplotlib: pip install 'gradcomp[plots]'") from None
+        check_plot_file(args.out)
     runs = [load_run(spec) for spec in args.runs]
     kinds = {is_text(r) for _, r in runs}
     if len(kinds) > 1:

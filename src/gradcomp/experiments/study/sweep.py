@@ -6,10 +6,13 @@ optimizer without momentum and the policy with ``--momentum``.
 
 Every cell is one `gradcomp train` run — on the simulated cluster by default (same protocol code and bit
 counts as real workers, see docs/architecture.md), on real worker processes with ``--real``. Each finished
-cell is appended as one JSON line to ``OUT/results.jsonl``; a cell whose key is already there is not run
-again, so an interrupted sweep resumes where it stopped. Unless ``--no-baseline``, the grid also holds one
-uncompressed (fp32) cell per seed, the reference of the table and plots. ``OUT/table.md`` and the plots are
-rendered from that file after every cell:
+cell is appended as one JSON line to ``OUT/results.jsonl``, with the settings every cell shares (model, data,
+steps, optimizer, workers, ``--bandwidth``, ``--real``, ...); a cell whose key is already there is not run
+again, so an interrupted sweep resumes where it stopped, and a larger grid with the same settings (more
+schemes, densities or seeds) extends it. A run with other settings into the same ``OUT`` is refused before any
+cell runs, naming the settings that differ: its cells are another experiment (give a new ``--out``). Unless
+``--no-baseline``, the grid also holds one uncompressed (fp32) cell per seed, the reference of the table and
+plots. ``OUT/table.md`` and the plots are rendered from that file after every cell:
 
 - ``accuracy_vs_bits.png``: test accuracy against upstream bits per worker (log scale), one marker per scheme;
 - ``time_split.png``: each scheme's mean time split into compute, compression and communication; with
@@ -110,6 +113,40 @@ def run_cell(base: TrainConfig, cell: dict[str, Any], real: bool) -> dict[str, A
         result = {"diverged": True, "diverged_at_step": int(at.group(1)) if at else None, "error": str(exc)}
     assert result is not None
     return {**cell, "params": cfg.params, "result": result}
+
+
+# TrainConfig fields that are not settings of the sweep: the cell's own (its key and what follows from it), and
+# how a run is carried out without changing its result
+_NOT_SETTINGS = ("compressor", "params", "error_feedback", "feedback", "feedback_momentum", "granularity", "seed",
+                 "weight_decay_in_gradient", "progress", "timeout_s", "save_path", "checkpoint_dir",
+                 "checkpoint_every", "checkpoint_keep", "resume_dir", "resume_if_present")
+_OPTION = {"data_root": "--data", "betas": "--beta1/--beta2", "real": "--real"}  # the rest: --steps for steps
+
+
+def sweep_settings(base: TrainConfig, real: bool) -> dict[str, Any]:
+    """What every cell of this invocation shares (model, data, steps, optimizer, workers, ...), as stored in
+    each row: a cell run with other settings is another experiment, and must not be taken as done."""
+    settings = {k: v for k, v in dataclasses.asdict(base).items() if k not in _NOT_SETTINGS}
+    return json.loads(json.dumps({**settings, "real": real}))  # as read back from results.jsonl (tuples → lists)
+
+
+def check_settings(rows: list[dict[str, Any]], settings: dict[str, Any], out: str) -> None:
+    """ConfigError, before any cell runs, if a row of ``OUT/results.jsonl`` was run with other settings: resuming
+    would take it as done, and the table would mix the two. Rows of sweeps older than stored settings pass."""
+    for row in rows:
+        stored = row.get("settings")
+        if stored is None:
+            continue
+        differ = sorted(k for k in set(stored) | set(settings) if k in stored and k in settings
+                        and stored[k] != settings[k])
+        if differ:
+            what = "; ".join(f"{_OPTION.get(k, '--' + k.replace('_', '-'))} {stored[k]!r} there, {settings[k]!r} now"
+                             for k in differ)
+            raise ConfigError(
+                f"--out {out} holds cells run with other settings ({what}; first such cell: {cell_key(row)}): "
+                "they would be taken as done. Give a new --out for these settings, or the same settings to "
+                "resume or extend that sweep"
+            )
 
 
 def diverged(row: dict[str, Any]) -> bool:
@@ -350,12 +387,15 @@ def main(args: argparse.Namespace) -> int:
 
     make_output_dir(args.out, "--out")  # a ConfigError now, not a traceback
     path = os.path.join(args.out, "results.jsonl")
-    done = {cell_key(row) for row in read_results(path)}
+    settings = sweep_settings(base, args.real)
+    rows = read_results(path)
+    check_settings(rows, settings, args.out)
+    done = {cell_key(row) for row in rows}
     cells = grid(args)
     todo = [c for c in cells if cell_key(c) not in done]
     print(f"gradcomp sweep: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to run")
     for i, cell in enumerate(todo, start=1):
-        row = run_cell(base, cell, args.real)
+        row = {**run_cell(base, cell, args.real), "settings": settings}
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
         r = row["result"]
