@@ -91,6 +91,74 @@ def test_the_bit_exact_check_sees_a_missing_part_of_the_state(tmp_path, monkeypa
     assert resumed["parameter_digest"] != reference["parameter_digest"]
 
 
+def test_a_folder_that_lost_its_latest_pointer_is_not_taken_for_empty(tmp_path, capsys):
+    """A checkpoint folder whose 'latest' file is gone still holds complete checkpoints. It was taken for an empty
+    folder: a fresh run (or --resume-if-present) wrote into it and pruned the earlier run's checkpoints. Now every
+    way in is refused, naming the newest complete checkpoint, and nothing in the folder changes."""
+    root = tmp_path / "ckpt"
+    train(tmp_path / "a.json", *TOPK, "--checkpoint", str(root), "--checkpoint-every", "2", steps=6)
+    (root / checkpoint.LATEST).unlink()
+    before = sorted((p.relative_to(root), p.stat().st_size) for p in root.rglob("*"))
+    capsys.readouterr()
+    for args in (["--checkpoint", str(root)], ["--checkpoint", str(root), "--resume-if-present"],
+                 ["--resume", str(root)]):  # fmt: skip
+        assert main(["train", *SMALL, "--simulate", "--steps", "8", "--workers", "3", *TOPK, *args]) == 2
+        err = capsys.readouterr().err
+        assert "step-000006" in err and "Traceback" not in err, err
+    assert sorted((p.relative_to(root), p.stat().st_size) for p in root.rglob("*")) == before
+    resumed = train(tmp_path / "b.json", *TOPK, "--resume", str(root / "step-000006"), steps=8)
+    assert resumed["resumed_from_step"] == 6
+
+
+def test_a_cosine_schedule_cannot_be_continued_over_another_length(tmp_path, capsys):
+    """Cosine decays to 0 at the run's last step: 4 steps continued to 8 matched neither run, silently. The length
+    is in the cosine schedule's fingerprint now; a step schedule may still be extended."""
+    root = tmp_path / "ckpt"
+    train(tmp_path / "a.json", *TOPK, "--lr-schedule", "cosine", "--checkpoint", str(root), steps=4)
+    capsys.readouterr()
+    argv = ["train", *SMALL, "--simulate", "--steps", "8", "--workers", "3", *TOPK, "--lr-schedule", "cosine",
+            "--resume", str(root)]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "lr schedule: the checkpoint was made with cosine warmup=0 step=None gamma=0.1 over 4 steps, this run " \
+           "asks for cosine warmup=0 step=None gamma=0.1 over 8 steps" in err, err
+    assert "optimizer" not in err and "context" not in err  # only what differs (both were listed as unrecorded)
+    step = ["--lr-schedule", "step", "--lr-step-size", "3"]
+    train(tmp_path / "b.json", *TOPK, *step, "--checkpoint", str(tmp_path / "s"), steps=4)
+    extended = train(tmp_path / "c.json", *TOPK, *step, "--resume", str(tmp_path / "s"), steps=8)
+    assert extended["parameter_digest"] == train(tmp_path / "d.json", *TOPK, *step, steps=8)["parameter_digest"]
+    # a constant-rate checkpoint resumed with cosine: the schedule alone differs
+    train(tmp_path / "e.json", *TOPK, "--checkpoint", str(tmp_path / "c"), steps=4)
+    capsys.readouterr()
+    assert main(argv[:-1] + [str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("the checkpoint was made with") == 1 and "made with constant warmup=0" in err, err
+
+
+def test_what_the_launcher_checks_before_any_worker_starts(tmp_path, capsys, monkeypatch):
+    """A checkpoint past this run's --steps, and a rank file whose bytes changed but not its size, were found only
+    inside the workers (after they started), and the failure then called the checkpoint "intact". Both are
+    refused before launch now, and a failure's hint checks the digests before it calls a checkpoint intact."""
+    from gradcomp.experiments.run import launch
+
+    root = tmp_path / "ckpt"
+    train(tmp_path / "a.json", *TOPK, "--checkpoint", str(root), steps=4)
+    monkeypatch.setattr(launch, "launch", lambda cfg: pytest.fail("a worker was started"))
+    capsys.readouterr()
+    argv = ["train", *SMALL, "--simulate", "--workers", "3", *TOPK, "--resume", str(root)]
+    assert main([*argv, "--steps", "2"]) == 2
+    assert "is at step 4, past this run's 2 steps: give --steps 4 or more" in capsys.readouterr().err
+    rank1 = root / "step-000004" / "rank-0001.pt"
+    flipped = bytearray(rank1.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    rank1.write_bytes(bytes(flipped))
+    assert main([*argv, "--steps", "8"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint file {rank1} is corrupted" in err and "intact" not in err
+    cfg = TrainConfig(checkpoint_dir=str(root))
+    assert checkpoint.resume_hint(cfg) == ""  # not "intact"
+
+
 @pytest.mark.slow
 def test_resumed_gloo_run_is_bit_identical_to_the_uninterrupted_one(tmp_path):
     """Two spawned gloo workers: the run that wrote the checkpoints, and one resumed from its step 4.

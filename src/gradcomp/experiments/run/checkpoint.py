@@ -33,7 +33,11 @@ compressor, world size, local steps, DDP, model, dataset, seed, batch size, lr, 
 refuses a checkpoint of another configuration with a ``ConfigError`` naming every difference; it then checks
 its file's size and digest against the manifest (a truncated or corrupted file is a ``CheckpointError``
 saying so), loads it and restores everything. ``--steps`` / ``--epochs`` may differ (a run can be
-extended), as may the device (but CPU and GPU do not compute bit-identically).
+extended; not under a cosine schedule, whose rates depend on the run's length: ``_schedule_span``), as may the
+device (but CPU and GPU do not compute bit-identically). The command line checks the same before any worker
+starts (``check_before_launch``: the configuration, the step against ``--steps``, every file's size and SHA-256).
+A directory whose ``latest`` pointer is gone still holds its complete step directories: it is never taken for an
+empty one (``holds_checkpoint``), and the error names the newest to resume from.
 
 Resuming into the same directory from a checkpoint that is not the newest one drops the newer ones (they
 belong to the abandoned continuation). A fresh run refuses a ``--checkpoint`` directory that already holds a
@@ -154,16 +158,35 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict[str, str]:
         # recorded only when not SGD at a constant rate, so checkpoints written before these options still match
         **({"optimizer": f"{cfg.optimizer} betas={tuple(cfg.betas)} eps={cfg.eps!r}" if cfg.optimizer == "adamw"
             else cfg.optimizer,
-            "lr schedule": f"{cfg.lr_schedule} warmup={cfg.warmup_steps} step={cfg.lr_step_size} gamma={cfg.lr_gamma!r}",
+            "lr schedule": f"{cfg.lr_schedule} warmup={cfg.warmup_steps} step={cfg.lr_step_size} gamma={cfg.lr_gamma!r}"
+                           + _schedule_span(cfg),
             "context": str(cfg.context)}
            if (cfg.optimizer, cfg.lr_schedule, cfg.warmup_steps) != ("sgd", "constant", 0) else {}),
     }
 
 
+def _schedule_span(cfg: TrainConfig) -> str:
+    """A cosine schedule decays to 0 at the run's last step, so its rates depend on the run's length: a run of 4
+    steps continued to 8 follows neither the 4-step nor the 8-step schedule. The other schedules do not."""
+    if cfg.lr_schedule != "cosine":
+        return ""
+    return f" over {cfg.steps} steps" if cfg.steps is not None else f" over {cfg.epochs!r} epochs"
+
+
+# The keys recorded only away from SGD at a constant rate: a side that did not record one had these values
+# (None: not compared then: the context of a model that reads none)
+_UNRECORDED = {"optimizer": "sgd", "lr schedule": "constant warmup=0 step=None gamma=0.1", "context": None}
+
+
 def differences(saved: dict[str, str], wanted: dict[str, str]) -> list[str]:
     out = []
     for key in list(saved) + [k for k in wanted if k not in saved]:
-        a, b = saved.get(key, "(not recorded)"), wanted.get(key, "(not recorded)")
+        a, b = saved.get(key), wanted.get(key)
+        if (a is None or b is None) and key in _UNRECORDED:
+            if _UNRECORDED[key] is None:
+                continue
+            a, b = a or _UNRECORDED[key], b or _UNRECORDED[key]
+        a, b = a or "(not recorded)", b or "(not recorded)"
         if a != b:
             out.append(f"{key}: the checkpoint was made with {a}, this run asks for {b}")
     return out
@@ -207,7 +230,27 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
         return target
     if (p / MANIFEST).is_file():
         return p
+    complete = _complete_steps(p)
+    if complete:
+        raise CheckpointError(
+            f"{p} has lost its '{LATEST}' pointer but holds {len(complete)} complete checkpoint"
+            f"{'s' if len(complete) > 1 else ''}, the newest {complete[-1].name}: resume from it with --resume "
+            f"{complete[-1]}"
+        )
     raise CheckpointError(f"{p} holds no checkpoint (neither a '{LATEST}' pointer nor a {MANIFEST})")
+
+
+def _complete_steps(root: Path) -> list[Path]:
+    """``root``'s step directories that hold a manifest (written last: the checkpoint is complete), oldest first."""
+    if not root.is_dir():
+        return []
+    steps = [(n, d) for d in root.iterdir() if (n := _step_of(d)) is not None and (d / MANIFEST).is_file()]
+    return [d for _, d in sorted(steps)]
+
+
+def holds_checkpoint(root: Path) -> bool:
+    """Whether ``root`` holds a checkpoint: its ``latest`` pointer, or a complete step directory without one."""
+    return (root / LATEST).exists() or bool(_complete_steps(root))
 
 
 def read_manifest(step_dir: Path) -> dict[str, Any]:
@@ -289,12 +332,15 @@ def resume_target(cfg: TrainConfig) -> Path | None:
     target = None
     if cfg.resume_dir is not None:
         target = find_checkpoint(cfg.resume_dir)
-    elif root is not None and cfg.resume_if_present and (root / LATEST).exists():
+    elif root is not None and cfg.resume_if_present and holds_checkpoint(root):
         target = find_checkpoint(root)
-    if root is not None and (root / LATEST).exists() and not _inside(target, root):
+    if root is not None and holds_checkpoint(root) and not _inside(target, root):
+        if (root / LATEST).exists():
+            how = f"continue it with --resume {root} (or --resume-if-present)"
+        else:  # (its 'latest' pointer is gone: name the newest complete checkpoint)
+            how = f"its '{LATEST}' pointer is gone: continue it with --resume {_complete_steps(root)[-1]}"
         raise ConfigError(
-            f"--checkpoint {root} already holds a checkpoint of another run; continue it with --resume {root} "
-            "(or --resume-if-present), or give another directory"
+            f"--checkpoint {root} already holds a checkpoint of another run; {how}, or give another directory"
         )
     return target
 
@@ -305,10 +351,12 @@ def resume_hint(cfg: TrainConfig) -> str:
         return ""
     root = Path(cfg.checkpoint_dir).expanduser()
     try:
-        step = read_manifest(find_checkpoint(root))["step"]
+        target = find_checkpoint(root)
+        manifest = read_manifest(target)
+        check_files(target, manifest)
     except (CheckpointError, OSError):
         return ""
-    return f"; the checkpoint of step {step} in {root} is intact: continue with --resume {root}"
+    return f"; the checkpoint of step {manifest['step']} in {root} is intact: continue with --resume {root}"
 
 
 def _inside(target: Path | None, root: Path) -> bool:
@@ -324,15 +372,36 @@ def check_before_launch(cfg: TrainConfig) -> None:
         world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else cfg.workers
         manifest = read_manifest(target)
         check_fingerprint(target, manifest, cfg, world)
-        check_file_sizes(target, manifest)
+        if cfg.steps is not None and int(manifest["step"]) > cfg.steps:  # (with --epochs the workers check it)
+            raise ConfigError(
+                f"checkpoint {target} is at step {manifest['step']}, past this run's {cfg.steps} steps: give "
+                f"--steps {manifest['step']} or more"
+            )
+        check_files(target, manifest)
+
+
+def check_files(step_dir: Path, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is present with its size and SHA-256 (each rank checks its own again on load).
+
+    A missing, truncated or corrupted rank file is reported here, before any worker starts, instead of by whichever
+    worker reads it first. The price: the launcher reads every rank's file once more before a resume.
+    """
+    check_file_sizes(step_dir, manifest)
+    for name, entry in sorted(manifest["files"].items()):
+        path = step_dir / name
+        digest = hashlib.sha256()
+        try:
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint file {path} could not be read: {exc.strerror or exc}") from None
+        if digest.hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {path} is corrupted: its SHA-256 does not match the manifest's")
 
 
 def check_file_sizes(step_dir: Path, manifest: dict[str, Any]) -> None:
-    """Every file the manifest lists is present with its size (the digests are checked by each rank on load).
-
-    A missing or truncated rank file is reported here, before any worker starts, instead of by whichever worker
-    reads it first.
-    """
+    """Every file the manifest lists is present with its size."""
     for name, entry in sorted(manifest["files"].items()):
         path = step_dir / name
         try:
