@@ -11,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 
+import gradcomp.errors as gradcomp_errors
 from gradcomp.cli import main
 from gradcomp.experiments.run import checkpoint, launch
 from gradcomp.experiments.run.checkpoint import CRASH_ENV
@@ -91,3 +93,20 @@ def test_ctrl_c_ends_with_one_line_and_status_130_after_the_progress_bar():
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
     assert lines[-1] == "gradcomp: interrupted (Ctrl-C)", lines[-3:]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("option", ["--json", "--save"])
+def test_an_output_file_in_a_folder_that_takes_no_file_is_refused_before_training(tmp_path, capsys, option):
+    """/proc exists and its permission bits say root may write there, but no file can be created in it: the check
+    used os.access (which root passes), so the run trained to the end and then failed to write (--json), or failed
+    with torch's own "open file failed" (--save). It now creates a probe file, as the folder check does."""
+    code, err, took = run(capsys, "--workers", "2", "--steps", "100000", option, "/proc/gradcomp-result")
+    assert code == 2 and f"{option} /proc/gradcomp-result: not writable" in err, err
+    assert took < 20
+
+
+def test_steps_below_one_name_the_steps():
+    """--steps 0 was reported as "--warmup-steps 0 leaves no step of the 0 to train ...": the warm-up's check ran
+    first."""
+    with pytest.raises(gradcomp_errors.ConfigError, match=r"^--steps must be >= 1, got 0$"):
+        TrainConfig(steps=0, workers=2).validate()

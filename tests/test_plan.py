@@ -162,9 +162,13 @@ def test_cache_hit_and_miss(tmp_path, monkeypatch):
     ({"methods": ["nosuchmethod"]}, "nosuchmethod"),
     ({"methods": ["topk:density=2"]}, "density"),
     ({"methods": ["torch-powersgd:rank=0"]}, "rank must be a positive integer"),
-    ({"link": "fast"}, "bandwidth must"),
-    ({"link": "-1gbit"}, "bandwidth must"),
-    ({"latency": "-1ms"}, "latency must"),
+    ({"link": "fast"}, "--link must look like"),
+    ({"link": "-1gbit"}, "--link must be a finite rate above 0"),
+    ({"link": "1e999"}, "--link must be a finite rate above 0"),
+    ({"latency": "-1ms"}, "--latency must be a finite number >= 0"),
+    ({"latency": "1e999"}, "--latency must be a finite number >= 0"),
+    ({"burst": "-1"}, "--burst must be a finite number >= 0"),
+    ({"burst": "100mbps"}, "--burst must look like 256kb"),
     ({"workers": 1}, "workers must be an integer >= 2"),
     ({"compute_ms": -1.0}, "compute-ms"),
     ({"colocated": 0}, "colocated must be an integer >= 1"),
@@ -309,7 +313,7 @@ def test_the_link_burst_is_credited_once_per_step():
     assert burst.step_seconds(ops, 4) == pytest.approx(latency + 2 * 3 * 8e5 / 1e8 - 8 * 256 * 1024 / 1e8)
     assert burst.step_seconds({"all_gather": [1, 1000]}, 4) == pytest.approx(3 * 1e-4)  # all inside the burst
     assert burst.step_seconds(ops, 1) == 0.0
-    with pytest.raises(gradcomp.ConfigError, match="size must look like"):
+    with pytest.raises(gradcomp.ConfigError, match="--burst must look like"):
         plan.run_plan(plan.PlanOptions(model="mlp", dataset="synthetic", burst="lots", methods=["none"]))
 
 

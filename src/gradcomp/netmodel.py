@@ -46,34 +46,35 @@ def _quantity(text: str | float, pattern: str, units: dict[str, float], default_
     return number * units[(match.group(2) or default_unit).lower()]
 
 
-def parse_bandwidth(text: str | float) -> float:
-    """``"10Gbit"``, ``"1 Gbit/s"``, ``"100Mbps"``, ``1e9`` → bits per second."""
+def parse_bandwidth(text: str | float, option: str = "bandwidth") -> float:
+    """``"10Gbit"``, ``"1 Gbit/s"``, ``"100Mbps"``, ``1e9`` → bits per second; ``option``: the name the errors
+    give it (``--link``, ``--bandwidth``)."""
     value = _quantity(text, r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)\s*(?:bit/s|bits/s|bit|bps|b/s|b)?\s*", _UNITS, "",
-                      "bandwidth must look like 10Gbit, 1Gbit/s or 100Mbps")
+                      f"{option} must look like 10Gbit, 1Gbit/s or 100Mbps")
     if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"bandwidth must be positive, got {text!r}")
+        raise ConfigError(f"{option} must be a finite rate above 0, got {text!r}")
     return value
 
 
-def parse_latency(text: str | float) -> float:
+def parse_latency(text: str | float, option: str = "latency") -> float:
     """``"50us"``, ``"1ms"``, ``0.0001`` → seconds."""
     return _non_negative(_quantity(text, r"\s*([0-9.eE+-]+)\s*(s|ms|us|µs|ns)?\s*", _TIME_UNITS, "s",
-                                   "latency must look like 50us, 1ms or 0.0001"), text, "latency")
+                                   f"{option} must look like 50us, 1ms or 0.0001"), text, option)
 
 
 _BYTE_UNITS = {"": 1.0, "b": 1.0, **{k: 1024.0 for k in ("k", "ki", "kb", "kib")},
                **{m: 1024.0**2 for m in ("m", "mi", "mb", "mib")}}  # tc's k, kb and m, mb are binary too
 
 
-def parse_bytes(text: str | float) -> float:
+def parse_bytes(text: str | float, option: str = "a size") -> float:
     """``"256kb"`` (tc's kb: KiB), ``"256KiB"``, ``"1mb"``, ``262144`` → bytes."""
     return _non_negative(_quantity(text, r"\s*([0-9.eE+-]+)\s*((?:[kKmM][iI]?)?[bB]?)\s*", _BYTE_UNITS, "",
-                                   "a size must look like 256kb, 256KiB or 262144"), text, "a size")
+                                   f"{option} must look like 256kb, 256KiB or 262144"), text, option)
 
 
 def _non_negative(value: float, text: str | float, what: str) -> float:
     if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{what} must be >= 0, got {text!r}")
+        raise ConfigError(f"{what} must be a finite number >= 0, got {text!r}")
     return value
 
 

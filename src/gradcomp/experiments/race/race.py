@@ -86,7 +86,7 @@ def link_rate(link: str) -> float | None:
         return None
     from gradcomp.netmodel import parse_bandwidth
 
-    rate = parse_bandwidth(link)
+    rate = parse_bandwidth(link, "--link")
     if not netns.MIN_RATE_BPS <= rate <= netns.MAX_RATE_BPS:
         raise ConfigError(f"--link must lie between 1kbit and 100gbit (what tbf shapes with a 256kb burst), "
                           f"got {link!r} = {rate:.4g} bit/s")

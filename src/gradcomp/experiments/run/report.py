@@ -11,15 +11,24 @@ from gradcomp.errors import ConfigError
 def check_output_file(path: str, option: str) -> None:
     """ConfigError now, naming ``option``, if a file could not be written at ``path`` later (after a long run).
 
-    The folder must exist and be writable, and ``path`` must not be a folder; nothing is created.
+    The folder must exist and be writable, and ``path`` must not be a folder. Tried by doing it, as
+    ``make_output_dir`` does (permission bits do not tell: root ignores them, and /proc or a read-only mount do
+    not show in them): a probe file is created in the folder and removed, an existing file is opened for
+    appending and closed unchanged; nothing is left behind.
     """
     folder = os.path.dirname(os.path.abspath(path)) or os.sep
     if os.path.isdir(path) or path.endswith(os.sep):
         raise ConfigError(f"{option} {path}: is a folder; give a file name")
     if not os.path.isdir(folder):
         raise ConfigError(f"{option} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ConfigError(f"{option} {path}: not writable")
+    probe = os.path.join(folder, f".gradcomp-probe-{os.getpid()}")
+    try:
+        if os.path.exists(path):
+            open(path, "ab").close()
+        open(probe, "wb").close()
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: not writable ({exc.strerror or exc})") from None
 
 
 def make_output_dir(path: str | os.PathLike[str], option: str, note: str = "") -> None:

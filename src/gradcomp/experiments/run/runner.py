@@ -137,6 +137,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Everything that can be checked before a worker starts; raises ConfigError."""
+        if self.steps is not None and self.steps < 1:  # (first: the warm-up's check below speaks of the steps)
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
         self._check_optimizer()
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
@@ -144,8 +146,6 @@ class TrainConfig:
             raise ConfigError(f"local_steps must be >= 1, got {self.local_steps}")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.steps is not None and self.steps < 1:
-            raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if not self.epochs > 0:
             raise ConfigError(f"epochs must be > 0, got {self.epochs}")
         if not self.lr > 0:
@@ -164,7 +164,7 @@ class TrainConfig:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         if self.eval_every < 0:
             raise ConfigError(f"--eval-every must be >= 0 (0: no accuracy curve), got {self.eval_every}")
-        if self.bandwidth is None and parse_latency(self.latency) != 0:
+        if self.bandwidth is None and parse_latency(self.latency, "--latency") != 0:
             raise ConfigError(
                 f"--latency {self.latency} prices messages only together with a bandwidth: give --bandwidth too"
             )
@@ -371,7 +371,7 @@ class TrainConfig:
     def network(self) -> NetworkModel | None:
         if self.bandwidth is None:
             return None
-        return NetworkModel(parse_bandwidth(self.bandwidth), parse_latency(self.latency))
+        return NetworkModel(parse_bandwidth(self.bandwidth, "--bandwidth"), parse_latency(self.latency, "--latency"))
 
     def uses_error_feedback(self) -> bool:
         from gradcomp.feedback import ErrorFeedback, MomentumCorrection

@@ -155,7 +155,8 @@ class PlanOptions:
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda asked for, but torch sees no CUDA device")
-        network = NetworkModel(parse_bandwidth(self.link), parse_latency(self.latency), parse_bytes(self.burst))
+        network = NetworkModel(parse_bandwidth(self.link, "--link"), parse_latency(self.latency, "--latency"),
+                               parse_bytes(self.burst, "--burst"))
         if not self.methods:
             raise ConfigError("--methods: give at least one method")
         methods = [parse_method(m) for m in self.methods]
