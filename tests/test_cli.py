@@ -54,7 +54,21 @@ def test_train_topk_with_parameter_server_and_simulated_cluster(tmp_path):
 def test_bad_parameter_is_reported_without_a_traceback(capsys):
     assert main(["train", *SMALL, "--compressor", "topk", "--param", "density=3"]) == 2
     err = capsys.readouterr().err
-    assert "density must lie in (0, 1]" in err and "Traceback" not in err
+    assert "--compressor topk: density must lie in (0, 1]" in err and "Traceback" not in err  # names the method
+    assert main(["train", *SMALL, "--compressor", "topk", "--server-compressor", "qsgd", "--server-param",
+                 "levels=0", "--topology", "ps"]) == 2  # fmt: skip
+    assert "--server-compressor qsgd: levels" in capsys.readouterr().err
+
+
+def test_what_bad_input_names(capsys, tmp_path):
+    """A mistyped torch baseline lists the baselines (it listed the compressors); a --data that is a file says so
+    (it said "does not exist")."""
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    assert main(["train", "--steps", "2", "--no-progress", "--data", str(a_file)]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    assert main(["race", "--method", "torch-fp31", "--link", "none", "--steps", "2"]) == 2
+    assert "unknown torch baseline 'torch-fp31'; known: torch-fp32, torch-fp16" in capsys.readouterr().err
 
 
 def test_list_names_every_compressor(capsys):

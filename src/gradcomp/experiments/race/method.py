@@ -146,6 +146,8 @@ def parse_method(text: str) -> Method:
             plain.append(f"{key}={value}")
     method.params = parse_param_strings(plain)
     method.server_params = parse_param_strings(server_items)
+    if baseline is None and name.startswith("torch-"):  # (a typo of a baseline: the compressors' list would not say)
+        raise ConfigError(f"--method {text!r}: unknown torch baseline {name!r}; known: {', '.join(tb.BASELINES)}")
     if baseline is not None:
         if method.feedback or method.server or method.server_params or method.topology != "auto":
             raise ConfigError(f"--method {text!r}: torch's baselines take no feedback, topology or server")

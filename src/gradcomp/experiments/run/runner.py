@@ -20,6 +20,7 @@ counted by the transport, the time split, and the test accuracy of the (identica
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -71,6 +72,18 @@ FSDP_REFUSALS = (  # what --fsdp does not carry: (test on the config and the ser
     (lambda c, s: c.weight_decay_in_gradient,
      "--fsdp with a method that applies momentum itself takes no --weight-decay"),
 )
+
+
+@contextlib.contextmanager
+def _naming(name: str, option: str):
+    """A method's ConfigError (a parameter out of range: "density must lie in (0, 1]") prefixed with the option
+    and method it came from, where it does not name the method itself."""
+    try:
+        yield
+    except ConfigError as exc:
+        if exc.args and isinstance(exc.args[0], str) and repr(name) not in exc.args[0]:
+            raise ConfigError(f"{option} {name}: {exc.args[0]}") from None
+        raise
 
 
 @dataclass
@@ -360,12 +373,15 @@ class TrainConfig:
             if error_feedback is not None:
                 raise ConfigError("give --feedback or --error-feedback / --param error_feedback, not both")
             momentum = self.feedback_momentum if self.feedback_momentum is not None else self.momentum
-            compressor = make(self.compressor, feedback=self.feedback, feedback_momentum=momentum, **params)
+            with _naming(self.compressor, "--compressor"):
+                compressor = make(self.compressor, feedback=self.feedback, feedback_momentum=momentum, **params)
         else:
-            compressor = make(self.compressor, error_feedback=error_feedback, **params)
+            with _naming(self.compressor, "--compressor"):
+                compressor = make(self.compressor, error_feedback=error_feedback, **params)
         server = None
         if self.server_compressor is not None:
-            server = make(self.server_compressor, error_feedback=self.server_error_feedback, **self.server_params)
+            with _naming(self.server_compressor, "--server-compressor"):
+                server = make(self.server_compressor, error_feedback=self.server_error_feedback, **self.server_params)
         return compressor, server
 
     def network(self) -> NetworkModel | None:
