@@ -114,13 +114,19 @@ def format_summary(r: dict[str, Any]) -> str:
          + (" (next byte, validation)" if r.get("val_bits_per_byte") is not None else "")),
         ("bits up / worker", f"{human_bits(up)}  ({ratio(up)})"),
         ("bits down / worker", f"{human_bits(down)}  ({ratio(down)})"),
-        ("fp32 would send", f"{human_bits(dense)} up per worker"),
+        ("fp32 would send", f"{human_bits(dense)} up per worker"
+         + (" (FSDP's fp32 reduce-scatter: (W-1)/W of the gradient leaves a rank)" if r.get("fsdp") else "")),
         ("padding", human_bits(r["padding_bits"]) + " per worker (not in the counts above)"),
         ("set-up", human_bits(r.get("setup_bits", 0)) + " per worker, once (the slot check; not in the counts above)"),
         (
             "time",
-            f"compute {r['compute_s']:.1f} s, compress {r['compress_s']:.1f} s, "
-            f"communicate {r['communicate_s']:.1f} s per worker (mean); wall {r['wall_time_s']:.1f} s"
+            (f"training loop {r['compute_s']:.1f} s (forward, backward with the hook's exchanges and the wait for "
+             f"them, optimizer); the hook's thread compressed {r['compress_s']:.1f} s and communicated "
+             f"{r['communicate_s']:.1f} s of it, overlapping backward (not to be added)"
+             if r.get("time_overlapped") else
+             f"compute {r['compute_s']:.1f} s, compress {r['compress_s']:.1f} s, "
+             f"communicate {r['communicate_s']:.1f} s")
+            + f" per worker (mean); wall {r['wall_time_s']:.1f} s"
             + (f" for all {r['workers']} in one process" if r.get("backend") == "simulated" else ""),
         ),
         ("replicas identical", "yes" if r["replicas_identical"] else "NO"),

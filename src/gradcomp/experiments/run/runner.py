@@ -683,6 +683,7 @@ def run_worker(
         "compute_s": compute_s,
         "compress_s": exchange.compress_s,
         "communicate_s": exchange.communicate_s,
+        "time_overlapped": hook is not None,
         "counter": transport.counter.as_dict(),
         "digest": parameter_digest(model),
         "buffer_digest": buffer_digest(model),
@@ -756,12 +757,14 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
     buffer_down = [8 * s.get("buffer_bytes_down", 0) for s in stats]
     bits_up = [8 * c.bytes_up - b for c, b in zip(counters, buffer_up)]
     bits_down = [8 * c.bytes_down - b for c, b in zip(counters, buffer_down)]
-    dense_bits = 32 * num_parameters * steps  # fp32 allreduce hands the transport 4 bytes per parameter
+    # fp32 all-reduce hands the transport 4 bytes per parameter; under FSDP the reference is its fp32
+    # reduce-scatter, counted as gradcomp's all-to-all is (the chunks that leave the rank): (W - 1) / W of that
+    dense_bits = 32 * num_parameters * steps * ((workers - 1) / workers if cfg.fsdp else 1)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     up, down = mean(bits_up), mean(bits_down)
     echoed = ("compressor", "feedback", "feedback_momentum", "granularity", "topology", "server_compressor",
               "local_steps", "batch_size", "lr", "momentum", "optimizer", "weight_decay", "lr_schedule", "warmup_steps",
-              "dataset", "model", "seed", "simulate")  # the configuration, as given
+              "dataset", "model", "seed", "simulate", "ddp", "fsdp")  # the configuration, as given
     return {
         **{key: getattr(cfg, key) for key in echoed}, "params": dict(cfg.params),
         "server_params": dict(cfg.server_params), "error_feedback": cfg.uses_error_feedback(),
@@ -797,6 +800,9 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "compute_s": mean([s["compute_s"] for s in stats]),
         "compress_s": mean([s["compress_s"] for s in stats]),
         "communicate_s": mean([s["communicate_s"] for s in stats]),
+        # --ddp: compress and communicate are the hook's thread's, overlapping the loop's own time (compute_s, which
+        # holds backward's wait for the hook); elsewhere the three follow one another
+        "time_overlapped": bool(lead.get("time_overlapped", False)),
         **_modelled_network(cfg, counters, workers),
         "replicas_identical": len({(s["digest"], s.get("buffer_digest")) for s in stats}) == 1,
         "parameter_digest": lead["digest"],
