@@ -35,6 +35,8 @@ difference, before any gradient is sent.
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -162,14 +164,20 @@ class GradientAggregator:
         # On the host path this worker's verdict is read here (names for the error); on the device path it stays
         # a device flag, read once with the step's other checks (GradientExchange.exchange), and the names are
         # looked for only on a step that failed.
+        # (the finiteness check, the state's snapshot and the rescaling are this object's work outside collectives,
+        # as the exchange's is: counted in exchange.compress_s, the time split's "compression")
+        started = time.perf_counter()
         device_path = bool(grads) and not host_path(grads[0])
         here = [] if device_path else [name for name, ok in zip(self.names, finite_flags(grads)) if not ok]
         finite = finite_flag(grads) if device_path else not here
+        own = time.perf_counter() - started
         if not self._slots_agreed:
             self.exchange.check_same_slots(self.slots_for(self.named, "layer"), "GradientAggregator")
             self._slots_agreed = True
+        started = time.perf_counter()
         scale = loss_scale(self.scaler)
         snapshot = self.exchange.snapshot()
+        self.exchange.compress_s += own + time.perf_counter() - started
         # on the device path, a verdict that no read took comes back here: read with the checks (held for the step)
         # and the workers' agreement on refused messages (settle), or, propagated, applied unread (_handed_on)
         verdicts: list[Tensor] | None = [] if device_path else None
@@ -207,9 +215,12 @@ class GradientAggregator:
                 return [torch.full_like(g, float("nan")) for g in grads]
             return None
         self.steps += 1
+        started = time.perf_counter()
         if scale is not None:
             averaged = [a * scale for a in averaged]  # back in the scaler's units (a power of 2: exact)
-        return [a.view_as(g) for a, g in zip(averaged, grads)]
+        averaged = [a.view_as(g) for a, g in zip(averaged, grads)]
+        self.exchange.compress_s += time.perf_counter() - started
+        return averaged
 
     def _handed_on(self, averaged: list[Tensor], verdicts: list[Tensor], snapshot: dict) -> list[Tensor] | None:
         """The step's agreed verdict left on the device (``verdicts``: True, some worker's gradients were not
