@@ -129,7 +129,8 @@ def format_summary(r: dict[str, Any]) -> str:
             + f" per worker (mean); wall {r['wall_time_s']:.1f} s"
             + (f" for all {r['workers']} in one process" if r.get("backend") == "simulated" else ""),
         ),
-        ("replicas identical", "yes" if r["replicas_identical"] else "NO"),
+        ("replicas identical", "n/a (FSDP: one sharded copy)" if r["replicas_identical"] is None
+         else "yes" if r["replicas_identical"] else "NO"),
     ]
     if "modelled_communicate_s" in r:
         net = r["network"]
@@ -208,7 +209,8 @@ def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         out["per_seed"][key] = values
         out["mean"][key], out["std"][key] = mean_std([float(v) for v in values])
-    out["replicas_identical"] = all(r["replicas_identical"] for r in runs)
+    checked = [r["replicas_identical"] for r in runs]
+    out["replicas_identical"] = None if any(v is None for v in checked) else all(checked)  # None: FSDP, not checked
     out["runs"] = runs
     return out
 
@@ -230,7 +232,8 @@ def format_seeds(r: dict[str, Any]) -> str:
         per = ", ".join(format(scale * v, spec) for v in r["per_seed"][key])
         lines.append(f"    {label}: {format(scale * r['mean'][key], spec)} ± {format(scale * r['std'][key], spec)}"
                      f"  [{per}]")
-    lines.append(f"    replicas identical in every run: {'yes' if r['replicas_identical'] else 'NO'}")
+    same = r["replicas_identical"]
+    lines.append(f"    replicas identical in every run: {'n/a (FSDP)' if same is None else 'yes' if same else 'NO'}")
     return "\n".join(lines)
 
 

@@ -804,7 +804,9 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         # holds backward's wait for the hook); elsewhere the three follow one another
         "time_overlapped": bool(lead.get("time_overlapped", False)),
         **_modelled_network(cfg, counters, workers),
-        "replicas_identical": len({(s["digest"], s.get("buffer_digest")) for s in stats}) == 1,
+        # FSDP keeps one sharded copy: its ranks' digests are of the same gathered parameters, equal by
+        # construction, so nothing is claimed (None) rather than a check that cannot fail
+        "replicas_identical": None if cfg.fsdp else len({(s["digest"], s.get("buffer_digest")) for s in stats}) == 1,
         "parameter_digest": lead["digest"],
         "resumed_from_step": lead.get("resumed_from_step"),
         "loss_curve": lead["loss_curve"],
