@@ -106,12 +106,16 @@ def trainer(folder, callbacks, amp):
     )
 
 
+def topk_with_error_feedback():
+    """The method, made fresh for each fit (a module-level function, so the callback pickles for ddp_spawn)."""
+    return gradcomp.make("topk", density=0.01, error_feedback=True)
+
+
 def main():
     default = os.path.join(tempfile.gettempdir(), f"gradcomp-lightning-{os.getppid()}")  # torchrun's pid: shared
     folder = os.environ.get("CHECKPOINT_DIR") or default
     amp = "--amp" in sys.argv[1:]
-    make = lambda: gradcomp.make("topk", density=0.01, error_feedback=True)  # noqa: E731
-    hook = GradcompDDPHook(make)
+    hook = GradcompDDPHook(topk_with_error_feedback)
     every_epoch = ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     first, straight = trainer(folder, [hook, every_epoch], amp), Classifier()
     first.fit(straight, loader(first.world_size))

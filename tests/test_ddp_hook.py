@@ -440,6 +440,58 @@ def test_nan_on_one_rank_raises_on_every_rank_without_a_time_out():
     assert "classifier" in rank0["failure"] and "on this worker" not in rank1["failure"]
 
 
+def _direct_nan_with_a_slow_rank(rank: int, world: int, name: str) -> dict:
+    """``none`` / ``fp16`` (all-reduced straight from the hook, checked in each bucket's callback), several
+    buckets, a NaN on rank 1, rank 0's backward slow between buckets: rank 0's first bucket has been found bad by
+    the time DDP hands it the next one. That bucket was refused (CommunicationError on rank 0 alone), and its
+    all-reduce never issued while rank 1's waited in it. The process group's time-out is 3 s here."""
+
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            if rank == 0:
+                time.sleep(0.3)
+            return g
+
+    class SlowModule(torch.nn.Module):
+        def forward(self, x):
+            return Slow.apply(x)
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(32, 32), SlowModule())])
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))
+    ddp = DDP(net, bucket_cap_mb=0.005, process_group=group)  # one Linear a bucket
+    state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name))
+    g = torch.Generator().manual_seed(rank)
+    errors = []
+    for step in range(3):
+        x = torch.randn(4, 32, generator=g)
+        if step == 2 and rank == 1:
+            x[0, 0] = float("nan")
+        try:
+            ddp(x).square().mean().backward()
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    t = torch.ones(1)
+    try:
+        dist.all_reduce(t, group=state.transport.group)  # the hook's group has no collective left hanging in it
+    except Exception as exc:
+        return {"errors": errors, "sum": f"{type(exc).__name__}"}
+    return {"errors": errors, "sum": t.item()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["none", "fp16"])
+def test_a_bad_bucket_of_a_direct_method_stops_every_rank_with_the_same_error(name):
+    for r in run_workers(_direct_nan_with_a_slow_rank, 2, name, timeout=120):
+        assert len(r["errors"]) == 1 and "NonFiniteGradientError" in r["errors"][0], r["errors"]
+        assert "CommunicationError" not in r["errors"][0] and r["sum"] == 2.0, r
+
+
 def _thread_failure(rank: int, world: int) -> dict:
     data, batches = _batches(rank, world, 3)
     ddp = DDP(build_model("cnn", data, seed=0), bucket_cap_mb=CAP)
@@ -484,3 +536,39 @@ def _float64_hook(rank: int, world: int) -> list[str]:
 def test_register_ddp_hook_names_float64_parameters_in_a_warning():
     [messages] = run_workers(_float64_hook, 1)
     assert any("register_ddp_hook: 2 float64 parameter(s) (weight, bias)" in m for m in messages), messages
+
+
+def _registrations(rank: int, world: int) -> dict:
+    import torch._dynamo
+
+    out = {}
+    ddp = DDP(nn.Linear(4, 3))
+    compiled = torch.compile(ddp, backend="eager")
+    state = gradcomp.register_ddp_hook(compiled, gradcomp.make("none"))  # on the DDP model inside
+    compiled(torch.ones(2, 4)).sum().backward()
+    out["compiled"] = state.step
+    groups = dist.distributed_c10d._world.group_count
+    try:
+        gradcomp.register_ddp_hook(ddp, gradcomp.make("none"))
+    except gradcomp.ConfigError as exc:
+        out["twice"] = str(exc)
+    out["groups_made"] = dist.distributed_c10d._world.group_count - groups  # refused before its group was made
+    previous = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    try:
+        gradcomp.register_ddp_hook(DDP(nn.Linear(4, 3)), gradcomp.make("none"))
+    except gradcomp.ConfigError as exc:
+        out["python_reducer"] = str(exc)
+    finally:
+        torch._dynamo.config.optimize_ddp = previous
+    return out
+
+
+def test_registration_on_a_compiled_ddp_model_and_refusals_before_anything_is_made():
+    """torch.compile(DDP(model)) gets the hook on the DDP model inside (it said "wrap it first"); a second hook on
+    one model, and torch's Python reducer (which calls hooks per parameter: a TypeError deep in the first
+    backward), are refused before the hook's process group is made."""
+    [r] = run_workers(_registrations, 1)
+    assert r["compiled"] == 1
+    assert "has a communication hook already" in r["twice"] and r["groups_made"] == 0
+    assert "runs torch's Python reducer" in r["python_reducer"]

@@ -124,7 +124,7 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.dense import BFloat16, Float16, NoCompression
-from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
+from gradcomp.errors import CommunicationError, ConfigError, NonFiniteGradientError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
@@ -666,7 +666,12 @@ class CompressionHookState:
         """
         transport = self.transport
         failure = self._worker.failure
-        if failure is not None:  # the ranks' collective sequences may no longer agree
+        # A bucket of this pass found not finite (its callback, on gloo's thread, may have run before DDP hands
+        # over the pass's next bucket) is every rank's verdict: the pass's other buckets are still all-reduced, so
+        # that the ranks' collectives stay matched, and every rank raises that NonFiniteGradientError from
+        # backward. Any other failure, or one of an earlier pass: the sequences may no longer agree, nothing more.
+        this_pass = isinstance(failure, NonFiniteGradientError) and failure.step == step
+        if failure is not None and not this_pass:
             raise _refusal(failure, "an earlier exchange of this DDP hook failed")
         compressor = self.scheme.compressor
         flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
@@ -819,11 +824,26 @@ def register_ddp_hook(
     only all-reduce (none, fp16, bf16, random-k, random block, PowerSGD, sketched SGD, true top-k) the hook then
     reads nothing from the GPU in a step; the others still read their verdict with their message checks.
     """
+    compiled = getattr(model, "_orig_mod", None)  # torch.compile(DDP(model)): the hook goes on the DDP model inside
+    if isinstance(compiled, nn.parallel.DistributedDataParallel):
+        model = compiled
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         raise ConfigError(
             f"register_ddp_hook takes a torch.nn.parallel.DistributedDataParallel model, got {type(model).__name__}; "
             "wrap it first (DistributedDataParallel(model)), or call gradcomp.GradientAggregator(model, ...).step() "
             "after backward instead"
+        )
+    if getattr(model, "_comm_hooks", None):
+        raise ConfigError(
+            "register_ddp_hook: this DDP model has a communication hook already (torch allows one per model); wrap "
+            "the module in a new DistributedDataParallel to register another. Nothing was registered"
+        )
+    if getattr(model, "_use_python_reducer", False):
+        raise ConfigError(
+            "register_ddp_hook: this DDP model runs torch's Python reducer (torch._dynamo.config.optimize_ddp = "
+            "'python_reducer', for compiled autograd), which calls a communication hook per parameter, not per "
+            "bucket; gradcomp's hook compresses buckets: use optimize_ddp's default ('ddp_optimizer'), or "
+            "gradcomp.GradientAggregator. Nothing was registered"
         )
     if process_group is not None and process_group is model.process_group and model.find_unused_parameters:
         raise ConfigError(
