@@ -54,6 +54,13 @@ from gradcomp.compressors.base import Slot, subtract_at
 from gradcomp.errors import ConfigError
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name without the ``_orig_mod.`` that ``torch.compile``'s wrapper puts before it: a model and
+    its compiled self give a parameter the same slot, so a state saved with one loads into the other (states saved
+    under the compiled names load too: their keys are read through this as well)."""
+    return name.replace("_orig_mod.", "")
+
+
 def slot_key(slot: Slot) -> str:
     """The key of a slot's state: ``"<name>#<numel>"`` (the module docstring says why)."""
     return f"{slot.name}#{slot.numel}"
@@ -209,6 +216,9 @@ class SlotState:
         unknown = set(state) - set(self._fields) if isinstance(state, dict) else {"<not a dict>"}
         if unknown:
             raise ConfigError(f"unexpected {self.owner} state keys {sorted(map(str, unknown))}")
+        # (keys of a state saved under a compiled model's names: the slots' names now, see plain_name)
+        state = {name: {plain_name(k): t for k, t in v.items()} if isinstance(v, dict) else v
+                 for name, v in state.items()}
         for name in self._fields:
             tensors = state.get(name, {})
             if not isinstance(tensors, dict):

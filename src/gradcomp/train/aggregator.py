@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.compressors.state import plain_name
 from gradcomp.errors import ConfigError
 from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_flags, loss_scale
 from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_abandons, settle, warn_float64
@@ -55,8 +56,8 @@ GRANULARITIES = ("layer", "model")
 
 def _named_parameters(params) -> list[tuple[str, nn.Parameter]]:
     """Every parameter given, named, frozen ones included."""
-    if isinstance(params, nn.Module):
-        return list(params.named_parameters())
+    if isinstance(params, nn.Module):  # (a compiled model's names without torch.compile's "_orig_mod.")
+        return [(plain_name(name), p) for name, p in params.named_parameters()]
     named = []
     for i, item in enumerate(params):
         named.append(item if isinstance(item, tuple) else (f"param{i}", item))

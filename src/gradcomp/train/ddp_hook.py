@@ -124,6 +124,7 @@ from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.dense import BFloat16, Float16, NoCompression
+from gradcomp.compressors.state import plain_name
 from gradcomp.errors import CommunicationError, ConfigError, NonFiniteGradientError, WorkerLostError
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
@@ -517,7 +518,9 @@ class CompressionHookState:
             min_compression_rate=min_compression_rate,
         )
         self.granularity = granularity
-        named = [(name, p) for name, p in (named_parameters or []) if p.requires_grad]
+        # (a compiled module's names without torch.compile's "_orig_mod.": the slots of the module itself)
+        named_parameters = [(plain_name(name), p) for name, p in (named_parameters or [])]
+        named = [(name, p) for name, p in named_parameters if p.requires_grad]
         # the slots GradientAggregator gives these parameters, by parameter identity
         self.param_slots: dict[int, Slot] = {
             id(p): slot for (_, p), slot in zip(named, GradientAggregator.slots_for(named, "layer"))
@@ -525,7 +528,7 @@ class CompressionHookState:
         # Parameters frozen when the hook is registered but maybe not when DDP wrapped the model (a backbone frozen
         # after wrapping: DDP's buckets still hold it): slots of their own, numbered after the others, so that the
         # others' slots (and with them shared randomness and saved states) are those GradientAggregator gives.
-        frozen = [(name, p) for name, p in (named_parameters or []) if not p.requires_grad]
+        frozen = [(name, p) for name, p in named_parameters if not p.requires_grad]
         for i, (name, p) in enumerate(frozen, start=len(named)):
             self.param_slots[id(p)] = Slot(name, i, p.numel(), tuple(p.shape))
         self.step = 0

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.compressors.state import plain_name
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.finite import finite_flags
 from gradcomp.schemes.base import Scheme
@@ -481,7 +482,9 @@ class GradientExchange:
                 f"{mine['method']}"
             )
         if "slots" in state:
-            theirs, ours = [tuple(s) for s in state["slots"]], [tuple(s) for s in mine["slots"]]
+            # (a state saved under a compiled model's names: see compressors.state.plain_name)
+            theirs = [(plain_name(s[0]), *s[1:]) for s in state["slots"]]
+            ours = [tuple(s) for s in mine["slots"]]
             if theirs != ours:
                 pairs = zip(theirs, ours)
                 differ = [f"{a[0]} ({a[1]} entries) there, {b[0]} ({b[1]}) here" for a, b in pairs if a != b]
