@@ -393,3 +393,25 @@ def test_register_at_run_time_and_its_clashes():
             register(type("Plain", (), {"name": "plain"}))
     finally:
         registry._REGISTERED.pop("mine_at_run_time", None)
+
+
+def test_a_left_out_plugin_is_one_warning_line_in_any_command(tmp_path):
+    """Outside `gradcomp list` the warning came in Python's "file:line: PluginWarning: ..." form; every command
+    now tells it as one "gradcomp: warning:" line, as it tells its errors. A real (fake) distribution on the path."""
+    import os
+    import subprocess
+    import sys
+
+    info = tmp_path / "fakeplug_clash-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakeplug-clash\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[gradcomp.methods]\ntopk = fp_clash:TopK2\n")
+    (tmp_path / "fp_clash.py").write_text("from gradcomp.compressors import TopK\nclass TopK2(TopK):\n    name = 'topk'\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env.pop("GRADCOMP_IGNORED_PLUGINS_WARNED", None)
+    done = subprocess.run([sys.executable, "-m", "gradcomp.cli", "train", "--simulate", "--workers", "2", "--steps",
+                           "1", "--dataset", "synthetic", "--model", "mlp", "--no-progress", "--compressor", "topk"],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "gradcomp: warning: ignoring plugin method 'topk'" in done.stderr, done.stderr
+    assert "PluginWarning" not in done.stderr and done.stderr.count("ignoring plugin method") == 1, done.stderr

@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     for subparser in sub.choices.values():
         _show_defaults(subparser)
     args = parser.parse_args(argv)
+    _plugin_warnings_as_lines()
     try:
         if args.command in _LAB:
             return importlib.import_module(_LAB[args.command][0]).main(args)
@@ -323,6 +324,27 @@ def main(argv: list[str] | None = None) -> int:
         start = "\n" if not _close_progress_bars() and not getattr(args, "no_progress", True) else ""
         print(f"{start}gradcomp: {str(exc) or 'interrupted (Ctrl-C)'}", file=sys.stderr)
         return getattr(exc, "exit_code", 130)
+
+
+def _plugin_warnings_as_lines() -> None:
+    """A plugin left out (registry.PluginWarning) is told as one ``gradcomp: warning: ...`` line on stderr, as the
+    command's errors are, not in Python's ``file:line: PluginWarning: ...`` form; other warnings are untouched."""
+    import warnings
+
+    from gradcomp.registry import PluginWarning
+
+    shown = warnings.showwarning
+    if getattr(shown, "_gradcomp", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, PluginWarning):
+            print(f"gradcomp: warning: {str(message).removeprefix('gradcomp: ')}", file=file or sys.stderr)
+            return
+        shown(message, category, filename, lineno, file, line)
+
+    show._gradcomp = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
 
 
 def _close_progress_bars() -> int:
