@@ -157,6 +157,10 @@ def test_what_the_launcher_checks_before_any_worker_starts(tmp_path, capsys, mon
     assert f"checkpoint file {rank1} is corrupted" in err and "intact" not in err
     cfg = TrainConfig(checkpoint_dir=str(root))
     assert checkpoint.resume_hint(cfg) == ""  # not "intact"
+    # a refused resume into a new --checkpoint folder leaves no empty folder behind
+    fresh = tmp_path / "new-folder"
+    assert main([*argv, "--steps", "8", "--checkpoint", str(fresh)]) == 2
+    assert not fresh.exists()
 
 
 @pytest.mark.slow

@@ -365,7 +365,20 @@ def _inside(target: Path | None, root: Path) -> bool:
 
 
 def check_before_launch(cfg: TrainConfig) -> None:
-    """What the command line checks before any worker starts: options, and the resumed checkpoint's config."""
+    """What the command line checks before any worker starts: options, and the resumed checkpoint's config. A
+    ``--checkpoint`` folder that these checks made (to prove it writable) is removed again when they refuse the
+    run: a refused command leaves nothing behind."""
+    root = Path(cfg.checkpoint_dir).expanduser() if cfg.checkpoint_dir is not None else None
+    made = root is not None and not root.exists()
+    try:
+        _check_before_launch(cfg)
+    except Exception:
+        if made and root.is_dir() and not any(root.iterdir()):
+            root.rmdir()
+        raise
+
+
+def _check_before_launch(cfg: TrainConfig) -> None:
     check_options(cfg)
     target = resume_target(cfg)
     if target is not None:
