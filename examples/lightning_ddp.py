@@ -126,7 +126,8 @@ def main():
         print(f"rank {rank}: scale {scale:g} after {first.global_step} steps: {round(math.log2(INIT_SCALE / scale))} "
               "halvings, each a step skipped on every rank")
 
-    hook = GradcompDDPHook(topk_with_error_feedback)  # a restarted job: a new model, trainer and hook, then the checkpoint
+    # a restarted job: a new model, trainer and hook, then the checkpoint
+    hook = GradcompDDPHook(topk_with_error_feedback)
     second, resumed = trainer(folder, [hook], amp), Classifier()
     second.fit(resumed, loader(second.world_size), ckpt_path=os.path.join(folder, "epoch=0.ckpt"))
     same = all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))

@@ -752,7 +752,8 @@ def _module_used_twice(rank, world):
         model.spoil = step == 1 and rank == 1
         before = state.state_dict()
         try:
-            model(torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean().backward()
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().mean().backward()
             events.append((step, "applied", [c.step for c in state.comms]))
         except gradcomp.NonFiniteGradientError as exc:
             events.append((step, exc.step, same(before, state.state_dict()), [c.step for c in state.comms]))

@@ -406,7 +406,9 @@ def test_a_left_out_plugin_is_one_warning_line_in_any_command(tmp_path):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakeplug-clash\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[gradcomp.methods]\ntopk = fp_clash:TopK2\n")
-    (tmp_path / "fp_clash.py").write_text("from gradcomp.compressors import TopK\nclass TopK2(TopK):\n    name = 'topk'\n")
+    (tmp_path / "fp_clash.py").write_text(
+        "from gradcomp.compressors import TopK\nclass TopK2(TopK):\n    name = 'topk'\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     env.pop("GRADCOMP_IGNORED_PLUGINS_WARNED", None)
     done = subprocess.run([sys.executable, "-m", "gradcomp.cli", "train", "--simulate", "--workers", "2", "--steps",
