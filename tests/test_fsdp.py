@@ -779,6 +779,42 @@ def test_a_module_used_twice_is_one_pass_undone_whole(path, monkeypatch):
     assert runs == [want, want]
 
 
+def _load_after_unfreezing(rank, world):
+    """A state saved with every parameter training, loaded into a compress_fsdp made while 2.weight was frozen:
+    refused while it is frozen, loaded once it is unfrozen, before any backward (the state lays a module whose
+    trainable set changed out again when it is asked for its slots)."""
+    import gradcomp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build(frozen: bool):
+        model = _model()
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model[2].weight.requires_grad_(not frozen)
+        return model, gradcomp.compress_fsdp(model, gradcomp.make("topk", density=0.5, error_feedback=True))
+
+    model, state = build(frozen=False)
+    model(torch.randn(4, 5)).sum().backward()
+    saved = state.state_dict()
+    other, fresh = build(frozen=True)
+    events = []
+    try:
+        fresh.load_state_dict(saved)
+        events.append("loaded while frozen")
+    except gradcomp.ConfigError:
+        events.append("refused while frozen")
+    other[2].weight.requires_grad_(True)
+    fresh.load_state_dict(saved)
+    events.append("loaded once unfrozen")
+    return events
+
+
+def test_a_state_loads_once_the_model_is_frozen_as_when_it_was_saved():
+    assert run_workers(_load_after_unfreezing, 1, timeout=120) == [["refused while frozen", "loaded once unfrozen"]]
+
+
 def _vote_under_fp16_reduction(rank, world):
     import gradcomp
     from torch.distributed.device_mesh import init_device_mesh

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 
@@ -195,8 +196,10 @@ def _list(args: argparse.Namespace) -> int:
     method, so the command still succeeds."""
     import warnings
 
+    from gradcomp import registry
     from gradcomp.registry import PluginWarning, available, compressor_class
 
+    os.environ.pop(registry._WARNED_ENV, None)  # the list reports every plugin left out, said before or not
     rows, broken = [], []
     with warnings.catch_warnings(record=True) as ignored:  # plugins left out: said after the table, as one line each
         warnings.simplefilter("always", PluginWarning)

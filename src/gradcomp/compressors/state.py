@@ -57,8 +57,9 @@ from gradcomp.errors import ConfigError
 def plain_name(name: str) -> str:
     """A parameter's name without the ``_orig_mod.`` that ``torch.compile``'s wrapper puts before it: a model and
     its compiled self give a parameter the same slot, so a state saved with one loads into the other (states saved
-    under the compiled names load too: their keys are read through this as well)."""
-    return name.replace("_orig_mod.", "")
+    under the compiled names load too: their keys are read through this as well). Only a whole name component
+    ``_orig_mod`` goes (``blocks.0._orig_mod.w`` → ``blocks.0.w``; ``enc_orig_mod.w`` stays)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def slot_key(slot: Slot) -> str:

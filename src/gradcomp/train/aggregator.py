@@ -60,7 +60,7 @@ def _named_parameters(params) -> list[tuple[str, nn.Parameter]]:
         return [(plain_name(name), p) for name, p in params.named_parameters()]
     named = []
     for i, item in enumerate(params):
-        named.append(item if isinstance(item, tuple) else (f"param{i}", item))
+        named.append((plain_name(item[0]), item[1]) if isinstance(item, tuple) else (f"param{i}", item))
     return named
 
 

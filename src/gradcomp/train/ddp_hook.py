@@ -838,8 +838,10 @@ def register_ddp_hook(
         )
     if getattr(model, "_comm_hooks", None):
         raise ConfigError(
-            "register_ddp_hook: this DDP model has a communication hook already (torch allows one per model); wrap "
-            "the module in a new DistributedDataParallel to register another. Nothing was registered"
+            "register_ddp_hook: this DDP model has a communication hook already (torch allows one per model; "
+            "DDP(mixed_precision=...) registers one of its own, so leave that option out and let the method send "
+            "what it sends); wrap the module in a new DistributedDataParallel to register another. Nothing was "
+            "registered"
         )
     if getattr(model, "_use_python_reducer", False):
         raise ConfigError(

@@ -484,7 +484,7 @@ class GradientExchange:
         if "slots" in state:
             # (a state saved under a compiled model's names: see compressors.state.plain_name)
             theirs = [(plain_name(s[0]), *s[1:]) for s in state["slots"]]
-            ours = [tuple(s) for s in mine["slots"]]
+            ours = [(plain_name(s[0]), *s[1:]) for s in mine["slots"]]
             if theirs != ours:
                 pairs = zip(theirs, ours)
                 differ = [f"{a[0]} ({a[1]} entries) there, {b[0]} ({b[1]}) here" for a, b in pairs if a != b]

@@ -111,7 +111,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradcomp.compressors.base import Compressor, Slot
-from gradcomp.compressors.state import Journal, journal
+from gradcomp.compressors.state import Journal, journal, plain_name
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.finite import all_finite, check_nonfinite, check_scaler, finite_flag, loss_scale
 from gradcomp.protocols import alltoall_buffers
@@ -482,7 +482,12 @@ class FSDPCompressionState:
         return self.transport.counter
 
     def slots(self) -> list[Slot]:
-        """Every slot this rank sends, module by module (a state's identity)."""
+        """Every slot this rank sends, module by module (a state's identity), as the parameters that require
+        gradients now lay them out: a module frozen or unfrozen since its last call is laid out again here (it
+        sends nothing), so that a state saves, and loads, for the parameters that train when it is called."""
+        for comm in self.comms:
+            if comm.group is not None and [p.requires_grad for p in comm.watched] != comm.trainable:
+                comm.lay_out()
         return [s for comm in self.comms for p in comm.pieces for s in p.slots if s is not None]
 
     def residual_bytes(self) -> int:
@@ -515,7 +520,8 @@ class FSDPCompressionState:
                     f"FSDPCompressionState.load_state_dict: the state was saved with {key} {state[key]!r}, this is "
                     f"{mine[key]!r} (residuals are one rank's own: save and load one state per rank)"
                 )
-        if "slots" in state and [tuple(s) for s in state["slots"]] != [tuple(s) for s in mine["slots"]]:
+        saved = [(plain_name(s[0]), *s[1:]) for s in state.get("slots", ())]  # (compiled blocks' names, as before)
+        if "slots" in state and saved != [tuple(s) for s in mine["slots"]]:
             raise ConfigError(
                 "FSDPCompressionState.load_state_dict: the state was saved for other parameters, or with other "
                 "parameters training (freeze and unfreeze the model as it was when the state was saved, then load)"
@@ -619,7 +625,7 @@ def compress_fsdp(
             "compress_fsdp takes a model wrapped by FSDP2 (torch.distributed.fsdp.fully_shard(model), after its "
             "blocks), got a model that is not an FSDP module"
         )
-    named = [(name, p) for name, p in model.named_parameters()]
+    named = [(plain_name(name), p) for name, p in model.named_parameters()]  # (torch.compile'd blocks: plain names)
     index_of = {id(p): (i, name) for i, (name, p) in enumerate(named)}
     groups = [(m, _group_of(m)) for m in modules]
     fsdp_group = next((g for _, g in groups if g is not None), None)
@@ -649,10 +655,10 @@ def compress_fsdp(
             )
         # Every module with parameters, frozen ones too: a module unfrozen later is compressed from its first call
         # (one left to FSDP's own reduce-scatter would have sent plain gradients, counted by no one).
-        trainable = [fp.sharded_param for fp in group.fsdp_params if fp.sharded_param.requires_grad]
-        first = index_of.get(id((trainable or [group.fsdp_params[0].sharded_param])[0]), (0, ""))[1]
+        # the module's place and its first parameter's owner: the same whichever parameters train at this call
+        first = index_of.get(id(group.fsdp_params[0].sharded_param), (0, ""))[1]
         prefix = first.rsplit(".", 1)[0] if "." in first else ""
-        key = f"{len(state.comms)}:{prefix}"  # the module's place and its first trainable parameter's owner
+        key = f"{len(state.comms)}:{prefix}"
         comm = _CompressedReduceScatter(state, key, group, index_of)
         module.set_reduce_scatter_unused_params(True, recurse=False)
         module.set_custom_reduce_scatter(comm)

@@ -1328,8 +1328,12 @@ def check_received_range(values: torch.Tensor, low: float | None, high: float | 
     device path. Non-finite values pass (NaN, and ±Inf for floats): a non-finite scale is how the device path sends
     a non-finite gradient (a C_nat-coded NaN norm decodes to ±Inf), and the finiteness check of the sums deals with
     it. For values a sender never makes (a negative norm, a level above the method's), which a checksum cannot
-    catch when the sender itself is wrong."""
+    catch when the sender itself is wrong. On the device path a check is made only where a DeviceChecks collects
+    it (every receiving path decodes inside one); elsewhere, as for a worker's own message decoded for error
+    feedback, it is left out rather than read at once (a host synchronisation for a message this worker made)."""
     if values.numel() == 0:
+        return
+    if not host_path(values) and getattr(_receiving, "checks", None) is None:
         return
     if values.is_floating_point():  # (scales: a few entries)
         out = torch.zeros_like(values, dtype=torch.bool)

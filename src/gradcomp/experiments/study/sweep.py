@@ -127,6 +127,8 @@ def sweep_settings(base: TrainConfig, real: bool) -> dict[str, Any]:
     """What every cell of this invocation shares (model, data, steps, optimizer, workers, ...), as stored in
     each row: a cell run with other settings is another experiment, and must not be taken as done."""
     settings = {k: v for k, v in dataclasses.asdict(base).items() if k not in _NOT_SETTINGS}
+    if settings.get("data_root") is not None:  # one folder however it is written (~/x, ./x, /home/u/x)
+        settings["data_root"] = os.path.abspath(os.path.expanduser(settings["data_root"]))
     return json.loads(json.dumps({**settings, "real": real}))  # as read back from results.jsonl (tuples → lists)
 
 
