@@ -147,11 +147,12 @@ class Sharded(Scheme):
         self.server_compressor = server_compressor if server_compressor is not None else NoCompression()
         self._layouts: dict[Slot, _Layout] = {}
         self._sizes: dict[tuple[Slot, ...], tuple[list[int] | None, list[int] | None]] = {}
+        self._limits: dict[tuple[Slot, ...], tuple[list[int], int]] = {}  # what bounds their size rounds
 
     def bind(self, rank: int, world_size: int) -> None:
         super().bind(rank, world_size)
         self._layouts = {}
-        self._sizes = {}
+        self._sizes, self._limits = {}, {}
         self.compressor.bind_worker(rank)
         self.server_compressor.bind_worker(world_size + rank)  # independent of every worker and other owner
 
@@ -210,6 +211,16 @@ class Sharded(Scheme):
             self._sizes[key] = tuple(_fixed_sizes(c, per_owner) for c in (self.compressor, self.server_compressor))
         return self._sizes[key]
 
+    def _bounds(self, slots: Sequence[Slot], per_owner: Sequence) -> tuple[list[int], int]:
+        """The most bytes a buffer for owner j can have, for every j, and the most any owner's downstream buffer
+        can have: what bounds the size rounds' lengths (computed once per slot list, as ``fixed_sizes``)."""
+        key = tuple(slots)
+        if key not in self._limits:
+            shards = [[s for _, s in owned] for owned in per_owner]
+            self._limits[key] = (_largest_sizes(self.compressor, shards),
+                                 max(_largest_sizes(self.server_compressor, shards)))
+        return self._limits[key]
+
     # -- the rounds ------------------------------------------------------------------------------------------
 
     def run(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
@@ -238,9 +249,8 @@ class Sharded(Scheme):
 
         # 3. all-to-all: owner r receives every worker's buffer for shard r
         up_sizes, down_sizes = self.fixed_sizes(slots)
-        shards = [[s for _, s in owned] for owned in per_owner]
-        up_limits = None if up_sizes is not None else _largest_sizes(self.compressor, shards)
-        received = yield from alltoall_buffers(rank, up, up_sizes, up_limits)
+        up_limits, down_limit = self._bounds(slots, per_owner)
+        received = yield from alltoall_buffers(rank, up, up_sizes, None if up_sizes is not None else up_limits)
 
         # 4. serve: aggregate my shards, compress them again, one downstream buffer
         mine = [s for _, s in per_owner[rank]]
@@ -255,8 +265,8 @@ class Sharded(Scheme):
             downstream = torch.empty(0, dtype=torch.uint8, device=device)
 
         # 5. all-gather of the owners' buffers; everyone puts every shard in place
-        down_limit = None if down_sizes is not None else max(_largest_sizes(self.server_compressor, shards))
-        gathered = yield from allgather_buffers(rank, downstream, down_sizes, down_limit)
+        down_bound = None if down_sizes is not None else down_limit
+        gathered = yield from allgather_buffers(rank, downstream, down_sizes, down_bound)
         if deferring():  # an owner's abandoned buffer abandons the step on every worker, at the step's end's read
             add_to_verdict(abandon_flags(gathered))
         results = [torch.empty(s.numel, dtype=torch.float32, device=device) for s in slots]
@@ -292,6 +302,7 @@ class Sharded(Scheme):
         self._layouts = {s: self._layouts[s] for s in slots if s in self._layouts}
         kept = set(slots)
         self._sizes = {key: sizes for key, sizes in self._sizes.items() if kept.issuperset(key)}
+        self._limits = {key: limits for key, limits in self._limits.items() if kept.issuperset(key)}
 
     def state_dict(self) -> dict:
         return {"compressor": self.compressor.state_dict(), "server": self.server_compressor.state_dict()}

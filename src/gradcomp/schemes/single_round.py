@@ -295,7 +295,8 @@ class SingleRound(Scheme):
         self.root = root
         self.min_compression_rate = min_compression_rate
         self._worth: dict[Slot, bool] = {}
-        self._sizes: dict[tuple[bool, tuple[Slot, ...]], int | None] = {}  # (server?, slots) -> fixed_buffer_size
+        # (server?, slots) -> (fixed_buffer_size, the most bytes a message can have: max_encoded_size)
+        self._sizes: dict[tuple[bool, tuple[Slot, ...]], tuple[int | None, int]] = {}
 
     def bind(self, rank: int, world_size: int) -> None:
         super().bind(rank, world_size)
@@ -444,12 +445,16 @@ class SingleRound(Scheme):
 
     def _largest(self, compressor: Compressor, slots: Sequence[Slot]) -> int:
         """The most bytes a message of ``compressor`` for ``slots`` can have (bounds a size round's lengths)."""
-        return max_encoded_size([spec for slot in slots for spec in compressor.specs(slot)])
+        return self._size_and_bound(compressor, slots)[1]
 
     def _fixed_size(self, compressor: Compressor, slots: Sequence[Slot]) -> int | None:
+        return self._size_and_bound(compressor, slots)[0]
+
+    def _size_and_bound(self, compressor: Compressor, slots: Sequence[Slot]) -> tuple[int | None, int]:
         key = (compressor is self.server_compressor, tuple(slots))
         if key not in self._sizes:
-            self._sizes[key] = fixed_buffer_size(compressor, slots)
+            specs = [spec for slot in slots for spec in compressor.specs(slot)]
+            self._sizes[key] = (fixed_buffer_size(compressor, slots), max_encoded_size(specs))
         return self._sizes[key]
 
     def _allgather(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:

@@ -166,7 +166,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
     def __init__(self, state: FSDPCompressionState, key: str, group: Any = None, index_of: dict | None = None):
         self.state = state
         self.key = key
-        self.group = group  # FSDP2's parameter group of the module (None in tests that hand pieces in)
+        self.group = group  # FSDP2's parameter group of the module
         self.index_of = index_of or {}  # id(parameter) -> (its index, its name) in model.named_parameters()
         self.watched: list[Tensor] = []  # every sharded parameter of the module, and whether each required gradients
         self.trainable: list[bool] = []  # when the module was last laid out
