@@ -202,11 +202,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
             padded = int(fp.padded_sharded_param_size.numel())
             padded_rows = int(fp.padded_sharded_param_size[0])
             rest = padded // padded_rows if padded_rows else 0  # entries per row of dim 0
-            rows = int(fp._orig_size[0])
-            slots = []
-            for j in range(world):
-                real = max(0, min(rows - j * padded_rows, padded_rows)) * rest
-                slots.append(Slot(f"{name}/shard{j}", index * world + j, real) if real > 0 else None)
+            slots = _chunk_slots(name, index, int(fp._orig_size[0]), padded_rows, rest, world)
             for slot in slots:
                 if slot is not None:
                     compressor.specs(slot)  # ConfigError (k larger than a chunk, ...) before anything is sent
@@ -566,13 +562,20 @@ def fsdp_slots(model: nn.Module, world_size: int) -> list[Slot]:
         if not p.requires_grad or p.dim() == 0:
             continue
         rows = p.shape[0]
-        per_chunk = -(-rows // world_size)
         rest = p.numel() // rows if rows else 0
-        for j in range(world_size):
-            real = max(0, min(rows - j * per_chunk, per_chunk)) * rest
-            if real:
-                slots.append(Slot(f"{name}/shard{j}", index * world_size + j, real))
+        chunks = _chunk_slots(name, index, rows, -(-rows // world_size), rest, world_size)
+        slots.extend(s for s in chunks if s is not None)
     return slots
+
+
+def _chunk_slots(name: str, index: int, rows: int, per_chunk: int, rest: int, world: int) -> list[Slot | None]:
+    """A parameter's W dim-0 chunks as slots (``per_chunk`` rows each, ``rest`` entries a row; the last ones
+    short or empty as FSDP pads dim 0), None for an empty chunk: ``Slot(f"{name}/shard{j}", index·W + j, n)``."""
+    out: list[Slot | None] = []
+    for j in range(world):
+        real = max(0, min(rows - j * per_chunk, per_chunk)) * rest
+        out.append(Slot(f"{name}/shard{j}", index * world + j, real) if real > 0 else None)
+    return out
 
 
 def check_fsdp_method(method: Any, model: nn.Module, world_size: int) -> None:

@@ -158,11 +158,15 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict[str, str]:
         # recorded only when not SGD at a constant rate, so checkpoints written before these options still match
         **({"optimizer": f"{cfg.optimizer} betas={tuple(cfg.betas)} eps={cfg.eps!r}" if cfg.optimizer == "adamw"
             else cfg.optimizer,
-            "lr schedule": f"{cfg.lr_schedule} warmup={cfg.warmup_steps} step={cfg.lr_step_size} gamma={cfg.lr_gamma!r}"
+            "lr schedule": _schedule_text(cfg.lr_schedule, cfg.warmup_steps, cfg.lr_step_size, cfg.lr_gamma)
                            + _schedule_span(cfg),
             "context": str(cfg.context)}
            if (cfg.optimizer, cfg.lr_schedule, cfg.warmup_steps) != ("sgd", "constant", 0) else {}),
     }
+
+
+def _schedule_text(schedule: str, warmup: int, step: int | None, gamma: float) -> str:
+    return f"{schedule} warmup={warmup} step={step} gamma={gamma!r}"
 
 
 def _schedule_span(cfg: TrainConfig) -> str:
@@ -175,7 +179,8 @@ def _schedule_span(cfg: TrainConfig) -> str:
 
 # The keys recorded only away from SGD at a constant rate: a side that did not record one had these values
 # (None: not compared then: the context of a model that reads none)
-_UNRECORDED = {"optimizer": "sgd", "lr schedule": "constant warmup=0 step=None gamma=0.1", "context": None}
+# (TrainConfig's defaults, written as fingerprint writes them)
+_UNRECORDED = {"optimizer": "sgd", "lr schedule": _schedule_text("constant", 0, None, 0.1), "context": None}
 
 
 def differences(saved: dict[str, str], wanted: dict[str, str]) -> list[str]:
@@ -330,11 +335,12 @@ def resume_target(cfg: TrainConfig) -> Path | None:
     """
     root = Path(cfg.checkpoint_dir).expanduser() if cfg.checkpoint_dir is not None else None
     target = None
+    held = root is not None and holds_checkpoint(root)
     if cfg.resume_dir is not None:
         target = find_checkpoint(cfg.resume_dir)
-    elif root is not None and cfg.resume_if_present and holds_checkpoint(root):
+    elif held and cfg.resume_if_present:
         target = find_checkpoint(root)
-    if root is not None and holds_checkpoint(root) and not _inside(target, root):
+    if held and not _inside(target, root):
         if (root / LATEST).exists():
             how = f"continue it with --resume {root} (or --resume-if-present)"
         else:  # (its 'latest' pointer is gone: name the newest complete checkpoint)
