@@ -60,6 +60,32 @@ TRANSFORMER_ROWS = [
      ["--compressor", "sketch", "--param", "density=0.01", "--param", "rows=1", "--param", "cols_per_k=18",
       "--param", "candidates=4", "--optimizer", "sgd", "--lr", SGD_LR]),
 ]
+# the Transformer at 1,000 steps under AdamW: the methods built for Adam (1-bit Adam, 0/1 Adam, DiLoCo's outer
+# Nesterov step) beside the best gradient compressors with a dense warm-up and the fp32 / fp16 references
+ADAM_BASE = ["--model", "transformer", "--steps", "1000", "--eval-every", "100"]
+ADAM_ROWS = [
+    ("a_fp32", "uncompressed fp32 allreduce (AdamW)", ["--compressor", "none"]),
+    ("a_onebit_adam", "1-bit Adam, freeze step 150", ["--optimizer", "onebit_adam"]),
+    ("a_diloco32", "DiLoCo H=32, outer Nesterov 0.7 / 0.9, fp32 pseudo-gradients",
+     ["--compressor", "none", "--local-steps", "32", "--outer-optimizer", "nesterov"]),
+    ("a_diloco8", "DiLoCo H=8, outer Nesterov 0.7 / 0.9, fp32 pseudo-gradients",
+     ["--compressor", "none", "--local-steps", "8", "--outer-optimizer", "nesterov"]),
+    ("a_cnat", "natural compression (C_nat)", ["--compressor", "cnat"]),
+    ("a_fp16", "fp16", ["--compressor", "fp16"]),
+    ("a_zero_one_adam", "0/1 Adam", ["--optimizer", "zero_one_adam"]),
+    ("a_diloco32_4bit", "DiLoCo H=32, outer Nesterov, 4-bit pseudo-gradients (random dithering, 7 levels)",
+     ["--compressor", "random_dithering", "--param", "levels=7", "--local-steps", "32", "--outer-optimizer",
+      "nesterov"]),
+    ("a_diloco8_4bit", "DiLoCo H=8, outer Nesterov, 4-bit pseudo-gradients (random dithering, 7 levels)",
+     ["--compressor", "random_dithering", "--param", "levels=7", "--local-steps", "8", "--outer-optimizer",
+      "nesterov"]),
+    ("a_localsgd16", "local AdamW, 16 local steps, plain averaging", ["--compressor", "none", "--local-steps", "16"]),
+    ("a_powersgd_dense", "PowerSGD rank 2, 100 dense steps", ["--compressor", "powersgd", "--param", "rank=2",
+                                                              "--dense-steps", "100"]),
+    ("a_topk_ef_dense", "top-k 1 %, error feedback, 100 dense steps",
+     ["--compressor", "topk", "--param", "density=0.01", "--error-feedback", "--dense-steps", "100"]),
+    ("a_sbc", "SBC 1 %, 4 local steps", ["--compressor", "sbc", "--param", "density=0.01", "--local-steps", "4"]),
+]
 # the MNIST default job (SmallCNN, one epoch, SGD 0.05 / 0.9): the rows of docs/all_methods.md's head
 MNIST_ROWS = [
     ("mnist_fp32", "uncompressed fp32 allreduce", ["--compressor", "none"]),
@@ -77,7 +103,7 @@ MNIST_ROWS = [
 def plan() -> list[tuple[str, str, list[str], int, str]]:
     jobs = []
     for table, rows, base in (("transformer", TRANSFORMER_ROWS, ["--model", "transformer", "--eval-every", "50"]),
-                              ("mnist", MNIST_ROWS, [])):
+                              ("mnist", MNIST_ROWS, []), ("adam1000", ADAM_ROWS, ADAM_BASE)):
         ref, rest = rows[0], rows[1:]
         jobs += [(table, ref[0], ref[1], base + ref[2], s) for s in SEEDS]
         for seed in SEEDS:
@@ -92,14 +118,15 @@ def read(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(out: str, python: str, only: str | None, keys: list[str] | None = None) -> None:
+def run(out: str, python: str, only: str | None, keys: list[str] | None = None,
+        seeds: list[int] | None = None) -> None:
     path = os.path.join(out, "results.jsonl")
     done = {(r["key"], r["seed"]) for r in read(path)}
     jobs = plan()
     if keys:  # these rows only, in the order given, every seed of one row before the next row
         jobs = sorted((j for j in jobs if j[1] in keys), key=lambda j: (keys.index(j[1]), j[4]))
     for table, key, label, args, seed in jobs:
-        if (key, seed) in done or (only and table != only):
+        if (key, seed) in done or (only and table != only) or (seeds is not None and seed not in seeds):
             continue
         with tempfile.TemporaryDirectory() as tmp:
             result = os.path.join(tmp, "result.json")
@@ -133,10 +160,11 @@ def _ms(values: list[float], signed: bool = False) -> str:
 def render(out: str) -> str:
     rows = read(os.path.join(out, "results.jsonl"))
     text = []
-    for table, spec in (("transformer", TRANSFORMER_ROWS), ("mnist", MNIST_ROWS)):
-        metric = "val_bits_per_byte" if table == "transformer" else "test_accuracy"
-        name = "validation bits/byte" if table == "transformer" else "test accuracy %"
-        scale = 1 if table == "transformer" else 100
+    for table, spec in (("transformer", TRANSFORMER_ROWS), ("mnist", MNIST_ROWS), ("adam1000", ADAM_ROWS)):
+        text_model = table != "mnist"
+        metric = "val_bits_per_byte" if text_model else "test_accuracy"
+        name = "validation bits/byte" if text_model else "test accuracy %"
+        scale = 1 if text_model else 100
         ref = [r for r in rows if r["key"] == spec[0][0] and "result" in r]
         dense = ref[0]["result"]["dense_bits_per_worker"] if ref else None
         text += [f"### {table}", "",
@@ -166,7 +194,7 @@ def render(out: str) -> str:
             text.append(f"| {label} | {len(ok)} | {_ms(values)} | {per} | {diff} | {up / 1e6:,.1f} | {down / 1e6:,.1f} "
                         f"| {ratio} |")
         text.append("")
-        if table == "transformer":
+        if text_model:
             done = [r for key, _, _ in spec for r in sorted((r for r in rows if r["key"] == key and "result" in r),
                                                              key=lambda r: r["seed"])]
             steps = [s for s, _ in done[0]["result"].get("val_loss_curve") or []] if done else []
@@ -188,11 +216,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/workloads")
     p.add_argument("--render", action="store_true", help="only write OUT/table.md from the results so far")
-    p.add_argument("--only", choices=["transformer", "mnist"], default=None)
+    p.add_argument("--only", choices=["transformer", "mnist", "adam1000"], default=None)
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--docs", default=None, metavar="MD", help="also replace the Transformer block between the "
                    "'<!-- transformer table' and '<!-- /transformer table -->' lines of this page")
     p.add_argument("--keys", default=None, help="comma-separated row keys to run, in this order (e.g. fp32,topk_ef)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds to run (default: all three)")
     args = p.parse_args()
     keys = [k.strip() for k in args.keys.split(",")] if args.keys else None
     known = {j[1] for j in plan()}
@@ -200,7 +229,7 @@ def main() -> int:
         p.error(f"unknown row keys {sorted(set(keys) - known)}; known: {sorted(known)}")
     os.makedirs(args.out, exist_ok=True)
     if not args.render:
-        run(args.out, args.python, args.only, keys)
+        run(args.out, args.python, args.only, keys, [int(x) for x in args.seeds.split(",")] if args.seeds else None)
     body = render(args.out)
     if args.docs:
         update_docs(args.docs, body)

@@ -73,6 +73,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-steps", type=int, default=None, metavar="N",
                    help="exchange the weight update every N local steps (communication delay) instead of "
                         "the gradient every step; N = 1 sends each step's update, momentum included")
+    p.add_argument("--outer-optimizer", default="sgd", choices=["sgd", "nesterov"],
+                   help="with --local-steps: the step applied to the averaged update. sgd (default: lr 1, momentum "
+                        "0) is plain averaging; nesterov is DiLoCo's outer optimizer (default lr 0.7, momentum 0.9)")
+    p.add_argument("--outer-lr", type=float, default=None, help="the outer optimizer's learning rate")
+    p.add_argument("--outer-momentum", type=float, default=None, help="the outer optimizer's momentum, in [0, 1)")
+    p.add_argument("--dense-steps", type=int, default=0, metavar="N",
+                   help="the first N steps exchange dense fp32 gradients, then the method (PowerSGD's start_iter)")
     add_training_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the data order")
     p.add_argument("--seeds", default=None, metavar="S,S,...",
@@ -108,6 +115,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "(for torchrun --max-restarts)")
 
 
+def outer_options(args: argparse.Namespace) -> dict:
+    """The outer optimizer's TrainConfig options: DiLoCo's lr 0.7 and momentum 0.9 for nesterov unless given."""
+    nesterov = args.outer_optimizer == "nesterov"
+    return {"outer_optimizer": args.outer_optimizer,
+            "outer_lr": args.outer_lr if args.outer_lr is not None else (0.7 if nesterov else 1.0),
+            "outer_momentum": args.outer_momentum if args.outer_momentum is not None else (0.9 if nesterov else 0.0)}
+
+
 def _train(args: argparse.Namespace) -> int:
     from gradcomp.experiments.run.launch import launch
     from gradcomp.experiments.run.report import check_output_file
@@ -127,6 +142,7 @@ def _train(args: argparse.Namespace) -> int:
         server_compressor=args.server_compressor,
         server_params=parse_param_strings(args.server_param, "--server-param"),
         server_error_feedback=not args.no_server_error_feedback, workers=args.workers, local_steps=args.local_steps,
+        **outer_options(args), dense_steps=args.dense_steps,
         **resolve_training_defaults(args), seed=args.seed if seeds is None else seeds[0], simulate=args.simulate,
         device=args.device, eval_every=args.eval_every, save_path=args.save, bandwidth=args.bandwidth,
         latency=args.latency, progress=not args.no_progress, timeout_s=args.timeout, ddp=args.ddp, fsdp=args.fsdp,

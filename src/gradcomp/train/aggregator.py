@@ -85,7 +85,10 @@ class GradientAggregator:
         root: int = 0,
         scaler: torch.amp.GradScaler | None = None,
         nonfinite: str = "raise",
+        dense_steps: int = 0,
     ):
+        if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0:
+            raise ConfigError(f"dense_steps must be a whole number >= 0, got {dense_steps!r}")
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         if isinstance(params, nn.parallel.DistributedDataParallel):
@@ -117,6 +120,14 @@ class GradientAggregator:
         self.exchange = GradientExchange(
             compressor, transport, topology=topology, server_compressor=server_compressor, root=root
         )
+        # the first dense_steps steps go through an uncompressed fp32 all-reduce (torch PowerSGD's start_iter, DGC's
+        # and 1-bit Adam's warm-up); the method's state is untouched until its first step
+        self.dense_steps = dense_steps
+        self._dense = None
+        if dense_steps:
+            from gradcomp.compressors.dense import NoCompression
+
+            self._dense = GradientExchange(NoCompression(), transport)
         self.scaler = scaler
         self.steps = 0
         self.skipped = 0  # steps skipped because some worker's gradients overflowed (with a scaler)
@@ -185,16 +196,18 @@ class GradientAggregator:
         checks, refusals = DeviceChecks() if device_path else None, Refusals()
         options = {"validate": False, "finite": finite, "handed_on": self.propagate, "verdicts": verdicts,
                    "refusals": refusals}
+        exchange = self._dense if self.steps < self.dense_steps else self.exchange
+        compress_before = exchange.compress_s
         try:
             with holding_for_the_pass(checks):
                 if self.granularity == "layer":
                     inputs = [g / scale for g in grads] if scale is not None and not here else grads
-                    averaged = self.exchange.exchange(self.slots, inputs, self.steps, **options)
+                    averaged = exchange.exchange(self.slots, inputs, self.steps, **options)
                 else:
                     flat = torch.cat([g.reshape(-1) for g in grads])
                     if scale is not None and not here:
                         flat.div_(scale)
-                    out = self.exchange.exchange(self.slots, [flat], self.steps, **options)
+                    out = exchange.exchange(self.slots, [flat], self.steps, **options)
                     averaged = None if out is None else list(torch.split(out[0], [g.numel() for g in grads]))
             held = [] if self.propagate or verdicts is None else verdicts
             if averaged is not None and settle(self.transport, refusals, grads[0].device, checks, held, self.steps):
@@ -202,6 +215,9 @@ class GradientAggregator:
         except Exception:  # a refused message (every worker), or an error on this one: the state as before the step
             self.exchange.restore(snapshot)
             raise
+        finally:
+            if exchange is not self.exchange:  # a dense step's work is this aggregator's too
+                self.exchange.compress_s += exchange.compress_s - compress_before
         if averaged is not None and self.propagate and verdicts:
             averaged = self._handed_on(averaged, verdicts, snapshot)
         if averaged is None:

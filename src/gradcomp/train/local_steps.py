@@ -13,13 +13,29 @@ and plain SGD, ΔW_i = −lr·g_i, so exchanging updates is per-step gradient co
 trajectories agree to 1e-6 with lr a power of two). Optimizer state (momentum) stays local between syncs,
 as in local SGD.
 
-The aggregate is applied to the anchor as it is, with no learning rate: it must be an update. A majority vote
+The outer optimizer (DiLoCo: Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen,
+"DiLoCo: Distributed Low-Communication Training of Language Models", 2023). With ``outer_optimizer="nesterov"``
+the averaged update is a pseudo-gradient g = −mean_i D(C(ΔW_i)), and the anchor takes an SGD step with Nesterov
+momentum on it, as torch's ``SGD(nesterov=True)`` computes it:
+
+    b ← μ·b + g          W ← W − η·(g + μ·b)
+
+DiLoCo's values are η = 0.7, μ = 0.9 with H = 500 inner AdamW steps on C4; the inner optimizer's state stays on
+each worker (never exchanged, never reset). ``outer_optimizer="sgd"`` with η = 1 and μ = 0 is W ← W + mean_i
+ΔW_i, the plain averaging above, computed as before (no outer state); other η / μ give SGD with heavy-ball
+momentum. The compressor compresses the pseudo-gradient, as Streaming DiLoCo quantises it to 4 bits; with error
+feedback its residual carries what one sync did not send into the next. Choice where DiLoCo is silent: the
+outer momentum buffer starts at zero and is saved with the anchors (``state_dict``).
+
+The aggregate is applied to the anchor as it is, with no learning rate (plain averaging): it must be an update. A majority vote
 (signsgd, signum: ``scale_free``) aggregates to ±1 per coordinate whatever the workers sent, which would move
 every weight by 1.0 at each sync; such a method, as the workers' or as the server's compressor, is refused with
 ConfigError (``check_compressors``). Methods that send a scale (efsignsgd, onebit) keep the update's magnitude.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -44,9 +60,20 @@ class LocalUpdateExchange:
     """Call ``after_local_step()`` after every ``optimizer.step()``; it syncs every ``local_steps`` calls. Weights
     loaded into the model after this is built: call ``reset_anchor()`` on every worker before the next local step."""
 
-    def __init__(self, aggregator: GradientAggregator, local_steps: int):
+    def __init__(self, aggregator: GradientAggregator, local_steps: int, *, outer_optimizer: str = "sgd",
+                 outer_lr: float = 1.0, outer_momentum: float = 0.0):
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ConfigError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+        if outer_optimizer not in ("sgd", "nesterov"):
+            raise ConfigError(f"outer_optimizer must be sgd or nesterov, got {outer_optimizer!r}")
+        if not (isinstance(outer_lr, (int, float)) and math.isfinite(outer_lr) and outer_lr > 0):
+            raise ConfigError(f"outer_lr must be a finite number > 0, got {outer_lr!r}")
+        if not (isinstance(outer_momentum, (int, float)) and math.isfinite(outer_momentum)
+                and 0 <= outer_momentum < 1):
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        self.outer_optimizer, self.outer_lr, self.outer_momentum = outer_optimizer, float(outer_lr), float(outer_momentum)
+        # plain averaging keeps its arithmetic (and its bits) and has no outer state
+        self.plain = (outer_optimizer, self.outer_lr, self.outer_momentum) == ("sgd", 1.0, 0.0)
         check_compressors(aggregator.exchange.compressor, aggregator.exchange.server_compressor)
         if getattr(aggregator, "scaler", None) is not None:  # it would unscale weight updates, which are not scaled
             raise ConfigError("LocalUpdateExchange exchanges weight updates: give it an aggregator without a scaler")
@@ -61,6 +88,7 @@ class LocalUpdateExchange:
         self.anchor = [p.detach().clone() for p in self.params]
         self.pending = 0
         self.syncs = 0
+        self.outer_buffer = None if self.plain else [torch.zeros_like(a) for a in self.anchor]
 
     @torch.no_grad()
     def reset_anchor(self) -> None:
@@ -93,27 +121,53 @@ class LocalUpdateExchange:
             return
         updates = [p.detach() - a for p, a in zip(self.params, self.anchor)]
         averaged = self.aggregator.aggregate(updates)
-        for p, a, u in zip(self.params, self.anchor, averaged):
-            a.add_(u.to(a.dtype))
+        if self.plain:
+            for a, u in zip(self.anchor, averaged):
+                a.add_(u.to(a.dtype))
+        else:
+            mu, nesterov = self.outer_momentum, self.outer_optimizer == "nesterov"
+            for a, u, b in zip(self.anchor, averaged, self.outer_buffer):
+                g = -u.to(a.dtype)  # the pseudo-gradient
+                b.mul_(mu).add_(g)
+                a.add_(g.add(b, alpha=mu) if nesterov else b, alpha=-self.outer_lr)
+        for p, a in zip(self.params, self.anchor):
             p.copy_(a)
         self.pending = 0
         self.syncs += 1
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "anchor": [a.clone() for a in self.anchor],
             "pending": self.pending,
             "syncs": self.syncs,
             "aggregator": self.aggregator.state_dict(),
         }
+        if not self.plain:
+            state["outer"] = {"optimizer": self.outer_optimizer, "lr": self.outer_lr, "momentum": self.outer_momentum,
+                              "buffer": [b.clone() for b in self.outer_buffer]}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s state. Everything is checked first (the anchors' number, shapes and dtypes
         against this model's parameters, the counters, then the aggregator's own state, which refuses another
         model or method); a refused state leaves the exchange as it was."""
-        if not isinstance(state, dict) or set(state) != {"anchor", "pending", "syncs", "aggregator"}:
+        expected = {"anchor", "pending", "syncs", "aggregator"} | (set() if self.plain else {"outer"})
+        if not isinstance(state, dict) or set(state) != expected:
             keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ConfigError(f"LocalUpdateExchange state must hold anchor, pending, syncs and aggregator, got {keys}")
+            outer = "" if self.plain else " and the outer optimizer's (outer)"
+            raise ConfigError(f"LocalUpdateExchange state must hold anchor, pending, syncs and aggregator{outer}, "
+                              f"got {keys}")
+        buffer = None
+        if not self.plain:
+            outer = state["outer"]
+            saved = (outer.get("optimizer"), outer.get("lr"), outer.get("momentum"))
+            if saved != (self.outer_optimizer, self.outer_lr, self.outer_momentum):
+                raise ConfigError(f"LocalUpdateExchange state: saved with outer optimizer {saved}, this exchange has "
+                                  f"{(self.outer_optimizer, self.outer_lr, self.outer_momentum)}")
+            buffer = outer.get("buffer")
+            if not isinstance(buffer, (list, tuple)) or len(buffer) != len(self.params) or any(
+                    not isinstance(b, torch.Tensor) or b.shape != p.shape for b, p in zip(buffer, self.params)):
+                raise ConfigError("LocalUpdateExchange state: the outer momentum does not fit this model")
         anchor = state["anchor"]
         if not isinstance(anchor, (list, tuple)) or len(anchor) != len(self.params):
             count = len(anchor) if isinstance(anchor, (list, tuple)) else type(anchor).__name__
@@ -131,4 +185,6 @@ class LocalUpdateExchange:
                 raise ConfigError(f"LocalUpdateExchange state: {key} must be an integer >= 0, got {value!r}")
         self.aggregator.load_state_dict(state["aggregator"])  # raises before anything below is replaced
         self.anchor = [a.detach().to(p.device).clone() for a, p in zip(anchor, self.params)]
+        if buffer is not None:
+            self.outer_buffer = [b.detach().to(p.device, p.dtype).clone() for b, p in zip(buffer, self.params)]
         self.pending, self.syncs = counters["pending"], counters["syncs"]

@@ -146,7 +146,10 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict[str, str]:
         "topology": str(getattr(scheme, "topology", cfg.topology)),
         "server compressor": server_text,
         "world size": str(world_size),
-        "local steps": "none" if cfg.local_steps is None else str(cfg.local_steps),
+        "local steps": "none" if cfg.local_steps is None else str(cfg.local_steps) + (
+            "" if (cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum) == ("sgd", 1.0, 0.0)
+            else f" outer={cfg.outer_optimizer} lr={cfg.outer_lr!r} momentum={cfg.outer_momentum!r}"),
+        **({"dense steps": str(cfg.dense_steps)} if cfg.dense_steps else {}),
         "exchange": exchange,
         "model": cfg.model,
         "dataset": cfg.dataset,
@@ -156,13 +159,24 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict[str, str]:
         "momentum": repr(float(cfg.momentum)),
         "weight decay": repr(float(cfg.weight_decay)),
         # recorded only when not SGD at a constant rate, so checkpoints written before these options still match
-        **({"optimizer": f"{cfg.optimizer} betas={tuple(cfg.betas)} eps={cfg.eps!r}" if cfg.optimizer == "adamw"
-            else cfg.optimizer,
+        **({"optimizer": _optimizer_text(cfg),
             "lr schedule": _schedule_text(cfg.lr_schedule, cfg.warmup_steps, cfg.lr_step_size, cfg.lr_gamma)
                            + _schedule_span(cfg),
             "context": str(cfg.context)}
            if (cfg.optimizer, cfg.lr_schedule, cfg.warmup_steps) != ("sgd", "constant", 0) else {}),
     }
+
+
+def _optimizer_text(cfg: TrainConfig) -> str:
+    if cfg.optimizer == "sgd":
+        return cfg.optimizer
+    text = f"{cfg.optimizer} betas={tuple(cfg.betas)} eps={cfg.eps!r}"
+    if cfg.optimizer == "onebit_adam":
+        text += f" freeze={cfg.resolved_freeze_step()}"
+    elif cfg.optimizer == "zero_one_adam":
+        text += (f" freeze={cfg.resolved_freeze_step()} kappa={cfg.var_update_scaler} "
+                 f"local={cfg.local_step_scaler}/{cfg.local_step_clipper}")
+    return text
 
 
 def _schedule_text(schedule: str, warmup: int, step: int | None, gamma: float) -> str:

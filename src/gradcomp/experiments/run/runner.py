@@ -52,7 +52,13 @@ from gradcomp.transport.sim import SimulatedCluster
 # wide margin for that and still reports a stuck worker within two minutes.
 DEFAULT_TIMEOUT_S = 120.0
 
-OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "onebit_adam", "zero_one_adam")
+# the optimizers that exchange themselves (train/onebit_adam.py, train/zero_one_adam.py): no compressor, no hook
+EXCHANGING_OPTIMIZERS: tuple[str, ...] = ("onebit_adam", "zero_one_adam")
+ADAM_FAMILY: tuple[str, ...] = ("adamw", *EXCHANGING_OPTIMIZERS)
+OUTER_OPTIMIZERS: tuple[str, ...] = ("sgd", "nesterov")
+# the share of the run's steps that 1-bit Adam and 0/1 Adam run dense (their freeze step) when none is given
+DEFAULT_FREEZE_FRACTION = 0.15
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine", "step")
 
 
@@ -104,6 +110,18 @@ class TrainConfig:
     # None: exchange gradients every step; n >= 1: exchange the accumulated weight update every n local
     # optimizer steps (communication delay; n = 1 sends each step's update, momentum included)
     local_steps: int | None = None
+    # with local steps: the outer optimizer applied to the averaged update (DiLoCo: nesterov, lr 0.7, momentum
+    # 0.9; sgd with lr 1 and momentum 0 is plain averaging)
+    outer_optimizer: str = "sgd"
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    # the first dense_steps steps exchange dense fp32 gradients (torch PowerSGD's start_iter), then the method
+    dense_steps: int = 0
+    # 1-bit Adam's freeze step / 0/1 Adam's variance freeze step (None: DEFAULT_FREEZE_FRACTION of the steps)
+    freeze_step: int | None = None
+    var_update_scaler: int = 16  # 0/1 Adam's kappa
+    local_step_scaler: int = 50  # 0/1 Adam: its local-step interval doubles every this many steps
+    local_step_clipper: int = 16  # 0/1 Adam: ... to at most this many local steps
     epochs: float = 1.0
     steps: int | None = None
     batch_size: int = 32
@@ -157,6 +175,7 @@ class TrainConfig:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.local_steps is not None and self.local_steps < 1:
             raise ConfigError(f"local_steps must be >= 1, got {self.local_steps}")
+        self._check_outer_and_dense()
         if self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.epochs > 0:
@@ -260,7 +279,9 @@ class TrainConfig:
                 raise ConfigError(f"--lr-step-size must be a whole number >= 1, got {self.lr_step_size!r}")
         if not (math.isfinite(self.lr_gamma) and 0 < self.lr_gamma <= 1):
             raise ConfigError(f"--lr-gamma must be in (0, 1], got {self.lr_gamma}")
-        if self.optimizer == "adamw":
+        if self.optimizer in EXCHANGING_OPTIMIZERS:
+            self._check_exchanging_optimizer()
+        if self.optimizer in ADAM_FAMILY:
             b1, b2 = self.betas
             if not all(math.isfinite(b) and 0 <= b < 1 for b in (b1, b2)):
                 raise ConfigError(f"AdamW's betas must be in [0, 1), got {b1}, {b2}")
@@ -279,8 +300,72 @@ class TrainConfig:
                     "SGD with that momentum); under AdamW the optimizer would apply Adam's moments on top of it, "
                     "an update no paper defines: use --optimizer sgd with it, or a method without its own "
                     "momentum (e.g. signsgd with error feedback) with AdamW")
-        elif tuple(self.betas) != (0.9, 0.999) or self.eps != 1e-8:
+        if self.optimizer not in EXCHANGING_OPTIMIZERS and self.freeze_step is not None:
+            raise ConfigError("--freeze-step is 1-bit Adam's and 0/1 Adam's: give --optimizer onebit_adam or "
+                              "zero_one_adam")
+        if self.optimizer not in ADAM_FAMILY and (tuple(self.betas) != (0.9, 0.999) or self.eps != 1e-8):
             raise ConfigError("--beta1 / --beta2 / --eps are AdamW's: give --optimizer adamw")
+
+    def _check_exchanging_optimizer(self) -> None:
+        """1-bit Adam and 0/1 Adam exchange the momentum themselves: no compressor, hook or local steps of ours."""
+        name = self.optimizer
+        given = [option for option, used in (
+            ("--compressor", self.compressor != "none" or bool(self.params)),
+            ("--error-feedback / --feedback", bool(self.error_feedback) or self.feedback not in (None, "none")),
+            ("--topology", self.topology != "auto"), ("--server-compressor", self.server_compressor is not None),
+            ("--local-steps", self.local_steps is not None), ("--ddp", self.ddp), ("--fsdp", self.fsdp),
+            ("--dense-steps", self.dense_steps != 0), ("--granularity model", self.granularity != "layer"),
+        ) if used]
+        if given:
+            raise ConfigError(
+                f"--optimizer {name} compresses its own momentum (signs with worker and server error feedback, "
+                f"after a dense warm-up): it takes no {', '.join(given)}. Its warm-up is --freeze-step"
+            )
+        if self.steps is None:
+            raise ConfigError(f"--optimizer {name} needs --steps (its freeze step is a share of the run's steps)")
+        freeze = self.resolved_freeze_step()
+        if isinstance(freeze, bool) or not isinstance(freeze, int) or freeze < 1:
+            raise ConfigError(f"--freeze-step must be a whole number >= 1, got {freeze!r}")
+        if freeze >= self.steps:
+            raise ConfigError(
+                f"--freeze-step {freeze} is not before the run's last step ({self.steps} steps): "
+                f"{name} would never compress; give a freeze step below {self.steps}, or use --optimizer adamw"
+            )
+        if name == "zero_one_adam":
+            for option, value in (("--var-update-scaler", self.var_update_scaler),
+                                  ("--local-step-scaler", self.local_step_scaler),
+                                  ("--local-step-clipper", self.local_step_clipper)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ConfigError(f"{option} must be a whole number >= 1, got {value!r}")
+
+    def resolved_freeze_step(self) -> int | None:
+        """The freeze step 1-bit Adam / 0/1 Adam use: the one given, or 15 % of the steps (at least 1)."""
+        if self.freeze_step is not None or self.steps is None:
+            return self.freeze_step
+        return max(1, round(DEFAULT_FREEZE_FRACTION * self.steps))
+
+    def _check_outer_and_dense(self) -> None:
+        """DiLoCo's outer optimizer needs local steps; --dense-steps needs an exchange it can swap for a dense one."""
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ConfigError(f"unknown --outer-optimizer {self.outer_optimizer!r}; valid: {', '.join(OUTER_OPTIMIZERS)}")
+        outer = (self.outer_optimizer, self.outer_lr, self.outer_momentum) != ("sgd", 1.0, 0.0)
+        if outer and self.local_steps is None:
+            raise ConfigError("--outer-optimizer / --outer-lr / --outer-momentum apply to the averaged update of local "
+                              "steps: give --local-steps H too (DiLoCo: --local-steps 32 --outer-optimizer nesterov)")
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ConfigError(f"--outer-lr must be a finite number > 0, got {self.outer_lr}")
+        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
+            raise ConfigError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        dense = self.dense_steps
+        if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+            raise ConfigError(f"--dense-steps must be a whole number >= 0, got {dense!r}")
+        if dense:
+            if self.steps is not None and dense >= self.steps:
+                raise ConfigError(f"--dense-steps {dense} leaves none of the {self.steps} steps to the method")
+            for option, used in (("--ddp", self.ddp), ("--fsdp", self.fsdp), ("--local-steps", self.local_steps)):
+                if used:
+                    raise ConfigError(f"--dense-steps swaps the per-step gradient exchange for a dense one: "
+                                      f"not with {option}")
 
     def lr_at(self, step: int, total: int) -> float:
         """The learning rate of 0-based ``step`` of ``total``: lr · linear warm-up · the schedule's factor."""
@@ -435,7 +520,19 @@ class Batches:
         return self.data.train_x[rows].to(device), self.data.train_y[rows].to(device)
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, cfg: TrainConfig, transport: Transport | None = None) -> torch.optim.Optimizer:
+    """The run's optimizer; 1-bit Adam and 0/1 Adam exchange over ``transport`` themselves."""
+    adam = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+    if cfg.optimizer == "onebit_adam":
+        from gradcomp.train.onebit_adam import OneBitAdam
+
+        return OneBitAdam(model, transport, freeze_step=cfg.resolved_freeze_step(), **adam)
+    if cfg.optimizer == "zero_one_adam":
+        from gradcomp.train.zero_one_adam import ZeroOneAdam
+
+        return ZeroOneAdam(model, transport, var_freeze_step=cfg.resolved_freeze_step(),
+                           var_update_scaler=cfg.var_update_scaler, local_step_scaler=cfg.local_step_scaler,
+                           local_step_clipper=cfg.local_step_clipper, **adam)
     if cfg.optimizer == "adamw":  # decoupled weight decay; the gradient it sees is the exchanged one
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                  weight_decay=cfg.weight_decay)
@@ -601,7 +698,8 @@ def run_worker(
     """
     data = cfg.load_data()
     model = build_model(cfg.model, data, cfg.seed).to(device)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg, transport)
+    exchanging = cfg.optimizer in EXCHANGING_OPTIMIZERS  # the optimizer's step() exchanges
     buffers = synced_buffers(model)
     buffer_up = buffer_down = 0
     if cfg.weight_decay_in_gradient:
@@ -622,20 +720,27 @@ def run_worker(
         register = register_hook or register_ddp_hook
         hook = register(trained, compressor, topology=cfg.topology, server_compressor=server)
         exchange, transport, aggregator = hook.exchange, hook.transport, hook
+    elif exchanging:  # 1-bit Adam / 0/1 Adam: its state (moments and residuals) is the optimizer's
+        trained, hook, aggregator = model, None, None
+        exchange = optimizer  # its compress_s / communicate_s add up its exchanges'
     else:
         trained, hook = model, None
         aggregator = GradientAggregator(
-            model, compressor, transport, granularity=cfg.granularity, topology=cfg.topology, server_compressor=server
+            model, compressor, transport, granularity=cfg.granularity, topology=cfg.topology, server_compressor=server,
+            dense_steps=cfg.dense_steps,  # the first steps through a dense fp32 all-reduce (counted like the rest)
         )
         exchange = aggregator.exchange
-    delayed = LocalUpdateExchange(aggregator, cfg.local_steps) if cfg.local_steps is not None else None
+    delayed = None
+    if cfg.local_steps is not None:
+        delayed = LocalUpdateExchange(aggregator, cfg.local_steps, outer_optimizer=cfg.outer_optimizer,
+                                      outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
     batches = Batches(data, cfg, transport.rank)
     total = batches.total_steps()
     lead = transport.rank == 0
     curves = Curves(total, cfg)
     checkpoints = WorkerCheckpoints(
         cfg, transport, device, model=model, optimizer=optimizer,
-        stateful=delayed if delayed is not None else aggregator,  # what holds the exchange's state
+        stateful=delayed if delayed is not None else aggregator if aggregator is not None else _NoState(),
         exchange=exchange, curves=curves, per_epoch=batches.per_epoch, total=total,
     )
     start, compute_s, loss = checkpoints.resume()  # 0, 0.0, nan unless the run resumes
@@ -652,20 +757,23 @@ def run_worker(
         set_lr(optimizer, cfg.lr_at(step, total))
         loss = compute_gradients(trained, xb, yb)  # with --ddp, backward also runs the hook's exchanges
         compute_s += time.perf_counter() - started
-        if delayed is None and hook is None:
+        if delayed is None and hook is None and not exchanging:
             aggregator.step()  # exchange gradients every step
         started = time.perf_counter()
         optimizer.step()
         compute_s += time.perf_counter() - started
         if delayed is not None:
             delayed.after_local_step()  # exchange the accumulated update every local_steps steps
-        curves.record(step, loss, model, data, evaluate_now=lead and (delayed is None or delayed.pending == 0))
+        synced = (delayed is None or delayed.pending == 0) and not (exchanging and optimizer.pending)
+        curves.record(step, loss, model, data, evaluate_now=lead and synced)
         progress.update(loss, transport.counter)
         checkpoints.after_step(step + 1, compute_s, loss)  # --checkpoint: every N steps and after the last
         if after_step is not None:
             after_step(step, model, exchange)
     if delayed is not None:
         delayed.sync()  # a last, shorter round so the replicas end identical
+    if exchanging:
+        optimizer.finish()  # 0/1 Adam: the same
     if buffers:  # the last step's running statistics too, so the replicas end identical
         up, down = broadcast_buffers(buffers, transport)
         buffer_up, buffer_down = buffer_up + up, buffer_down + down
@@ -678,7 +786,7 @@ def run_worker(
     return {
         "rank": transport.rank,
         "steps": total,
-        "syncs": delayed.syncs if delayed is not None else total,
+        "syncs": delayed.syncs if delayed is not None else getattr(optimizer, "syncs", total),
         "epochs": total / batches.per_epoch,
         "compute_s": compute_s,
         "compress_s": exchange.compress_s,
@@ -702,6 +810,17 @@ def run_worker(
         "paper_compression": _paper_compression(compressor, model, cfg),
         "method_report": compressor.report() if hasattr(compressor, "report") else None,
     }
+
+
+class _NoState:
+    """The checkpoint's exchange state where the optimizer holds it all (1-bit Adam, 0/1 Adam)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ConfigError("the checkpoint holds an exchange's state, but this run's optimizer holds its own")
 
 
 def _paper_compression(method: Any, model: nn.Module, cfg: TrainConfig) -> float | None:
@@ -768,7 +887,11 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
     return {
         **{key: getattr(cfg, key) for key in echoed}, "params": dict(cfg.params),
         "server_params": dict(cfg.server_params), "error_feedback": cfg.uses_error_feedback(),
-        **({"betas": list(cfg.betas), "eps": cfg.eps} if cfg.optimizer == "adamw" else {}),
+        **({"betas": list(cfg.betas), "eps": cfg.eps} if cfg.optimizer in ADAM_FAMILY else {}),
+        **({"freeze_step": cfg.resolved_freeze_step()} if cfg.optimizer in EXCHANGING_OPTIMIZERS else {}),
+        **({"outer_optimizer": cfg.outer_optimizer, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
+           if cfg.local_steps is not None else {}),
+        "dense_steps": cfg.dense_steps,
         **({"lr_step_size": cfg.lr_step_size, "lr_gamma": cfg.lr_gamma} if cfg.lr_schedule == "step" else {}),
         "workers": workers, "steps": steps, "syncs": lead["syncs"], "epochs": lead["epochs"],
         "num_parameters": num_parameters, "backend": backend,
@@ -843,8 +966,18 @@ def add_training_options(p: argparse.ArgumentParser, *, epochs: float | None = 1
                             f"{TRANSFORMER_DEFAULTS['steps']})")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"per worker (default: 32) for images; {TRANSFORMER_DEFAULTS['batch_size']} windows for the transformer")
-    p.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
-                   help="default: sgd, adamw for the transformer")
+    p.add_argument("--optimizer", default=None, choices=list(OPTIMIZERS),
+                   help="default: sgd, adamw for the transformer; onebit_adam (1-bit Adam) and zero_one_adam "
+                        "(0/1 Adam) exchange their compressed momentum themselves (docs/adam.md)")
+    p.add_argument("--freeze-step", type=int, default=None, metavar="N",
+                   help="onebit_adam / zero_one_adam: steps of dense AdamW (0/1 Adam: of variance updates) before "
+                        f"the variance freezes (default {round(100 * DEFAULT_FREEZE_FRACTION)} %% of --steps)")
+    p.add_argument("--var-update-scaler", type=int, default=16, metavar="K",
+                   help="zero_one_adam: variance updates per doubling of their interval (the paper's kappa)")
+    p.add_argument("--local-step-scaler", type=int, default=50, metavar="N",
+                   help="zero_one_adam: its local steps between syncs double every N steps after the freeze")
+    p.add_argument("--local-step-clipper", type=int, default=16, metavar="H",
+                   help="zero_one_adam: at most H local steps between syncs")
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default: 0.05) with sgd; {TRANSFORMER_DEFAULTS['lr']:g} with adamw")
     p.add_argument("--momentum", type=float, default=None, help="SGD momentum, >= 0 (default: 0.9); SGD only")
@@ -885,9 +1018,9 @@ def resolve_training_defaults(args: argparse.Namespace) -> dict:
     d = TRANSFORMER_DEFAULTS if text else {"batch_size": 32, "optimizer": "sgd", "lr_schedule": "constant",
                                            "warmup_steps": 0, "context": 128}
     optimizer = args.optimizer or d["optimizer"]
-    if optimizer == "adamw" and args.momentum is not None:
-        raise ConfigError("--momentum is SGD's; AdamW's first-moment decay is --beta1")
-    if optimizer != "adamw" and any(v is not None for v in (args.beta1, args.beta2, args.eps)):
+    if optimizer in ADAM_FAMILY and args.momentum is not None:
+        raise ConfigError(f"--momentum is SGD's; {optimizer}'s first-moment decay is --beta1")
+    if optimizer not in ADAM_FAMILY and any(v is not None for v in (args.beta1, args.beta2, args.eps)):
         raise ConfigError("--beta1 / --beta2 / --eps are AdamW's: give --optimizer adamw")
     out = {
         "batch_size": args.batch_size if args.batch_size is not None else d["batch_size"],
@@ -905,6 +1038,10 @@ def resolve_training_defaults(args: argparse.Namespace) -> dict:
         "data_root": args.data,
         "model": args.model,
         "context": d["context"] if args.context is None else args.context,
+        "freeze_step": getattr(args, "freeze_step", None),
+        "var_update_scaler": getattr(args, "var_update_scaler", 16),
+        "local_step_scaler": getattr(args, "local_step_scaler", 50),
+        "local_step_clipper": getattr(args, "local_step_clipper", 16),
     }
     if hasattr(args, "epochs"):
         out["steps"] = args.steps if (args.steps is not None or not text) else TRANSFORMER_DEFAULTS["steps"]

@@ -1,0 +1,72 @@
+"""1-bit Adam: dense AdamW for a warm-up, then the 1-bit, error-compensated momentum under a frozen variance.
+
+Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam: Communication Efficient Large-Scale
+Training with Adam's Convergence Speed", ICML 2021 (DeepSpeed's ``OnebitAdam``).
+
+Algorithm, on every worker i, at step t (1-based), with W workers:
+
+- **Warm-up** (t ≤ ``freeze_step``): the gradients are averaged by a dense fp32 all-reduce and AdamW updates m
+  and v as usual. After step ``freeze_step`` the second moment v is frozen: Adam's variance stabilises early,
+  and a fixed v makes the update linear in the momentum, which is what lets the momentum be compressed.
+- **Compression stage** (t > ``freeze_step``): the worker updates its momentum with its *local* gradient,
+  m_i = β1·m + (1 − β1)·g_i, and the workers' m_i go through the 1-bit compressed all-reduce with worker and
+  server error feedback (``ExchangingAdam``: signs and one scale per shard, each worker the server of 1/W of
+  every tensor). Every worker's m becomes that same average; then p ← p·(1 − lr·wd) − lr·m̂ / (√v̂ + eps) with
+  the frozen v̂.
+
+Choices where the paper is silent or DeepSpeed differs:
+
+- Bias corrections as torch's AdamW (DeepSpeed's 1-bit Adam has none): the warm-up equals ``torch.optim.AdamW``,
+  and the frozen v keeps the correction of the step it froze at, 1 − β2^freeze_step.
+- Decoupled weight decay on the weights (AdamW), never through the compressed momentum.
+- ``freeze_step``: the paper froze after 15-25 % of BERT's steps, and DeepSpeed's tutorials advise about
+  15 %. ``gradcomp train --optimizer onebit_adam`` takes 15 % of the run's steps when none is given (150 of
+  1,000: by then v has averaged 150 squared gradients, with its bias correction; docs/adam.md). There is no
+  default in the API: a step count means nothing without the run's length.
+- The residuals start empty at the freeze; the dense warm-up's bytes are counted like every other step's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradcomp.errors import ConfigError
+from gradcomp.train.compressed_adam import ExchangingAdam, check_step_count
+from gradcomp.transport.base import Transport
+
+
+class OneBitAdam(ExchangingAdam):
+    _counters = ("t", "freeze_step")
+
+    def __init__(self, params, transport: Transport | None = None, *, freeze_step: int, lr: float = 1e-3,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        self.freeze_step = check_step_count(freeze_step, "freeze_step")
+        super().__init__(params, transport, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         onebit=("momentum",))
+        self._frozen_denominators: list | None = None
+
+    @property
+    def frozen(self) -> bool:
+        return self.t >= self.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ConfigError("OneBitAdam.step takes no closure: call backward() first")
+        grads = self._gradients()
+        t = self.t + 1
+        if t <= self.freeze_step:
+            self._adamw_dense(self._dense_average(grads), t)
+        else:
+            _, b1, _, _, _ = self._hyper()
+            local = [m.lerp(g, 1 - b1) for m, g in zip(self._moments("exp_avg"), grads)]
+            averaged = self._onebit("momentum", local)  # raises on every worker, nothing changed, if not finite
+            for m, a in zip(self._moments("exp_avg"), averaged):
+                m.copy_(a)
+            if self._frozen_denominators is None:
+                self._frozen_denominators = self._denominators(self.freeze_step)
+            self._apply(t, self.freeze_step, self._frozen_denominators)
+        self.t = t
+
+    def _after_load(self) -> None:
+        self._frozen_denominators = None
