@@ -67,6 +67,13 @@ METHODS = {
     "sketch": (["--compressor", "sketch", "--param", "density=0.05"], 6, 4),
     "lgc (autoencoder)": (["--compressor", "lgc", "--param", "dense_steps=2", "--param", "topk_steps=3",
                            "--param", "density=0.05"], 7, 3),
+    "1-bit adam, resumed before its freeze": (["--optimizer", "onebit_adam", "--freeze-step", "4", "--lr", "0.01"],
+                                              6, 3),
+    "0/1 adam, resumed after its freeze": (["--optimizer", "zero_one_adam", "--freeze-step", "3",
+                                            "--local-step-scaler", "2", "--lr", "0.01"], 7, 5),
+    "diloco (outer nesterov)": (["--optimizer", "adamw", "--lr", "0.01", "--local-steps", "3",
+                                 "--outer-optimizer", "nesterov"], 7, 3),
+    "topk+ef after dense steps": ([*TOPK, "--dense-steps", "3"], 6, 2),
 }  # fmt: skip
 
 

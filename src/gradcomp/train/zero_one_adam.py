@@ -33,8 +33,10 @@ Choices where the paper is silent or DeepSpeed differs:
 - The replicas are made equal at every sync from a kept copy of the parameters at the last sync (not by
   subtracting the local change again, which leaves rounding that differs between workers); ``finish()``
   synchronises a last, shorter run of local steps.
-- A non-finite gradient during a run of local steps is seen at that run's sync, by every worker at the same
-  step (NonFiniteGradientError), as for local SGD; the error feedback residuals are then as before the sync.
+- A non-finite gradient during a run of local steps cannot be told to the others before the run's sync (local
+  steps send nothing): the worker leaves that step's update out, and its sync message is made non-finite, so
+  that every worker raises NonFiniteGradientError at the sync, with the moments, parameters and residuals as
+  before the sync step (the worker's bad step stays left out; a caller that catches the error can go on).
 - The residuals of the variance stage's 1-bit gradient exchange and of the local stage's 1-bit sync are apart
   (two exchanges): they compress different quantities.
 """
@@ -44,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from gradcomp.errors import ConfigError
+from gradcomp.finite import finite_flags
 from gradcomp.train.compressed_adam import ExchangingAdam, check_step_count
 from gradcomp.transport.base import Transport
 
@@ -66,6 +69,7 @@ class ZeroOneAdam(ExchangingAdam):
         self.var_interval, self.var_counter, self.var_updates = 1, 0, 0
         self.local_interval, self.local_counter, self._pending, self.lrs, self.syncs = 1, 0, 0, 0.0, 0
         self._frozen_denominators: list | None = None
+        self._poisoned = False  # a local step's gradient was not finite since the last sync
 
     def _variance_updates(self, step: int) -> int:
         return self.var_updates
@@ -106,14 +110,23 @@ class ZeroOneAdam(ExchangingAdam):
 
     def _local_stage(self, grads, t: int) -> None:
         lr, b1, _, _, _ = self._hyper()
-        for m, g in zip(self._moments("exp_avg"), grads):
-            m.lerp_(g, 1 - b1)
-        self._apply(t, self.var_updates, self._denominators_frozen())
+        syncing = self._pending + 1 == self.local_interval
+        before = self._local_snapshot() if syncing else None
+        if all(finite_flags(grads)):
+            for m, g in zip(self._moments("exp_avg"), grads):
+                m.lerp_(g, 1 - b1)
+            self._apply(t, self.var_updates, self._denominators_frozen())
+        else:  # not applied here; every worker learns of it at the sync, which no worker then applies
+            self._poisoned = True
         self.lrs += lr
         self._pending += 1
         self.local_counter += 1
-        if self._pending == self.local_interval:
-            self._sync(t)
+        if syncing:
+            try:
+                self._sync(t)
+            except Exception:
+                self._restore_local(before)
+                raise
         if self.local_counter == self.local_step_scaler:
             self.local_counter = 0
             self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
@@ -128,6 +141,9 @@ class ZeroOneAdam(ExchangingAdam):
         denominators = self._denominators_frozen()
         anchors = self._moments("anchor")
         change = [(p.detach() - a) * d for p, a, d in zip(self._params(), anchors, denominators)]
+        if self._poisoned:  # a local gradient was not finite: the sync's finiteness check raises on every worker
+            self._poisoned = False
+            change[0] = torch.full_like(change[0], float("nan"))
         averaged = self._onebit("update", change)  # every worker the same, or an error on every worker
         correction = 1 - b1 ** t
         for p, a, d, m, u in zip(self._params(), anchors, denominators, self._moments("exp_avg"), averaged):
@@ -136,6 +152,17 @@ class ZeroOneAdam(ExchangingAdam):
             p.copy_(a)
         self._pending, self.lrs = 0, 0.0
         self.syncs += 1
+
+    def _local_snapshot(self) -> tuple:
+        return ([m.clone() for m in self._moments("exp_avg")], [p.detach().clone() for p in self._params()],
+                self.lrs, self._pending, self.local_counter)
+
+    def _restore_local(self, snapshot: tuple) -> None:
+        moments, params, self.lrs, self._pending, self.local_counter = snapshot
+        for m, saved in zip(self._moments("exp_avg"), moments):
+            m.copy_(saved)
+        for p, saved in zip(self._params(), params):
+            p.copy_(saved)
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -1,0 +1,517 @@
+"""1-bit Adam, 0/1 Adam, DiLoCo's outer Nesterov step and dense warm-up steps, against references written from
+their papers' equations (world size 1 and 2, simulated and gloo), resume across the freeze, and bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_workers
+from gradcomp import GradientAggregator, LocalUpdateExchange, NonFiniteGradientError, SimulatedCluster, make
+from gradcomp.errors import ConfigError
+from gradcomp.train.onebit_adam import OneBitAdam
+from gradcomp.train.zero_one_adam import ZeroOneAdam
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+
+
+def _grads(model: nn.Module, rank: int, step: int) -> list[torch.Tensor]:
+    model.zero_grad()
+    x, y = _batch(rank, step)
+    ((model(x) - y) ** 2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _train(transport, cls, kwargs, steps: int):
+    model = _model()
+    opt = cls(model, transport, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kwargs)
+    for step in range(steps):
+        _grads(model, transport.rank, step)
+        opt.step()
+    opt.finish()
+    return [p.detach().clone() for p in model.parameters()], opt
+
+
+def _simulated(world: int, fn):
+    with SimulatedCluster(world) as cluster:
+        return cluster.run(fn)
+
+
+# -- references from the papers' equations ---------------------------------------------------------------------
+
+
+def _sign_compress(x: torch.Tensor) -> torch.Tensor:
+    """signs and one scale ||x||_1 / d (what efsignsgd sends), decoded."""
+    if x.numel() == 0:
+        return x.clone()
+    scale = x.abs().sum() / x.numel()
+    return torch.where(x >= 0, scale, -scale)
+
+
+class CompressedAllReduce:
+    """The compressed all-reduce of 1-bit Adam written out for all W workers in one process: every tensor cut in W
+    shards (tensor_split), worker i compresses shard j with its residual e_i, owner j averages the W decoded shards,
+    compresses the average with its server residual s_j, and every worker receives the same result."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.worker_error: dict = {}
+        self.server_error: dict = {}
+
+    def __call__(self, vectors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        out = []
+        for k in range(len(vectors[0])):
+            shape = vectors[0][k].shape
+            shards_per_worker = []
+            for i in range(self.world):
+                shards = torch.tensor_split(vectors[i][k].reshape(-1), self.world)
+                sent = []
+                for j, shard in enumerate(shards):
+                    e = self.worker_error.get((i, k, j), torch.zeros_like(shard))
+                    corrected = shard + e
+                    c = _sign_compress(corrected)
+                    self.worker_error[(i, k, j)] = corrected - c
+                    sent.append(c)
+                shards_per_worker.append(sent)
+            result = []
+            for j in range(self.world):
+                mean = sum(shards_per_worker[i][j] for i in range(self.world)) / self.world
+                e = self.server_error.get((k, j), torch.zeros_like(mean))
+                corrected = mean + e
+                c = _sign_compress(corrected)
+                self.server_error[(k, j)] = corrected - c
+                result.append(c)
+            out.append(torch.cat(result).reshape(shape))
+        return out
+
+
+def _adamw_update(p, m, v, step_size_t, denom, lr):
+    p.mul_(1 - lr * WD)
+    p.sub_(step_size_t * m / denom)
+
+
+def reference_onebit_adam(world: int, freeze: int, steps: int) -> list[torch.Tensor]:
+    """1-bit Adam (Tang et al. 2021, Algorithm 1) with AdamW's bias corrections, every worker in one process."""
+    models = [_model() for _ in range(world)]
+    b1, b2 = BETAS
+    m = [torch.zeros_like(p) for p in models[0].parameters()]
+    v = [torch.zeros_like(p) for p in models[0].parameters()]
+    reduce = CompressedAllReduce(world)
+    for t in range(1, steps + 1):
+        grads = [_grads(models[i], i, t - 1) for i in range(world)]
+        if t <= freeze:
+            mean = [sum(g[k] for g in grads) / world for k in range(len(m))]
+            m = [b1 * mk + (1 - b1) * gk for mk, gk in zip(m, mean)]
+            v = [b2 * vk + (1 - b2) * gk * gk for vk, gk in zip(v, mean)]
+            c2 = 1 - b2 ** t
+        else:
+            local = [[b1 * mk + (1 - b1) * gk for mk, gk in zip(m, grads[i])] for i in range(world)]
+            m = reduce(local)
+            c2 = 1 - b2 ** freeze
+        for model in models:
+            with torch.no_grad():
+                for p, mk, vk in zip(model.parameters(), m, v):
+                    _adamw_update(p, mk, vk, LR / (1 - b1 ** t), (vk / c2).sqrt() + EPS, LR)
+    return [p.detach() for p in models[0].parameters()]
+
+
+def reference_zero_one_adam(world: int, freeze: int, steps: int, kappa: int, scaler: int, clip: int):
+    """0/1 Adam (Lu et al. 2023, Algorithm 1, with DeepSpeed's doubling policies for T_v and T_u)."""
+    models = [_model() for _ in range(world)]
+    b1, b2 = BETAS
+    params = [list(model.parameters()) for model in models]
+    n = len(params[0])
+    m = [[torch.zeros_like(p) for p in params[0]] for _ in range(world)]
+    v = [torch.zeros_like(p) for p in params[0]]
+    grad_reduce, update_reduce = CompressedAllReduce(world), CompressedAllReduce(world)
+    var_interval, var_counter, var_updates = 1, 0, 0
+    local_interval, local_counter, pending, lrs = 1, 0, 0, 0.0
+    anchor = None
+    for t in range(1, steps + 1):
+        grads = [_grads(models[i], i, t - 1) for i in range(world)]
+        if t <= freeze:
+            if t % var_interval == 0:
+                mean = [sum(g[k] for g in grads) / world for k in range(n)]
+                v = [b2 * vk + (1 - b2) * gk * gk for vk, gk in zip(v, mean)]
+                var_updates += 1
+                var_counter += 1
+            else:
+                mean = grad_reduce(grads)
+            shared = [b1 * mk + (1 - b1) * gk for mk, gk in zip(m[0], mean)]
+            m = [[x.clone() for x in shared] for _ in range(world)]
+            if t % var_interval == 0 and var_counter == kappa:
+                var_counter, var_interval = 0, 2 * var_interval
+            denom = [(vk / (1 - b2 ** var_updates)).sqrt() + EPS for vk in v]
+            with torch.no_grad():
+                for i in range(world):
+                    for p, mk, d in zip(params[i], m[i], denom):
+                        _adamw_update(p, mk, None, LR / (1 - b1 ** t), d, LR)
+            if t == freeze:
+                anchor = [p.detach().clone() for p in params[0]]
+            continue
+        m = [[b1 * mk + (1 - b1) * gk for mk, gk in zip(m[i], grads[i])] for i in range(world)]
+        with torch.no_grad():
+            for i in range(world):
+                for p, mk, d in zip(params[i], m[i], denom):
+                    _adamw_update(p, mk, None, LR / (1 - b1 ** t), d, LR)
+        lrs += LR
+        pending += 1
+        local_counter += 1
+        if pending == local_interval or t == steps:
+            change = [[(p.detach() - a) * d for p, a, d in zip(params[i], anchor, denom)] for i in range(world)]
+            u = update_reduce(change)
+            shared_m = [-uk * (1 - b1 ** t) / lrs for uk in u]
+            m = [[x.clone() for x in shared_m] for _ in range(world)]
+            anchor = [a + uk / d for a, uk, d in zip(anchor, u, denom)]
+            with torch.no_grad():
+                for i in range(world):
+                    for p, a in zip(params[i], anchor):
+                        p.copy_(a)
+            pending, lrs = 0, 0.0
+        if local_counter == scaler:
+            local_counter, local_interval = 0, min(clip, 2 * local_interval)
+    return [p.detach() for p in params[0]]
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 1e-5) -> bool:
+    return all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b))
+
+
+# -- the tests ---------------------------------------------------------------------------------------------------
+
+
+def test_onebit_adam_warm_up_is_torch_adamw_bit_for_bit():
+    model = _model()
+    reference = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    for step in range(12):
+        _grads(model, 0, step)
+        reference.step()
+    (params, _), = _simulated(1, lambda t: _train(t, OneBitAdam, {"freeze_step": 50}, 12))
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_onebit_adam_equals_its_equations(world):
+    freeze, steps = 4, 14
+    results = _simulated(world, lambda t: _train(t, OneBitAdam, {"freeze_step": freeze}, steps))
+    expected = reference_onebit_adam(world, freeze, steps)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[-1][0]))  # replicas identical
+    assert _close(results[0][0], expected)
+    # and the compressed phase matters: dense AdamW throughout ends elsewhere
+    assert not _close(results[0][0], reference_onebit_adam(world, steps, steps), 1e-4)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero_one_adam_equals_its_equations(world):
+    kw = {"var_freeze_step": 12, "var_update_scaler": 3, "local_step_scaler": 3, "local_step_clipper": 4}
+    steps = 30
+    results = _simulated(world, lambda t: _train(t, ZeroOneAdam, kw, steps))
+    expected = reference_zero_one_adam(world, 12, steps, kappa=3, scaler=3, clip=4)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[-1][0]))
+    assert _close(results[0][0], expected)
+    opt = results[0][1]
+    assert opt.var_updates == 3 + 3 + 1  # steps 1-3, 5, 7, 9, 12 (the interval doubled after 3 updates each)
+    assert opt.syncs > 0 and opt.pending == 0
+
+
+def _resume(world, cls, kwargs, steps, cut):
+    def worker(transport):
+        model = _model()
+        opt = cls(model, transport, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kwargs)
+        for step in range(cut):
+            _grads(model, transport.rank, step)
+            opt.step()
+        state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+        model = _model()
+        model.load_state_dict(weights)
+        opt = cls(model, transport, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kwargs)
+        opt.load_state_dict(state)
+        for step in range(cut, steps):
+            _grads(model, transport.rank, step)
+            opt.step()
+        opt.finish()
+        return [p.detach().clone() for p in model.parameters()]
+
+    return _simulated(world, worker)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(OneBitAdam, {"freeze_step": 6}),
+                                        (ZeroOneAdam, {"var_freeze_step": 6, "local_step_scaler": 2})])
+@pytest.mark.parametrize("cut", [3, 6, 9])  # before, at and after the freeze
+def test_resume_is_bit_exact_across_the_freeze(cls, kwargs, cut):
+    straight = _simulated(2, lambda t: _train(t, cls, kwargs, 14)[0])
+    resumed = _resume(2, cls, kwargs, 14, cut)
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_state_of_another_method_or_model_is_refused_and_changes_nothing():
+    def worker(transport):
+        opt = OneBitAdam(_model(), transport, freeze_step=2)
+        other = ZeroOneAdam(_model(), transport, var_freeze_step=2)
+        with pytest.raises(ConfigError, match="saved by 'ZeroOneAdam'"):
+            opt.load_state_dict(other.state_dict())
+        small = OneBitAdam(nn.Linear(6, 3), transport, freeze_step=2)
+        before = opt.state_dict()
+        with pytest.raises(ConfigError):
+            opt.load_state_dict(small.state_dict())
+        after = opt.state_dict()
+        return all(torch.equal(a, b) for a, b in zip(before["tensors"]["exp_avg"], after["tensors"]["exp_avg"]))
+
+    assert all(_simulated(1, worker))
+
+
+@pytest.mark.parametrize("cls,kwargs", [(OneBitAdam, {"freeze_step": 2}), (ZeroOneAdam, {"var_freeze_step": 2})])
+@pytest.mark.parametrize("bad_step", [1, 3])  # in the dense warm-up, and in the compressed phase
+def test_a_nan_on_one_rank_raises_on_every_rank_at_the_same_step_and_changes_nothing(cls, kwargs, bad_step):
+    def worker(transport):
+        model = _model()
+        opt = cls(model, transport, **kwargs)
+        for step in range(bad_step):
+            _grads(model, transport.rank, step)
+            opt.step()
+        _grads(model, transport.rank, bad_step)
+        if transport.rank == 1:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        before = copy.deepcopy(opt.state_dict())
+        weights = [p.detach().clone() for p in model.parameters()]
+        try:
+            opt.step()
+        except NonFiniteGradientError:
+            after = opt.state_dict()
+            same_moments = all(torch.equal(a, b) for a, b in zip(before["tensors"]["exp_avg"],
+                                                                   after["tensors"]["exp_avg"]))
+            same_weights = all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+            return ("raised", opt.t, same_moments and same_weights)
+        return ("no error", opt.t, None)
+
+    results = _simulated(2, worker)
+    assert results == [("raised", bad_step, True)] * 2
+
+
+def test_outer_nesterov_equals_torch_sgd_nesterov_on_the_pseudo_gradient():
+    local_steps, syncs = 3, 4
+
+    def worker(transport):
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=LR)
+        exchange = LocalUpdateExchange(GradientAggregator(model, make("none"), transport), local_steps,
+                                       outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+        for step in range(local_steps * syncs):
+            _grads(model, transport.rank, step)
+            inner.step()
+            exchange.after_local_step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    results = _simulated(2, worker)
+    # the reference: two inner AdamW replicas, torch's SGD(nesterov) on the anchor with grad = -(mean change)
+    models = [_model(), _model()]
+    inners = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+    anchor = [p.detach().clone().requires_grad_(True) for p in models[0].parameters()]
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(local_steps * syncs):
+        for rank in range(2):
+            _grads(models[rank], rank, step)
+            inners[rank].step()
+        if (step + 1) % local_steps == 0:
+            with torch.no_grad():
+                for k, a in enumerate(anchor):
+                    changes = [list(m.parameters())[k] - a for m in models]
+                    a.grad = -(changes[0] / 2 + changes[1] / 2)
+            outer.step()
+            with torch.no_grad():
+                for m in models:
+                    for p, a in zip(m.parameters(), anchor):
+                        p.copy_(a)
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+    assert _close(results[0], [a.detach() for a in anchor], 1e-6)
+
+
+def test_plain_outer_sgd_is_todays_averaging_bit_for_bit():
+    def worker(transport, **outer):
+        model = _model()
+        inner = torch.optim.AdamW(model.parameters(), lr=LR)
+        exchange = LocalUpdateExchange(GradientAggregator(model, make("none"), transport), 2, **outer)
+        for step in range(6):
+            _grads(model, transport.rank, step)
+            inner.step()
+            exchange.after_local_step()
+        return [p.detach().clone() for p in model.parameters()], exchange.state_dict()
+
+    plain = _simulated(2, lambda t: worker(t))
+    explicit = _simulated(2, lambda t: worker(t, outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0))
+    heavy = _simulated(2, lambda t: worker(t, outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.5))
+    assert all(torch.equal(a, b) for a, b in zip(plain[0][0], explicit[0][0]))
+    assert "outer" not in plain[0][1] and "outer" in heavy[0][1]
+    assert not _close(plain[0][0], heavy[0][0], 1e-6)
+
+
+def test_outer_state_resumes_and_is_checked():
+    def worker(transport):
+        model = _model()
+        agg = GradientAggregator(model, make("none"), transport)
+        exchange = LocalUpdateExchange(agg, 2, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+        for step in range(4):
+            _grads(model, transport.rank, step)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.01 * p.grad)
+            exchange.after_local_step()
+        state = exchange.state_dict()
+        other = LocalUpdateExchange(GradientAggregator(model, make("none"), transport), 2,
+                                    outer_optimizer="nesterov", outer_lr=0.5, outer_momentum=0.9)
+        with pytest.raises(ConfigError, match="outer optimizer"):
+            other.load_state_dict(state)
+        plain = LocalUpdateExchange(GradientAggregator(model, make("none"), transport), 2)
+        with pytest.raises(ConfigError, match="must hold"):
+            plain.load_state_dict(state)
+        same = LocalUpdateExchange(GradientAggregator(model, make("none"), transport), 2,
+                                   outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+        same.load_state_dict(state)
+        return all(torch.equal(a, b) for a, b in zip(same.outer_buffer, exchange.outer_buffer)) and any(
+            b.abs().sum() > 0 for b in same.outer_buffer)
+
+    assert all(_simulated(1, worker))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"outer_optimizer": "adam"}, "sgd or nesterov"),
+    ({"outer_optimizer": "nesterov", "outer_lr": 0.0}, "outer_lr"),
+    ({"outer_optimizer": "nesterov", "outer_momentum": 1.0}, "outer_momentum"),
+])
+def test_bad_outer_options(kwargs, match):
+    def worker(transport):
+        with pytest.raises(ConfigError, match=match):
+            LocalUpdateExchange(GradientAggregator(_model(), make("none"), transport), 2, **kwargs)
+        return True
+
+    assert all(_simulated(1, worker))
+
+
+def test_dense_steps_send_fp32_then_the_method():
+    dense, steps = 3, 6
+
+    def worker(transport, method, dense_steps):
+        model = _model()
+        agg = GradientAggregator(model, make(method, density=0.1, error_feedback=True) if method == "topk"
+                                 else make(method), transport, dense_steps=dense_steps)
+        counts, out = [], []
+        for step in range(steps):
+            _grads(model, transport.rank, step)
+            before = transport.counter.bytes_up
+            agg.step()
+            counts.append(transport.counter.bytes_up - before)
+            out.append([p.grad.clone() for p in model.parameters()])
+        return counts, out, agg.exchange.state_dict()
+
+    warm = _simulated(2, lambda t: worker(t, "topk", dense))
+    fp32 = _simulated(2, lambda t: worker(t, "none", 0))
+    topk = _simulated(2, lambda t: worker(t, "topk", 0))
+    numel = sum(p.numel() for p in _model().parameters())
+    counts, grads, _ = warm[0]
+    assert counts[:dense] == fp32[0][0][:dense] and counts[0] >= 4 * numel
+    assert all(c < counts[0] for c in counts[dense:]) and counts[dense:] == topk[0][0][dense:]
+    for step in range(dense):  # the warm-up is the dense average exactly
+        assert all(torch.equal(a, b) for a, b in zip(grads[step], fp32[0][1][step]))
+    # after it, top-k with a residual that started empty at the first compressed step
+    assert not all(torch.equal(a, b) for a, b in zip(grads[dense], topk[0][1][dense]))
+
+
+def test_dense_steps_refuses_a_bad_count():
+    def worker(transport):
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ConfigError, match="dense_steps"):
+                GradientAggregator(_model(), make("none"), transport, dense_steps=bad)
+        return True
+
+    assert all(_simulated(1, worker))
+
+
+def _gloo_onebit(rank, world_size):
+    from gradcomp import DistTransport
+
+    transport = DistTransport()
+    params, opt = _train(transport, OneBitAdam, {"freeze_step": 4}, 10)
+    return params, transport.counter.bytes_up
+
+
+def test_onebit_adam_over_gloo_equals_the_simulated_cluster():
+    gloo = run_workers(_gloo_onebit, 2)
+    sim = _simulated(2, lambda t: (_train(t, OneBitAdam, {"freeze_step": 4}, 10)[0], t.counter.bytes_up))
+    for (params, sent), (sim_params, sim_sent) in zip(gloo, sim):
+        assert all(torch.equal(a, b) for a, b in zip(params, sim_params))
+        assert sent == sim_sent
+    assert all(torch.equal(a, b) for a, b in zip(gloo[0][0], gloo[1][0]))
+
+
+def test_zero_one_adam_a_nan_in_a_local_step_raises_at_the_sync_on_every_rank():
+    def worker(transport):
+        model = _model()
+        opt = ZeroOneAdam(model, transport, var_freeze_step=2, local_step_scaler=1, local_step_clipper=2)
+        seen = []
+        for step in range(6):
+            _grads(model, transport.rank, step)
+            if step == 3 and transport.rank == 1:  # step 4: a local step of a run of 2, its sync at step 5
+                next(model.parameters()).grad[0, 0] = float("inf")
+            try:
+                opt.step()
+            except NonFiniteGradientError:
+                seen.append(step)
+        return seen, [p.detach().clone() for p in model.parameters()]
+
+    (seen0, p0), (seen1, p1) = _simulated(2, worker)
+    assert seen0 == seen1 == [4]
+    assert all(torch.isfinite(p).all() for p in p0 + p1)
+
+
+SMALL = ["train", "--dataset", "synthetic", "--model", "mlp", "--no-progress", "--steps", "10", "--workers", "2"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--optimizer", "onebit_adam", "--freeze-step", "10"], "--freeze-step 10 is not before the run's last step"),
+    (["--optimizer", "zero_one_adam", "--freeze-step", "0"], "--freeze-step must be a whole number >= 1"),
+    (["--optimizer", "onebit_adam", "--compressor", "topk"], "takes no --compressor"),
+    (["--optimizer", "onebit_adam", "--local-steps", "4"], "takes no --local-steps"),
+    (["--optimizer", "onebit_adam", "--momentum", "0.9"], "--momentum is SGD's"),
+    (["--optimizer", "sgd", "--freeze-step", "3"], "--freeze-step is 1-bit Adam's and 0/1 Adam's"),
+    (["--outer-optimizer", "nesterov"], "give --local-steps H too"),
+    (["--local-steps", "4", "--outer-optimizer", "nesterov", "--outer-lr", "0"], "--outer-lr must be"),
+    (["--local-steps", "4", "--outer-lr", "-1"], "--outer-lr must be"),
+    (["--local-steps", "4", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
+    (["--dense-steps", "10"], "--dense-steps 10 leaves none of the 10 steps"),
+    (["--dense-steps", "2", "--local-steps", "2"], "not with --local-steps"),
+    (["--optimizer", "zero_one_adam", "--local-step-clipper", "0"], "--local-step-clipper must be"),
+])
+def test_bad_options_are_one_line_before_any_worker_starts(extra, message, capsys):
+    from gradcomp.cli import main
+
+    assert main([*SMALL, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("extra", [["--optimizer", "onebit_adam"], ["--optimizer", "zero_one_adam"],
+                                   ["--local-steps", "3", "--outer-optimizer", "nesterov"]])
+def test_the_new_optimizers_train_on_real_gloo_workers(extra, tmp_path):
+    from gradcomp.cli import main
+
+    out = tmp_path / "r.json"
+    assert main([*SMALL, "--lr", "0.01", *extra, "--json", str(out)]) == 0
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["replicas_identical"] and result["backend"] == "gloo"
+    assert result["bits_up_per_worker"] < result["dense_bits_per_worker"]
