@@ -23,6 +23,8 @@ from gradcomp.train import (
     GradientAggregator,
     GradientExchange,
     LocalUpdateExchange,
+    OneBitAdam,
+    ZeroOneAdam,
     compression_hook,
     register_ddp_hook,
 )
@@ -44,6 +46,7 @@ __all__ = [
     "ByteCounter", "CommunicationError", "CompressionHookState", "Compressor", "ConfigError", "DistTransport",
     "ErrorFeedback", "FSDPCompressionState",
     "GradcompError", "GradientAggregator", "GradientExchange", "LocalUpdateExchange", "NonFiniteGradientError",
+    "OneBitAdam", "ZeroOneAdam",
     "SimulatedCluster", "Slot", "Transport", "WireError", "WorkerLostError", "available", "compress_fsdp",
     "compression_hook",
     "keep_freed_memory", "make", "register", "register_ddp_hook",
