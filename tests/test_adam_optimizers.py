@@ -515,3 +515,27 @@ def test_the_new_optimizers_train_on_real_gloo_workers(extra, tmp_path):
     result = json.loads(out.read_text())
     assert result["replicas_identical"] and result["backend"] == "gloo"
     assert result["bits_up_per_worker"] < result["dense_bits_per_worker"]
+
+
+@pytest.mark.parametrize("cls,kwargs", [(OneBitAdam, {"freeze_step": 2}),
+                                        (ZeroOneAdam, {"var_freeze_step": 4, "local_step_scaler": 2})])
+def test_a_coordinate_with_zero_variance_is_not_moved_by_the_compressed_phase(cls, kwargs):
+    """The odd rows of the embedding never get a gradient (they share each shard with rows that do): their
+    variance stays 0, and the 1-bit message's ± scale divided by eps would throw them to ~lr/eps."""
+
+    def worker(transport):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 1))
+        rows = model[0].weight.detach()[1::2].clone()
+        opt = cls(model, transport, lr=1e-2, **kwargs)
+        for step in range(12):
+            g = torch.Generator().manual_seed(step * 7 + transport.rank)
+            x = 2 * torch.randint(0, 5, (8, 3), generator=g)
+            opt.zero_grad()
+            (model(x) ** 2).mean().backward()
+            opt.step()
+        opt.finish()
+        return torch.equal(model[0].weight.detach()[1::2], rows), max(float(p.abs().max()) for p in model.parameters())
+
+    for unmoved, largest in _simulated(2, worker):
+        assert unmoved and largest < 10

@@ -150,15 +150,26 @@ class ExchangingAdam(torch.optim.Optimizer):
         root = math.sqrt(1 - b2 ** variance_updates)
         return [(v.sqrt() / root).add_(eps) for v in self._moments("exp_avg_sq")]
 
-    def _apply(self, step: int, variance_updates: int, denominators: list[Tensor] | None = None) -> None:
-        """p ← p·(1 − lr·wd) − lr·m̂ / (√v̂ + eps), torch's AdamW order."""
+    def _apply(self, step: int, variance_updates: int, denominators: list[Tensor] | None = None,
+               masks: list[Tensor] | None = None) -> None:
+        """p ← p·(1 − lr·wd) − lr·m̂ / (√v̂ + eps), torch's AdamW order; with ``masks``, m̂ only where they are
+        True (:meth:`_masks`)."""
         lr, b1, _, _, wd = self._hyper()
         if denominators is None:
             denominators = self._denominators(variance_updates)
         step_size = lr / (1 - b1 ** step)
-        for p, m, denom in zip(self._params(), self._moments("exp_avg"), denominators):
+        masks = masks if masks is not None else [None] * len(denominators)
+        for p, m, denom, mask in zip(self._params(), self._moments("exp_avg"), denominators, masks):
             p.mul_(1 - lr * wd)
-            p.addcdiv_(m, denom, value=-step_size)
+            p.addcdiv_(m if mask is None else m * mask, denom, value=-step_size)
+
+    def _masks(self) -> list[Tensor]:
+        """Where the second moment is not 0. A coordinate whose gradient has been exactly 0 so far (an embedding
+        row of a token not seen yet) has v = 0; a 1-bit message gives every coordinate of a shard ± its scale, and
+        that divided by √0 + eps would move it by about lr / eps. Compressed vectors and updates are masked with
+        this, so such a coordinate stays where it is while its variance is 0 (DeepSpeed asks the user for such a
+        mask, ``exp_avg_mask``, for padded embedding rows; here it is found)."""
+        return [v > 0 for v in self._moments("exp_avg_sq")]
 
     def _onebit(self, kind: str, vectors: list[Tensor]) -> list[Tensor]:
         """The 1-bit compressed all-reduce of ``vectors`` (one per parameter): every worker gets the same."""

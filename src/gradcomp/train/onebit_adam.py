@@ -24,6 +24,9 @@ Choices where the paper is silent or DeepSpeed differs:
   1,000: by then v has averaged 150 squared gradients, with its bias correction; docs/adam.md). There is no
   default in the API: a step count means nothing without the run's length.
 - The residuals start empty at the freeze; the dense warm-up's bytes are counted like every other step's.
+- A coordinate whose frozen variance is 0 (its gradient was exactly 0 throughout the warm-up: an embedding row of
+  a byte never seen) is not moved after the freeze: the 1-bit message would give it ± its shard's scale, which
+  divided by eps is a step of about lr / eps (``ExchangingAdam._masks``).
 """
 
 from __future__ import annotations
@@ -61,10 +64,10 @@ class OneBitAdam(ExchangingAdam):
             _, b1, _, _, _ = self._hyper()
             local = [m.lerp(g, 1 - b1) for m, g in zip(self._moments("exp_avg"), grads)]
             averaged = self._onebit("momentum", local)  # raises on every worker, nothing changed, if not finite
-            for m, a in zip(self._moments("exp_avg"), averaged):
-                m.copy_(a)
             if self._frozen_denominators is None:
-                self._frozen_denominators = self._denominators(self.freeze_step)
+                self._frozen_denominators, self._frozen_masks = self._denominators(self.freeze_step), self._masks()
+            for m, a, mask in zip(self._moments("exp_avg"), averaged, self._frozen_masks):
+                torch.mul(a, mask, out=m)  # (0 where the frozen variance is 0: ExchangingAdam._masks)
             self._apply(t, self.freeze_step, self._frozen_denominators)
         self.t = t
 

@@ -37,6 +37,9 @@ Choices where the paper is silent or DeepSpeed differs:
   steps send nothing): the worker leaves that step's update out, and its sync message is made non-finite, so
   that every worker raises NonFiniteGradientError at the sync, with the moments, parameters and residuals as
   before the sync step (the worker's bad step stays left out; a caller that catches the error can go on).
+- A coordinate whose variance is 0 (its gradient exactly 0 at every variance update: an embedding row of a byte
+  not seen) is not moved by 1-bit vectors or local steps while it is: divided by eps they would move it by about
+  lr / eps (``ExchangingAdam._masks``).
 - The residuals of the variance stage's 1-bit gradient exchange and of the local stage's 1-bit sync are apart
   (two exchanges): they compress different quantities.
 """
@@ -95,8 +98,8 @@ class ZeroOneAdam(ExchangingAdam):
         variance_step = t % self.var_interval == 0
         if variance_step:
             averaged = self._dense_average(grads)
-        else:
-            averaged = self._onebit("gradient", grads)
+        else:  # (0 where the variance is still 0: ExchangingAdam._masks)
+            averaged = [a * mask for a, mask in zip(self._onebit("gradient", grads), self._masks())]
         if variance_step:
             self.var_updates += 1
         self._adamw_dense(averaged, t, update_variance=variance_step)
@@ -115,7 +118,7 @@ class ZeroOneAdam(ExchangingAdam):
         if all(finite_flags(grads)):
             for m, g in zip(self._moments("exp_avg"), grads):
                 m.lerp_(g, 1 - b1)
-            self._apply(t, self.var_updates, self._denominators_frozen())
+            self._apply(t, self.var_updates, self._denominators_frozen(), self._frozen_masks)
         else:  # not applied here; every worker learns of it at the sync, which no worker then applies
             self._poisoned = True
         self.lrs += lr
@@ -133,7 +136,7 @@ class ZeroOneAdam(ExchangingAdam):
 
     def _denominators_frozen(self):
         if self._frozen_denominators is None:
-            self._frozen_denominators = self._denominators(self.var_updates)
+            self._frozen_denominators, self._frozen_masks = self._denominators(self.var_updates), self._masks()
         return self._frozen_denominators
 
     def _sync(self, t: int) -> None:
@@ -146,9 +149,10 @@ class ZeroOneAdam(ExchangingAdam):
             change[0] = torch.full_like(change[0], float("nan"))
         averaged = self._onebit("update", change)  # every worker the same, or an error on every worker
         correction = 1 - b1 ** t
-        for p, a, d, m, u in zip(self._params(), anchors, denominators, self._moments("exp_avg"), averaged):
-            m.copy_(u).mul_(-correction / self.lrs)
-            a.add_(u / d)
+        for p, a, d, m, u, mask in zip(self._params(), anchors, denominators, self._moments("exp_avg"), averaged,
+                                       self._frozen_masks):
+            m.copy_(u).mul_(-correction / self.lrs).mul_(mask)
+            a.add_(u * mask / d)
             p.copy_(a)
         self._pending, self.lrs = 0, 0.0
         self.syncs += 1

@@ -14,9 +14,15 @@ Methods (``--method``, repeated): ``NAME[:KEY=VALUE,KEY=VALUE...]``.
   after backward), ``bucket_cap_mb``, ``sgd.lr`` / ``sgd.momentum`` / ``sgd.weight_decay`` (this method's
   optimizer settings, e.g. ``sgd.lr=0.001`` for sign methods) and ``label``. ``error_feedback=true`` works as in
   ``--param``.
+- The methods built for Adam (docs/adam.md): ``onebit_adam`` and ``zero_one_adam`` (``--optimizer onebit_adam``,
+  no compressor; ``freeze_step=N``), and any compressor with ``local_steps=H`` and ``outer=nesterov`` (DiLoCo;
+  ``outer.lr``, ``outer.momentum``; ``diloco:local_steps=32`` is ``none:local_steps=32,outer=nesterov``), or
+  ``dense_steps=N`` (the first N steps dense fp32). These run after backward (``ddp=off``), as their exchange
+  is not DDP's; ``lr=`` sets the learning rate of any method (``adam.lr`` too).
 
 Examples: ``topk:density=0.01,feedback=residual``, ``cnat:topology=sharded,server=cnat``,
-``signum:sgd.lr=0.001``, ``torch-powersgd:rank=4``.
+``signum:sgd.lr=0.001``, ``torch-powersgd:rank=4``, ``onebit_adam:freeze_step=150``,
+``random_dithering:levels=7,local_steps=32,outer=nesterov``, ``powersgd:rank=2,dense_steps=100``.
 """
 
 from __future__ import annotations
@@ -60,6 +66,11 @@ class Method:
     ddp: bool = True
     bucket_cap_mb: float | None = None
     sgd: dict[str, float] = field(default_factory=dict)
+    optimizer: str | None = None  # onebit_adam / zero_one_adam (None: the race's optimizer)
+    freeze_step: int | None = None
+    local_steps: int | None = None
+    outer: dict[str, Any] = field(default_factory=dict)  # optimizer, lr, momentum (DiLoCo's outer step)
+    dense_steps: int = 0
     label: str = ""
     note: str = ""  # how the planner stands in for a torch baseline (planned)
 
@@ -71,7 +82,9 @@ class Method:
         """What the planner's cached measurements of this method depend on."""
         return {"compressor": self.name, "params": self.params, "feedback": self.feedback, "topology": self.topology,
                 "server": self.server, "server_params": self.server_params, "granularity": self.granularity,
-                "ddp": self.ddp, "bucket_cap_mb": self.bucket_cap_mb}
+                "ddp": self.ddp, "bucket_cap_mb": self.bucket_cap_mb, "optimizer": self.optimizer,
+                "freeze_step": self.freeze_step, "local_steps": self.local_steps, "outer": self.outer,
+                "dense_steps": self.dense_steps}
 
     def config(self, base=None, num_parameters: int = 0):
         """This method's TrainConfig: ``base`` (the race's settings; TrainConfig's defaults) with the method's own."""
@@ -97,6 +110,14 @@ class Method:
             lr=self.sgd.get("lr", base.lr),
             momentum=self.sgd.get("momentum", base.momentum),
             weight_decay=self.sgd.get("weight_decay", base.weight_decay),
+            optimizer=self.optimizer or base.optimizer,
+            freeze_step=self.freeze_step if self.freeze_step is not None else (
+                base.freeze_step if (self.optimizer or base.optimizer) in ("onebit_adam", "zero_one_adam") else None),
+            local_steps=self.local_steps,
+            outer_optimizer=self.outer.get("optimizer", "sgd"),
+            outer_lr=self.outer.get("lr", 0.7 if self.outer.get("optimizer") == "nesterov" else 1.0),
+            outer_momentum=self.outer.get("momentum", 0.9 if self.outer.get("optimizer") == "nesterov" else 0.0),
+            dense_steps=self.dense_steps,
         )
 
 
@@ -109,6 +130,10 @@ def parse_method(text: str) -> Method:
         raise ConfigError(f"--method needs a name, got {text!r}")
     baseline = tb.canonical(name)
     method = Method(text=spec, name=baseline or name, baseline=baseline, label=spec)
+    if name in ("onebit_adam", "zero_one_adam"):  # optimizers that exchange: no compressor of their own
+        method.name, method.optimizer, method.ddp = "none", name, False
+    elif name == "diloco":
+        method.name, method.outer["optimizer"], method.ddp = "none", "nesterov", False
     items = [item.strip() for item in rest.split(",") if item.strip()] if rest else []
     plain: list[str] = []
     server_items: list[str] = []
@@ -142,6 +167,24 @@ def parse_method(text: str) -> Method:
                 raise ConfigError(f"--method {text!r}: bucket_cap_mb must be a number, got {value!r}") from None
         elif key in ("feedback", "topology", "server", "granularity"):
             setattr(method, key, value)
+        elif key in ("freeze_step", "local_steps", "dense_steps"):
+            try:
+                setattr(method, key, int(value))
+            except ValueError:
+                raise ConfigError(f"--method {text!r}: {key} must be a whole number, got {value!r}") from None
+            if key in ("local_steps", "dense_steps"):
+                method.ddp = False  # their exchange runs after backward
+        elif key in ("outer", "outer.optimizer"):
+            method.outer["optimizer"] = value
+        elif key in ("outer.lr", "outer.momentum", "lr", "adam.lr"):
+            try:
+                number = float(value)
+            except ValueError:
+                raise ConfigError(f"--method {text!r}: {key} must be a number, got {value!r}") from None
+            if key.startswith("outer."):
+                method.outer[key[6:]] = number
+            else:
+                method.sgd["lr"] = number
         else:
             plain.append(f"{key}={value}")
     method.params = parse_param_strings(plain)

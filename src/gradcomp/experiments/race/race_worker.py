@@ -33,6 +33,7 @@ What a worker does, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -53,7 +54,9 @@ from gradcomp.experiments.run.data import Dataset, TextDataset, evaluate, evalua
 from gradcomp.experiments.run.launch import die_with_parent
 from gradcomp.experiments.run.models import build_model
 from gradcomp.experiments.run.report import write_atomic
-from gradcomp.experiments.run.runner import Batches, TrainConfig, compute_gradients, make_optimizer
+from gradcomp.experiments.run.runner import (
+    EXCHANGING_OPTIMIZERS, Batches, TrainConfig, compute_gradients, make_optimizer,
+)
 from gradcomp.transport.dist import DistTransport, bind_device
 
 WARMUP_STEPS = 2  # unreported local steps before the compute-only ones: torch's first calls are slow
@@ -195,7 +198,10 @@ def compute_only(cfg: TrainConfig, data: Dataset, rank: int, device: torch.devic
     after ``WARMUP_STEPS`` unreported ones (which run even when ``steps`` is 0: they warm torch up for training).
     """
     model = build_model(cfg.model, data, cfg.seed).to(device)
-    optimizer = make_optimizer(model, cfg)
+    # 1-bit Adam and 0/1 Adam exchange inside their step(): their compute is AdamW's (the update's arithmetic)
+    local = dataclasses.replace(cfg, optimizer="adamw", freeze_step=None) if cfg.optimizer in EXCHANGING_OPTIMIZERS \
+        else cfg
+    optimizer = make_optimizer(model, local)
     batches = Batches(data, cfg, rank)
     times = []
     dist.barrier()  # every worker computes at the same time, as in training
