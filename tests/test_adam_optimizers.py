@@ -539,3 +539,21 @@ def test_a_coordinate_with_zero_variance_is_not_moved_by_the_compressed_phase(cl
 
     for unmoved, largest in _simulated(2, worker):
         assert unmoved and largest < 10
+
+
+def test_race_methods_for_adam_parse_into_their_training_and_plan_refuses_them():
+    from gradcomp.experiments.race.method import parse_method, planned
+
+    cfg = parse_method("onebit_adam:freeze_step=16").config()
+    assert (cfg.compressor, cfg.optimizer, cfg.freeze_step, cfg.ddp) == ("none", "onebit_adam", 16, False)
+    cfg = parse_method("diloco:local_steps=32").config()
+    assert (cfg.local_steps, cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum) == (32, "nesterov", 0.7, 0.9)
+    cfg = parse_method("random_dithering:levels=7,local_steps=8,outer=nesterov,outer.lr=0.5").config()
+    assert (cfg.compressor, cfg.params, cfg.local_steps, cfg.outer_lr) == ("random_dithering", {"levels": 7}, 8, 0.5)
+    cfg = parse_method("powersgd:rank=2,dense_steps=100").config()
+    assert (cfg.dense_steps, cfg.ddp, cfg.params) == (100, False, {"rank": 2})
+    with pytest.raises(ConfigError, match="local_steps must be a whole number"):
+        parse_method("diloco:local_steps=x")
+    for text in ("onebit_adam", "diloco:local_steps=8", "topk:density=0.01,dense_steps=5"):
+        with pytest.raises(ConfigError, match="does not model"):
+            planned(text, {})
