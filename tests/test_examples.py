@@ -105,7 +105,7 @@ def test_accelerate_ddp(tmp_path):
     assert " 0 bytes up" not in out
 
 
-@pytest.mark.parametrize("method", ["onebit_adam", "zero_one_adam", "diloco"])
+@pytest.mark.parametrize("method", ["onebit_adam", "zero_one_adam", "diloco", "dense_topk"])
 def test_adam_loop(tmp_path, method):
     out = _run("adam_loop.py", tmp_path, "--method", method)
     assert f"{method}: test accuracy 0." in out and "replicas identical: True" in out
