@@ -8,7 +8,8 @@ network namespaces, `tc tbf`) over whole communication rounds:
 - fp32 DDP, torch fp16 and C_nat send the same message every step: the mean of steps 17-32 of a 32-step race;
 - 1-bit Adam runs dense, then compressed: its race freezes at step 16, so steps 1-16 time the dense step and
   17-32 the compressed one, and its run of n steps costs min(n, 150) dense steps and the rest compressed ones;
-- DiLoCo with H = 32 syncs once per 32 steps: the mean over one whole round (steps 1-32, its sync included).
+- DiLoCo with H = 32 (H = 8) syncs once per 32 (8) steps: the mean over whole rounds (steps 1-32, syncs
+  included).
 
 The target is each seed's fp32 1,000-step validation loss + 0.05 bits/byte; steps to target are resolved to the
 runs' evaluations (every 100 steps), so a time here is an upper bound by up to 100 steps. The ideal is fp32's
@@ -37,7 +38,7 @@ METHODS = {
     "a_cnat": ("cnat:topology=sharded,server=cnat", "steady"),
     "a_onebit_adam": (f"onebit_adam:freeze_step={SEGMENT}", "two phases"),
     "a_diloco32": ("diloco:local_steps=32", "one round"),
-    "a_diloco32_4bit": ("random_dithering:levels=7,local_steps=32,outer=nesterov", "one round"),
+    "a_diloco8": ("diloco:local_steps=8", "one round"),
 }
 
 

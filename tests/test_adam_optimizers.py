@@ -557,3 +557,15 @@ def test_race_methods_for_adam_parse_into_their_training_and_plan_refuses_them()
     for text in ("onebit_adam", "diloco:local_steps=8", "topk:density=0.01,dense_steps=5"):
         with pytest.raises(ConfigError, match="does not model"):
             planned(text, {})
+
+
+def test_an_evaluation_due_between_syncs_is_made_at_the_next_sync(tmp_path):
+    """With local steps every 3 and an evaluation every 5 steps, evaluations fall at the syncs after 5, 10, 15
+    (they were skipped, so a DiLoCo run evaluated every 100 steps with H = 32 had one point in 1,000 steps)."""
+    from gradcomp.cli import main
+    import json
+
+    out = tmp_path / "r.json"
+    assert main([*SMALL, "--steps", "16", "--local-steps", "3", "--eval-every", "5", "--simulate", "--json",
+                 str(out)]) == 0
+    assert [step for step, _ in json.loads(out.read_text())["accuracy_curve"]] == [6, 12, 15]

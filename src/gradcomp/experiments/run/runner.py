@@ -668,11 +668,18 @@ class Curves:
         self.loss: list[tuple[int, float]] = []
         self.accuracy: list[tuple[int, float]] = []
         self.val_loss: list[tuple[int, float]] = []  # language models: validation bits per byte
+        self._due = False  # an evaluation is due at the next step where the replicas are the same
 
     def record(self, step: int, loss: float, model: nn.Module, data: Dataset, evaluate_now: bool) -> None:
+        """``evaluate_now``: the replicas are the same (no local steps pending) and this is the lead worker. An
+        evaluation due at a step where they are not (local steps, 0/1 Adam) is made at the next step where they
+        are, and recorded at that step."""
         if step % self.every == 0:
             self.loss.append((step, loss))
-        if evaluate_now and self.eval_every and (step + 1) % self.eval_every == 0:
+        if self.eval_every and (step + 1) % self.eval_every == 0:
+            self._due = True
+        if evaluate_now and self._due:
+            self._due = False
             result = evaluation(model, data)
             self.accuracy.append((step + 1, result["accuracy"]))
             if "bits_per_byte" in result:
