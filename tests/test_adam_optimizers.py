@@ -167,6 +167,7 @@ def reference_zero_one_adam(world: int, freeze: int, steps: int, kappa: int, sca
             for i in range(world):
                 for p, mk, d in zip(params[i], m[i], denom):
                     _adamw_update(p, mk, None, LR / (1 - b1 ** t), d, LR)
+        anchor = [a * (1 - LR * WD) for a in anchor]  # decoupled decay of the kept copy too
         lrs += LR
         pending += 1
         local_counter += 1
@@ -258,6 +259,41 @@ def test_resume_is_bit_exact_across_the_freeze(cls, kwargs, cut):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_a_state_with_other_settings_is_refused():
+    def worker(transport):
+        saved = ZeroOneAdam(_model(), transport, var_freeze_step=4).state_dict()
+        with pytest.raises(ConfigError, match="var_freeze_step=4"):
+            ZeroOneAdam(_model(), transport, var_freeze_step=5).load_state_dict(saved)
+        with pytest.raises(ConfigError, match="freeze_step=3"):
+            OneBitAdam(_model(), transport, freeze_step=2).load_state_dict(
+                OneBitAdam(_model(), transport, freeze_step=3).state_dict())
+        return True
+
+    assert all(_simulated(1, worker))
+
+
+def test_zero_one_adam_a_local_nan_before_a_checkpoint_still_raises_at_the_sync_after_resume():
+    def worker(transport):
+        model = _model()
+        opt = ZeroOneAdam(model, transport, var_freeze_step=2, local_step_scaler=1, local_step_clipper=2)
+        for step in range(4):  # step 4 is the first of a run of 2 local steps
+            _grads(model, transport.rank, step)
+            if step == 3 and transport.rank == 1:
+                next(model.parameters()).grad[0, 0] = float("nan")
+            opt.step()
+        state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+        model = _model()
+        model.load_state_dict(weights)
+        opt = ZeroOneAdam(model, transport, var_freeze_step=2, local_step_scaler=1, local_step_clipper=2)
+        opt.load_state_dict(state)
+        _grads(model, transport.rank, 4)
+        with pytest.raises(NonFiniteGradientError):
+            opt.step()
+        return True
+
+    assert all(_simulated(2, worker))
+
+
 def test_a_state_of_another_method_or_model_is_refused_and_changes_nothing():
     def worker(transport):
         opt = OneBitAdam(_model(), transport, freeze_step=2)
@@ -274,8 +310,9 @@ def test_a_state_of_another_method_or_model_is_refused_and_changes_nothing():
     assert all(_simulated(1, worker))
 
 
-@pytest.mark.parametrize("cls,kwargs", [(OneBitAdam, {"freeze_step": 2}), (ZeroOneAdam, {"var_freeze_step": 2})])
-@pytest.mark.parametrize("bad_step", [1, 3])  # in the dense warm-up, and in the compressed phase
+@pytest.mark.parametrize("cls,kwargs", [(OneBitAdam, {"freeze_step": 2}), (ZeroOneAdam, {"var_freeze_step": 2}),
+                                        (ZeroOneAdam, {"var_freeze_step": 6, "var_update_scaler": 1})])
+@pytest.mark.parametrize("bad_step", [1, 3])  # dense warm-up; compressed phase (0/1 Adam: a sync, or a 1-bit step)
 def test_a_nan_on_one_rank_raises_on_every_rank_at_the_same_step_and_changes_nothing(cls, kwargs, bad_step):
     def worker(transport):
         model = _model()
@@ -292,14 +329,44 @@ def test_a_nan_on_one_rank_raises_on_every_rank_at_the_same_step_and_changes_not
             opt.step()
         except NonFiniteGradientError:
             after = opt.state_dict()
-            same_moments = all(torch.equal(a, b) for a, b in zip(before["tensors"]["exp_avg"],
-                                                                   after["tensors"]["exp_avg"]))
+            same_moments = _same_state(before, after)
             same_weights = all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
             return ("raised", opt.t, same_moments and same_weights)
         return ("no error", opt.t, None)
 
     results = _simulated(2, worker)
     assert results == [("raised", bad_step, True)] * 2
+
+
+def _same_state(a, b) -> bool:
+    """Two states equal to the last bit, nested dicts and lists of tensors included."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_zero_one_adam_weight_decay_is_decoupled_as_adamw():
+    """One weight, a constant gradient: 1-bit compression of one entry is exact, so 0/1 Adam's local steps and
+    syncs must follow AdamW (the decay once per step, not folded into the momentum at every sync)."""
+
+    def run(make_opt):
+        p = nn.Parameter(torch.tensor([10.0]))
+        opt = make_opt([("w", p)])
+        for _ in range(200):
+            p.grad = torch.ones(1)
+            opt.step()
+        if hasattr(opt, "finish"):
+            opt.finish()
+        return float(p.detach())
+
+    adamw = run(lambda ps: torch.optim.AdamW([ps[0][1]], lr=0.01, weight_decay=0.1))
+    got = _simulated(1, lambda t: run(lambda ps: ZeroOneAdam(ps, t, lr=0.01, weight_decay=0.1, var_freeze_step=10,
+                                                             local_step_scaler=5)))
+    assert abs(got[0] - adamw) < 0.02 * abs(adamw), (got, adamw)
 
 
 def test_outer_nesterov_equals_torch_sgd_nesterov_on_the_pseudo_gradient():

@@ -17,8 +17,11 @@ NonFiniteGradientError on every worker at the same step with nothing changed (th
 written only after the exchange returns). The 1-bit exchange is the ``sharded`` topology with ``efsignsgd``
 both ways: each worker compresses its vector to signs and one scale ‖x‖₁/d per shard of each tensor with its
 own error-feedback residual, sends shard j to worker j, which averages its W shards, compresses the average
-again with its own (server) residual and all-gathers it back: the compressed all-reduce of DeepSpeed's
-1-bit Adam, with every worker the server of 1/W of every tensor.
+again with its own (server) residual and all-gathers it back: the scheme of DeepSpeed's compressed all-reduce,
+with every worker the server of 1/W of every tensor. Where it differs: DeepSpeed's workers send one scale for
+the whole (padded) tensor, here one per shard (W scales per tensor, 32·W bits, so a shard's scale fits its own
+entries); and DeepSpeed skips compression with one worker, while here one worker still compresses both ways
+(the same code path at every W; a single-worker run is lossy, as a W-worker one is).
 
 The scale ‖x‖₁/d minimises ‖x − s·sign(x)‖₂ over s; DeepSpeed uses ‖x‖₂/√d, which keeps the vector's norm and
 overshoots the best fit; the paper's analysis holds for any compressor with bounded error.
@@ -89,6 +92,7 @@ class ExchangingAdam(torch.optim.Optimizer):
     """
 
     _counters: tuple[str, ...] = ("t",)
+    _settings: tuple[str, ...] = ()  # counters that are the constructor's settings: a state must agree on them
     _tensors: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, transport: Transport | None = None, *, lr: float, betas=(0.9, 0.999),
@@ -167,7 +171,7 @@ class ExchangingAdam(torch.optim.Optimizer):
         """Where the second moment is not 0. A coordinate whose gradient has been exactly 0 so far (an embedding
         row of a token not seen yet) has v = 0; a 1-bit message gives every coordinate of a shard ± its scale, and
         that divided by √0 + eps would move it by about lr / eps. Compressed vectors and updates are masked with
-        this, so such a coordinate stays where it is while its variance is 0 (DeepSpeed asks the user for such a
+        this, so such a coordinate stays where it is while its variance is 0 (weight decay aside) (DeepSpeed asks the user for such a
         mask, ``exp_avg_mask``, for padded embedding rows; here it is found)."""
         return [v > 0 for v in self._moments("exp_avg_sq")]
 
@@ -231,7 +235,18 @@ class ExchangingAdam(torch.optim.Optimizer):
         if set(state.get("counters", {})) != set(self._counters):
             raise ConfigError(f"{type(self).__name__}: the state's counters are {sorted(state.get('counters', {}))}, "
                               f"expected {sorted(self._counters)}")
+        for key in self._settings:
+            if state["counters"][key] != getattr(self, key):
+                raise ConfigError(f"{type(self).__name__}: the state was saved with {key}={state['counters'][key]!r}, "
+                                  f"this optimizer has {key}={getattr(self, key)!r}")
+        for key, value in state["counters"].items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+            if not (number or (key == "_poisoned" and isinstance(value, bool))):
+                raise ConfigError(f"{type(self).__name__}: the state's {key} is {value!r}")
         params = self._params()
+        missing = [name for name in ("exp_avg", "exp_avg_sq") if name not in state["tensors"]]
+        if missing:
+            raise ConfigError(f"{type(self).__name__}: the state holds no {', '.join(missing)}")
         for name, tensors in state["tensors"].items():
             if name not in self._tensors or len(tensors) != len(params) or any(
                     t.shape != p.shape or t.dtype != p.dtype for t, p in zip(tensors, params)):
@@ -256,6 +271,7 @@ class ExchangingAdam(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         self._after_load()
+        # (the cached frozen denominators and masks are recomputed from the loaded variance, bit for bit)
 
     def _after_load(self) -> None:
         """Recompute what is derived from the loaded state (cached denominators)."""

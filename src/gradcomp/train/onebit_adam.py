@@ -40,6 +40,7 @@ from gradcomp.transport.base import Transport
 
 class OneBitAdam(ExchangingAdam):
     _counters = ("t", "freeze_step")
+    _settings = ("freeze_step",)
 
     def __init__(self, params, transport: Transport | None = None, *, freeze_step: int, lr: float = 1e-3,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):

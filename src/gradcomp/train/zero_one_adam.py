@@ -32,7 +32,11 @@ Choices where the paper is silent or DeepSpeed differs:
   number of variance updates so far (v has averaged n squared gradients, not t).
 - The replicas are made equal at every sync from a kept copy of the parameters at the last sync (not by
   subtracting the local change again, which leaves rounding that differs between workers); ``finish()``
-  synchronises a last, shorter run of local steps.
+  synchronises a last, shorter run of local steps. A sync comes after ``H`` local steps since the last one
+  (DeepSpeed syncs at global steps that are multiples of H, so a run can be cut short when H doubles).
+- Weight decay is decoupled in the local stage too: the kept copy decays with the weights, so the change sent
+  (and the momentum made from it) holds the momentum steps alone. DeepSpeed folds ``wd·p`` into the change, and
+  so into the momentum, where it adds up over syncs (about 1/(1 − β1) times the decay).
 - A non-finite gradient during a run of local steps cannot be told to the others before the run's sync (local
   steps send nothing): the worker leaves that step's update out, and its sync message is made non-finite, so
   that every worker raises NonFiniteGradientError at the sync, with the moments, parameters and residuals as
@@ -57,7 +61,8 @@ from gradcomp.transport.base import Transport
 class ZeroOneAdam(ExchangingAdam):
     _counters = ("t", "var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper",
                  "var_interval", "var_counter", "var_updates", "local_interval", "local_counter", "_pending", "lrs",
-                 "syncs")
+                 "syncs", "_poisoned")
+    _settings = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
     _tensors = ("exp_avg", "exp_avg_sq", "anchor")
 
     def __init__(self, params, transport: Transport | None = None, *, var_freeze_step: int, lr: float = 1e-3,
@@ -112,13 +117,16 @@ class ZeroOneAdam(ExchangingAdam):
                 self.state[p]["anchor"] = p.detach().clone()
 
     def _local_stage(self, grads, t: int) -> None:
-        lr, b1, _, _, _ = self._hyper()
+        lr, b1, _, _, wd = self._hyper()
         syncing = self._pending + 1 == self.local_interval
         before = self._local_snapshot() if syncing else None
         if all(finite_flags(grads)):
             for m, g in zip(self._moments("exp_avg"), grads):
                 m.lerp_(g, 1 - b1)
             self._apply(t, self.var_updates, self._denominators_frozen(), self._frozen_masks)
+            if wd:  # the anchor decays as the weights do, so that the change synced is the momentum steps' alone
+                for a in self._moments("anchor"):
+                    a.mul_(1 - lr * wd)
         else:  # not applied here; every worker learns of it at the sync, which no worker then applies
             self._poisoned = True
         self.lrs += lr
@@ -146,7 +154,8 @@ class ZeroOneAdam(ExchangingAdam):
         change = [(p.detach() - a) * d for p, a, d in zip(self._params(), anchors, denominators)]
         if self._poisoned:  # a local gradient was not finite: the sync's finiteness check raises on every worker
             self._poisoned = False
-            change[0] = torch.full_like(change[0], float("nan"))
+            first = next(i for i, c in enumerate(change) if c.numel())
+            change[first] = torch.full_like(change[first], float("nan"))
         averaged = self._onebit("update", change)  # every worker the same, or an error on every worker
         correction = 1 - b1 ** t
         for p, a, d, m, u, mask in zip(self._params(), anchors, denominators, self._moments("exp_avg"), averaged,
