@@ -350,3 +350,14 @@ def test_torch_s_powersgd_hook_is_planned_from_its_own_all_reduces(tmp_path):
     assert rows["torch-powersgd:rank=2"]["bits_up"] == 8 * 4 * (138 + 276 + 384)
     assert rows["torch-powersgd:rank=2"]["step_s"] < rows["torch-fp32"]["step_s"]  # 1 Mbit/s: bytes decide
     assert "powerSGD_hook itself" in rows["torch-powersgd:rank=2"]["note"]
+
+
+def test_the_dataset_defaults_to_the_models_as_in_train():
+    """plan --model transformer without --dataset plans it on its corpus (it failed, asking for --dataset pystdlib)."""
+    import argparse
+
+    for model, dataset in (("transformer", "pystdlib"), ("transformer_tiny", "pystdlib"), ("convnet", "mnist")):
+        args = argparse.Namespace(shapes=None, model=model, dataset=None, data=None, batch_size=None, workers=4,
+                                  link="100mbit", latency="0", burst="0", device="cpu", methods=None,
+                                  compute_ms=None, colocated=1, no_cache=True, seed=0)
+        assert plan.options_from_args(args).dataset == dataset

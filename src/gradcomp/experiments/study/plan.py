@@ -978,7 +978,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
                    help="methods as gradcomp race --method takes them (default: the race's set plus bf16, "
                         "terngrad)")
-    p.add_argument("--dataset", default="mnist", help="the dataset the model is built for and timed on")
+    p.add_argument("--dataset", default=None, help="the dataset the model is built for and timed on (default: "
+                   "gradcomp train's for the model: pystdlib for a language model, else mnist)")
     p.add_argument("--data", default=None, metavar="DIR", help="directory with MNIST-format IDX files")
     p.add_argument("--batch-size", type=int, default=None,
                    help="per worker, for the measured compute (default: gradcomp train's, 32; 16 for a language model)")
@@ -993,11 +994,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", action="store_true", help="print a markdown table instead of plain text")
 
 
+def _default_dataset(model: str | None) -> str:
+    """gradcomp train's default dataset for ``model``: the text corpus for a language model, else MNIST."""
+    from gradcomp.experiments.run.models import TEXT_MODELS
+
+    return "pystdlib" if isinstance(model, str) and model.strip().lower() in TEXT_MODELS else "mnist"
+
+
 def options_from_args(args: argparse.Namespace) -> PlanOptions:
     shapes = load_shapes(args.shapes) if args.shapes else None
     return PlanOptions(
         model=None if shapes is not None else (args.model or "convnet"),
-        shapes=shapes, shapes_source=args.shapes, dataset=args.dataset, data_root=args.data,
+        shapes=shapes, shapes_source=args.shapes, dataset=args.dataset or _default_dataset(args.model),
+        data_root=args.data,
         batch_size=args.batch_size, workers=args.workers, link=args.link, latency=args.latency, burst=args.burst,
         device=args.device, methods=args.methods or DEFAULT_METHODS, compute_ms=args.compute_ms,
         colocated=args.colocated, cache=not args.no_cache, seed=args.seed,
