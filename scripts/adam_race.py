@@ -7,7 +7,8 @@ network namespaces, `tc tbf`) over whole communication rounds:
 
 - fp32 DDP, torch fp16 and C_nat send the same message every step: the mean of steps 17-32 of a 32-step race;
 - 1-bit Adam runs dense, then compressed: its race freezes at step 16, so steps 1-16 time the dense step and
-  17-32 the compressed one, and its run of n steps costs min(n, 150) dense steps and the rest compressed ones;
+  17-32 the compressed one, and its run of n steps costs min(n, F) dense steps and the rest compressed ones
+  (F = its run's freeze step, 150 or 25);
 - DiLoCo with H = 32 (H = 8) syncs once per 32 (8) steps: the mean over whole rounds (steps 1-32, syncs
   included).
 
@@ -30,13 +31,14 @@ import subprocess
 import sys
 
 SEGMENT = 16
-FREEZE = 150  # the 1,000-step runs' freeze step (15 %)
+FREEZE = 150  # the 1,000-step runs' freeze step (15 %), unless the row says another
 # table key → (race method, how its step time is read from the race's clock at steps 16 and 32)
 METHODS = {
     "a_fp32": ("torch-fp32", "steady"),
     "a_fp16": ("torch-fp16", "steady"),
     "a_cnat": ("cnat:topology=sharded,server=cnat", "steady"),
     "a_onebit_adam": (f"onebit_adam:freeze_step={SEGMENT}", "two phases"),
+    "a_onebit_adam_f25": (f"onebit_adam:freeze_step={SEGMENT}", "two phases, freeze 25"),
     "a_diloco32": ("diloco:local_steps=32", "one round"),
     "a_diloco8": ("diloco:local_steps=8", "one round"),
 }
@@ -61,15 +63,16 @@ def step_seconds(method: dict, how: str):
     if how == "steady":
         per = (both - first) / SEGMENT
         return lambda n: n * per, per
-    if how == "two phases":
+    if how.startswith("two phases"):
+        freeze = int(how.rsplit(" ", 1)[1]) if "freeze" in how else FREEZE
         dense, compressed = first / SEGMENT, (both - first) / SEGMENT
-        return lambda n: min(n, FREEZE) * dense + max(0, n - FREEZE) * compressed, (dense, compressed)
+        return lambda n: min(n, freeze) * dense + max(0, n - freeze) * compressed, (dense, compressed)
     per = both / (2 * SEGMENT)
     return lambda n: n * per, per
 
 
 def race(link: str, out: str, python: str) -> None:
-    specs = [spec for spec, _ in METHODS.values()]
+    specs = list(dict.fromkeys(spec for spec, _ in METHODS.values()))
     cmd = [python, "-m", "gradcomp.cli", "race", "--model", "transformer", "--hosts", "4", "--link", link,
            "--steps", str(2 * SEGMENT), "--eval-every", str(SEGMENT), "--target-loss", "0.01", "--out", out]
     for spec in specs:

@@ -66,6 +66,8 @@ ADAM_BASE = ["--model", "transformer", "--steps", "1000", "--eval-every", "100"]
 ADAM_ROWS = [
     ("a_fp32", "uncompressed fp32 allreduce (AdamW)", ["--compressor", "none"]),
     ("a_onebit_adam", "1-bit Adam, freeze step 150", ["--optimizer", "onebit_adam"]),
+    ("a_onebit_adam_f25", "1-bit Adam, freeze step 25 (≥ 16x overall)", ["--optimizer", "onebit_adam",
+                                                                         "--freeze-step", "25"]),
     ("a_diloco32", "DiLoCo H=32, outer Nesterov 0.7 / 0.9, fp32 pseudo-gradients",
      ["--compressor", "none", "--local-steps", "32", "--outer-optimizer", "nesterov"]),
     ("a_diloco8", "DiLoCo H=8, outer Nesterov 0.7 / 0.9, fp32 pseudo-gradients",
@@ -86,6 +88,17 @@ ADAM_ROWS = [
      ["--compressor", "topk", "--param", "density=0.01", "--error-feedback", "--dense-steps", "100"]),
     ("a_sbc", "SBC 1 %, 4 local steps", ["--compressor", "sbc", "--param", "density=0.01", "--local-steps", "4"]),
 ]
+# the fair-lr grid of the 1,000-step table: every row again at these multiples of AdamW's default lr (2e-3)
+LR_GRID = (0.5, 2.0, 4.0)
+ADAM_LR = 2e-3
+
+
+def grid_rows(rows: list) -> list:
+    """Each row at the grid's other learning rates (keys KEY@xM), for --lr-grid."""
+    return [(f"{key}@x{m:g}", f"{label} (lr x{m:g})", [*args, "--lr", repr(ADAM_LR * m)])
+            for key, label, args in rows for m in LR_GRID]
+
+
 # the MNIST default job (SmallCNN, one epoch, SGD 0.05 / 0.9): the rows of docs/all_methods.md's head
 MNIST_ROWS = [
     ("mnist_fp32", "uncompressed fp32 allreduce", ["--compressor", "none"]),
@@ -100,10 +113,11 @@ MNIST_ROWS = [
 ]
 
 
-def plan() -> list[tuple[str, str, list[str], int, str]]:
+def plan(lr_grid: bool = True) -> list[tuple[str, str, list[str], int, str]]:
     jobs = []
+    adam = ADAM_ROWS + (grid_rows(ADAM_ROWS) if lr_grid else [])
     for table, rows, base in (("transformer", TRANSFORMER_ROWS, ["--model", "transformer", "--eval-every", "50"]),
-                              ("mnist", MNIST_ROWS, []), ("adam1000", ADAM_ROWS, ADAM_BASE)):
+                              ("mnist", MNIST_ROWS, []), ("adam1000", adam, ADAM_BASE)):
         ref, rest = rows[0], rows[1:]
         jobs += [(table, ref[0], ref[1], base + ref[2], s) for s in SEEDS]
         for seed in SEEDS:
@@ -122,7 +136,7 @@ def run(out: str, python: str, only: str | None, keys: list[str] | None = None,
         seeds: list[int] | None = None) -> None:
     path = os.path.join(out, "results.jsonl")
     done = {(r["key"], r["seed"]) for r in read(path)}
-    jobs = plan()
+    jobs = plan(lr_grid=bool(keys) and any("@" in k for k in keys))
     if keys:  # these rows only, in the order given, every seed of one row before the next row
         jobs = sorted((j for j in jobs if j[1] in keys), key=lambda j: (keys.index(j[1]), j[4]))
     for table, key, label, args, seed in jobs:
@@ -160,7 +174,9 @@ def _ms(values: list[float], signed: bool = False) -> str:
 def render(out: str) -> str:
     rows = read(os.path.join(out, "results.jsonl"))
     text = []
-    for table, spec in (("transformer", TRANSFORMER_ROWS), ("mnist", MNIST_ROWS), ("adam1000", ADAM_ROWS)):
+    ran = {r["key"] for r in rows}
+    adam = ADAM_ROWS + [row for row in grid_rows(ADAM_ROWS) if row[0] in ran]  # grid rows that ran
+    for table, spec in (("transformer", TRANSFORMER_ROWS), ("mnist", MNIST_ROWS), ("adam1000", adam)):
         text_model = table != "mnist"
         metric = "val_bits_per_byte" if text_model else "test_accuracy"
         name = "validation bits/byte" if text_model else "test accuracy %"
@@ -220,7 +236,8 @@ def main() -> int:
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--docs", default=None, metavar="MD", help="also replace the Transformer block between the "
                    "'<!-- transformer table' and '<!-- /transformer table -->' lines of this page")
-    p.add_argument("--keys", default=None, help="comma-separated row keys to run, in this order (e.g. fp32,topk_ef)")
+    p.add_argument("--keys", default=None, help="comma-separated row keys to run, in this order (e.g. fp32,topk_ef; "
+                   "the lr grid's rows are KEY@xM, e.g. a_onebit_adam@x2)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds to run (default: all three)")
     args = p.parse_args()
     keys = [k.strip() for k in args.keys.split(",")] if args.keys else None
