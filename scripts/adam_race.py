@@ -100,6 +100,9 @@ def render(link: str, out: str, table: str) -> str:
         seconds, per = step_seconds(method, how)
         per_text = f"{per:.3f}" if not isinstance(per, tuple) else f"dense {per[0]:.3f}, compressed {per[1]:.3f}"
         runs = sorted((r for r in rows if r["key"] == key), key=lambda r: r["seed"])
+        if not runs:  # its step time is measured, its steps to target are not
+            lines.append(f"| {spec} | {per_text} | (no 1,000-step run: {key}) | – | – | – | – |")
+            continue
         steps, times, ideals = [], [], []
         for r in runs:
             if r["seed"] not in fp32:
