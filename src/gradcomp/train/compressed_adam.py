@@ -114,9 +114,22 @@ class ExchangingAdam(torch.optim.Optimizer):
             for kind in onebit
         }
         self._time_offset = 0.0
+        self._frozen_cache: tuple | None = None  # _frozen's
         for _, p in self.named:
             self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             self.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Exchange this worker's gradients and update (the subclass's ``_step``); no closure: call backward()."""
+        if closure is not None:
+            raise ConfigError(f"{type(self).__name__}.step takes no closure: call backward() first")
+        t = self.t + 1
+        self._step(self._gradients(), t)
+        self.t = t
+
+    def _step(self, grads: list[Tensor], t: int) -> None:
+        raise NotImplementedError
 
     # -- the pieces of a step ---------------------------------------------------------------------------------
 
@@ -174,6 +187,12 @@ class ExchangingAdam(torch.optim.Optimizer):
         this, so such a coordinate stays where it is while its variance is 0 (weight decay aside) (DeepSpeed asks the user for such a
         mask, ``exp_avg_mask``, for padded embedding rows; here it is found)."""
         return [v > 0 for v in self._moments("exp_avg_sq")]
+
+    def _frozen(self, variance_updates: int) -> tuple[list[Tensor], list[Tensor]]:
+        """The frozen variance's denominators and masks, computed once (and again after a load)."""
+        if self._frozen_cache is None:
+            self._frozen_cache = (self._denominators(variance_updates), self._masks())
+        return self._frozen_cache
 
     def _onebit(self, kind: str, vectors: list[Tensor]) -> list[Tensor]:
         """The 1-bit compressed all-reduce of ``vectors`` (one per parameter): every worker gets the same."""
@@ -274,4 +293,5 @@ class ExchangingAdam(torch.optim.Optimizer):
         # (the cached frozen denominators and masks are recomputed from the loaded variance, bit for bit)
 
     def _after_load(self) -> None:
-        """Recompute what is derived from the loaded state (cached denominators)."""
+        """Recompute what is derived from the loaded state (the frozen denominators and masks)."""
+        self._frozen_cache = None

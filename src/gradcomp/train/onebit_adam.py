@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import torch
 
-from gradcomp.errors import ConfigError
 from gradcomp.train.compressed_adam import ExchangingAdam, check_step_count
 from gradcomp.transport.base import Transport
 
@@ -47,30 +46,19 @@ class OneBitAdam(ExchangingAdam):
         self.freeze_step = check_step_count(freeze_step, "freeze_step")
         super().__init__(params, transport, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          onebit=("momentum",))
-        self._frozen_denominators: list | None = None
 
     @property
     def frozen(self) -> bool:
         return self.t >= self.freeze_step
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ConfigError("OneBitAdam.step takes no closure: call backward() first")
-        grads = self._gradients()
-        t = self.t + 1
+    def _step(self, grads, t: int) -> None:
         if t <= self.freeze_step:
             self._adamw_dense(self._dense_average(grads), t)
         else:
             _, b1, _, _, _ = self._hyper()
             local = [m.lerp(g, 1 - b1) for m, g in zip(self._moments("exp_avg"), grads)]
             averaged = self._onebit("momentum", local)  # raises on every worker, nothing changed, if not finite
-            if self._frozen_denominators is None:
-                self._frozen_denominators, self._frozen_masks = self._denominators(self.freeze_step), self._masks()
-            for m, a, mask in zip(self._moments("exp_avg"), averaged, self._frozen_masks):
+            denominators, masks = self._frozen(self.freeze_step)
+            for m, a, mask in zip(self._moments("exp_avg"), averaged, masks):
                 torch.mul(a, mask, out=m)  # (0 where the frozen variance is 0: ExchangingAdam._masks)
-            self._apply(t, self.freeze_step, self._frozen_denominators)
-        self.t = t
-
-    def _after_load(self) -> None:
-        self._frozen_denominators = None
+            self._apply(t, self.freeze_step, denominators)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import torch
 
-from gradcomp.errors import ConfigError
 from gradcomp.finite import finite_flags
 from gradcomp.train.compressed_adam import ExchangingAdam, check_step_count
 from gradcomp.transport.base import Transport
@@ -76,7 +75,6 @@ class ZeroOneAdam(ExchangingAdam):
                          onebit=("gradient", "update"))
         self.var_interval, self.var_counter, self.var_updates = 1, 0, 0
         self.local_interval, self.local_counter, self._pending, self.lrs, self.syncs = 1, 0, 0, 0.0, 0
-        self._frozen_denominators: list | None = None
         self._poisoned = False  # a local step's gradient was not finite since the last sync
 
     def _variance_updates(self, step: int) -> int:
@@ -86,17 +84,11 @@ class ZeroOneAdam(ExchangingAdam):
     def pending(self) -> int:
         return self._pending
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ConfigError("ZeroOneAdam.step takes no closure: call backward() first")
-        grads = self._gradients()
-        t = self.t + 1
+    def _step(self, grads, t: int) -> None:
         if t <= self.var_freeze_step:
             self._variance_stage(grads, t)
         else:
             self._local_stage(grads, t)
-        self.t = t
 
     def _variance_stage(self, grads, t: int) -> None:
         _, b1, _, _, _ = self._hyper()
@@ -123,7 +115,7 @@ class ZeroOneAdam(ExchangingAdam):
         if all(finite_flags(grads)):
             for m, g in zip(self._moments("exp_avg"), grads):
                 m.lerp_(g, 1 - b1)
-            self._apply(t, self.var_updates, self._denominators_frozen(), self._frozen_masks)
+            self._apply(t, self.var_updates, *self._frozen(self.var_updates))
             if wd:  # the anchor decays as the weights do, so that the change synced is the momentum steps' alone
                 for a in self._moments("anchor"):
                     a.mul_(1 - lr * wd)
@@ -142,14 +134,9 @@ class ZeroOneAdam(ExchangingAdam):
             self.local_counter = 0
             self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
 
-    def _denominators_frozen(self):
-        if self._frozen_denominators is None:
-            self._frozen_denominators, self._frozen_masks = self._denominators(self.var_updates), self._masks()
-        return self._frozen_denominators
-
     def _sync(self, t: int) -> None:
         _, b1, _, _, _ = self._hyper()
-        denominators = self._denominators_frozen()
+        denominators, masks = self._frozen(self.var_updates)
         anchors = self._moments("anchor")
         change = [(p.detach() - a) * d for p, a, d in zip(self._params(), anchors, denominators)]
         if self._poisoned:  # a local gradient was not finite: the sync's finiteness check raises on every worker
@@ -159,7 +146,7 @@ class ZeroOneAdam(ExchangingAdam):
         averaged = self._onebit("update", change)  # every worker the same, or an error on every worker
         correction = 1 - b1 ** t
         for p, a, d, m, u, mask in zip(self._params(), anchors, denominators, self._moments("exp_avg"), averaged,
-                                       self._frozen_masks):
+                                       masks):
             m.copy_(u).mul_(-correction / self.lrs).mul_(mask)
             a.add_(u * mask / d)
             p.copy_(a)
@@ -183,5 +170,3 @@ class ZeroOneAdam(ExchangingAdam):
         if self._pending:
             self._sync(self.t)
 
-    def _after_load(self) -> None:
-        self._frozen_denominators = None
