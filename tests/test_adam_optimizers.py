@@ -250,6 +250,7 @@ def _resume(world, cls, kwargs, steps, cut):
 
 
 @pytest.mark.parametrize("cls,kwargs", [(OneBitAdam, {"freeze_step": 6}),
+                                        (OneBitAdam, {"freeze_step": 6, "warmup_compressor": "cnat"}),
                                         (ZeroOneAdam, {"var_freeze_step": 6, "local_step_scaler": 2})])
 @pytest.mark.parametrize("cut", [3, 6, 9])  # before, at and after the freeze
 def test_resume_is_bit_exact_across_the_freeze(cls, kwargs, cut):
@@ -257,6 +258,53 @@ def test_resume_is_bit_exact_across_the_freeze(cls, kwargs, cut):
     resumed = _resume(2, cls, kwargs, 14, cut)
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _warm_up(world: int, compressor: str, steps: int = 5):
+    def worker(transport):
+        model = _model()
+        opt = OneBitAdam(model, transport, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=50,
+                         warmup_compressor=compressor)
+        sent = []
+        for step in range(steps):
+            _grads(model, transport.rank, step)
+            before = transport.counter.bytes_up
+            opt.step()
+            sent.append(transport.counter.bytes_up - before)
+        return [p.detach().clone() for p in model.parameters()], sent
+
+    return _simulated(world, worker)
+
+
+def test_a_compressed_warm_up_sends_fewer_bytes_and_stays_near_fp32s_adamw():
+    fp32 = _warm_up(2, "none")
+    start = [p.detach() for p in _model().parameters()]
+
+    def distance(a, b):
+        return sum(((x - y) ** 2).sum() for x, y in zip(a, b)) ** 0.5
+
+    numel = sum(p.numel() for p in _model().parameters())
+    assert fp32[0][1][0] >= 4 * numel  # fp32's warm-up: at least 32 bits a coordinate
+    for compressor, ratio in (("fp16", 0.5), ("cnat", 9 / 32)):
+        results = _warm_up(2, compressor)
+        (params, sent), (other, _) = results
+        assert all(torch.equal(a, b) for a, b in zip(params, other))  # replicas identical
+        # the messages' payload is the quantiser's (headers aside), every warm-up step
+        assert all(ratio * fp32[0][1][0] <= s <= (ratio + 0.2) * fp32[0][1][0] for s in sent)
+        assert not all(torch.equal(a, b) for a, b in zip(params, fp32[0][0]))  # it did quantise
+        # and AdamW on the quantised average stays near AdamW on the exact one: within 0.3 of how far the
+        # weights moved (measured: fp16 1e-4 of it, C_nat 0.2 of it; a sign-only message would be ~1)
+        assert distance(params, fp32[0][0]) < 0.3 * distance(fp32[0][0], start)
+
+
+def test_a_warm_up_compressor_that_is_biased_or_unknown_is_refused():
+    def worker(transport):
+        for name in ("topk", "efsignsgd", "nope"):
+            with pytest.raises(ConfigError, match="warm-up's compressor must be one of"):
+                OneBitAdam(_model(), transport, lr=LR, freeze_step=3, warmup_compressor=name)
+        return True
+
+    assert all(_simulated(1, worker))
 
 
 def test_a_state_with_other_settings_is_refused():
@@ -561,6 +609,8 @@ SMALL = ["train", "--dataset", "synthetic", "--model", "mlp", "--no-progress", "
     (["--dense-steps", "10"], "--dense-steps 10 leaves none of the 10 steps"),
     (["--dense-steps", "2", "--local-steps", "2"], "not with --local-steps"),
     (["--optimizer", "zero_one_adam", "--local-step-clipper", "0"], "--local-step-clipper must be"),
+    (["--optimizer", "onebit_adam", "--warmup-compressor", "topk"], "--warmup-compressor must be one of"),
+    (["--optimizer", "adamw", "--warmup-compressor", "cnat"], "--warmup-compressor is 1-bit Adam's"),
 ])
 def test_bad_options_are_one_line_before_any_worker_starts(extra, message, capsys):
     from gradcomp.cli import main
@@ -571,6 +621,7 @@ def test_bad_options_are_one_line_before_any_worker_starts(extra, message, capsy
 
 
 @pytest.mark.parametrize("extra", [["--optimizer", "onebit_adam"], ["--optimizer", "zero_one_adam"],
+                                   ["--optimizer", "onebit_adam", "--warmup-compressor", "cnat"],
                                    ["--local-steps", "3", "--outer-optimizer", "nesterov"]])
 def test_the_new_optimizers_train_on_real_gloo_workers(extra, tmp_path):
     from gradcomp.cli import main
@@ -613,6 +664,8 @@ def test_race_methods_for_adam_parse_into_their_training_and_plan_refuses_them()
 
     cfg = parse_method("onebit_adam:freeze_step=16").config()
     assert (cfg.compressor, cfg.optimizer, cfg.freeze_step, cfg.ddp) == ("none", "onebit_adam", 16, False)
+    assert cfg.warmup_compressor == "none"
+    assert parse_method("onebit_adam:freeze_step=16,warmup=cnat").config().warmup_compressor == "cnat"
     cfg = parse_method("diloco:local_steps=32").config()
     assert (cfg.local_steps, cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum) == (32, "nesterov", 0.7, 0.9)
     cfg = parse_method("random_dithering:levels=7,local_steps=8,outer=nesterov,outer.lr=0.5").config()

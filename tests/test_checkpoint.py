@@ -69,6 +69,8 @@ METHODS = {
                            "--param", "density=0.05"], 7, 3),
     "1-bit adam, resumed before its freeze": (["--optimizer", "onebit_adam", "--freeze-step", "4", "--lr", "0.01"],
                                               6, 3),
+    "1-bit adam, C_nat warm-up, resumed in it": (["--optimizer", "onebit_adam", "--freeze-step", "4",
+                                                  "--warmup-compressor", "cnat", "--lr", "0.01"], 6, 2),
     "0/1 adam, resumed after its freeze": (["--optimizer", "zero_one_adam", "--freeze-step", "3",
                                             "--local-step-scaler", "2", "--lr", "0.01"], 7, 5),
     "diloco (outer nesterov)": (["--optimizer", "adamw", "--lr", "0.01", "--local-steps", "3",

@@ -78,6 +78,18 @@ def check_adam_numbers(lr: float, betas, eps: float, weight_decay: float) -> Non
         raise ConfigError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
+# what the "dense" exchange may use instead of fp32: unbiased or near-lossless quantisers without state, whose
+# averaged gradient Adam can normalise as it does fp32's (a biased or error-fed compressor is what breaks Adam)
+DENSE_COMPRESSORS = ("none", "fp16", "bf16", "cnat", "natural_dithering")
+
+
+def _dense_compressor(name: str):
+    if name not in DENSE_COMPRESSORS:
+        raise ConfigError(f"the warm-up's compressor must be one of {', '.join(DENSE_COMPRESSORS)} (unbiased or "
+                          f"near-lossless, so AdamW's moments see the true gradient's statistics), got {name!r}")
+    return make(name)
+
+
 def check_step_count(value, option: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{option} must be a whole number >= {minimum}, got {value!r}")
@@ -96,7 +108,8 @@ class ExchangingAdam(torch.optim.Optimizer):
     _tensors: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, transport: Transport | None = None, *, lr: float, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, onebit: Iterable[str] = ("momentum",)):
+                 eps: float = 1e-8, weight_decay: float = 0.0, onebit: Iterable[str] = ("momentum",),
+                 dense_compressor: str = "none"):
         check_adam_numbers(lr, betas, eps, weight_decay)
         self.named = _named(params)
         super().__init__([p for _, p in self.named], dict(lr=lr, betas=tuple(betas), eps=eps,
@@ -107,7 +120,7 @@ class ExchangingAdam(torch.optim.Optimizer):
             transport = DistTransport()
         self.transport = transport
         self.t = 0  # steps taken
-        self._dense = GradientAggregator(self.named, make("none"), transport)
+        self._dense = GradientAggregator(self.named, _dense_compressor(dense_compressor), transport)
         self._compressed = {  # one 1-bit exchange (with its own residuals) per kind of vector sent
             kind: GradientAggregator(self.named, make("efsignsgd"), transport, topology="sharded",
                                      server_compressor=make("efsignsgd", error_feedback=True))

@@ -15,13 +15,14 @@ Methods (``--method``, repeated): ``NAME[:KEY=VALUE,KEY=VALUE...]``.
   optimizer settings, e.g. ``sgd.lr=0.001`` for sign methods) and ``label``. ``error_feedback=true`` works as in
   ``--param``.
 - The methods built for Adam (docs/adam.md): ``onebit_adam`` and ``zero_one_adam`` (``--optimizer onebit_adam``,
-  no compressor; ``freeze_step=N``), and any compressor with ``local_steps=H`` and ``outer=nesterov`` (DiLoCo;
+  no compressor; ``freeze_step=N``; 1-bit Adam's ``warmup=cnat`` sends its warm-up through C_nat, as
+  ``--warmup-compressor``), and any compressor with ``local_steps=H`` and ``outer=nesterov`` (DiLoCo;
   ``outer.lr``, ``outer.momentum``; ``diloco:local_steps=32`` is ``none:local_steps=32,outer=nesterov``), or
   ``dense_steps=N`` (the first N steps dense fp32). These run after backward (``ddp=off``), as their exchange
   is not DDP's; ``lr=`` sets the learning rate of any method (``adam.lr`` too).
 
 Examples: ``topk:density=0.01,feedback=residual``, ``cnat:topology=sharded,server=cnat``,
-``signum:sgd.lr=0.001``, ``torch-powersgd:rank=4``, ``onebit_adam:freeze_step=150``,
+``signum:sgd.lr=0.001``, ``torch-powersgd:rank=4``, ``onebit_adam:freeze_step=150``, ``onebit_adam:warmup=cnat``,
 ``random_dithering:levels=7,local_steps=32,outer=nesterov``, ``powersgd:rank=2,dense_steps=100``.
 """
 
@@ -68,6 +69,7 @@ class Method:
     sgd: dict[str, float] = field(default_factory=dict)
     optimizer: str | None = None  # onebit_adam / zero_one_adam (None: the race's optimizer)
     freeze_step: int | None = None
+    warmup: str = "none"  # 1-bit Adam's warm-up compressor
     local_steps: int | None = None
     outer: dict[str, Any] = field(default_factory=dict)  # optimizer, lr, momentum (DiLoCo's outer step)
     dense_steps: int = 0
@@ -83,7 +85,7 @@ class Method:
         return {"compressor": self.name, "params": self.params, "feedback": self.feedback, "topology": self.topology,
                 "server": self.server, "server_params": self.server_params, "granularity": self.granularity,
                 "ddp": self.ddp, "bucket_cap_mb": self.bucket_cap_mb, "optimizer": self.optimizer,
-                "freeze_step": self.freeze_step, "local_steps": self.local_steps, "outer": self.outer,
+                "freeze_step": self.freeze_step, "warmup": self.warmup, "local_steps": self.local_steps, "outer": self.outer,
                 "dense_steps": self.dense_steps}
 
     def config(self, base=None, num_parameters: int = 0):
@@ -113,6 +115,7 @@ class Method:
             optimizer=self.optimizer or base.optimizer,
             freeze_step=self.freeze_step if self.freeze_step is not None else (
                 base.freeze_step if (self.optimizer or base.optimizer) in ("onebit_adam", "zero_one_adam") else None),
+            warmup_compressor=self.warmup,
             local_steps=self.local_steps,
             outer_optimizer=self.outer.get("optimizer", "sgd"),
             outer_lr=self.outer.get("lr", 0.7 if self.outer.get("optimizer") == "nesterov" else 1.0),
@@ -165,7 +168,7 @@ def parse_method(text: str) -> Method:
                 method.bucket_cap_mb = float(value)
             except ValueError:
                 raise ConfigError(f"--method {text!r}: bucket_cap_mb must be a number, got {value!r}") from None
-        elif key in ("feedback", "topology", "server", "granularity"):
+        elif key in ("feedback", "topology", "server", "granularity", "warmup"):
             setattr(method, key, value)
         elif key in ("freeze_step", "local_steps", "dense_steps"):
             try:

@@ -119,6 +119,7 @@ class TrainConfig:
     dense_steps: int = 0
     # 1-bit Adam's freeze step / 0/1 Adam's variance freeze step (None: DEFAULT_FREEZE_FRACTION of the steps)
     freeze_step: int | None = None
+    warmup_compressor: str = "none"  # 1-bit Adam: what its warm-up's gradients go through (fp32 by default)
     var_update_scaler: int = 16  # 0/1 Adam's kappa
     local_step_scaler: int = 50  # 0/1 Adam: its local-step interval doubles every this many steps
     local_step_clipper: int = 16  # 0/1 Adam: ... to at most this many local steps
@@ -303,6 +304,9 @@ class TrainConfig:
         if self.optimizer not in EXCHANGING_OPTIMIZERS and self.freeze_step is not None:
             raise ConfigError("--freeze-step is 1-bit Adam's and 0/1 Adam's: give --optimizer onebit_adam or "
                               "zero_one_adam")
+        if self.optimizer != "onebit_adam" and self.warmup_compressor != "none":
+            raise ConfigError("--warmup-compressor is 1-bit Adam's (what its dense warm-up sends): give --optimizer "
+                              "onebit_adam, or --dense-steps N for a compressor's fp32 warm-up")
         if self.optimizer not in ADAM_FAMILY and (tuple(self.betas) != (0.9, 0.999) or self.eps != 1e-8):
             raise ConfigError("--beta1 / --beta2 / --eps are AdamW's: give --optimizer adamw")
 
@@ -319,7 +323,8 @@ class TrainConfig:
         if given:
             raise ConfigError(
                 f"--optimizer {name} compresses its own momentum (signs with worker and server error feedback, "
-                f"after a dense warm-up): it takes no {', '.join(given)}. Its warm-up is --freeze-step"
+                f"after a dense warm-up): it takes no {', '.join(given)}. Its warm-up is --freeze-step, and what the warm-up "
+                f"sends, --warmup-compressor"
             )
         if self.steps is None:
             raise ConfigError(f"--optimizer {name} needs --steps (its freeze step is a share of the run's steps)")
@@ -331,6 +336,13 @@ class TrainConfig:
                 f"--freeze-step {freeze} is not before the run's last step ({self.steps} steps): "
                 f"{name} would never compress; give a freeze step below {self.steps}, or use --optimizer adamw"
             )
+        if name == "onebit_adam":
+            from gradcomp.train.compressed_adam import DENSE_COMPRESSORS
+
+            if self.warmup_compressor not in DENSE_COMPRESSORS:
+                raise ConfigError(f"--warmup-compressor must be one of {', '.join(DENSE_COMPRESSORS)} (unbiased or "
+                                  "near-lossless, so AdamW's moments see the gradient's own statistics), got "
+                                  f"{self.warmup_compressor!r}")
         if name == "zero_one_adam":
             for option, value in (("--var-update-scaler", self.var_update_scaler),
                                   ("--local-step-scaler", self.local_step_scaler),
@@ -526,7 +538,8 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, transport: Transport | No
     if cfg.optimizer == "onebit_adam":
         from gradcomp.train.onebit_adam import OneBitAdam
 
-        return OneBitAdam(model, transport, freeze_step=cfg.resolved_freeze_step(), **adam)
+        return OneBitAdam(model, transport, freeze_step=cfg.resolved_freeze_step(),
+                          warmup_compressor=cfg.warmup_compressor, **adam)
     if cfg.optimizer == "zero_one_adam":
         from gradcomp.train.zero_one_adam import ZeroOneAdam
 
@@ -896,6 +909,7 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "server_params": dict(cfg.server_params), "error_feedback": cfg.uses_error_feedback(),
         **({"betas": list(cfg.betas), "eps": cfg.eps} if cfg.optimizer in ADAM_FAMILY else {}),
         **({"freeze_step": cfg.resolved_freeze_step()} if cfg.optimizer in EXCHANGING_OPTIMIZERS else {}),
+        **({"warmup_compressor": cfg.warmup_compressor} if cfg.optimizer == "onebit_adam" else {}),
         **({"outer_optimizer": cfg.outer_optimizer, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
            if cfg.local_steps is not None else {}),
         "dense_steps": cfg.dense_steps,
@@ -979,6 +993,9 @@ def add_training_options(p: argparse.ArgumentParser, *, epochs: float | None = 1
     p.add_argument("--freeze-step", type=int, default=None, metavar="N",
                    help="onebit_adam / zero_one_adam: steps of dense AdamW (0/1 Adam: of variance updates) before "
                         f"the variance freezes (default {round(100 * DEFAULT_FREEZE_FRACTION)} %% of --steps)")
+    p.add_argument("--warmup-compressor", default="none", metavar="NAME",
+                   help="onebit_adam: what its warm-up's gradients go through: none (fp32, the paper's), fp16, bf16, "
+                        "cnat or natural_dithering")
     p.add_argument("--var-update-scaler", type=int, default=16, metavar="K",
                    help="zero_one_adam: variance updates per doubling of their interval (the paper's kappa)")
     p.add_argument("--local-step-scaler", type=int, default=50, metavar="N",
@@ -1046,6 +1063,7 @@ def resolve_training_defaults(args: argparse.Namespace) -> dict:
         "model": args.model,
         "context": d["context"] if args.context is None else args.context,
         "freeze_step": getattr(args, "freeze_step", None),
+        "warmup_compressor": getattr(args, "warmup_compressor", "none"),
         "var_update_scaler": getattr(args, "var_update_scaler", 16),
         "local_step_scaler": getattr(args, "local_step_scaler", 50),
         "local_step_clipper": getattr(args, "local_step_clipper", 16),
