@@ -20,15 +20,17 @@ Variants:
   on this machine;
 - ``torch-pyhook``: torch's own Python ``allreduce_hook`` (``ddp_comm_hooks.default_hooks``): what any Python
   hook costs over the C++ reducer's built-in path;
-- ``none`` / ``topk``: gradcomp's hook (``register_ddp_hook``) as it is now: ``none`` issues each bucket's
-  allreduce from the hook, asynchronously; ``topk`` hands every bucket to the communication thread and
-  returns at once; per-parameter slots (the default ``granularity="layer"``);
+- ``none`` / ``topk``: gradcomp's hook (``register_ddp_hook``) with ``nonfinite="raise"`` (each bucket marked,
+  the verdict read): ``none`` issues each bucket's allreduce from the hook, asynchronously; ``topk`` hands every
+  bucket to the communication thread and returns at once; per-parameter slots (the default
+  ``granularity="layer"``);
 - ``none-blocking`` / ``topk-blocking``: ``blocking_hook`` below, a copy of the hook before the overlap
   (git history of ``src/gradcomp/train/ddp_hook.py``): each bucket is one slot, exchanged completely inside
   the hook, which returns a completed future, so nothing overlaps backward;
 - ``topk-bucket``: the new hook with ``granularity="bucket"`` (overlap, but one slot per bucket as before);
-- ``none-propagate``: ``none`` with ``nonfinite="propagate"``: no finiteness mark and no verdict read, torch DDP's
-  own semantics for a NaN, so the same work as ``torch-pyhook`` plus the hook's bookkeeping.
+- ``none-propagate``: ``none`` with ``nonfinite="propagate"`` (the hook's default): no finiteness mark and no
+  verdict read, torch DDP's own semantics for a NaN, so the same work as ``torch-pyhook`` plus the hook's
+  bookkeeping.
 
 top-k runs at density 0.01 with error feedback. (No ``from __future__ import annotations``: DDP checks the
 hook's annotations at registration.)
@@ -141,14 +143,14 @@ def _build(variant: str, bucket_cap_mb: float):
 
         ddp.register_comm_hook(None, fp16_compress_hook)
     elif variant == "topk-bucket":
-        state = gradcomp.register_ddp_hook(ddp, _method(variant), granularity="bucket")
+        state = gradcomp.register_ddp_hook(ddp, _method(variant), granularity="bucket", nonfinite="raise")
     elif variant == "none-propagate":
         state = gradcomp.register_ddp_hook(ddp, _method(variant), nonfinite="propagate")
     elif variant == "fp16-thread":
-        state = gradcomp.register_ddp_hook(ddp, _method(variant))
+        state = gradcomp.register_ddp_hook(ddp, _method(variant), nonfinite="raise")
         state.direct = False  # every bucket through the thread's exchange
     elif variant not in ("torch", "torch-again"):
-        state = gradcomp.register_ddp_hook(ddp, _method(variant))
+        state = gradcomp.register_ddp_hook(ddp, _method(variant), nonfinite="raise")
     return ddp, state
 
 

@@ -78,7 +78,9 @@ def _scenario(rank: int, args, driver: str, fault: str, group) -> dict:
     scaler = torch.amp.GradScaler("cpu", init_scale=4096.0, growth_interval=1000) if fault == "overflow" else None
     if driver == "hook":
         ddp = DDP(model, bucket_cap_mb=0.001, process_group=group)
-        state = gradcomp.register_ddp_hook(ddp, _method(args.method), scaler=scaler)
+        # without a scaler: nonfinite="raise", the typed error from backward (the default hands the NaN on instead)
+        state = gradcomp.register_ddp_hook(ddp, _method(args.method), scaler=scaler,
+                                           nonfinite="propagate" if scaler else "raise")
         forward = ddp
     else:
         state = gradcomp.GradientAggregator(model, _method(args.method), scaler=scaler)
@@ -108,7 +110,7 @@ def _scenario(rank: int, args, driver: str, fault: str, group) -> dict:
                 state.step()
         except Exception as exc:  # noqa: BLE001 - reported, the demo ends this run here
             seconds = time.monotonic() - started
-            error = state.failure if driver == "hook" else exc
+            error = exc if isinstance(exc, gradcomp.NonFiniteGradientError) or driver != "hook" else state.failure
             unchanged = _same(before, state.state_dict()["exchange"])
             here = {"nan": "  <- NaN here", "corrupt": "  <- received the corrupted message"}.get(fault, "")
             lines.append(

@@ -98,7 +98,7 @@ def _hook(rank: int, world: int) -> dict:
     for label, make in METHODS.items():
         model = _net()
         ddp = DDP(model, bucket_cap_mb=0.001, process_group=group)  # several buckets
-        state = gradcomp.register_ddp_hook(ddp, make(), topology=TOPOLOGY.get(label, "auto"))
+        state = gradcomp.register_ddp_hook(ddp, make(), topology=TOPOLOGY.get(label, "auto"), nonfinite="raise")
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         events = []
         for step in range(BAD_STEP + 1):
@@ -108,11 +108,11 @@ def _hook(rank: int, world: int) -> dict:
             started = time.monotonic()
             try:
                 F.cross_entropy(ddp(x), y).backward()
-            except RuntimeError as exc:
-                failure = state.failure
+            except gradcomp.NonFiniteGradientError as exc:  # the typed error, from backward itself
+                failure = exc
                 events.append({
                     "step": step, "error_step": getattr(failure, "step", None), "type": type(failure).__name__,
-                    "message": str(failure).split(";")[0], "in_backward": "NonFiniteGradientError" in str(exc),
+                    "message": str(failure).split(";")[0], "in_backward": state.failure is None,
                     "unchanged": same(before, state.state_dict()["exchange"]),
                     "seconds": time.monotonic() - started,
                 })
@@ -328,7 +328,7 @@ def _hook_server_overflow(rank: int, world: int, name: str, topology: str) -> di
     model = nn.Linear(40, 30)
     ddp = DDP(model, bucket_cap_mb=0.001)
     params = {"density": 0.1} if name == "sbc" else {}
-    state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name, **params), topology=topology)
+    state = gradcomp.register_ddp_hook(ddp, gradcomp.make(name, **params), topology=topology, nonfinite="raise")
     events = []
     for step in range(4):
         x = torch.full((1, 40), 0.5 + rank)
@@ -338,8 +338,7 @@ def _hook_server_overflow(rank: int, world: int, name: str, topology: str) -> di
         try:
             ddp(x)[:, -1].sum().backward()
             events.append((step, "applied"))
-        except RuntimeError:
-            failure = state.failure
+        except gradcomp.NonFiniteGradientError as failure:
             events.append((step, type(failure).__name__, getattr(failure, "step", None),
                            same(before, state.state_dict()["exchange"])))
             break
@@ -369,7 +368,7 @@ def _hook_refusal_behind_a_dense_slot(rank: int, world: int) -> list[tuple]:
     torch.manual_seed(0)
     model = nn.Linear(40, 2)  # its 2-entry bias is not worth compressing: it goes first, in a dense all-reduce
     ddp = DDP(model)
-    state = gradcomp.register_ddp_hook(ddp, gradcomp.make("qsgd"))  # (the default min_compression_rate)
+    state = gradcomp.register_ddp_hook(ddp, gradcomp.make("qsgd"), nonfinite="raise")  # (default min_compression_rate)
     events = []
     for step in range(4):
         x = torch.full((1, 40), 0.5 + rank)
@@ -379,8 +378,7 @@ def _hook_refusal_behind_a_dense_slot(rank: int, world: int) -> list[tuple]:
         try:
             ddp(x).sum().backward()
             events.append((step, "applied"))
-        except RuntimeError:
-            failure = state.failure
+        except gradcomp.NonFiniteGradientError as failure:
             events.append((step, type(failure).__name__, failure.step, same(before, state.state_dict()["exchange"]),
                            "compression of its finite gradients" in str(failure)))
             break

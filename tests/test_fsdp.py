@@ -221,7 +221,7 @@ def _nan_run(rank, world, name, params, bad):
     from distributed import same
 
     model = _shard(_model(), world)
-    state = gradcomp.compress_fsdp(model, gradcomp.make(name, **params))
+    state = gradcomp.compress_fsdp(model, gradcomp.make(name, **params), nonfinite="raise")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     raised, unchanged = [], []
     for step in range(5):
@@ -568,7 +568,7 @@ def _overflowing_reduce_scatter(rank, world, name):
     from distributed import same
 
     model = _shard(_model(), world)
-    state = gradcomp.compress_fsdp(model, gradcomp.make(name))
+    state = gradcomp.compress_fsdp(model, gradcomp.make(name), nonfinite="raise")
     comm = state.comms[-1]
     inp = torch.full((world * comm.row,), 3e38 if rank == 1 else 0.5)
     before = state.state_dict()
@@ -596,7 +596,7 @@ def _owner_overflow(rank, world, name, params):
     from distributed import same
 
     model = _shard(_model(), world)
-    state = gradcomp.compress_fsdp(model, gradcomp.make(name, **params))
+    state = gradcomp.compress_fsdp(model, gradcomp.make(name, **params), nonfinite="raise")
     comm = state.comms[-1]
     events = []
     for call in range(3):
@@ -746,7 +746,8 @@ def _module_used_twice(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(model.block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    state = gradcomp.compress_fsdp(model, gradcomp.make("topk", density=0.5, error_feedback=True))
+    state = gradcomp.compress_fsdp(model, gradcomp.make("topk", density=0.5, error_feedback=True),
+                                   nonfinite="raise")
     events = []
     for step in range(3):
         model.spoil = step == 1 and rank == 1

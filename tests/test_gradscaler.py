@@ -51,9 +51,12 @@ def _flat(model: nn.Module) -> torch.Tensor:
 def _run(rank: int, label: str, driver: str, scaled: bool, overflow: bool) -> dict:
     model = _net()
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1000) if scaled else None
-    if driver == "hook":
+    if driver.startswith("hook"):
         ddp = DDP(model, bucket_cap_mb=0.001)
-        state = gradcomp.register_ddp_hook(ddp, METHODS[label](), scaler=scaler)
+        # "hook": scaler= given; "hook-unchanged": a loop written for torch's hooks, the hook's defaults;
+        # "hook-raise": nonfinite="raise", no scaler, the typed error caught around backward
+        options = {"hook": {"scaler": scaler}, "hook-unchanged": {}, "hook-raise": {"nonfinite": "raise"}}[driver]
+        state = gradcomp.register_ddp_hook(ddp, METHODS[label](), **options)
         forward, exchange = ddp, None
     else:
         state = gradcomp.GradientAggregator(model, METHODS[label](), scaler=scaler)
@@ -67,22 +70,28 @@ def _run(rank: int, label: str, driver: str, scaled: bool, overflow: bool) -> di
         if overflow and step == BAD_STEP and rank == BAD_RANK:
             loss = loss * float("inf")  # this rank's gradients overflow
         before_params, before_state = _flat(model), state.state_dict()["exchange"]
-        (scaler.scale(loss) if scaler else loss).backward()
+        raised = None
+        try:
+            (scaler.scale(loss) if scaler else loss).backward()
+        except gradcomp.NonFiniteGradientError as exc:
+            if driver != "hook-raise":  # the other loops catch nothing: an error ends them
+                raise
+            raised = exc.step
         if exchange is not None:
             exchange.step()
         scale = scaler.get_scale() if scaler else None
         if scaler:
             scaler.step(opt)
             scaler.update()
-        else:
+        elif raised is None:
             opt.step()
         steps.append({
-            "moved": not torch.equal(before_params, _flat(model)),
+            "raised": raised, "moved": not torch.equal(before_params, _flat(model)),
             "state_unchanged": same(before_state, state.state_dict()["exchange"]),
             "scale_before": scale, "scale_after": scaler.get_scale() if scaler else None,
         })
     out = {"steps": steps, "params": _flat(model), "state": state.state_dict()["exchange"]}
-    if driver == "hook":
+    if driver.startswith("hook"):
         out["failure"] = repr(state.failure)
         state.close(timeout=20)
     return out
@@ -95,6 +104,9 @@ def _worker(rank: int, world: int) -> dict:
             out[driver, label, "overflow"] = _run(rank, label, driver, scaled=True, overflow=True)
             out[driver, label, "scaled"] = _run(rank, label, driver, scaled=True, overflow=False)
             out[driver, label, "plain"] = _run(rank, label, driver, scaled=False, overflow=False)
+    for label in METHODS:
+        out["hook-unchanged", label, "overflow"] = _run(rank, label, "hook-unchanged", scaled=True, overflow=True)
+        out["hook-raise", label, "overflow"] = _run(rank, label, "hook-raise", scaled=False, overflow=True)
     return out
 
 
@@ -104,9 +116,11 @@ def runs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("driver", ["aggregator", "hook"])
+@pytest.mark.parametrize("driver", ["aggregator", "hook", "hook-unchanged"])
 @pytest.mark.parametrize("label", list(METHODS))
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(runs, driver, label):
+    """"hook-unchanged" is a GradScaler loop written for torch's hooks, the hook registered with its defaults
+    (no scaler=): the NaN reaches every rank's gradients, and the scaler skips as it does with torch's hooks."""
     per_rank = [r[driver, label, "overflow"] for r in runs]
     for rank, run in enumerate(per_rank):
         assert run.get("failure", "None") == "None", (rank, run["failure"])
@@ -118,6 +132,20 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(runs, driver, labe
                 assert s["moved"] and s["scale_after"] == s["scale_before"], (rank, step, s)  # training goes on
     assert torch.equal(per_rank[0]["params"], per_rank[1]["params"])  # replicas identical
     assert per_rank[0]["steps"][-1]["scale_after"] == INIT_SCALE / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(METHODS))
+def test_nonfinite_raise_is_the_typed_error_from_backward_on_every_rank_and_training_goes_on(runs, label):
+    per_rank = [r["hook-raise", label, "overflow"] for r in runs]
+    for rank, run in enumerate(per_rank):
+        assert run["failure"] == "None", (rank, run["failure"])  # not a failure of the hook: it goes on
+        for step, s in enumerate(run["steps"]):
+            if step == BAD_STEP:  # caught as gradcomp.NonFiniteGradientError, on both ranks, this step
+                assert s["raised"] == BAD_STEP and not s["moved"] and s["state_unchanged"], (rank, step, s)
+            else:
+                assert s["raised"] is None and s["moved"], (rank, step, s)
+    assert torch.equal(per_rank[0]["params"], per_rank[1]["params"])  # replicas identical
 
 
 @pytest.mark.slow

@@ -59,20 +59,20 @@ completed: one read per backward pass instead of one per bucket, so the thread n
 the last bucket. A bad pass then fails or is skipped at its last bucket, with the earlier buckets' results already
 in their buffers: backward raises, or the scaler skips, before anything is applied.) The method's state is then
 put back to what it was at the start of the pass (a ``snapshot`` taken at the first bucket of every pass: one
-copy of the state per step). Without a scaler (and by default) every rank raises the same NonFiniteGradientError
-(DDP raises it from ``backward`` as a RuntimeError naming it; ``state.failure`` is the original), and later buckets
-are refused. With ``scaler=`` (a ``torch.amp.GradScaler``) the pass is skipped instead: the bad bucket and every later
-one are filled with NaN on every rank, so ``scaler.step`` skips and ``scaler.update`` lowers the scale everywhere;
-gradients are divided by the scale before compression (residuals and momentum in unscaled units) and the average
-multiplied back. ``nonfinite="propagate"`` does the same without a scaler: the NaN gradients go to the user's own
-check (torch's DDP hands a NaN on in the same way). Either way, on the device path, nothing reads the verdict of
-a scheme that only all-reduces, so that a step on a GPU waits for nothing: a stateless one's sum carries a bad
-rank's NaN to every rank by itself, and the others' pass-end flags are applied on the device (``_pass_handed_on``:
-NaN into the pass's buckets and the state put back, by ``torch.where`` on the agreed flag; what reaches ``.grad``
-is the last bucket, and every bucket with ``gradient_as_bucket_view=True``: DDP has copied the others by then).
-(After an error inside backward DDP itself refuses the next iteration: "Expected to have finished reduction in the
-prior iteration"; rebuild the DDP model to go on.) An error on the
-thread (a collective that failed or timed out, a bad message) completes that bucket's future with the
+copy of the state per step). By default (``nonfinite="propagate"``, torch's hooks' behaviour) and with ``scaler=``
+(a ``torch.amp.GradScaler``) the pass is skipped: the bad bucket and every later one are filled with NaN on every
+rank, so an unchanged ``scaler.step`` skips and ``scaler.update`` lowers the scale everywhere (or the user's own
+check decides); with a scaler, gradients are divided by the scale before compression (residuals and momentum in
+unscaled units) and the average multiplied back. With ``nonfinite="raise"`` the pass is skipped the same way, and
+then every rank raises the same NonFiniteGradientError from ``backward`` itself, the typed error, once DDP has
+ended the pass cleanly (``CompressionHookState._raise_at_the_end``): the next backward works. On the device path,
+when nothing raises, nothing reads the verdict of a scheme that only all-reduces, so that a step on a GPU waits
+for nothing: a stateless one's sum carries a bad rank's NaN to every rank by itself, and the others' pass-end
+flags are applied on the device (``_pass_handed_on``: NaN into the pass's buckets and the state put back, by
+``torch.where`` on the agreed flag; what reaches ``.grad`` is the last bucket, and every bucket with
+``gradient_as_bucket_view=True``: DDP has copied the others by then).
+(After any other error inside backward DDP itself refuses the next iteration: "Expected to have finished
+reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the thread (a collective that failed or timed out, a bad message) completes that bucket's future with the
 exception; DDP raises it from ``backward`` as a RuntimeError whose message names the original exception and
 its traceback (the original object is ``state.failure``). (A message that fails its checks is not such an error at
 once: it is noted, the pass goes on, and at its last bucket the ranks agree on it, ``settle``, so that every rank
@@ -148,6 +148,13 @@ DEFAULT_MIN_COMPRESSION_RATE = 2.0
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group time-out, when the group's own cannot be read
 
 
+# what a NonFiniteGradientError of the hook says to do instead
+HOOK_REMEDY = (
+    "to skip such steps and train on as torch's DDP does, leave nonfinite= at its default (\"propagate\": the NaN "
+    "reaches every rank's gradients, the method's state untouched) and let your GradScaler or check skip the step, "
+    "or pass scaler=your_grad_scaler to register_ddp_hook"
+)
+
 CLOSED = (
     "this DDP hook state was closed; torch allows one communication hook per DistributedDataParallel model, so wrap "
     "the module in a new DistributedDataParallel, register a hook on it and load this state's state_dict() into it"
@@ -213,6 +220,9 @@ class _CommThread:
         self._pass_checks = DeviceChecks()
         self._pass_refusals = Refusals()
         self._failure: BaseException | None = None
+        # nonfinite="raise": the agreed NonFiniteGradientError of the pass, raised from backward once DDP has
+        # finished the pass (``CompressionHookState._raise_at_the_end``), not through a future
+        self._pass_error: NonFiniteGradientError | None = None
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
         self._pending = 0
@@ -224,6 +234,17 @@ class _CommThread:
     def failure(self) -> BaseException | None:
         with self._cond:
             return self._failure
+
+    def refuse_pass(self, error: NonFiniteGradientError) -> None:
+        """Note the pass's agreed non-finite verdict (the first of the pass) for backward to raise at its end."""
+        with self._cond:
+            if self._pass_error is None:
+                self._pass_error = error
+
+    def take_pass_error(self) -> NonFiniteGradientError | None:
+        with self._cond:
+            error, self._pass_error = self._pass_error, None
+            return error
 
     def fail(self, exc: BaseException) -> BaseException:
         """Record ``exc`` as the first failure unless one is recorded already; returns the first failure."""
@@ -372,7 +393,7 @@ class _CommThread:
                 here = self._not_finite(job)
             self.exchange.restore(self._snapshot)
             if not self.propagate:
-                raise agreed_non_finite(job.step, here + self.exchange.refusal())
+                self.refuse_pass(agreed_non_finite(job.step, here + self.exchange.refusal(), remedy=HOOK_REMEDY))
             self._skipping = True
             job.buffer.fill_(float("nan"))  # on every rank: the scaler's found_inf (or the user's check) skips
             return
@@ -385,7 +406,7 @@ class _CommThread:
                 and not self._pass_handed_on() and self._pass_abandoned(job)):
             self.exchange.restore(self._snapshot)
             if not self.propagate:
-                raise agreed_non_finite(job.step, self._locally_bad())
+                self.refuse_pass(agreed_non_finite(job.step, self._locally_bad(), remedy=HOOK_REMEDY))
             for buffer, _, _ in self._pass_buckets:
                 buffer.fill_(float("nan"))  # the pass's buckets (the last reaches .grad): the scaler (or user) skips
             return
@@ -504,7 +525,7 @@ class CompressionHookState:
         granularity: str = "layer",
         min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
         scaler: torch.amp.GradScaler | None = None,
-        nonfinite: str = "raise",
+        nonfinite: str = "propagate",
     ):
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -591,6 +612,9 @@ class CompressionHookState:
             raise CommunicationError(CLOSED)
         if bucket.index() == 0:  # DDP hands buckets over in index order: a new backward pass
             self._pass_slots, self._pass_sizes, self._direct_pass = [], {}, []
+            self._worker.take_pass_error()  # (one a pass that ended in another error left unraised)
+        if bucket.is_last() and not self._worker.propagate:
+            self._raise_at_the_end()
         buffer = bucket.buffer()
         if self.direct:  # finiteness rides on the allreduce itself (see ``_direct``)
             slots, names = [], []
@@ -637,6 +661,24 @@ class CompressionHookState:
         self._worker.submit(job)
         return chained
 
+    def _raise_at_the_end(self) -> None:
+        """``nonfinite="raise"``: the pass's agreed NonFiniteGradientError is raised from ``backward`` itself, the
+        typed error on every rank, once DDP has finished the pass (every bucket's future completed, with NaN where
+        the pass was found bad, so that DDP's reducer ends the pass cleanly and the next backward works). A future
+        completed with the error instead would reach the user as DDP's RuntimeError naming it, and leave DDP's
+        reducer mid-pass. DDP queues its own end of the pass with the autograd engine after this last bucket's hook
+        returns; a callback queued here runs before it, so it queues the check, which the engine then runs after
+        DDP's (callbacks queued while the engine runs its callbacks run after those already queued)."""
+        engine = torch.autograd.Variable._execution_engine
+        worker = self._worker  # (not self: the engine holds the callbacks only until the pass ends)
+
+        def check() -> None:
+            error = worker.take_pass_error()
+            if error is not None:
+                raise error
+
+        engine.queue_callback(lambda: engine.queue_callback(check))
+
     def _direct(self, buffer: Tensor, step: int, index: int, last: bool = True) -> torch.futures.Future:
         """``none``, ``fp16``, ``bf16``: the bucket buffer *is* its parameters' gradients back to back, so the
         scheme's message is the buffer itself (``none``) or its cast (the cast of the concatenation is the
@@ -669,12 +711,10 @@ class CompressionHookState:
         """
         transport = self.transport
         failure = self._worker.failure
-        # A bucket of this pass found not finite (its callback, on gloo's thread, may have run before DDP hands
-        # over the pass's next bucket) is every rank's verdict: the pass's other buckets are still all-reduced, so
-        # that the ranks' collectives stay matched, and every rank raises that NonFiniteGradientError from
-        # backward. Any other failure, or one of an earlier pass: the sequences may no longer agree, nothing more.
-        this_pass = isinstance(failure, NonFiniteGradientError) and failure.step == step
-        if failure is not None and not this_pass:
+        # (a bucket of this pass found not finite is no failure: the pass's other buckets are still all-reduced, so
+        # that the ranks' collectives stay matched, and every rank raises at the pass's end.) A failure: the
+        # sequences may no longer agree, nothing more is sent.
+        if failure is not None:
             raise _refusal(failure, "an earlier exchange of this DDP hook failed")
         compressor = self.scheme.compressor
         flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
@@ -714,10 +754,10 @@ class CompressionHookState:
                 if not bool(torch.isfinite(firsts).all()):
                     sums = torch.isfinite(torch.stack([t for _, t, _ in pass_reads])).tolist()
                     here = [f"bucket {i}" for (_, _, i), ok in zip(pass_reads, sums) if not ok]
-            if here is not None:
-                error = agreed_non_finite(step, here)
-                self._worker.fail(error)
-                raise error
+            if here is not None:  # every rank's verdict: NaN in its gradients, raised at the pass's end
+                self._worker.refuse_pass(agreed_non_finite(step, here, remedy=HOOK_REMEDY))
+                buffer.fill_(float("nan"))
+                return buffer
             if flat is not buffer:
                 buffer.copy_(flat)
             if scale is not None:
@@ -806,7 +846,7 @@ def register_ddp_hook(
     min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
     process_group: dist.ProcessGroup | None = None,
     scaler: torch.amp.GradScaler | None = None,
-    nonfinite: str = "raise",
+    nonfinite: str = "propagate",
 ) -> CompressionHookState:
     """Register gradcomp's hook on a DDP model; returns the state (checkpoint it with ``state_dict()``).
 
@@ -818,14 +858,19 @@ def register_ddp_hook(
     different ranks and the job would hang. Hence, like ``new_group``, this must be called on every rank of
     the job (every rank of the DDP group when that group is a subgroup), in the same order.
 
-    ``nonfinite``: what a NaN / Inf gradient on some rank does (the module docstring, "Non-finite"). ``"raise"``
-    (default): every rank raises the same NonFiniteGradientError from ``backward``, before anything of the step is
-    applied; on a GPU that costs one read of the agreed verdict per backward pass. ``"propagate"``: nothing raises;
-    the step's gradients hold NaN on every rank, identically (as with torch's own DDP, and as with ``scaler=``, which
-    implies it), the method's state is put back as it was before the pass, and a check of your own decides (a
-    GradScaler, ``clip_grad_norm_(..., error_if_nonfinite=True)``, a finite-loss test). For the methods that
-    only all-reduce (none, fp16, bf16, random-k, random block, PowerSGD, sketched SGD, true top-k) the hook then
-    reads nothing from the GPU in a step; the others still read their verdict with their message checks.
+    ``nonfinite``: what a NaN / Inf gradient on some rank does (the module docstring, "Non-finite").
+    ``"propagate"`` (default, torch's hooks' behaviour): nothing raises; the step's gradients hold NaN on every
+    rank, identically (as with torch's own DDP, and as with ``scaler=``, which implies it), the method's state is
+    put back as it was before the pass, and a check of your own decides: an unchanged GradScaler loop skips the
+    step (``scaler.step`` sees the NaN) and lowers its scale, ``clip_grad_norm_(..., error_if_nonfinite=True)``
+    raises, a finite-loss test skips. For the methods that only all-reduce (none, fp16, bf16, random-k, random
+    block, PowerSGD, sketched SGD, true top-k) the hook then reads nothing from the GPU in a step; the others
+    still read their verdict with their message checks. ``scaler=`` adds unscaling before compression (error
+    feedback and momentum in unscaled units). ``"raise"``: every rank raises the same
+    ``gradcomp.NonFiniteGradientError`` from ``backward`` (catch it there: ``except
+    gradcomp.NonFiniteGradientError``), after DDP has finished the pass, with the method's state as before it and
+    NaN in the gradients; the next backward works as usual. On a GPU that costs one read of the agreed verdict
+    per backward pass.
     """
     compiled = getattr(model, "_orig_mod", None)  # torch.compile(DDP(model)): the hook goes on the DDP model inside
     if isinstance(compiled, nn.parallel.DistributedDataParallel):

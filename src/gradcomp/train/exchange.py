@@ -120,13 +120,22 @@ def any_abandons(verdicts: Sequence[Tensor]) -> Tensor:
     return torch.stack([f.reshape(()) for f in verdicts]).any()
 
 
-def agreed_non_finite(step: int, here: Sequence[str] = ()) -> NonFiniteGradientError:
+AGGREGATOR_REMEDY = (
+    "to skip such steps and train on, pass scaler=your_grad_scaler (fp16 autocast) or nonfinite=\"propagate\" (the "
+    "NaN reaches every worker's gradients for your own check), or catch gradcomp.NonFiniteGradientError around "
+    "step() and skip the optimizer step"
+)
+
+
+def agreed_non_finite(step: int, here: Sequence[str] = (), remedy: str = AGGREGATOR_REMEDY) -> NonFiniteGradientError:
     """The error every worker raises, at the same exchange, when the workers agreed that some worker's gradients
-    were not finite; ``here``: this worker's non-finite tensors, if any (only their own worker names them)."""
+    were not finite; ``here``: this worker's non-finite tensors, if any (only their own worker names them);
+    ``remedy``: what to do instead, for the caller's API."""
     mine = f"; on this worker in {', '.join(here)}" if here else ""
     return NonFiniteGradientError(
         f"non-finite (NaN or Inf) gradient at exchange {step} on at least one worker: every worker stops at this "
-        f"exchange and nothing of it was applied (no residual or momentum changed){mine}",
+        f"exchange and nothing of it was applied (no residual or momentum changed). {remedy[0].upper()}"
+        f"{remedy[1:]}{mine}",
         step=step,
     )
 

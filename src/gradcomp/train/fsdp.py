@@ -66,9 +66,10 @@ Other choices:
   slots of the parameters that train when it is saved.
 - Sharding: only FSDP2's default dim-0 sharding (``Shard(0)``) is carried; a ``shard_placement_fn`` that
   shards another dim is refused at registration (FSDP reorders such gradients before the copy-in).
-- NaN / Inf in a gradient on any rank: every rank raises the same ``NonFiniteGradientError`` from ``backward``, in
-  the same backward pass, and no rank's state changes. The ranks learn it from the calls' own messages, without a
-  round of their own (``drive_agreeing``: a bad rank marks its buffers, which every rank receives a chunk of). The
+- NaN / Inf in a gradient on any rank, with ``nonfinite="raise"``: every rank raises the same
+  ``NonFiniteGradientError`` from ``backward``, in the same backward pass, and no rank's state changes (by default,
+  ``"propagate"``, the pass is skipped instead: see the end of this item). The ranks learn it from the calls' own
+  messages, without a round of their own (``drive_agreeing``: a bad rank marks its buffers, which every rank receives a chunk of). The
   state keeps one journal for the whole pass (``FSDPCompressionState.pass_begins``; FSDP calls every module's
   reduce-scatter once per pass, in the same order on every rank), so a bad pass puts back every slot its calls
   changed, the finite calls before the bad one included, and every call's step count. A message that is itself not
@@ -87,7 +88,8 @@ Other choices:
   message that failed its checks (on either path) is noted and the pass goes on (``wire.container.refusing_later``);
   at its end the ranks agree on it (``train.exchange.settle``: one 4-byte all-reduce, read with the pass's checks)
   and every rank raises WireError, the pass undone.
-  With ``scaler=`` (fp16 mixed precision) or ``nonfinite="propagate"`` nothing raises: the backward pass is skipped
+  With ``scaler=`` (fp16 mixed precision) or ``nonfinite="propagate"`` (the default) nothing raises: the backward
+  pass is skipped
   on every rank instead, its state put back. At a bad call read at once, that call's output is filled with NaN and
   nothing is sent for the pass's later calls (their outputs NaN too); at the pass's end, the ``.grad`` of every
   parameter the pass's calls served is filled with NaN. Either way the scaler's check (or the user's) skips the step
@@ -137,6 +139,13 @@ try:  # torch >= 2.6 (FSDP2's custom collectives: 2.8)
 except ImportError:  # pragma: no cover - an older torch
     FSDPModule = None  # type: ignore[assignment,misc]
     ReduceScatter = object  # type: ignore[assignment,misc]
+
+# what a NonFiniteGradientError of compress_fsdp says to do instead
+FSDP_REMEDY = (
+    "to skip such steps and train on as FSDP does, leave nonfinite= at its default (\"propagate\") and let your "
+    "GradScaler or check skip the step, or pass scaler=your_grad_scaler. Having caught this error, call "
+    "reset_iter_state() on the root FSDP module and zero_grad() before the next step"
+)
 
 
 @dataclass(frozen=True)
@@ -348,7 +357,7 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                 if refused is not None:
                     here.append(refusal_note(refused))
                 state.call_ends()
-                raise agreed_non_finite(step, here)
+                raise agreed_non_finite(step, here, remedy=FSDP_REMEDY)
             if held:  # this rank's flag, to name its parameters if the pass's read finds it bad
                 state.pass_mine.append((self, finite))
             output_tensor.zero_()
@@ -465,7 +474,8 @@ class FSDPCompressionState:
                 return
             self.pass_abandoned()
             if not self.propagate:
-                raise agreed_non_finite(first, locally_bad([([p.name for p in c.pieces], f) for c, f in mine]))
+                raise agreed_non_finite(first, locally_bad([([p.name for p in c.pieces], f) for c, f in mine]),
+                                        remedy=FSDP_REMEDY)
             for comm in called:
                 for param in comm.params:
                     if param.grad is not None:  # the pass's gradients, on every rank: the scaler (or user) skips
@@ -597,7 +607,7 @@ def compress_fsdp(
     *,
     process_group: dist.ProcessGroup | None = None,
     scaler: Any = None,
-    nonfinite: str = "raise",
+    nonfinite: str = "propagate",
 ) -> FSDPCompressionState:
     """Compress the gradient reduce-scatter of every FSDP2 module in ``model`` with ``compressor``.
 
@@ -611,9 +621,10 @@ def compress_fsdp(
     in unscaled units) and the average multiplied back; a backward pass in which some rank's gradients were not
     finite is skipped instead of raised: every rank's gradients of the pass are NaN (from the bad call on, or, on the
     device path, all of them at the pass's end), so the scaler skips the step and lowers its scale everywhere, and
-    the residuals and step counts go back to where the pass began. ``nonfinite``: ``"raise"`` (default, without a
-    scaler: every rank raises the same NonFiniteGradientError from the same backward pass, its state put back) or
-    ``"propagate"`` (the same skipping without a scaler, for a check of your own). ConfigError for anything else,
+    the residuals and step counts go back to where the pass began. ``nonfinite``: ``"propagate"`` (default, as
+    FSDP's own reduce-scatter: the same skipping without a scaler, the NaN in every rank's gradients for a check of
+    your own, e.g. an unchanged GradScaler loop) or ``"raise"`` (every rank raises the same
+    NonFiniteGradientError from the same backward pass, its state put back). ConfigError for anything else,
     before anything is registered.
     """
     if FSDPModule is None:  # pragma: no cover

@@ -77,7 +77,7 @@ def run_fsdp_worker(cfg: Any, transport: Transport, device: torch.device, *, com
     template = build_model(cfg.model, data, cfg.seed)
     model = shard_model(copy.deepcopy(template).to(device), transport.world_size, device)
     compressor, _ = cfg.build_compressors()
-    state = compress_fsdp(model, compressor) if compress else None
+    state = compress_fsdp(model, compressor, nonfinite="raise") if compress else None  # the CLI stops at a NaN
     counter = state.counter if state is not None else ByteCounter()
     optimizer = make_optimizer(model, cfg)
     batches = Batches(data, cfg, transport.rank)

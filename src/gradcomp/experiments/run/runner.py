@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -323,8 +324,8 @@ class TrainConfig:
         if given:
             raise ConfigError(
                 f"--optimizer {name} compresses its own momentum (signs with worker and server error feedback, "
-                f"after a dense warm-up): it takes no {', '.join(given)}. Its warm-up is --freeze-step, and what the warm-up "
-                f"sends, --warmup-compressor"
+                f"after a dense warm-up): it takes no {', '.join(given)}. Its warm-up is --freeze-step, and what "
+                "the warm-up sends, --warmup-compressor"
             )
         if self.steps is None:
             raise ConfigError(f"--optimizer {name} needs --steps (its freeze step is a share of the run's steps)")
@@ -737,7 +738,8 @@ def run_worker(
         no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
                    inspect.signature(nn.parallel.DistributedDataParallel).parameters else "broadcast_buffers")
         trained = nn.parallel.DistributedDataParallel(model, **{no_sync: False}, **ddp_options)
-        register = register_hook or register_ddp_hook
+        # (the command line stops at a non-finite gradient, with the typed error, where a user's loop may skip it)
+        register = register_hook or functools.partial(register_ddp_hook, nonfinite="raise")
         hook = register(trained, compressor, topology=cfg.topology, server_compressor=server)
         exchange, transport, aggregator = hook.exchange, hook.transport, hook
     elif exchanging:  # 1-bit Adam / 0/1 Adam: its state (moments and residuals) is the optimizer's
