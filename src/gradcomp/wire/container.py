@@ -31,7 +31,9 @@ device and filled at increasing offsets: each section header, and each section's
 caller's tensor straight into the output: through a ``view(dtype)`` of the output slice when its offset is a multiple
 of the item size (``copy_`` casts on the way, so an fp32 field sent as F16 is read once and written once), as bytes
 otherwise (F32 data starts at byte 30 in a one-field message). The checksum is then computed over the body slice of
-the output in place, and the 20-byte header is written last. Earlier code (same bytes) encoded every field into its
+the output in place (on the CPU, a large float section's checksum is taken piece by piece as it is written, while each
+piece is in the cache; the other bytes are checksummed after they are written), and the 20-byte header is written
+last. Earlier code (same bytes) encoded every field into its
 own tensor, concatenated them into the body and concatenated header and body: two full copies of the body and two
 fresh allocations, which dominated the dense fp16/bf16 compressors. The output is always freshly allocated, never a
 reused buffer: callers keep it (gathered messages, residuals, several messages of one step alive at once), so reusing
@@ -89,7 +91,7 @@ from gradcomp.wire.bits import (
     packed_nbytes,
     packs_into,
 )
-from gradcomp.wire.checksum import checksum64, checksum64_tensor, to_host
+from gradcomp.wire.checksum import RunningChecksum64, checksum64, checksum64_tensor, to_host
 from gradcomp.wire.golomb import (
     MAX_RICE_PARAMETER,
     MAX_UNIVERSE,
@@ -449,6 +451,37 @@ def _put_float(
         out[off : off + nbytes].copy_(_raw_bytes(src, dtype, out.device))
 
 
+# A float section of at least two pieces of this many bytes is written and checksummed piece by piece on the CPU
+# (_put_float_summed); smaller ones are written whole and checksummed with the bytes around them.
+_SUMMED_PIECE = 1 << 19
+
+
+def _summed_applies(off: int, nbytes: int, src: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`_put_float_summed` writes this float section: at least two pieces, aligned, from one
+    contiguous run of CPU memory (the others are written whole by :func:`_put_float`)."""
+    return nbytes >= 2 * _SUMMED_PIECE and off % dtype.itemsize == 0 and src.device.type == "cpu" and (
+        src.is_contiguous()
+    )
+
+
+def _put_float_summed(
+    out: torch.Tensor, mem: np.ndarray, off: int, nbytes: int, src: torch.Tensor, dtype: torch.dtype,
+    running: RunningChecksum64,
+) -> None:
+    """:func:`_put_float` for a large section on the CPU (:func:`_summed_applies`), the checksum taken as it goes:
+    each piece of :data:`_SUMMED_PIECE` bytes is written (cast on the way, as ``copy_`` casts) and at once added to
+    ``running`` while it is still in the cache, so the body is not read back from memory for its checksum
+    afterwards (on the project's machine that read was most of what encoding an fp16 message cost beyond the
+    cast). The bytes are those of :func:`_put_float`."""
+    item = dtype.itemsize
+    flat, target = src.reshape(-1), out[off : off + nbytes].view(dtype)
+    step = _SUMMED_PIECE // item
+    for start in range(0, flat.numel(), step):
+        piece = target[start : start + step]
+        piece.copy_(flat[start : start + step])
+        running.update(mem[off + start * item : off + (start + piece.numel()) * item])
+
+
 def _raw_bytes(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The values of the non-empty ``src`` in ``dtype`` on ``device`` as a flat uint8 view (a copy only when needed)."""
     flat = src.reshape(-1).to(device=device, dtype=dtype).contiguous()
@@ -608,6 +641,10 @@ def encode(
     out = torch.empty(HEADER_BYTES + body_length, dtype=torch.uint8, device=device)
     mem = out.numpy() if on_host else None  # the output's own memory, for struct and small copies
     heads: list[tuple[int, bytes]] = []  # section headers to write on other devices
+    # the host path's checksum of a message with a large float section, taken in order: such sections as they are
+    # written (_put_float_summed), the other bytes from `summed` up to the next one, or up to the end (summed None:
+    # none yet; a message without one is checksummed whole at the end, as before)
+    running, summed = RunningChecksum64(), None
     off = HEADER_BYTES
     for codec, param, n, nbytes, data, later in plan:
         if mem is not None:
@@ -616,7 +653,13 @@ def encode(
             heads.append((off, _SECTION.pack(int(codec), param, n, nbytes)))
         off += SECTION_HEADER_BYTES
         if codec in FLOAT_DTYPES:
-            _put_float(out, mem, off, nbytes, data, FLOAT_DTYPES[codec])
+            dtype = FLOAT_DTYPES[codec]
+            if mem is not None and _summed_applies(off, nbytes, data, dtype):
+                running.update(mem[HEADER_BYTES if summed is None else summed : off])  # before it, its header too
+                _put_float_summed(out, mem, off, nbytes, data, dtype, running)
+                summed = off + nbytes
+            else:
+                _put_float(out, mem, off, nbytes, data, dtype)
         elif later:  # a BITS field left for this pass (see pass 1); CPU only, so mem is the output's memory
             pack_bits_into(data, param, mem[off : off + nbytes])
         elif mem is not None and nbytes <= _SMALL_COPY:
@@ -625,7 +668,12 @@ def encode(
             out[off : off + nbytes].copy_(data)
         off += nbytes
     if mem is not None:
-        _HEADER.pack_into(mem, 0, MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, checksum64(out[HEADER_BYTES:]))
+        if summed is None:
+            checksum = checksum64(out[HEADER_BYTES:])
+        else:
+            running.update(mem[summed:off])
+            checksum = running.value()
+        _HEADER.pack_into(mem, 0, MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, checksum)
         return out
     # The device path: nothing is read back. The header's first 12 bytes go with the section headers; the checksum is
     # computed where the body is (checksum64_tensor) and written as the header's last 8 bytes (little-endian u64).
