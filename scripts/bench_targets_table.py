@@ -3,7 +3,8 @@
     python scripts/bench_targets_table.py benchmarks/bench-synthetic-10M.json
 
 One line per row that has a target: the compressor and its settings, the reference it is judged against (the
-copy timed beside the row, ``xbeside``, or the bare cast timed beside it, ``xcast``), compress+encode and the
+copy timed beside the row, ``xbeside``, or a cast plus the wire's checksum of its bytes timed beside it,
+``xcast+sum``), compress+encode and the
 reference in ms (medians), the measured ratio, the target and met / MISSED; then the count, and the run's
 metadata (load average, threads, batched copy) in one line. Reads only the JSON: the judgement is the bench's own
 (``target_met``), the table adds nothing to it.
@@ -24,14 +25,14 @@ def rows_table(result: dict) -> str:
         if r.get("target") is None:
             continue
         cast = r.get("target_kind") == "cast"
-        ref_s = r.get("cast_beside_s") if cast else r.get("memcpy_beside_s")
+        ref_s = r.get("cast_checksum_beside_s") if cast else r.get("memcpy_beside_s")
         value = r.get("target_value")
         ok = r.get("target_met")
         total += 1
         met += bool(ok)
         setting = str(r.get("setting", "")).replace("|", "\\|")
         lines.append(
-            f"| {r['compressor']} | {setting} | {'bare cast (xcast)' if cast else 'copy (xbeside)'} "
+            f"| {r['compressor']} | {setting} | {'cast + checksum (xcast+sum)' if cast else 'copy (xbeside)'} "
             f"| {1000 * r['compress_encode_s']:.2f} | {'–' if ref_s is None else f'{1000 * ref_s:.2f}'} "
             f"| {'–' if value is None else f'{value:.3g}'} "
             f"| {'≤' if cast else '≥'} {r['target']:.3g} "

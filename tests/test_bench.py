@@ -313,8 +313,9 @@ def test_broken_unsketch_aborts(monkeypatch):
 
 
 def _targeted(device: str) -> dict:
-    """A bench result at the targets' size, by hand: fp16 slower than its cast target, randomk above its target
-    against the copy beside it (1.5 vs 2 x GRACE's 0.65) but below it against the batched memcpy row."""
+    """A bench result at the targets' size, by hand: fp16 slower than its target (1.6 x a cast plus its checksum,
+    although 1.0 x a bare cast alone), randomk above its target against the copy beside it (1.5 vs 2 x GRACE's
+    0.65) but below it against the batched memcpy row."""
     rows = [
         {
             "input": "synthetic",
@@ -325,9 +326,11 @@ def _targeted(device: str) -> dict:
             "compress_encode_vs_memcpy": batched,
             "compress_encode_vs_memcpy_beside": beside,
             "compress_encode_vs_cast": cast,
+            "compress_encode_vs_cast_checksum": reference,
         }
-        for name, params, batched, beside, cast in (
-            ("fp16", {}, 0.2, 0.3, 1.6), ("randomk", {"density": 0.01}, 1.2, 1.5, None), ("none", {}, 0.9, 1.0, None)
+        for name, params, batched, beside, cast, reference in (
+            ("fp16", {}, 0.2, 0.3, 1.0, 1.6), ("randomk", {"density": 0.01}, 1.2, 1.5, None, None),
+            ("none", {}, 0.9, 1.0, None, None),
         )
     ]
     meta = {"device": device, "inputs": {"synthetic": {"numel": targets.TARGET_SIZE}}, "skipped": []}
@@ -349,7 +352,9 @@ def test_rows_are_judged_against_the_references_timed_beside_them():
     assert randomk["target_value"] == 1.5 and randomk["target_met"] is True
     assert randomk["target_met_batched"] is False  # the batched memcpy row (1.2) is reported, not judged on
     assert result["meta"]["targets"]["missed_batched"] == ["randomk [s] 1.2 vs 1.3"]
-    fp16["compress_encode_vs_cast"] = 1.2  # within 1.25 bare casts: met, whatever its fraction of memcpy
+    assert fp16["target_value"] == 1.6 and fp16["target_met"] is False  # the bare cast's 1.0 is not judged
+    fp16["compress_encode_vs_cast"] = 2.0  # over 1.25 bare casts, within 1.25 casts + checksums: met
+    fp16["compress_encode_vs_cast_checksum"] = 1.2
     targets.apply_targets(result)
     assert fp16["target_value"] == 1.2 and fp16["target_met"] is True and fp16["target_met_batched"] is None
     result["meta"].update(
@@ -373,12 +378,18 @@ def test_rows_are_judged_against_the_references_timed_beside_them():
         )
     report = bench.format_report(result)
     assert "2 of 2 rows met" in report
-    assert "  met     fp16 [s] 1.2 x cast vs 1.25 (<= 1.25 x a bare cast to float16)" in report.splitlines()
+    assert ("  met     fp16 [s] 1.2 x (cast + checksum) vs 1.25 (<= 1.25 x (a cast to float16 + the wire's "
+            "checksum of its bytes))") in report.splitlines()
     line = ("against the batched memcpy row instead (xmemcpy, the earlier reference): 0 of 1 memcpy-fraction "
             "targets met; missed by 1: randomk [s] 1.2 vs 1.3")
     assert line in report.splitlines()
     table = format_table(result)
-    assert "<=1.25xcast" in table and ">=1.3xbeside" in table
+    assert "<=1.25xcast+sum" in table and ">=1.3xbeside" in table
+    fp16["compress_encode_vs_cast_checksum"] = 1.26  # just over: MISSED in the table and the report
+    targets.apply_targets(result)
+    assert fp16["target_met"] is False and "MISSED" in format_table(result).splitlines()[2]
+    assert ("  MISSED  fp16 [s] 1.26 x (cast + checksum) vs 1.25 (<= 1.25 x (a cast to float16 + the wire's "
+            "checksum of its bytes))") in bench.format_report(result).splitlines()
 
 
 def test_targets_come_from_the_data_file():
@@ -396,14 +407,24 @@ def test_targets_come_from_the_data_file():
             assert target >= data["grace_factor"] * grace["fraction"] and "GRACE" in basis
 
 
-def test_cast_rows_time_a_bare_cast_beside_each_repeat(monkeypatch):
-    # seven readings a round for fp16 (compress, encode, decode, decompress, the copy, the cast): one second each
+def test_cast_rows_time_a_cast_and_its_checksum_beside_each_repeat(monkeypatch):
+    # eight readings a round for fp16 (compress, encode, decode, decompress, the copy, the cast, its checksum):
+    # each part lasts one second
     monkeypatch.setattr(timing, "Timer", _CountingClock)
+    summed = []
+    monkeypatch.setattr(timing, "checksum64", lambda buf: summed.append(buf.clone()))
     res = bench.run_bench(size=bench.BESIDE_MIN_NUMEL, repeats=3, compressors=["fp16"], inputs=["synthetic"])
     row = res["rows"][1]
     assert (row["compress_encode_s"], row["memcpy_beside_s"], row["cast_beside_s"]) == (2.0, 1.0, 1.0)
+    assert (row["checksum_beside_s"], row["cast_checksum_beside_s"], row["encode_decode_s"]) == (1.0, 2.0, 2.0)
     assert row["compress_encode_vs_cast"] == 2.0
-    assert "xcast" in bench.format_report(res)
+    assert row["compress_encode_vs_cast_checksum"] == row["encode_decode_vs_cast_checksum"] == 1.0
+    # the reference's checksum is the wire's, of the cast's own bytes, once per round (warm-up included)
+    cast = cases.synthetic_gradient(bench.BESIDE_MIN_NUMEL).to(torch.float16).view(torch.uint8)
+    assert len(summed) == 3 + row["warmup_rounds"] and all(torch.equal(b, cast) for b in summed)
+    report = bench.format_report(res)
+    assert "xcast+sum" in report
+    assert "synthetic fp16: cast 1e+03 ms + checksum 1e+03 ms beside the row (median of the sums 2e+03 ms)" in report
 
 
 def _scripted_faults(monkeypatch, per_round):

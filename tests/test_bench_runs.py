@@ -84,3 +84,16 @@ def test_a_run_without_the_copies_beside_or_the_synthetic_input_is_refused():
 def test_no_targets_says_so():
     text = bench_runs.summarise([_run(0.002, [("none", None, 0.3, 0.4)])])
     assert text.endswith("No row has a target (they apply to the synthetic input at the default --size, on the CPU).")
+
+
+def test_cast_rows_are_judged_against_a_cast_and_its_checksum_over_the_runs():
+    runs = []
+    for judged, bare in ((1.3, 1.0), (1.2, 1.0), (1.4, 1.0)):  # at most 1.25 x (cast + checksum); 1.0 bare casts
+        run = _run(0.002, [("fp16", 1.25, 0.3, 0.4)])
+        run["rows"][1].update(target_kind="cast", compress_encode_vs_cast=bare,
+                              compress_encode_vs_cast_checksum=judged, encode_decode_vs_cast_checksum=judged - 0.5,
+                              decode_decompress_vs_cast_checksum=0.9, cast_beside_s=0.002, checksum_beside_s=0.001)
+        runs.append(run)
+    text = bench_runs.summarise(runs)
+    assert "| fp16 [s] | 1.25 | 1.3 (1.2-1.4) | **missed** | 1.3 (1.2-1.4) | **missed** |" in text
+    assert "| fp16 [s] | 1.3 (1.2-1.4) | 0.8 (0.7-0.9) | 0.9 (0.9-0.9) | 2 (2-2) | 1 (1-1) |" in text

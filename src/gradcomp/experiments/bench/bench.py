@@ -55,9 +55,14 @@ def run_bench(
     seconds ``compress_encode_s`` / ``decode_decompress_s`` (and their four parts), the throughputs
     ``compress_encode_gbps`` / ``decode_decompress_gbps`` (GB/s of fp32 input) and ``*_vs_memcpy`` fractions.
 
-    Every row also has ``target`` (the compress+encode fraction of memcpy it should reach; None where none
-    applies), ``target_basis`` (how the target was set) and ``target_met``; ``meta["targets"]`` lists the rows
-    that met and that missed theirs (``targets.apply_targets``).
+    fp16 and bf16 rows also have ``cast_beside_s``, ``checksum_beside_s`` and ``cast_checksum_beside_s`` (a cast of
+    the input and the wire's checksum of its bytes, timed beside each repeat), ``compress_encode_vs_cast`` (against
+    the bare cast) and ``compress_encode_vs_cast_checksum`` / ``encode_decode_vs_cast_checksum`` /
+    ``decode_decompress_vs_cast_checksum`` (against the cast plus its checksum).
+
+    Every row also has ``target`` (None where none applies), ``target_kind``, ``target_basis`` (how the target was
+    set), ``target_value`` (the figure judged) and ``target_met``; ``meta["targets"]`` lists the rows that met and
+    that missed theirs (``targets.apply_targets``).
 
     ``sketch`` gives two rows, ``sketch (sketch)`` (its time in the ``compress_encode_*`` keys and
     ``compress_s``) and ``sketch (unsketch)`` (in ``decode_decompress_*`` and ``decompress_s``); their other keys
@@ -166,13 +171,14 @@ def run_bench(
                 bits = 8.0 * m["encoded_bytes"] / numel
                 ce_gbps = timing.gbps(numel, m["compress_encode_s"])
                 dd_gbps = timing.gbps(numel, m["decode_decompress_s"])
-                beside, cast = m["memcpy_beside_s"], m["cast_beside_s"]
+                beside, cast, reference = m["memcpy_beside_s"], m["cast_beside_s"], m["cast_checksum_beside_s"]
                 rows.append({
                     "input": input_name, "numel": numel, "compressor": name, "setting": label,
                     "params": compressor.params(), "bits_per_element": bits, "ratio_vs_fp32": 32.0 / bits,
                     **{k: m[k] for k in (
                         "encoded_bytes", "compress_encode_s", "decode_decompress_s", "compress_s", "encode_s",
-                        "decode_s", "decompress_s", "memcpy_beside_s", "cast_beside_s", "warmup_rounds",
+                        "decode_s", "decompress_s", "encode_decode_s", "memcpy_beside_s", "cast_beside_s",
+                        "checksum_beside_s", "cast_checksum_beside_s", "warmup_rounds",
                         "first_timed_step", "minor_faults_per_repeat", "verified",
                     )},
                     "compress_encode_gbps": ce_gbps, "decode_decompress_gbps": dd_gbps,
@@ -182,6 +188,10 @@ def run_bench(
                         beside / m["compress_encode_s"] if numel >= BESIDE_MIN_NUMEL else None
                     ),
                     "compress_encode_vs_cast": m["compress_encode_s"] / cast if cast else None,
+                    # fp16 / bf16: against a cast plus the wire's checksum of its bytes, timed beside each repeat
+                    # (the target's reference); the sender's and the wire's round trip's parts against it
+                    **{f"{k}_vs_cast_checksum": m[f"{k}_s"] / reference if reference else None
+                       for k in ("compress_encode", "encode_decode", "decode_decompress")},
                     "position_bits_per_kept": m["position_bits"], "entropy_bits_per_kept": m["entropy_bits"],
                 })
         del x

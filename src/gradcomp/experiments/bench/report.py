@@ -24,7 +24,7 @@ def _num(v: float | None, spec: str) -> str:
 def format_table(result: dict[str, Any]) -> str:
     """The aligned text table of a :func:`run_bench` result, one row per compressor x setting x input."""
     header = ["input", "compressor", "params", "bits/elem", "ratio", "c+e GB/s", "xmemcpy", "xbeside", "d+d GB/s",
-              "xmemcpy", "pos bits/kept", "min bits/kept", "xcast", "target", "met"]
+              "xmemcpy", "pos bits/kept", "min bits/kept", "xcast", "xcast+sum", "target", "met"]
     body = []
     for r in result["rows"]:
         body.append(
@@ -42,8 +42,9 @@ def format_table(result: dict[str, Any]) -> str:
                 "-" if r.get("position_bits_per_kept") is None else f"{r['position_bits_per_kept']:.3f}",
                 "-" if r.get("entropy_bits_per_kept") is None else f"{r['entropy_bits_per_kept']:.3f}",
                 _num(r.get("compress_encode_vs_cast"), ".3g"),
+                _num(r.get("compress_encode_vs_cast_checksum"), ".3g"),
                 "-" if r.get("target") is None else (
-                    f"<={r['target']:.3g}xcast" if r.get("target_kind") == "cast" else f">={r['target']:.3g}xbeside"
+                    f"<={r['target']:.3g}xcast+sum" if r.get("target_kind") == "cast" else f">={r['target']:.3g}xbeside"
                 ),
                 {True: "met", False: "MISSED"}.get(r.get("target_met"), "-"),
             ]
@@ -95,6 +96,24 @@ def versus_topk(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def cast_lines(result: dict[str, Any]) -> list[str]:
+    """Per fp16 / bf16 row with a reference timed beside it: its parts against the cast and the checksum."""
+    out = []
+    for r in result["rows"]:
+        if not r.get("cast_checksum_beside_s"):
+            continue
+        ref = r["cast_checksum_beside_s"]
+        out.append(
+            f"{r['input']} {r['compressor']}: cast {1e3 * r['cast_beside_s']:.3g} ms + checksum "
+            f"{1e3 * r['checksum_beside_s']:.3g} ms beside the row (median of the sums {1e3 * ref:.3g} ms); "
+            f"compress {1e3 * r['compress_s']:.3g} + encode {1e3 * r['encode_s']:.3g} = "
+            f"{r['compress_encode_vs_cast_checksum']:.3g} x, encode + decode {1e3 * r['encode_decode_s']:.3g} ms = "
+            f"{r['encode_decode_vs_cast_checksum']:.3g} x, decode + decompress "
+            f"{r['decode_decompress_vs_cast_checksum']:.3g} x"
+        )
+    return out
+
+
 def format_report(result: dict[str, Any]) -> str:
     meta = result["meta"]
     lines = [
@@ -121,7 +140,8 @@ def format_report(result: dict[str, Any]) -> str:
         "  bits/elem = 8 * encoded bytes / numel (headers included); ratio = 32 / bits; GB/s of fp32 input "
         "(4 * numel bytes / median time); xmemcpy = fraction of the memcpy rate on the same input; "
         "xbeside = the same against one copy of the input timed beside each repeat (median); xcast = "
-        "compress+encode time as a multiple of a bare cast of the input timed beside each repeat (fp16, bf16)"
+        "compress+encode time as a multiple of a bare cast of the input timed beside each repeat (fp16, bf16); "
+        "xcast+sum = the same against that cast plus the wire's checksum of its bytes, timed beside it"
     )
     if any(r.get("method") == "sketch" for r in result["rows"]):
         lines.append(
@@ -145,7 +165,8 @@ def format_report(result: dict[str, Any]) -> str:
         lines += [
             "",
             f"targets ({'/'.join(TARGET_INPUTS)} input; each row against references timed beside it: compress+"
-            f"encode as a fraction of the copy (xbeside), fp16 / bf16 as a multiple of a bare cast (xcast)): "
+            f"encode as a fraction of the copy (xbeside), fp16 / bf16 as a multiple of a cast plus its checksum "
+            f"(xcast+sum)): "
             f"{len(targets['met'])} of {total} rows met"
             + (f"; MISSED by {len(targets['missed'])}:" if targets["missed"] else ""),
         ]
@@ -159,6 +180,7 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{sum(r['target_met_batched'] for r in judged)} of {len(judged)} memcpy-fraction targets met"
                 + (f"; missed by {len(batched_missed)}: " + ", ".join(batched_missed) if batched_missed else "")
             )
+    lines += cast_lines(result)
     for name in meta["inputs"]:
         rows = [r for r in result["rows"] if r["input"] == name]
         copies = [r["memcpy_beside_s"] for r in rows if r.get("memcpy_beside_s")]

@@ -19,6 +19,7 @@ except ImportError:  # pragma: no cover - Windows has no resource module: the wa
     resource = None  # type: ignore[assignment]
 
 from gradcomp import wire
+from gradcomp.wire.checksum import checksum64, checksum64_tensor
 from gradcomp.compressors.base import Compressor, Slot
 
 
@@ -116,6 +117,15 @@ def position_bits(compressor: Compressor, fields: list[Tensor], slot: Slot) -> t
     return None
 
 
+def wire_checksum(buf: Tensor) -> None:
+    """The wire's body checksum of the uint8 ``buf``, computed as ``wire.encode`` computes it for a message on
+    ``buf``'s device: the CRC pair of the host wheels on the CPU, :func:`checksum64_tensor` elsewhere."""
+    if buf.device.type == "cpu":
+        checksum64(buf)
+    else:
+        checksum64_tensor(buf)
+
+
 def bench_one(
     compressor: Compressor, receiver: Compressor, x: Tensor, repeats: int, timer: Timer, what: str, copy_to: Tensor,
     cast_to: torch.dtype | None = None,
@@ -142,7 +152,10 @@ def bench_one(
     the previous repeat's verification; the copy follows this repeat's decompress.)
 
     ``cast_to`` (fp16 and bf16 rows): after the copy, a bare cast ``x.to(cast_to)`` is timed too
-    (``cast_beside_s``, median; None without it), the reference of those rows' target.
+    (``cast_beside_s``, median; None without it), then the wire's checksum of the cast's bytes
+    (:func:`wire_checksum`; ``checksum_beside_s``): the reference of those rows' target is the two together
+    (``cast_checksum_beside_s``, the median of their per-repeat sums), what any checksummed message of the cast
+    must at least do. Also returned: ``encode_decode_s``, the median of the per-repeat encode + decode.
     """
     numel = x.numel()
     slot = Slot(name="bench", index=0, numel=numel)
@@ -151,6 +164,7 @@ def bench_one(
     sizes: list[int] = []
     copies: list[float] = []
     casts: list[float] = []
+    checksums: list[float] = []
     faults: list[int] = []
     deterministic = True
     warmups, step = 0, 0
@@ -171,7 +185,10 @@ def bench_one(
         t5 = timer.now()
         if cast_to is not None:
             cast = x.to(cast_to)
-            casts.append(timer.now() - t5)
+            t6 = timer.now()
+            wire_checksum(cast.reshape(-1).view(torch.uint8))
+            casts.append(t6 - t5)
+            checksums.append(timer.now() - t6)
             del cast
 
         # Verification, outside the timed regions.
@@ -206,6 +223,9 @@ def bench_one(
         raise BenchError(f"{what}: the compressor modified its input tensor")
     ce = [a + b for a, b in zip(parts["compress"], parts["encode"])]
     dd = [a + b for a, b in zip(parts["decode"], parts["decompress"])]
+    ed = [a + b for a, b in zip(parts["encode"], parts["decode"])]
+    timed = len(copies)  # the timed repeats' casts and checksums: the last ones
+    casts, checksums = casts[len(casts) - timed:], checksums[len(checksums) - timed:]
     encoded_bytes = statistics.mean(sizes)  # constant for all built-ins; a mean for data-dependent sizes
     positions = position_bits(compressor, fields, slot)
     return {
@@ -216,7 +236,10 @@ def bench_one(
         "decode_decompress_s": median(dd),
         **{f"{k}_s": median(v) for k, v in parts.items()},
         "memcpy_beside_s": median(copies),
-        "cast_beside_s": median(casts[-len(copies):]) if casts else None,  # the timed repeats' casts
+        "encode_decode_s": median(ed),
+        "cast_beside_s": median(casts) if casts else None,
+        "checksum_beside_s": median(checksums) if checksums else None,
+        "cast_checksum_beside_s": median([a + b for a, b in zip(casts, checksums)]) if casts else None,
         "warmup_rounds": warmups,
         "first_timed_step": warmups,  # steps 0 .. warmups - 1 were the discarded rounds
         "minor_faults_per_repeat": median(faults),
