@@ -32,11 +32,18 @@ Variants:
   verdict read, torch DDP's own semantics for a NaN, so the same work as ``torch-pyhook`` plus the hook's
   bookkeeping.
 
+The target (issue 52): the hook with ``none`` at most **1.05 x** torch DDP's step (``torch``), unshaped, judged on
+the median of the per-round ratios (each round's variant against the same round's ``torch``), for both finiteness
+settings: ``none`` (``nonfinite="raise"``) and ``none-propagate`` (``nonfinite="propagate"``, the hook's default).
+``torch-again`` against ``torch`` is the control: how far two identical variants land apart on this machine. The
+report lists each judged variant as met or MISSED (:func:`judge`); ``--json`` writes the times and the verdicts.
+
 top-k runs at density 0.01 with error feedback. (No ``from __future__ import annotations``: DDP checks the
 hook's annotations at registration.)
 """
 
 import argparse
+import json
 import os
 import pickle
 import random
@@ -61,6 +68,9 @@ from gradcomp.transport.dist import DistTransport
 
 VARIANTS = ("torch", "torch-again", "torch-pyhook", "none", "none-propagate", "none-blocking", "topk", "topk-blocking",
             "topk-bucket", "torch-fp16", "fp16", "fp16-thread")
+TARGET = 1.05  # the hook with `none` at most this many times torch DDP's step
+JUDGED = {"none": 'nonfinite="raise"', "none-propagate": 'nonfinite="propagate", the hook\'s default'}
+CONTROL = "torch-again"
 # torch-fp16: torch's fp16_compress_hook; fp16: this hook (its direct path: the bucket's cast all-reduced from the
 # hook); fp16-thread: the same method through the communication thread's generic exchange (the path before)
 
@@ -201,6 +211,39 @@ def _entry(rank: int, world: int, port: int, out_dir: str, args: argparse.Namesp
     _worker(rank, world, port, out_dir, args)
 
 
+def judge(times: dict[str, list[float]], target: float = TARGET) -> list[dict]:
+    """The verdicts on the judged variants (:data:`JUDGED`) and the control that were timed beside ``torch``: per
+    variant the median of the per-round ratios to the same round's ``torch`` (judged: at most ``target``), their
+    lowest and highest, and the ratio of the medians. The control is reported, never judged."""
+    out = []
+    if "torch" not in times:
+        return out
+    for v in [*JUDGED, CONTROL]:
+        if v not in times:
+            continue
+        ratios = [a / b for a, b in zip(times[v], times["torch"])]
+        paired = statistics.median(ratios)
+        out.append({
+            "variant": v, "paired_ratio": paired, "lowest": min(ratios), "highest": max(ratios),
+            "ratio_of_medians": statistics.median(times[v]) / statistics.median(times["torch"]),
+            "target": None if v == CONTROL else target, "met": None if v == CONTROL else paired <= target,
+        })
+    return out
+
+
+def verdict_lines(verdicts: list[dict]) -> list[str]:
+    """The report's lines for :func:`judge`'s verdicts."""
+    if not verdicts:
+        return []
+    lines = [f"target: the hook with none <= {TARGET:g} x torch DDP's step (median of the per-round ratios):"]
+    for j in verdicts:
+        what = "control, not judged" if j["met"] is None else JUDGED[j["variant"]]
+        mark = "control" if j["met"] is None else ("met" if j["met"] else "MISSED")
+        lines.append(f"  {mark:7s} {j['variant']} ({what}): {j['paired_ratio']:.3f} (rounds {j['lowest']:.3f} to "
+                     f"{j['highest']:.3f}; ratio of medians {j['ratio_of_medians']:.3f})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
@@ -211,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-cap-mb", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the step times and the verdicts")
     args = parser.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
@@ -246,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
             paired = f"{statistics.median(a / b for a, b in zip(times[v], times['torch'])):.3f}"
         per_step = f"{statistics.median(sent[v]):,.0f}" if sent[v] else "-"
         print(f"| {v} | {1000 * median:.1f} | {ratio} | {paired} | {per_step} |")
+    verdicts = judge(times)
+    if verdicts:
+        print()
+        print("\n".join(verdict_lines(verdicts)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "torch": torch.__version__, "cpus": os.cpu_count(),
+                       "loadavg_end": os.getloadavg(), "times": times, "sent": sent, "verdicts": verdicts}, f, indent=1)
     return 0
 
 
