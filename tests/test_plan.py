@@ -137,7 +137,7 @@ def test_compressed_messages_are_priced_cheaper_than_fp32():
 
 
 def test_cache_hit_and_miss(tmp_path, monkeypatch):
-    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, link="1gbit", methods=["none", "signsgd"],
+    opts = plan.PlanOptions(pilots=False, model="mlp", dataset="synthetic", workers=2, link="1gbit", methods=["none", "signsgd"],
                             cache_dir=str(tmp_path), batch_size=8)
     first = plan.run_plan(opts)
     assert first["cache"]["hits"] == 0 and first["cache"]["misses"] == 3  # compute + two methods
@@ -179,7 +179,7 @@ def test_bad_input_is_refused_before_measuring(change, message, monkeypatch, tmp
 
     monkeypatch.setattr(plan, "measure_method", never)
     monkeypatch.setattr(plan, "measure_compute", never)
-    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, link="1gbit", methods=["none"],
+    opts = plan.PlanOptions(pilots=False, model="mlp", dataset="synthetic", workers=2, link="1gbit", methods=["none"],
                             cache_dir=str(tmp_path))
     with pytest.raises(gradcomp.ConfigError, match=message):
         plan.run_plan(dataclasses.replace(opts, **change))
@@ -187,7 +187,7 @@ def test_bad_input_is_refused_before_measuring(change, message, monkeypatch, tmp
 
 def test_colocated_workers_are_measured_at_once_in_their_own_processes(tmp_path):
     """--colocated N below W times compute and compression in N processes at once; the traffic is the same bytes."""
-    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=3, link="1gbit", methods=["topk:density=0.05"],
+    opts = plan.PlanOptions(pilots=False, model="mlp", dataset="synthetic", workers=3, link="1gbit", methods=["topk:density=0.05"],
                             cache_dir=str(tmp_path), batch_size=8)
     alone, shared = plan.run_plan(opts), plan.run_plan(dataclasses.replace(opts, colocated=2))
     assert shared["cache"]["misses"] == 2  # not the cached single-worker ones
@@ -216,7 +216,7 @@ def test_merge_colocated_takes_each_workers_median_and_keeps_the_traffic():
 
 def test_a_plan_too_large_for_memory_is_refused_before_measuring(monkeypatch, tmp_path):
     monkeypatch.setattr(plan, "measure_method", lambda *a, **k: pytest.fail("measured"))
-    opts = plan.PlanOptions(model=None, shapes=[(1_000_000, 1_000)], workers=64, link="1gbit", methods=["none"],
+    opts = plan.PlanOptions(pilots=False, model=None, shapes=[(1_000_000, 1_000)], workers=64, link="1gbit", methods=["none"],
                             compute_ms=1.0, cache_dir=str(tmp_path))
     with pytest.raises(gradcomp.ConfigError, match="GB, more than half"):
         plan.run_plan(opts)
@@ -276,7 +276,7 @@ def test_every_worker_on_this_machine_is_planned_from_a_local_race(tmp_path, mon
     race of W processes on an unshaped network; the second plan takes them from the cache, races nothing."""
     monkeypatch.setattr(plan, "LOCAL_STEPS", 4)
     monkeypatch.setattr(plan, "LOCAL_COMPUTE_STEPS", 2)
-    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, colocated=2, link="1mbit",
+    opts = plan.PlanOptions(pilots=False, model="mlp", dataset="synthetic", workers=2, colocated=2, link="1mbit",
                             methods=["none", "powersgd:rank=2"], cache_dir=str(tmp_path), batch_size=8)
     first = plan.run_plan(opts)
     assert first["local_race"] and first["cache"]["misses"] == 4  # 2 local steps, 2 traffic measurements
@@ -314,7 +314,7 @@ def test_the_link_burst_is_credited_once_per_step():
     assert burst.step_seconds({"all_gather": [1, 1000]}, 4) == pytest.approx(3 * 1e-4)  # all inside the burst
     assert burst.step_seconds(ops, 1) == 0.0
     with pytest.raises(gradcomp.ConfigError, match="--burst must look like"):
-        plan.run_plan(plan.PlanOptions(model="mlp", dataset="synthetic", burst="lots", methods=["none"]))
+        plan.run_plan(plan.PlanOptions(pilots=False, model="mlp", dataset="synthetic", burst="lots", methods=["none"]))
 
 
 @pytest.mark.parametrize("text, expected", [("256kb", 262144), ("256KiB", 262144), ("256k", 262144), ("1mb", 2**20),
@@ -344,7 +344,7 @@ def test_torch_s_powersgd_hook_is_planned_from_its_own_all_reduces(tmp_path):
     for step in measured["workers"][0]:
         assert step["ops"] == {"all_reduce": [3, 4 * (138 + 276 + 384)]}
         assert step["bytes_up"] == step["bytes_down"] == 4 * (138 + 276 + 384) and step["compress_s"] >= 0
-    opts = plan.PlanOptions(model="mlp", dataset="synthetic", workers=2, link="1mbit", batch_size=8,
+    opts = plan.PlanOptions(pilots=False, model="mlp", dataset="synthetic", workers=2, link="1mbit", batch_size=8,
                             methods=["torch-powersgd:rank=2", "torch-fp32"], cache_dir=str(tmp_path))
     rows = {r["label"]: r for r in plan.run_plan(opts)["rows"]}
     assert rows["torch-powersgd:rank=2"]["bits_up"] == 8 * 4 * (138 + 276 + 384)
@@ -359,5 +359,6 @@ def test_the_dataset_defaults_to_the_models_as_in_train():
     for model, dataset in (("transformer", "pystdlib"), ("transformer_tiny", "pystdlib"), ("convnet", "mnist")):
         args = argparse.Namespace(shapes=None, model=model, dataset=None, data=None, batch_size=None, workers=4,
                                   link="100mbit", latency="0", burst="0", device="cpu", methods=None,
-                                  compute_ms=None, colocated=1, no_cache=True, seed=0)
+                                  compute_ms=None, colocated=1, no_cache=True, seed=0, no_pilot=False,
+                                  pilot_steps=None, target=None)
         assert plan.options_from_args(args).dataset == dataset

@@ -62,6 +62,8 @@ import torch
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race import race
 from gradcomp.experiments.race.method import Method, planned
+from gradcomp.experiments.study import pilot
+from gradcomp.experiments.study.pilot import pilot_steps
 from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_bytes, parse_latency
 
 BASELINE_EQUIVALENTS = {"torch-fp32": "none", "torch-fp16": "fp16"}
@@ -135,6 +137,9 @@ class PlanOptions:
     cache: bool = True
     cache_dir: str | None = None
     seed: int = 0
+    pilots: bool = True  # with --model: rank by predicted time to a target from short pilots (study/pilot.py)
+    pilot_steps: int | None = None  # None: pilot.PILOT_STEPS for the model's kind
+    target: float | None = None  # None: fp32's value at its pilot's end
 
     def checked(self) -> tuple[NetworkModel, list[Method]]:
         """Everything checked before any measurement; returns the network and the parsed methods."""
@@ -830,6 +835,8 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
             compute_from += f", {sharing} at once"
     else:
         compute_s, compute_from = 0.0, "not included (--shapes without --compute-ms)"
+    if opts.pilots and opts.model is not None:
+        pilot_steps(opts.model, opts.pilot_steps)  # a bad --pilot-steps: ConfigError before any measurement
     rows = []
     for method in methods:
         log(f"measuring {method.label} on {opts.workers} simulated workers")
@@ -849,6 +856,13 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
         row_compute = compute_s if opts.compute_ms is not None or mine is None else mine["compute_s"]
         rows.append(price(method.label, method.name, traffic, network, opts.workers, row_compute, method.note,
                           mine))
+    target = None
+    if opts.pilots and opts.model is not None:
+        target = pilot.to_target(opts, methods, rows, cache, FP32, machine, compute_s, log)
+    ordered = sorted(rows, key=lambda r: r.step_s)
+    if target is not None:
+        ordered = sorted(rows, key=lambda r: (target["rows"][r.label]["time_s"] is None,
+                                             target["rows"][r.label]["time_s"] or r.step_s))
     return {
         "source": source,
         "num_parameters": sum(math.prod(s) for s in shapes),
@@ -864,8 +878,9 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
         "compute_from": compute_from,
         "cache": {"directory": str(cache.directory) if cache.enabled else None, "hits": cache.hits,
                   "misses": cache.misses},
-        "rows": [r.as_dict() for r in sorted(rows, key=lambda r: r.step_s)],
-        "recommendation": recommend(rows),
+        "rows": [{**r.as_dict(), **(target["rows"][r.label] if target else {})} for r in ordered],
+        "target": {k: v for k, v in target.items() if k != "rows"} if target else None,
+        "recommendation": pilot.recommend_by_target(ordered, target, FP32) if target else recommend(rows),
     }
 
 
@@ -890,12 +905,27 @@ HEADER = ["method", "step ms", "x fp32", "compute ms", "compress ms", "comm ms",
           "bits up/worker", "bits down/worker"]
 
 
+TARGET_HEADER = ["time to target s", "range s", "steps to target"]
+
+
+def header(plan: dict[str, Any]) -> list[str]:
+    return ([HEADER[0], *TARGET_HEADER, *HEADER[1:]] if plan.get("target") else HEADER)
+
+
+def _target_cells(r: dict[str, Any]) -> list[str]:
+    if r.get("time_s") is None:
+        return [r["status"], "-", "-"]
+    mark = "" if r["status"] == "reached" else " ~"  # extrapolated beyond the pilot
+    return [f"{r['time_s']:.0f}{mark}", f"{r['time_low_s']:.0f}-{r['time_high_s']:.0f}", f"{r['steps_to_target']:.0f}"]
+
+
 def table_rows(plan: dict[str, Any]) -> list[list[str]]:
     fp32 = next((r for r in plan["rows"] if r["method"] == FP32), None)
     out = []
     for r in plan["rows"]:
         out.append([
             r["label"] + (" *" if r["note"] else ""),
+            *(_target_cells(r) if plan.get("target") else []),
             f"{1e3 * r['step_s']:.2f}",
             f"{r['step_s'] / fp32['step_s']:.2f}" if fp32 else "-",
             f"{1e3 * r['compute_s']:.2f}",
@@ -937,6 +967,18 @@ def _footer(plan: dict[str, Any]) -> list[str]:
                      "workers on this machine and an unshaped network (gradcomp race --link none: DDP, the hook's "
                      "thread and its overlap included); communication "
                      "is the longer of the priced collectives and that race's time in collectives")
+    target = plan.get("target")
+    if target:
+        given = "given" if target["given"] else "fp32's value at the end of its pilot"
+        lines.append(f"target: {target['metric']} {target['value']:.3f} ({given}); steps to it from a "
+                     f"{target['pilot_steps']}-step pilot per method (gradcomp train's defaults for the model, "
+                     f"simulated workers, the same seed); time = steps x the predicted step; '~': extrapolated "
+                     f"beyond the pilot by the method's slowdown against fp32; a method more than "
+                     f"{target['tolerance']:g} behind fp32 at the pilot's end does not keep up and is never "
+                     "recommended (docs/plan.md)")
+        for r in plan["rows"]:
+            if r.get("status") not in (None, "reached"):
+                lines.append(f"  {r['label']}: {r['status']}: {r['detail']}")
     notes = sorted({(r["label"], r["note"]) for r in plan["rows"] if r["note"]})
     lines += [f"* {label}: {note}" for label, note in notes]
     cache = plan["cache"]
@@ -947,8 +989,9 @@ def _footer(plan: dict[str, Any]) -> list[str]:
 
 
 def format_text(plan: dict[str, Any]) -> str:
-    rows = [HEADER, *table_rows(plan)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    head = header(plan)
+    rows = [head, *table_rows(plan)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [_title(plan), ""]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
@@ -956,8 +999,9 @@ def format_text(plan: dict[str, Any]) -> str:
 
 
 def format_markdown(plan: dict[str, Any]) -> str:
-    lines = [f"**{_title(plan)}**", "", "| " + " | ".join(HEADER) + " |",
-             "|" + "|".join(["---"] + ["---:"] * (len(HEADER) - 1)) + "|"]
+    head = header(plan)
+    lines = [f"**{_title(plan)}**", "", "| " + " | ".join(head) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(plan)]
     return "\n".join(lines + [""] + [f"- {line}" for line in _footer(plan)])
 
@@ -989,6 +1033,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with --model: a local race measures each method's step, docs/plan.md); compute and "
                         "compression are timed in N processes at once (default 1: each worker has a machine)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", type=float, default=None,
+                   help="rank by predicted time to this validation bits/byte (language models) or test accuracy in %% "
+                        "(classifiers); default: fp32's value at the end of its pilot")
+    p.add_argument("--pilot-steps", type=int, default=None, metavar="N",
+                   help=f"steps of each method's pilot (default {pilot.PILOT_STEPS['image']} for a classifier, "
+                        f"{pilot.PILOT_STEPS['text']} for a language model)")
+    p.add_argument("--no-pilot", action="store_true",
+                   help="rank by predicted step time only (no pilots; the plan of earlier versions)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw the predicted time to target per method with its range (default with pilots: "
+                        "gradcomp-plan.png; needs matplotlib)")
+    p.add_argument("--no-plot", action="store_true", help="draw nothing")
     p.add_argument("--no-cache", action="store_true", help="measure again instead of reusing cached measurements")
     p.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON")
     p.add_argument("--markdown", action="store_true", help="print a markdown table instead of plain text")
@@ -1010,6 +1066,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         batch_size=args.batch_size, workers=args.workers, link=args.link, latency=args.latency, burst=args.burst,
         device=args.device, methods=args.methods or DEFAULT_METHODS, compute_ms=args.compute_ms,
         colocated=args.colocated, cache=not args.no_cache, seed=args.seed,
+        pilots=not args.no_pilot, pilot_steps=args.pilot_steps, target=args.target,
     )
 
 
@@ -1026,4 +1083,10 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(plan, f, indent=2)
+    if plan.get("target") and not args.no_plot:
+        path = args.plot or "gradcomp-plan.png"
+        if pilot.plot_time_to_target(plan, path, _title(plan)):
+            print(f"plot: {path}", file=sys.stderr)
+        else:
+            print("matplotlib is not installed: no plot", file=sys.stderr)
     return 0

@@ -1,0 +1,111 @@
+"""`gradcomp plan`'s ranking by predicted time to a target (study/pilot.py): the curves' arithmetic on made-up
+curves, and short real pilots on the tiny mlp: a diverging pilot marks its method, an unreachable target is one
+line before the other pilots, a cached pilot of another model or gradcomp version is not reused."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradcomp.errors import ConfigError
+from gradcomp.experiments.study import pilot, plan
+
+FP32 = [[10, 3.0], [20, 2.5], [30, 2.2], [40, 2.0], [50, 1.9], [60, 1.8]]  # bits/byte, lower is better
+
+
+def test_crossing_interpolates_between_evaluations():
+    assert pilot.crossing(FP32, 2.5, lower=True) == 20
+    assert pilot.crossing(FP32, 2.1, lower=True) == pytest.approx(35)
+    assert pilot.crossing(FP32, 1.0, lower=True) is None
+    accuracy = [[10, 50.0], [20, 80.0], [30, 90.0]]
+    assert pilot.crossing(accuracy, 85.0, lower=False) == pytest.approx(25)
+
+
+def test_a_method_twice_as_slow_is_extrapolated_to_twice_fp32s_steps():
+    slow = [[s, v] for (s, _), (_, v) in zip(FP32, [[0, 3.5], [0, 3.0], [0, 2.8], [0, 2.5], [0, 2.35], [0, 2.2]])]
+    k, low, high = pilot.slowdown(slow, FP32, lower=True)
+    # in the second half, at steps 30, 40, 50, 60, it is where fp32 was at 14, 20, ~26.7, 30
+    ratios = [30 / 14, 40 / 20, 50 / (20 + 10 * 0.15 / 0.3), 60 / 30]
+    assert (low, k, high) == pytest.approx((min(ratios), 2.0, max(ratios)))
+    p = pilot.predict({"curve": slow}, {"curve": FP32}, target=1.8, lower=True, tolerance=0.5, fp32_steps=60)
+    assert p.status == "extrapolated" and p.keeps_up and p.steps == pytest.approx(k * 60)
+    assert p.steps_low == pytest.approx(min(ratios) * 60) and p.steps_high == pytest.approx(max(ratios) * 60)
+
+
+def test_a_method_behind_beyond_the_noise_does_not_keep_up_and_says_by_how_much():
+    behind = [[s, v + 0.3] for s, v in FP32]
+    p = pilot.predict({"curve": behind}, {"curve": FP32}, target=1.8, lower=True, tolerance=0.05, fp32_steps=60)
+    assert p.status == "does not keep up" and not p.keeps_up and p.gap == pytest.approx(0.3)
+    assert "0.300 bits/byte behind fp32" in p.detail
+
+
+def test_a_method_that_reaches_the_target_in_the_pilot_is_read_off_its_curve():
+    p = pilot.predict({"curve": FP32}, {"curve": FP32}, target=2.1, lower=True, tolerance=0.05, fp32_steps=35)
+    assert p.status == "reached" and p.steps == pytest.approx(35) and p.steps_low < 35 < p.steps_high
+
+
+def test_a_diverged_pilot_is_marked_not_predicted():
+    p = pilot.predict({"curve": [], "diverged": True, "error": "non-finite"}, {"curve": FP32}, 2.0, True, 0.05, 40)
+    assert p.status == "diverged" and not p.keeps_up
+
+
+def _opts(tmp_path, **kw):
+    base = dict(model="mlp", dataset="synthetic", workers=2, link="1mbit", methods=["none", "topk:density=0.05"],
+                cache_dir=str(tmp_path), batch_size=8, pilot_steps=12)
+    return plan.PlanOptions(**{**base, **kw})
+
+
+def test_a_plan_ranks_by_time_to_target_and_reuses_its_pilots(tmp_path):
+    logs = []
+    first = plan.run_plan(_opts(tmp_path), log=logs.append)
+    assert first["target"]["value"] == first["target"]["pilots"]["fp32"]["curve"][-1][1]  # fp32's end by default
+    assert any(line.startswith("pilots: 2 of 12 steps") for line in logs)  # the estimate, before they start
+    rows = {r["label"]: r for r in first["rows"]}
+    assert rows["none"]["status"] == "reached" and rows["none"]["time_s"] > 0
+    assert rows["topk:density=0.05"]["status"] in ("reached", "extrapolated", "does not keep up")
+    timed = [r["time_s"] for r in first["rows"] if r["time_s"] is not None]
+    assert timed == sorted(timed)  # ranked by predicted time to the target
+    second = plan.run_plan(_opts(tmp_path))
+    assert second["cache"]["misses"] == 0 and second["target"] == first["target"]
+    # another gradcomp version's (or model's) pilot is another key: not reused
+    machine = plan.machine_identity("cpu")
+    cfg = pilot.base_config("mlp", "synthetic", None, 8, 2, 12, 0)
+    key = pilot.pilot_key(machine, cfg, {"m": 1})
+    assert key != pilot.pilot_key({**machine, "gradcomp": "0.0.1"}, cfg, {"m": 1})
+    other = pilot.base_config("convnet", "synthetic", None, 8, 2, 12, 0)
+    assert key != pilot.pilot_key(machine, other, {"m": 1})
+
+
+def test_an_unreachable_target_is_one_line_before_the_methods_pilots(tmp_path):
+    logs = []
+    with pytest.raises(ConfigError, match="is not reached by fp32 in its 12-step pilot") as info:
+        plan.run_plan(_opts(tmp_path, target=100.5), log=logs.append)
+    assert len(str(info.value).splitlines()) == 1
+    assert not any("pilot 2/" in line for line in logs)  # the other pilots never started
+
+
+def test_a_pilot_that_diverges_marks_its_method_and_the_plan_goes_on(tmp_path):
+    result = plan.run_plan(_opts(tmp_path, methods=["none", "topk:density=0.05,sgd.lr=1e6"], link="10kbit"))
+    rows = {r["label"]: r for r in result["rows"]}
+    bad = rows["topk:density=0.05,sgd.lr=1e6"]
+    assert bad["status"] == "diverged" and bad["time_s"] is None and "non-finite" in bad["detail"]
+    assert "topk" not in result["recommendation"]  # never recommended
+
+
+def test_bad_pilot_steps_are_refused_before_measuring(tmp_path):
+    with pytest.raises(ConfigError, match="--pilot-steps must be a whole number"):
+        plan.run_plan(_opts(tmp_path, pilot_steps=2))
+
+
+def test_the_cli_writes_the_plot_and_the_json(tmp_path, capsys):
+    import json
+
+    from gradcomp.cli import main
+
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "--model", "mlp", "--dataset", "synthetic", "--workers", "2", "--link", "1mbit",
+                 "--batch-size", "8", "--pilot-steps", "12", "--methods", "none", "cnat", "--json", str(out),
+                 "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "time to target s" in text and "recommendation:" in text
+    assert json.loads(out.read_text())["target"]["pilot_steps"] == 12
+    assert png.stat().st_size > 1000
