@@ -9,7 +9,10 @@ selection with its own reads of the counts against the device path's (``sized_li
 message): encode + decode against the copy (target <= 3x), in wall time and in the GPU's busy time (the device time
 of the kernels and copies they run, torch.profiler), the device checksum alone (each kernel at 1 KB, 1 MB and 40
 MB, and the busy time per call of both Triton kernels at 40 MB), and what the host path costs (a copy to pinned
-memory and the CRC pair of the wheels).
+memory and the CRC pair of the wheels). Then, for fp16 and bf16: compress + encode against a cast of the same tensor
+plus the wire's checksum of the cast's bytes (the reference of ``gradcomp bench``'s target for them, <= 1.25 x,
+timed in the same run: :func:`cast_line`), and encode + decode against the same reference, in wall time and in the
+GPU's busy time.
 
     python benchmarks/cuda_encode.py [--size N] [--only NAME ...]
 """
@@ -24,9 +27,12 @@ import torch
 
 from gradcomp import available, make, wire
 from gradcomp.compressors.base import Compressor, Slot, select_sized
+from gradcomp.wire.bits import host_path
 from gradcomp.wire.checksum import _triton_kernel, checksum64, checksum64_tensor
 
 CPU = os.environ.get("GRADCOMP_BENCH_CPU") == "1"  # a smoke run of this script on the CPU (tiny; not a measurement)
+CAST_TARGET = 1.25  # fp16 / bf16: compress + encode at most this many times (a cast + the wire's checksum of it)
+CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _sync() -> None:
@@ -71,6 +77,47 @@ def measure(name: str, x: torch.Tensor, copy_ms: float) -> str:
         f"{name:18s} {buf.numel() / 1e6:7.2f} MB  compress {median_ms(lambda: compressor.compress(x, slot, 1)):7.3f}"
         f"  encode {encode:7.3f}  decode {decode:7.3f}  (encode + decode) / copy {(encode + decode) / copy_ms:7.1f}"
     )
+
+
+def wire_checksum(buf: torch.Tensor) -> None:
+    """The checksum wire.encode computes for a message where ``buf`` is: the device kernel (checksum64_tensor) off
+    the host path, the host wheels on it."""
+    if host_path(buf):
+        checksum64(buf)
+    else:
+        checksum64_tensor(buf)
+
+
+def cast_line(name: str, x: torch.Tensor) -> str:
+    """fp16 / bf16: compress + encode, and encode + decode, against a cast of ``x`` plus the wire's checksum of the
+    cast's bytes (``gradcomp bench``'s reference for these rows), all timed here, in wall time (median of 7,
+    synchronised around each) and, on a GPU, in busy time (torch.profiler); met / MISSED against CAST_TARGET."""
+    dtype, slot = CASTS[name], Slot(name="x", index=0, numel=x.numel())
+    compressor = make(name)
+    specs = compressor.specs(slot)
+    fields = compressor.compress(x, slot, 0)
+    buf = wire.encode(fields, specs)
+
+    def reference() -> None:
+        wire_checksum(x.to(dtype).view(torch.uint8))
+
+    def sender() -> None:
+        wire.encode(compressor.compress(x, slot, 1), specs)
+
+    def both() -> None:
+        wire.decode(wire.encode(fields, specs), specs)
+
+    ref, ce = median_ms(reference), median_ms(sender)
+    ed = median_ms(lambda: wire.encode(fields, specs)) + median_ms(lambda: wire.decode(buf, specs))
+    ratio = ce / ref
+    line = (f"{name}: compress + encode {ce:.3f} = {ratio:.2f} x (cast + checksum {ref:.3f}) (target <= "
+            f"{CAST_TARGET:g}: {'met' if ratio <= CAST_TARGET else 'MISSED'}); encode + decode {ed:.3f} = "
+            f"{ed / ref:.2f} x")
+    if not CPU:
+        busy_ref = busy_ms(reference)
+        line += (f"; GPU busy time: compress + encode {busy_ms(sender) / busy_ref:.2f} x, encode + decode "
+                 f"{busy_ms(both) / busy_ref:.2f} x (cast + checksum {busy_ref:.4f})")
+    return line
 
 
 def sized_line(name: str, x: torch.Tensor) -> str:
@@ -140,6 +187,11 @@ def main() -> None:
         both_busy = busy_ms(lambda: wire.decode(wire.encode([x], specs), specs))
         print(f"none, GPU busy time (kernels and copies, torch.profiler): encode + decode {both_busy:.4f} = "
               f"{both_busy / copy_busy:.2f} x the device copy's {copy_busy:.4f}")
+    for n in CASTS:
+        try:
+            print(cast_line(n, x), flush=True)
+        except Exception as exc:  # noqa: BLE001 - report it and go on
+            print(f"{n}: cast + checksum: error {type(exc).__name__}: {exc}", flush=True)
     gpu_times = []
     for kernel in ("torch", "triton", "triton-fast"):
         if kernel.startswith("triton") and _triton_kernel() is None:

@@ -53,7 +53,7 @@ $PYTHON -c "import gradcomp; print('\n'.join(gradcomp.available()))" | xargs -P 
 echo "== 4. compressor throughput on the GPU (no targets: they are CPU targets)"
 timeout 300 $G bench --device cuda --no-model --json "$OUT/bench-cuda.json" --quiet 2>&1 | tail -4
 
-echo "== 5. where a CUDA message's encode and decode time goes"
+echo "== 5. where a CUDA message's encode and decode time goes; fp16 / bf16 against a cast + its checksum (<= 1.25)"
 $PYTHON benchmarks/cuda_encode.py | tee "$OUT/encode.log"
 
 echo "== 6. every race method's step on one GPU, no network: the codec's cost per step"

@@ -65,3 +65,6 @@ def test_the_encode_benchmark_runs_on_the_cpu():
     assert "error" not in done.stdout, done.stdout
     for method in ("threshold", "stc", "dgc"):  # each selection timed both ways
         assert f"{method:18s} selection: compress_slots" in done.stdout, done.stdout
+    for cast in ("fp16", "bf16"):  # against a cast + the wire's checksum of it, judged on 1.25
+        line = next(line for line in done.stdout.splitlines() if line.startswith(f"{cast}: compress + encode"))
+        assert "x (cast + checksum" in line and "(target <= 1.25: " in line and "encode + decode" in line, line
