@@ -68,8 +68,12 @@ ADAM_ROWS = [
     ("a_onebit_adam", "1-bit Adam, freeze step 150", ["--optimizer", "onebit_adam"]),
     ("a_onebit_adam_f25", "1-bit Adam, freeze step 25 (≥ 16x overall)", ["--optimizer", "onebit_adam",
                                                                          "--freeze-step", "25"]),
-    ("a_onebit_adam_cnat100", "1-bit Adam, freeze step 100, C_nat warm-up (≥ 16x overall)",
+    ("a_onebit_adam_cnat100", "1-bit Adam, freeze step 100, C_nat warm-up sharded both ways (≥ 16x overall)",
      ["--optimizer", "onebit_adam", "--freeze-step", "100", "--warmup-compressor", "cnat"]),
+    # the same before the warm-up's C_nat went sharded both ways (it was all-gathered: W - 1 messages down); the
+    # command no longer runs it, its result is kept
+    ("a_onebit_adam_cnat100_gathered", "1-bit Adam, freeze step 100, C_nat warm-up all-gathered (down: 3 messages "
+     "of 9 bits)", ["--optimizer", "onebit_adam", "--freeze-step", "100", "--warmup-compressor", "cnat"]),
     ("a_diloco32", "DiLoCo H=32, outer Nesterov 0.7 / 0.9, fp32 pseudo-gradients",
      ["--compressor", "none", "--local-steps", "32", "--outer-optimizer", "nesterov"]),
     ("a_diloco8", "DiLoCo H=8, outer Nesterov 0.7 / 0.9, fp32 pseudo-gradients",

@@ -260,17 +260,23 @@ def test_resume_is_bit_exact_across_the_freeze(cls, kwargs, cut):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _wide() -> nn.Module:
+    """A model with enough entries (4,003) that the messages' headers are a small part of their bytes."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 400), nn.Tanh(), nn.Linear(400, 3))
+
+
 def _warm_up(world: int, compressor: str, steps: int = 5):
     def worker(transport):
-        model = _model()
+        model = _wide()
         opt = OneBitAdam(model, transport, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=50,
                          warmup_compressor=compressor)
         sent = []
         for step in range(steps):
             _grads(model, transport.rank, step)
-            before = transport.counter.bytes_up
+            before = transport.counter.bytes_up, transport.counter.bytes_down
             opt.step()
-            sent.append(transport.counter.bytes_up - before)
+            sent.append(max(transport.counter.bytes_up - before[0], transport.counter.bytes_down - before[1]))
         return [p.detach().clone() for p in model.parameters()], sent
 
     return _simulated(world, worker)
@@ -278,23 +284,24 @@ def _warm_up(world: int, compressor: str, steps: int = 5):
 
 def test_a_compressed_warm_up_sends_fewer_bytes_and_stays_near_fp32s_adamw():
     fp32 = _warm_up(2, "none")
-    start = [p.detach() for p in _model().parameters()]
+    start = [p.detach() for p in _wide().parameters()]
 
     def distance(a, b):
         return sum(((x - y) ** 2).sum() for x, y in zip(a, b)) ** 0.5
 
-    numel = sum(p.numel() for p in _model().parameters())
+    numel = sum(p.numel() for p in _wide().parameters())
     assert fp32[0][1][0] >= 4 * numel  # fp32's warm-up: at least 32 bits a coordinate
     for compressor, ratio in (("fp16", 0.5), ("cnat", 9 / 32)):
         results = _warm_up(2, compressor)
         (params, sent), (other, _) = results
         assert all(torch.equal(a, b) for a, b in zip(params, other))  # replicas identical
-        # the messages' payload is the quantiser's (headers aside), every warm-up step
-        assert all(ratio * fp32[0][1][0] <= s <= (ratio + 0.2) * fp32[0][1][0] for s in sent)
+        # the messages' payload, up and down, is the quantiser's (headers aside), every warm-up step
+        assert all(ratio * fp32[0][1][0] <= s <= (ratio + 0.05) * fp32[0][1][0] for s in sent), (compressor, sent)
         assert not all(torch.equal(a, b) for a, b in zip(params, fp32[0][0]))  # it did quantise
-        # and AdamW on the quantised average stays near AdamW on the exact one: within 0.3 of how far the
-        # weights moved (measured: fp16 1e-4 of it, C_nat 0.2 of it; a sign-only message would be ~1)
-        assert distance(params, fp32[0][0]) < 0.3 * distance(fp32[0][0], start)
+        # and AdamW on the quantised average stays nearer AdamW on the exact one than the weights moved (measured
+        # after 5 steps: fp16 1e-4 of the movement; C_nat, re-compressed by each shard's owner, 0.58 of it: Adam's
+        # normalised step gives a small, noisy mean coordinate a full step either way)
+        assert distance(params, fp32[0][0]) < (0.01 if compressor == "fp16" else 0.75) * distance(fp32[0][0], start)
 
 
 def test_a_warm_up_compressor_that_is_biased_or_unknown_is_refused():

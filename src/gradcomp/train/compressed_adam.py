@@ -83,11 +83,16 @@ def check_adam_numbers(lr: float, betas, eps: float, weight_decay: float) -> Non
 DENSE_COMPRESSORS = ("none", "fp16", "bf16", "cnat", "natural_dithering")
 
 
-def _dense_compressor(name: str):
+def _dense_aggregator(named, name: str, transport) -> GradientAggregator:
+    """The warm-up's exchange: fp32 (``none``), fp16 and bf16 all-reduced; C_nat and natural dithering, whose codes
+    do not sum, sharded both ways (each worker averages its shard of the W messages and sends it back compressed
+    again), so that down as up costs the quantiser's bits, not W - 1 all-gathered messages."""
     if name not in DENSE_COMPRESSORS:
         raise ConfigError(f"the warm-up's compressor must be one of {', '.join(DENSE_COMPRESSORS)} (unbiased or "
                           f"near-lossless, so AdamW's moments see the true gradient's statistics), got {name!r}")
-    return make(name)
+    if name in ("cnat", "natural_dithering"):
+        return GradientAggregator(named, make(name), transport, topology="sharded", server_compressor=make(name))
+    return GradientAggregator(named, make(name), transport)
 
 
 def check_step_count(value, option: str, minimum: int = 1) -> int:
@@ -120,7 +125,7 @@ class ExchangingAdam(torch.optim.Optimizer):
             transport = DistTransport()
         self.transport = transport
         self.t = 0  # steps taken
-        self._dense = GradientAggregator(self.named, _dense_compressor(dense_compressor), transport)
+        self._dense = _dense_aggregator(self.named, dense_compressor, transport)
         self._compressed = {  # one 1-bit exchange (with its own residuals) per kind of vector sent
             kind: GradientAggregator(self.named, make("efsignsgd"), transport, topology="sharded",
                                      server_compressor=make("efsignsgd", error_feedback=True))
