@@ -503,7 +503,7 @@ class GradientExchange:
                     f"{owner}.load_state_dict: the state was saved for other parameters: {'; '.join(differ[:3])}"
                     + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
                 )
-        if "shapes" in state and state["shapes"] != mine["shapes"]:  # (states saved before 2026-12-06 have none)
+        if "shapes" in state and state["shapes"] != mine["shapes"]:  # (states saved before shapes were recorded have none)
             differ = [
                 f"{slot.name} {tuple(a) if a else a} there, {tuple(b) if b else b} here"
                 for slot, a, b in zip(slots, state["shapes"], mine["shapes"]) if a != b
