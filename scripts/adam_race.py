@@ -39,6 +39,8 @@ METHODS = {
     "a_cnat": ("cnat:topology=sharded,server=cnat", "steady"),
     "a_onebit_adam": (f"onebit_adam:freeze_step={SEGMENT}", "two phases"),
     "a_onebit_adam_f25": (f"onebit_adam:freeze_step={SEGMENT}", "two phases, freeze 25"),
+    # its warm-up's steps are C_nat's (sharded both ways), timed as steps 1-16 of its race
+    "a_onebit_adam_cnat100": (f"onebit_adam:freeze_step={SEGMENT},warmup=cnat", "two phases, freeze 100"),
     "a_diloco32": ("diloco:local_steps=32", "one round"),
     "a_diloco8": ("diloco:local_steps=8", "one round"),
 }

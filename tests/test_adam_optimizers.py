@@ -629,6 +629,8 @@ def test_bad_options_are_one_line_before_any_worker_starts(extra, message, capsy
 
 @pytest.mark.parametrize("extra", [["--optimizer", "onebit_adam"], ["--optimizer", "zero_one_adam"],
                                    ["--optimizer", "onebit_adam", "--warmup-compressor", "cnat"],
+                                   ["--ddp", "--compressor", "topk", "--param", "density=0.1", "--error-feedback",
+                                    "--dense-steps", "3"],
                                    ["--local-steps", "3", "--outer-optimizer", "nesterov"]])
 def test_the_new_optimizers_train_on_real_gloo_workers(extra, tmp_path):
     from gradcomp.cli import main

@@ -217,6 +217,48 @@ def test_layer_slots_give_gradient_aggregators_result():
     assert results[0]["topk"]["residual_count"] == 8
 
 
+def _dense_steps_versus_aggregator(rank: int, world: int) -> dict:
+    out = {}
+    for name in ("topk", "randomk"):  # the thread's path after the direct path of the dense steps
+        data, batches = _batches(rank, world, 6)
+        ddp_model = build_model("cnn", data, seed=0)
+        ddp = DDP(ddp_model, bucket_cap_mb=CAP)
+        state = gradcomp.register_ddp_hook(ddp, _method(name), min_compression_rate=None, dense_steps=3)
+        plain = build_model("cnn", data, seed=0)
+        aggregator = gradcomp.GradientAggregator(plain, _method(name), dense_steps=3)
+        sent = []
+        for x, y in batches:
+            before = state.transport.counter.bytes_up
+            ddp.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            sent.append(state.transport.counter.bytes_up - before)
+            plain.zero_grad()
+            F.cross_entropy(plain(x), y).backward()
+            aggregator.step()
+            for p, q in zip(ddp_model.parameters(), plain.parameters()):
+                assert torch.equal(p.grad, q.grad), (name, "the hook's average differs from the aggregator's")
+        out[name] = {"sent": sent, "state_step": state.state_dict()["step"],
+                     "numel": sum(p.numel() for p in plain.parameters()),
+                     "residuals": len(state.state_dict()["exchange"].get("compressor", {}).get("residuals", {}))}
+    return out
+
+
+@pytest.mark.slow
+def test_dense_steps_of_the_hook_send_fp32_then_the_method_as_the_aggregator_does():
+    for r in run_workers(_dense_steps_versus_aggregator, 2, timeout=300):
+        for name in ("topk", "randomk"):
+            sent = r[name]["sent"]
+            assert all(s >= 4 * r[name]["numel"] for s in sent[:3]), (name, sent)  # fp32, every entry
+            assert all(s < sent[0] / 4 for s in sent[3:]), (name, sent)  # then the method's messages
+            assert r[name]["state_step"] == 6
+        assert r["topk"]["residuals"] > 0  # error feedback started at the first compressed pass
+
+
+def test_dense_steps_of_the_hook_must_be_a_whole_number():
+    with pytest.raises(gradcomp.ConfigError, match="dense_steps must be a whole number"):
+        gradcomp.train.ddp_hook.CompressionHookState(gradcomp.make("topk"), None, dense_steps=-1)
+
+
 # -- overlap, dtype, thread lifetime, state round trip ----------------------------------------------------------
 
 

@@ -526,11 +526,14 @@ class CompressionHookState:
         min_compression_rate: float | None = DEFAULT_MIN_COMPRESSION_RATE,
         scaler: torch.amp.GradScaler | None = None,
         nonfinite: str = "propagate",
+        dense_steps: int = 0,
     ):
         if granularity not in GRANULARITIES:
             raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         check_nonfinite(nonfinite, "register_ddp_hook")
         check_scaler(scaler, "register_ddp_hook")
+        if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0:
+            raise ConfigError(f"dense_steps must be a whole number >= 0, got {dense_steps!r}")
         self.exchange = GradientExchange(
             method,
             DistTransport(process_group),
@@ -554,12 +557,16 @@ class CompressionHookState:
             self.param_slots[id(p)] = Slot(name, i, p.numel(), tuple(p.shape))
         self.step = 0
         self.bucket_sizes: dict[int, int] = {}  # bucket index → elements, as of the latest complete pass
-        scheme = self.exchange.scheme
+        # the first dense_steps backward passes go through an uncompressed fp32 all-reduce (as GradientAggregator's
+        # dense_steps, torch PowerSGD's start_iter); the method's exchange, and its state, start at the pass after
+        self.dense_steps = dense_steps
+        self._dense = GradientExchange(NoCompression(), self.exchange.transport) if dense_steps else None
+        self._active = self._dense or self.exchange  # this pass's exchange (set at each pass's first bucket)
         # uncompressed fp32 by allreduce: one collective per bucket, issued from the hook (see ``_direct``)
-        self.direct = sends_directly(scheme)
+        self.direct = sends_directly(self._active.scheme)
         self._counter_lock = threading.Lock()  # the direct path books bytes here and seconds on gloo's thread
         timeout = wait_bound(group_timeout(process_group, self.exchange.transport.device))
-        self._worker = _CommThread(self.exchange, timeout, scaler, propagate=nonfinite == "propagate")
+        self._worker = _CommThread(self._active, timeout, scaler, propagate=nonfinite == "propagate")
         self._finalizer = weakref.finalize(self, self._worker.stop)
         self._finalizer.atexit = False  # never join at exit: a daemon thread may sit in a dead collective
         self._layouts: dict[tuple, tuple[list[Slot], list[str]]] = {}
@@ -613,6 +620,8 @@ class CompressionHookState:
         if bucket.index() == 0:  # DDP hands buckets over in index order: a new backward pass
             self._pass_slots, self._pass_sizes, self._direct_pass = [], {}, []
             self._worker.take_pass_error()  # (one a pass that ended in another error left unraised)
+            if self._dense is not None:
+                self._begin_pass()
         if bucket.is_last() and not self._worker.propagate:
             self._raise_at_the_end()
         buffer = bucket.buffer()
@@ -660,6 +669,14 @@ class CompressionHookState:
         # (torch ops, Future.then) would hand it over and wait to get it back
         self._worker.submit(job)
         return chained
+
+    def _begin_pass(self) -> None:
+        """With dense steps: this pass's exchange, dense fp32 before step ``dense_steps``, the method's from then on.
+        Safe to switch here: DDP handed over this pass's first bucket, so it has waited for every future of the
+        last pass, and the thread has finished that pass's jobs."""
+        self._active = self._dense if self.step < self.dense_steps else self.exchange
+        self._worker.exchange = self._active
+        self.direct = sends_directly(self._active.scheme)
 
     def _raise_at_the_end(self) -> None:
         """``nonfinite="raise"``: the pass's agreed NonFiniteGradientError is raised from ``backward`` itself, the
@@ -716,7 +733,7 @@ class CompressionHookState:
         # sequences may no longer agree, nothing more is sent.
         if failure is not None:
             raise _refusal(failure, "an earlier exchange of this DDP hook failed")
-        compressor = self.scheme.compressor
+        compressor = self._active.scheme.compressor
         flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
         scale = None if compressor.dtype == torch.float32 else loss_scale(self._worker.scaler)
         if scale is not None:
@@ -847,6 +864,7 @@ def register_ddp_hook(
     process_group: dist.ProcessGroup | None = None,
     scaler: torch.amp.GradScaler | None = None,
     nonfinite: str = "propagate",
+    dense_steps: int = 0,
 ) -> CompressionHookState:
     """Register gradcomp's hook on a DDP model; returns the state (checkpoint it with ``state_dict()``).
 
@@ -871,6 +889,10 @@ def register_ddp_hook(
     gradcomp.NonFiniteGradientError``), after DDP has finished the pass, with the method's state as before it and
     NaN in the gradients; the next backward works as usual. On a GPU that costs one read of the agreed verdict
     per backward pass.
+
+    ``dense_steps``: the first N backward passes all-reduce the gradients in fp32, uncompressed and counted like
+    the rest (torch PowerSGD's ``start_iter``, DGC's warm-up); the method starts at pass N with its state empty,
+    its step numbers the run's. The state's ``state_dict`` is the method's throughout.
     """
     compiled = getattr(model, "_orig_mod", None)  # torch.compile(DDP(model)): the hook goes on the DDP model inside
     if isinstance(compiled, nn.parallel.DistributedDataParallel):
@@ -925,6 +947,7 @@ def register_ddp_hook(
         min_compression_rate=min_compression_rate,
         scaler=scaler,
         nonfinite=nonfinite,
+        dense_steps=dense_steps,
     )
     model.register_comm_hook(state, compression_hook)
     return state

@@ -376,7 +376,7 @@ class TrainConfig:
         if dense:
             if self.steps is not None and dense >= self.steps:
                 raise ConfigError(f"--dense-steps {dense} leaves none of the {self.steps} steps to the method")
-            for option, used in (("--ddp", self.ddp), ("--fsdp", self.fsdp), ("--local-steps", self.local_steps)):
+            for option, used in (("--fsdp", self.fsdp), ("--local-steps", self.local_steps)):
                 if used:
                     raise ConfigError(f"--dense-steps swaps the per-step gradient exchange for a dense one: "
                                       f"not with {option}")
@@ -740,7 +740,7 @@ def run_worker(
                    inspect.signature(nn.parallel.DistributedDataParallel).parameters else "broadcast_buffers")
         trained = nn.parallel.DistributedDataParallel(model, **{no_sync: False}, **ddp_options)
         # (the command line stops at a non-finite gradient, with the typed error, where a user's loop may skip it)
-        register = register_hook or functools.partial(register_ddp_hook, nonfinite="raise")
+        register = register_hook or functools.partial(register_ddp_hook, nonfinite="raise", dense_steps=cfg.dense_steps)
         hook = register(trained, compressor, topology=cfg.topology, server_compressor=server)
         exchange, transport, aggregator = hook.exchange, hook.transport, hook
     elif exchanging:  # 1-bit Adam / 0/1 Adam: its state (moments and residuals) is the optimizer's
