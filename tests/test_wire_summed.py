@@ -112,3 +112,44 @@ def test_the_casts_saturate_exactly_as_clamping_in_float32(name, dtype, limit):
     assert dense._all_finite(base.to(dtype))
     assert not dense._all_finite(cases["inf"].to(dtype))
     assert not dense._all_finite(cases["nan"].to(dtype))
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_a_cast_written_in_its_message_is_encoded_without_a_copy(name):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
+    x[7] = float("inf") if name == "bf16" else 1e6  # saturates, in place in the message
+    x[8] = float("nan")
+    compressor = make(name)
+    slot = Slot("s", 0, x.numel())
+    specs = compressor.specs(slot)
+    (field,) = compressor.compress(x, slot, 0)
+    plain = wire.encode([field.clone()], specs)  # a tensor of its own: copied as always
+    message = wire.encode([field], specs)
+    assert torch.equal(message, plain)
+    assert message.data_ptr() == field.data_ptr() - wire.HEADER_BYTES - 10  # the field is the message's data
+    assert torch.equal(wire.decode(message, specs)[0].view(torch.int16), field.view(torch.int16))  # NaN too
+    again = wire.encode([field], specs)  # only the first encode is in place: a second message of its own
+    assert torch.equal(again, plain) and again.data_ptr() != message.data_ptr()
+
+
+def test_only_a_reserved_buffer_of_exactly_that_message_is_written_in_place():
+    n = 64
+    specs = [FieldSpec(Codec.F16, count=n)]
+    mine = torch.zeros(wire.HEADER_BYTES + 10 + 2 * n, dtype=torch.uint8)  # the same layout, not float_message's
+    view = mine[wire.HEADER_BYTES + 10 :].view(torch.float16)
+    view.copy_(torch.arange(n))
+    message = wire.encode([view], specs)
+    assert message.data_ptr() != mine.data_ptr() and not mine[: wire.HEADER_BYTES + 10].any()  # left alone
+    field = container.float_message(Codec.F16, n)
+    field.copy_(torch.arange(n))
+    with_more = wire.encode([field, field], specs * 2)  # two sections: copied
+    assert with_more.data_ptr() != field.data_ptr() - wire.HEADER_BYTES - 10
+    assert torch.equal(wire.decode(with_more, specs * 2)[1], field)
+    other = wire.encode([field[: n // 2]], [FieldSpec(Codec.F16, count=n // 2)])  # a shorter message: copied
+    assert other.data_ptr() != field.data_ptr() - wire.HEADER_BYTES - 10
+    assert torch.equal(wire.encode([field], specs), _plain_bytes([field], specs))
+    assert wire.encode([field], specs).data_ptr() != field.data_ptr() - wire.HEADER_BYTES - 10  # used up
+
+
+def _plain_bytes(fields, specs):
+    return wire.encode([f.clone() for f in fields], specs)

@@ -6,9 +6,11 @@ largest finite value ±3.39e38. Casting rounds to nearest, so fp16 / bf16 are de
 biased.
 
 Speed (issue "make compressors fast enough"): compress is one cast, then (on the CPU) one read of the half-width
-result (sums of its rows, finite when nothing saturated) and an in-place clamp only when something saturated. What
-remains of fp16's compress+encode on the CPU is the container's: ``wire.encode`` copies the 2·d-byte body once into
-the message and checksums it (CRC-32 and CRC-32C), piece by piece as it writes it, while each piece is in the cache. The fresh d-sized outputs (the cast, the message) cost page
+result (sums of its rows, finite when nothing saturated) and an in-place clamp only when something saturated. On the
+CPU the cast is written straight into the place its values take in a message buffer (``wire.container.float_message``),
+so ``wire.encode`` of the field alone (a one-slot message) only writes the headers and checksums the body (CRC-32 and
+CRC-32C): the message is that buffer, sharing its memory with the field. Encoding it with other fields copies it once
+into the message, checksummed piece by piece as it is written, while each piece is in the cache. The fresh d-sized outputs (the cast, the message) cost page
 faults on their first touch unless freed memory is kept for reuse (``gradcomp.allocator``; the times:
 docs/host_performance.md).
 """
@@ -23,6 +25,7 @@ from torch import Tensor
 from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
+from gradcomp.wire.container import float_message
 
 FP16_MAX = 65504.0
 BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -61,6 +64,15 @@ class _DenseCast(Compressor):
 
     def compress(self, x: Tensor, slot: Slot, step: int) -> Fields:
         flat = x.reshape(-1).to(torch.float32)
+        if self.limit is not None and host_path(flat) and flat.numel():
+            # On the host the cast goes straight into the place of the data in a message buffer (wire's
+            # float_message, the same bits as ``to``), so that encoding this field alone copies nothing; then the
+            # saturation, in place there.
+            out = float_message(self.codec, flat.numel())
+            out.copy_(flat)
+            if not _all_finite(out):
+                out.clamp_(-self.limit, self.limit)
+            return [out]
         out = flat.to(self.dtype)
         if self.limit is not None:
             # Cast, then saturate the half-width result in place: the same bits as clamping in float32 and

@@ -482,6 +482,43 @@ def _put_float_summed(
         running.update(mem[off + start * item : off + (start + piece.numel()) * item])
 
 
+_IN_PLACE = {Codec.F16: torch.float16, Codec.BF16: torch.bfloat16}  # their data starts aligned, at byte 30
+_MESSAGE = "_gradcomp_message"  # float_message's field: attribute holding its message buffer until encoded
+
+
+def float_message(codec: Codec, count: int) -> torch.Tensor:
+    """An uninitialised host tensor of ``count`` values of ``codec`` (F16 or BF16) placed where :func:`encode` puts
+    the data of a one-field message of that codec and count, inside a freshly allocated buffer of the message's
+    length. A compressor that writes its output into it (the dense casts: the cast straight into it) saves encode
+    the copy of the body: ``encode([field], [FieldSpec(codec, count=count)])`` then writes the headers around the
+    data, checksums the body and returns that buffer itself, so the message and the field share their memory (the
+    field is the message's data: modifying one afterwards changes the other, and a changed message fails its
+    checksum). That happens once, on this tensor's first encode, and only for exactly that message; any other
+    encode of it, and every encode of another tensor (a view, a clone), copies the data, as for any tensor."""
+    dtype = _IN_PLACE[Codec(codec)]
+    buf = torch.empty(HEADER_BYTES + SECTION_HEADER_BYTES + count * dtype.itemsize, dtype=torch.uint8)
+    field = buf[HEADER_BYTES + SECTION_HEADER_BYTES :].view(dtype)
+    setattr(field, _MESSAGE, buf)
+    return field
+
+
+def _reserved_buffer(fields: list, plan: list, body_length: int) -> torch.Tensor | None:
+    """The buffer of :func:`float_message` that already holds this one-section message's data, taken from the
+    field (so that no later encode uses it again), or None (any other message, or a field not laid out there)."""
+    if len(plan) != 1 or plan[0][0] not in _IN_PLACE:
+        return None
+    buf = getattr(fields[0], _MESSAGE, None)
+    codec, t = plan[0][0], plan[0][4]
+    if (
+        buf is None or t.dtype != _IN_PLACE[codec] or not t.is_contiguous()
+        or buf.numel() != HEADER_BYTES + body_length
+        or t.data_ptr() != buf.data_ptr() + HEADER_BYTES + SECTION_HEADER_BYTES
+    ):
+        return None
+    delattr(fields[0], _MESSAGE)
+    return buf
+
+
 def _raw_bytes(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The values of the non-empty ``src`` in ``dtype`` on ``device`` as a flat uint8 view (a copy only when needed)."""
     flat = src.reshape(-1).to(device=device, dtype=dtype).contiguous()
@@ -637,8 +674,10 @@ def encode(
         plan.append((codec, param, n, nbytes, data, later))
     if body_length > _U32_MAX:
         raise ConfigError(f"message body of {body_length} bytes does not fit the u32 length")
-    # Pass 2: one allocation, every section written at its offset, then the checksum of the body in place.
-    out = torch.empty(HEADER_BYTES + body_length, dtype=torch.uint8, device=device)
+    # Pass 2: one allocation, every section written at its offset, then the checksum of the body in place. (A one-field
+    # F16 / BF16 message whose data a compressor wrote in place, float_message: no allocation, no copy of the data.)
+    placed = _reserved_buffer(fields, plan, body_length) if on_host else None
+    out = placed if placed is not None else torch.empty(HEADER_BYTES + body_length, dtype=torch.uint8, device=device)
     mem = out.numpy() if on_host else None  # the output's own memory, for struct and small copies
     heads: list[tuple[int, bytes]] = []  # section headers to write on other devices
     # the host path's checksum of a message with a large float section, taken in order: such sections as they are
@@ -654,7 +693,9 @@ def encode(
         off += SECTION_HEADER_BYTES
         if codec in FLOAT_DTYPES:
             dtype = FLOAT_DTYPES[codec]
-            if mem is not None and _summed_applies(off, nbytes, data, dtype):
+            if placed is not None:
+                pass  # the data is already there
+            elif mem is not None and _summed_applies(off, nbytes, data, dtype):
                 running.update(mem[HEADER_BYTES if summed is None else summed : off])  # before it, its header too
                 _put_float_summed(out, mem, off, nbytes, data, dtype, running)
                 summed = off + nbytes
