@@ -6,7 +6,7 @@ largest finite value ±3.39e38. Casting rounds to nearest, so fp16 / bf16 are de
 biased.
 
 Speed (issue "make compressors fast enough"): compress is one cast, then (on the CPU) one read of the half-width
-result (sums of its rows, finite when nothing saturated) and an in-place clamp only when something saturated. On the
+result (its sum, or its rows' sums, finite when nothing saturated) and an in-place clamp only when something saturated. On the
 CPU the cast is written straight into the place its values take in a message buffer (``wire.container.float_message``),
 so ``wire.encode`` of the field alone (a one-slot message) only writes the headers and checksums the body (CRC-32 and
 CRC-32C): the message is that buffer, sharing its memory with the field. Encoding it with other fields copies it once
@@ -35,14 +35,17 @@ _ROW = 4096  # entries per partial sum of _all_finite
 
 
 def _all_finite(out: Tensor) -> bool:
-    """True only when no entry of the half-width ``out`` is ±Inf or NaN, from one read: sums of rows of
-    :data:`_ROW` entries (and of the tail), each finite only if all its entries are (an Inf or NaN makes it Inf or
-    NaN). A row of finite entries whose sum overflows the half format (a mean magnitude above 16 in fp16) gives a
-    False that only costs the clamp of a tensor that needed none, with the same bits. Only ±Inf (what rounded past
-    ±limit) and NaN need the clamp. On the CPU these sums are the cheapest read of the result (on the project's
-    machine about half of ``aminmax``, which had been a third of fp16's compress+encode); summing in float32
-    instead (``sum(dtype=float32)``) converts first and is far slower."""
+    """True only when no entry of the half-width ``out`` is ±Inf or NaN, from one read in the common case: its sum,
+    finite only if every entry is (an Inf or NaN makes it Inf or NaN). The sum comes back in the half format, so a
+    tensor of finite entries can overflow it (fp16's ±65504: ten million entries of mean magnitude 0.007); then the
+    sums of rows of :data:`_ROW` entries (and of the tail) decide, which overflow only at a mean magnitude above 16
+    in fp16, and a False from them only costs the clamp of a tensor that needed none, with the same bits. Only ±Inf
+    (what rounded past ±limit) and NaN need the clamp. On the CPU a sum is the cheapest read of the result (on the
+    project's machine about half of ``aminmax``, which had been a third of fp16's compress+encode, and cheaper than
+    the row sums); summing in float32 instead (``sum(dtype=float32)``) converts first and is far slower."""
     flat = out.reshape(-1)
+    if math.isfinite(float(flat.sum())):
+        return True
     whole = flat.numel() - flat.numel() % _ROW
     if whole and not bool(torch.isfinite(flat[:whole].view(-1, _ROW).sum(1)).all()):
         return False
