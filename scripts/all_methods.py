@@ -72,7 +72,8 @@ def run(name: str, args: str, out: Path) -> None:
     path = out / f"{name}.json"
     if path.exists():
         return
-    command = ["gradcomp", "train", "--no-progress", "--bandwidth", "1Gbit", "--json", str(path), *shlex.split(args)]
+    command = ["gradcomp", "train", "--no-progress", "--allow-untrained-defaults", "--bandwidth", "1Gbit", "--json",
+               str(path), *shlex.split(args)]
     print("$", " ".join(command), file=sys.stderr, flush=True)
     with open(out / f"{name}.log", "w") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)

@@ -12,7 +12,7 @@ batch 32, SGD lr 0.05 momentum 0.9, no ``--param``) on the simulated cluster, on
 3. (``--stage remedy``) one epoch of each refusal rule's remedy, the flags its message names.
 
 The combinations that ``gradcomp.experiments.run.defaults`` refuses are run too (the sweep is what measures
-them): its runs set ``GRADCOMP_ALLOW_UNTRAINED_DEFAULTS=1``. Results are appended to ``OUT/results.jsonl``, one
+them): its runs pass ``--allow-untrained-defaults``. Results are appended to ``OUT/results.jsonl``, one
 row per run; a row already there is not run again. The table goes to stdout (and ``OUT/table.md``).
 
     nice -n 10 .venv/bin/python scripts/defaults_sweep.py --stage all      # screen, epochs, remedies, the tables
@@ -48,9 +48,9 @@ def run_one(name: str, flags: list[str], steps: int | None, out: Path) -> dict:
     stage = f"steps{steps}" if steps else "epoch"
     tag = "_".join([name, *(f for f in flags if not f.startswith("--"))]) or name
     path = out / f"{tag}.{stage}.json"
-    command = ["gradcomp", "train", "--no-progress", "--simulate", "--compressor", name, *flags,
+    command = ["gradcomp", "train", "--no-progress", "--allow-untrained-defaults", "--simulate", "--compressor", name, *flags,
                *(["--steps", str(steps)] if steps else []), "--json", str(path)]
-    env = {**os.environ, "GRADCOMP_ALLOW_UNTRAINED_DEFAULTS": "1"}
+    env = dict(os.environ)
     bin_dir = Path(sys.executable).parent
     start = time.time()
     proc = subprocess.run(["nice", "-n", "10", str(bin_dir / command[0]), *command[1:]], env=env,

@@ -5,7 +5,7 @@
 # in the virtual environment; each run writes runs/<name>.json and .log.
 set -e
 mkdir -p runs
-G="python -m gradcomp.cli train --no-progress"
+G="python -m gradcomp.cli train --no-progress --allow-untrained-defaults"
 $G --json runs/none.json > runs/none.log 2>&1
 $G --compressor topk --param density=0.01 --error-feedback --json runs/topk.json > runs/topk.log 2>&1
 $G --compressor topk --param density=0.01 --error-feedback --simulate --json runs/topk_sim.json > runs/topk_sim.log 2>&1

@@ -5,7 +5,7 @@
 # and .log (a run whose JSON exists is skipped).
 set -e
 mkdir -p runs/feedback
-G="gradcomp train --no-progress"
+G="gradcomp train --no-progress --allow-untrained-defaults"
 run() { name=$1; shift; [ -f "runs/feedback/$name.json" ] || $G "$@" --json "runs/feedback/$name.json" > "runs/feedback/$name.log" 2>&1 || true; }
 run fp32 --compressor none
 for method in randomblock randomk; do

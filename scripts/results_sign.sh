@@ -5,7 +5,7 @@
 set -e
 cd "$(dirname "$0")/.."
 mkdir -p runs/sign
-G=".venv/bin/gradcomp train --no-progress"
+G=".venv/bin/gradcomp train --no-progress --allow-untrained-defaults"
 run() { tag=$1; shift; $G "$@" --json "runs/sign/$tag.json" > "runs/sign/$tag.log" 2>&1; }
 
 if [ "${1:-}" = "--picks" ]; then  # the 200-step runs that chose the learning rates

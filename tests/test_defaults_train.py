@@ -14,7 +14,7 @@ import torch
 import gradcomp.experiments.run.launch as launch_module
 from gradcomp.cli import main
 from gradcomp.errors import ConfigError
-from gradcomp.experiments.run.defaults import ALLOW_ENV, RULES, accepted_pairs
+from gradcomp.experiments.run.defaults import RULES, accepted_pairs, refuse_untrained_defaults
 from gradcomp.experiments.run.runner import TrainConfig
 
 TINY = ["--dataset", "synthetic", "--model", "mlp", "--workers", "2", "--simulate", "--no-progress"]
@@ -62,7 +62,6 @@ def no_workers(monkeypatch):
 
 @pytest.mark.parametrize("method", sorted({name for name, _, _ in PAIRS}))
 def test_every_accepted_pair_runs_finite_at_its_defaults(method, tmp_path, monkeypatch):
-    monkeypatch.delenv(ALLOW_ENV, raising=False)
     for _, feedback, flags in (p for p in PAIRS if p[0] == method):
         out = tmp_path / f"{feedback}.json"
         assert main(["train", *TINY, "--steps", "5", "--compressor", method, *flags, "--json", str(out)]) == 0, feedback
@@ -83,7 +82,6 @@ def test_the_sweep_covers_every_method_with_its_policies():
 
 @pytest.mark.parametrize(("method", "flags"), REFUSED, ids=[" ".join([m, *f]) for m, f in REFUSED])
 def test_refused_before_any_worker_with_one_line_naming_the_remedy(method, flags, no_workers, capsys, monkeypatch):
-    monkeypatch.delenv(ALLOW_ENV, raising=False)
     assert main(["train", "--steps", "5", "--no-progress", "--compressor", method, *flags]) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("gradcomp: error:")]
@@ -100,7 +98,6 @@ REMEDIES = [(rule, remedy) for rule in RULES for remedy in rule.remedies]
 
 @pytest.mark.parametrize(("rule", "remedy"), REMEDIES, ids=[f"{r.method} {m}" for r, m in REMEDIES])
 def test_the_remedy_runs(rule, remedy, tiny_mnist, tmp_path, monkeypatch):
-    monkeypatch.delenv(ALLOW_ENV, raising=False)
     out = tmp_path / "run.json"
     flags = remedy.split()
     if "--feedback" not in flags:
@@ -117,12 +114,18 @@ def test_an_explicit_setting_is_not_refused_and_the_rules_can_be_turned_off(monk
     if not RULES:
         pytest.skip("no rules")
     rule = RULES[0]
-    monkeypatch.delenv(ALLOW_ENV, raising=False)
     fields = {"compressor": rule.method, "feedback": rule.feedbacks[0], "steps": 5}
     with pytest.raises(ConfigError, match="does not train"):
-        TrainConfig(**fields).validate()
-    TrainConfig(**fields, lr=0.01).validate()  # another lr: the user's choice
-    TrainConfig(**fields, momentum=0.5).validate()
-    TrainConfig(**fields, model="mlp").validate()  # not measured there
-    monkeypatch.setenv(ALLOW_ENV, "1")
-    TrainConfig(**fields).validate()
+        refuse_untrained_defaults(TrainConfig(**fields))
+    refuse_untrained_defaults(TrainConfig(**fields, lr=0.01))  # another lr: the user's choice
+    refuse_untrained_defaults(TrainConfig(**fields, momentum=0.5))
+    refuse_untrained_defaults(TrainConfig(**fields, model="mlp"))  # not measured there
+    TrainConfig(**fields).validate()  # the library (sweep, race, plan) builds it unrefused
+
+
+def test_the_command_line_flag_turns_the_refusal_off(no_workers, capsys):
+    rule = RULES[0]
+    argv = ["train", "--steps", "5", "--no-progress", "--compressor", rule.method, "--feedback", rule.feedbacks[0]]
+    assert main(argv) == 2 and "does not train" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="a worker was started"):  # past the refusal, to the launch
+        main([*argv, "--allow-untrained-defaults"])

@@ -95,6 +95,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         "few seconds (rank 0 evaluating the test set, a worker starting on a busy machine); "
                         "raise it for slow starts of many workers or long evaluations")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--allow-untrained-defaults", action="store_true",
+                   help="run a method + feedback pair at the defaults measured not to train (docs/methods/feedback.md) "
+                        "instead of refusing it")
     p.add_argument("--bandwidth", default=None, metavar="RATE",
                    help="also report what the measured traffic would take on this network, e.g. 1Gbit or 10Gbit")
     p.add_argument("--latency", default="0", metavar="TIME", help="per-message latency for --bandwidth, e.g. 50us")
@@ -151,6 +154,10 @@ def _train(args: argparse.Namespace) -> int:
         resume_if_present=args.resume_if_present,
     )
     cfg.validate()  # with the options as given, before the optimizer's momentum may be handed to the method
+    if not args.allow_untrained_defaults:
+        from gradcomp.experiments.run.defaults import refuse_untrained_defaults
+
+        refuse_untrained_defaults(cfg)  # a method + feedback pair measured not to train at these defaults
     note = cfg.hand_momentum_to_method()
     if note:
         print(f"gradcomp: {note}", file=sys.stderr)

@@ -3,7 +3,8 @@
 `gradcomp train` with no options is the docs' MNIST job (MNIST, SmallCNN, SGD lr 0.05 with momentum 0.9). Most
 methods train there at their own defaults; the pairs in ``RULES`` do not: they diverge to NaN or end near
 chance. Rather than let such a run spend its epoch and print a useless accuracy, ``refuse_untrained_defaults``
-(called by ``TrainConfig.validate``, before any worker starts) refuses it with one line that names a setting
+(called by ``gradcomp train`` after ``TrainConfig.validate``, before any worker starts; the library, ``gradcomp sweep``,
+``race`` and ``plan`` build the same configurations unrefused) refuses it with one line that names a setting
 measured to train instead. The measurements, and the command that reproduces them, are in
 docs/methods/feedback.md ("Defaults that train"; ``scripts/defaults_sweep.py``).
 
@@ -11,21 +12,19 @@ A rule matches only the defaults it was measured at: the MNIST dataset with the 
 with momentum 0.9 (the momentum wherever it acts: the optimizer's, or a momentum policy's), no ``--local-steps``,
 and the method's own parameter defaults (a ``--param`` equal to its default counts as the default). Any other
 lr, momentum, parameter, model or dataset is the user's explicit choice and is not refused: nothing here is
-known about it. ``GRADCOMP_ALLOW_UNTRAINED_DEFAULTS=1`` turns the refusals off, for runs that measure what these
-defaults do (``scripts/defaults_sweep.py``, ``gradcomp sweep``'s study grid).
+known about it. ``gradcomp train --allow-untrained-defaults`` turns the refusals off, for runs that measure what these
+defaults do (``scripts/defaults_sweep.py``, the docs' results scripts).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from gradcomp.errors import ConfigError
 
-__all__ = ["ALLOW_ENV", "RULES", "Rule", "accepted_pairs", "effective_feedback", "refuse_untrained_defaults"]
+__all__ = ["RULES", "Rule", "accepted_pairs", "effective_feedback", "refuse_untrained_defaults"]
 
-ALLOW_ENV = "GRADCOMP_ALLOW_UNTRAINED_DEFAULTS"
 FEEDBACKS = ("none", "residual", "momentum_correction", "momentum_masking")
 
 # the job the rules were measured on (TrainConfig's values as `gradcomp train` resolves its defaults)
@@ -76,29 +75,21 @@ def accepted_pairs(**settings: Any) -> list[tuple[str, str, list[str]]]:
     from gradcomp.experiments.run.runner import TrainConfig
     from gradcomp.registry import BUILTIN
 
-    before = os.environ.get(ALLOW_ENV)
-    os.environ[ALLOW_ENV] = "1"
-    try:
-        out = []
-        for name in BUILTIN:
-            default = TrainConfig(compressor=name, **settings)
-            default.validate()
-            policy = effective_feedback(default)
-            out.append((name, policy, []))
-            for feedback in FEEDBACKS:
-                if feedback == policy:
-                    continue
-                try:
-                    TrainConfig(compressor=name, feedback=feedback, **settings).validate()
-                except ConfigError:
-                    continue
-                out.append((name, feedback, ["--feedback", feedback]))
-        return out
-    finally:
-        if before is None:
-            os.environ.pop(ALLOW_ENV)
-        else:
-            os.environ[ALLOW_ENV] = before
+    out = []
+    for name in BUILTIN:
+        default = TrainConfig(compressor=name, **settings)
+        default.validate()
+        policy = effective_feedback(default)
+        out.append((name, policy, []))
+        for feedback in FEEDBACKS:
+            if feedback == policy:
+                continue
+            try:
+                TrainConfig(compressor=name, feedback=feedback, **settings).validate()
+            except ConfigError:
+                continue
+            out.append((name, feedback, ["--feedback", feedback]))
+    return out
 
 
 def effective_feedback(cfg: Any) -> str:
@@ -152,8 +143,6 @@ def refuse_untrained_defaults(cfg: Any) -> None:
     - ``efsignsgd``, ``onebit``: optimizer momentum on top of their error feedback is unstable; they train at
       the effective step 0.05 / (1 - 0.9) without momentum. ``onebit`` without its error feedback does not.
     """
-    if os.environ.get(ALLOW_ENV, "") not in ("", "0"):
-        return
     if "+" in cfg.compressor or not _at_measured_job(cfg):
         return
     rules = [r for r in RULES if r.method == cfg.compressor]

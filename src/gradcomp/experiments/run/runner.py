@@ -233,7 +233,6 @@ class TrainConfig:
         if self.device == "cuda":
             self._check_gpus()
         compressor, server = self.build_compressors()
-        from gradcomp.experiments.run.defaults import refuse_untrained_defaults; refuse_untrained_defaults(self)  # noqa: E702
         if self.local_steps is not None:
             check_compressors(compressor, server)  # no majority vote (worker or server side) with local steps
         scheme = build_scheme(compressor, topology=self.topology, server_compressor=server)
