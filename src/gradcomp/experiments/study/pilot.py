@@ -48,9 +48,9 @@ PILOT_FORMAT = 1  # bump when what a pilot measures changes
 
 
 def is_text(model: str | None) -> bool:
-    from gradcomp.experiments.run.models import TEXT_MODELS
+    from gradcomp.experiments.race.race import text_model
 
-    return isinstance(model, str) and model.strip().lower() in TEXT_MODELS
+    return isinstance(model, str) and text_model(model)
 
 
 def pilot_steps(model: str | None, given: int | None) -> int:
@@ -275,11 +275,6 @@ def _check_target(fp32: dict[str, Any], target: float | None, lower: bool, steps
     return target
 
 
-def as_dict(pilots: dict[str, Any]) -> dict[str, Any]:
-    return {**{k: v for k, v in pilots.items() if k != "predictions"},
-            "predictions": {k: dataclasses.asdict(p) for k, p in pilots["predictions"].items()}}
-
-
 # -- the plan's ranking by time to the target -------------------------------------------------------------
 
 
@@ -314,7 +309,7 @@ def to_target(opts, methods: Sequence[Any], rows: Sequence[Any], cache, fp32_nam
     return {"value": result["target"], "metric": "validation bits/byte" if result["lower"] else "test accuracy %",
             "lower_is_better": result["lower"], "tolerance": result["tolerance"], "pilot_steps": steps,
             "fp32_steps": result["fp32_steps"], "given": opts.target is not None,
-            "pilots": {k: v for k, v in result["pilots"].items()}, "rows": out_rows}
+            "pilots": result["pilots"], "rows": out_rows}
 
 
 def pilot_base(opts, steps: int):
