@@ -29,6 +29,7 @@ from typing import Any
 
 from gradcomp.errors import ConfigError, GradcompError
 from gradcomp.experiments.race import netns
+from gradcomp.experiments.race.links import parse_links, race_links
 from gradcomp.experiments.race.method import DEFAULT_METHODS, RUN_KEYS, Method, parse_method  # noqa: F401
 from gradcomp.experiments.run.report import make_output_dir, write_atomic
 
@@ -78,6 +79,9 @@ class Options:
     timeout_s: float = 900.0
     out: str | None = "race"
     verbose: bool = True
+    # a timing race (race/links.py): each method's own number of steps, by label (None: ``steps`` for all)
+    method_steps: dict[str, int] | None = None
+    window: int = 50  # with several links: steady steps timed at the links after the first (race/links.py)
 
 
 def link_rate(link: str) -> float | None:
@@ -176,6 +180,11 @@ def plan(opts: Options, log=print) -> tuple[list[Any], int]:
             raise ConfigError(f"--method {method.text!r}: {exc}") from None
         if method.baseline and not cfg.ddp:
             raise ConfigError(f"--method {method.text!r}: torch's baselines need DDP")
+        if opts.method_steps is not None:
+            # a timing window: fewer steps, the freeze step the full run resolved kept (its default is a
+            # fraction of the steps)
+            cfg = dataclasses.replace(cfg, steps=opts.method_steps[method.label],
+                                      freeze_step=cfg.resolved_freeze_step())
         configs.append(cfg)
     return configs, num_parameters
 
@@ -364,6 +373,7 @@ def method_record(method: Method, cfg, raw: dict[str, Any], num_parameters: int)
         "metric": "bits_per_byte" if text_model(cfg.model) else "accuracy",
         "train_s": lead["train_s"], "eval_s": lead["eval_s"], "wall_s": raw["wall_s"],
         "median_step_s": lead["median_step_s"],
+        "step_end_s": lead["step_end_s"],  # rank 0's training clock at every step's end (race/links.py reads it)
         "compute_only_step_s": statistics.median(compute) if compute else None,
         "tiny_allreduce_s": statistics.median(tiny) if tiny else None,
         "peak_rss_bytes": [w["peak_rss_bytes"] for w in workers],
@@ -811,7 +821,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "torch-powersgd; e.g. topk:density=0.01,feedback=residual (default: ten, docs/race.md)")
     p.add_argument("--hosts", "--workers", dest="hosts", type=int, default=4, help="emulated hosts, one worker each")
     p.add_argument("--link", default="100mbit",
-                   help="each host's link rate up and down, e.g. 100mbit or 1gbit (tbf); none: unshaped")
+                   help="each host's link rate up and down, e.g. 100mbit or 1gbit (tbf); none: unshaped. Several, "
+                        "e.g. 10mbit,100mbit: one full training at the first, a timed window of steps at the others "
+                        "(docs/race.md)")
+    p.add_argument("--link-window", type=int, default=50, metavar="STEPS",
+                   help="with several links: steady steps timed at the links after the first, after each method's "
+                        "warm-up, in whole rounds (default 50)")
     p.add_argument("--no-netns", action="store_true",
                    help="with --link none: plain local processes on 127.0.0.1 instead of namespaces")
     p.add_argument("--steps", type=int, default=500, help="training steps of every method")
@@ -849,16 +864,20 @@ def main(args: argparse.Namespace) -> int:
 
     train = resolve_training_defaults(args)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+    links = parse_links(args.link)
     opts = Options(
         methods=[parse_method(s) for s in (args.method or DEFAULT_METHODS)],
-        hosts=args.hosts, link=args.link, netns_mode="off" if args.no_netns else "auto", steps=args.steps,
+        hosts=args.hosts, link=links[0], netns_mode="off" if args.no_netns else "auto", steps=args.steps,
         batch_size=train.pop("batch_size"), lr=train.pop("lr"), momentum=train.pop("momentum"),
         weight_decay=train.pop("weight_decay"), dataset=train.pop("dataset"), data_root=train.pop("data_root"),
         model=train.pop("model"), seed=args.seed if seeds is None else seeds[0], device=args.device,
         target=args.target, target_loss=args.target_loss, train_extra=train, eval_every=args.eval_every,
         compute_steps=args.compute_steps, timeout_s=args.timeout, out=args.out, verbose=not args.quiet,
+        window=args.link_window,
     )
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    if len(links) > 1:
+        return race_links_seeds(opts, links, seeds or [opts.seed], log)
     if seeds is not None and len(seeds) > 1:
         return race_seeds(opts, seeds, log)
     state: dict[str, Any] = {}
@@ -875,6 +894,25 @@ def main(args: argparse.Namespace) -> int:
     if failed:
         log(f"gradcomp race: {len(failed)} of {len(result['methods'])} methods failed: {', '.join(failed)}")
         return 1
+    return 0
+
+
+def race_links_seeds(opts: Options, links: list[str], seeds: list[int], log) -> int:
+    """``--link A,B``: per seed (into OUT/seed-S with several seeds), one training at A, timing windows at the rest."""
+    if opts.window < 1:
+        raise ConfigError(f"--link-window must be >= 1, got {opts.window}")
+    if opts.out and len(seeds) > 1:
+        make_output_dir(opts.out, "--out", "; nothing was started")
+    for seed in seeds:
+        one = dataclasses.replace(opts, seed=seed, out=os.path.join(opts.out, f"seed-{seed}")
+                                  if opts.out and len(seeds) > 1 else opts.out)
+        try:
+            result = race_links(one, links, log, show=print)
+        except (KeyboardInterrupt, Interrupted):
+            log(f"gradcomp race: interrupted during seed {seed}")
+            return 130
+        if any(entry.get("error") for row in result["methods"] for entry in row["links"].values()):
+            return 1
     return 0
 
 
