@@ -360,5 +360,5 @@ def test_the_dataset_defaults_to_the_models_as_in_train():
         args = argparse.Namespace(shapes=None, model=model, dataset=None, data=None, batch_size=None, workers=4,
                                   link="100mbit", latency="0", burst="0", device="cpu", methods=None,
                                   compute_ms=None, colocated=1, no_cache=True, seed=0, no_pilot=False,
-                                  pilot_steps=None, target=None)
+                                  pilot_steps=None, target=None, steps=None)
         assert plan.options_from_args(args).dataset == dataset

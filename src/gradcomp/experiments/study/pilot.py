@@ -255,7 +255,8 @@ def _trained_as(method):
 
 def is_fp32(method) -> bool:
     """The methods whose training is fp32's to the bit (the same average): fp32's pilot stands for them."""
-    return method.name == "none" and not method.params and method.local_steps is None and not method.dense_steps
+    return (method.name == "none" and not method.params and method.local_steps is None and not method.dense_steps
+            and method.optimizer is None)
 
 
 def _check_target(fp32: dict[str, Any], target: float | None, lower: bool, steps: int) -> float:
@@ -291,6 +292,17 @@ def to_target(opts, methods: Sequence[Any], rows: Sequence[Any], cache, fp32_nam
     if fp32 is not None:  # a step no shorter than fp32's cannot reach the target sooner (it needs no fewer steps)
         skip = {r.label: f"its step ({1e3 * r.step_s:.1f} ms) is no shorter than fp32's ({1e3 * fp32.step_s:.1f} ms): "
                          "not piloted" for r in rows if r is not fp32 and r.step_s >= fp32.step_s}
+    from gradcomp.experiments.study import phases
+
+    for m in methods:  # a pilot must reach a phased method's steady phase, and read its second half there
+        start = phases.boundary(m, getattr(opts, "steps", None))
+        if m.label not in skip and m.optimizer is not None and base.optimizer != "adamw":
+            skip[m.label] = (f"{m.optimizer} is an Adam, and gradcomp train trains {opts.model} with "
+                             f"{base.optimizer}: not piloted")
+        elif m.label not in skip and start > steps // 2:
+            skip[m.label] = (f"its steady phase starts at step {start}, past the middle of a {steps}-step pilot: "
+                             f"not piloted (give --pilot-steps {2 * start} or more, or race it: gradcomp race --link)")
+    methods = [phases.for_pilot(m, getattr(opts, "steps", None)) for m in methods]
     count = 1 + sum(1 for m in methods if m.label not in skip and not is_fp32(m))
     per_step = 1.3 * opts.workers * compute_s  # simulated workers take turns on this machine's cores
     log(f"pilots: {count} of {steps} steps each ({opts.workers} simulated workers, gradcomp train's defaults for "
@@ -299,12 +311,12 @@ def to_target(opts, methods: Sequence[Any], rows: Sequence[Any], cache, fp32_nam
     out_rows = {}
     for m in methods:
         p, row = result["predictions"][m.label], by_label[m.label]
-        time_s = row.step_s * p.steps if p.keeps_up and p.steps is not None else None
+        time_s = row.seconds_for(p.steps) if p.keeps_up and p.steps is not None else None
         out_rows[m.label] = {
             "status": p.status, "detail": p.detail, "steps_to_target": p.steps, "gap": p.gap,
             "time_s": time_s,
-            "time_low_s": row.step_s * p.steps_low if time_s is not None and p.steps_low is not None else None,
-            "time_high_s": row.step_s * p.steps_high if time_s is not None and p.steps_high is not None else None,
+            "time_low_s": row.seconds_for(p.steps_low) if time_s is not None and p.steps_low is not None else None,
+            "time_high_s": row.seconds_for(p.steps_high) if time_s is not None and p.steps_high is not None else None,
         }
     return {"value": result["target"], "metric": "validation bits/byte" if result["lower"] else "test accuracy %",
             "lower_is_better": result["lower"], "tolerance": result["tolerance"], "pilot_steps": steps,

@@ -62,6 +62,7 @@ import torch
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race import race
 from gradcomp.experiments.race.method import Method, planned
+from gradcomp.experiments.study import phases as phased
 from gradcomp.experiments.study import pilot
 from gradcomp.experiments.study.pilot import pilot_steps
 from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_bytes, parse_latency
@@ -140,6 +141,7 @@ class PlanOptions:
     pilots: bool = True  # with --model: rank by predicted time to a target from short pilots (study/pilot.py)
     pilot_steps: int | None = None  # None: pilot.PILOT_STEPS for the model's kind
     target: float | None = None  # None: fp32's value at its pilot's end
+    steps: int | None = None  # the run's length: how a phased method's steps divide (study/phases.py)
 
     def checked(self) -> tuple[NetworkModel, list[Method]]:
         """Everything checked before any measurement; returns the network and the parsed methods."""
@@ -170,6 +172,7 @@ class PlanOptions:
         labels = [m.label for m in methods]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"--methods: a method is given twice ({', '.join(labels)})")
+        phased.check(methods, self.steps)
         return network, methods
 
 
@@ -527,7 +530,8 @@ def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any,
         for proc in procs:
             proc.start()
         out: list[dict[str, Any]] = []
-        while len(out) < n:
+        waited_for_the_cause = []  # the others' failures at the barrier a failed process broke
+        while len(out) + len(waited_for_the_cause) < n:
             try:
                 ok, value = results.get(timeout=1.0)
             except queue.Empty:
@@ -535,9 +539,14 @@ def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any,
                 if dead:
                     raise RuntimeError(f"a colocated measuring process died (exit code {dead[0]})") from None
                 continue
-            if not ok:
+            if not ok and "BrokenBarrierError" in value:
+                waited_for_the_cause.append(value)  # the process that broke it reports why
+            elif not ok:
                 raise RuntimeError(f"a colocated measuring process failed:\n{value}")
-            out.append(value)
+            else:
+                out.append(value)
+        if waited_for_the_cause:
+            raise RuntimeError(f"a colocated measuring process failed:\n{waited_for_the_cause[0]}")
         return out
     finally:
         for proc in procs:
@@ -549,12 +558,15 @@ def colocated(measure: Callable[..., dict[str, Any]], n: int, *args: Any,
 def _colocated_worker(barrier, results, threads: int, measure: Callable[..., dict[str, Any]], args: tuple) -> None:
     import traceback
 
+    released = False
     try:
         torch.set_num_threads(threads)
         barrier.wait(timeout=600)
+        released = True
         results.put((True, measure(*args)))
     except BaseException:  # the parent raises it with the traceback
-        barrier.abort()
+        if not released:  # the others wait for this one at the barrier; once past it, they are on their way
+            barrier.abort()
         results.put((False, traceback.format_exc()))
 
 
@@ -675,10 +687,19 @@ class PlanRow:
     note: str = ""
     priced_s: float = 0.0  # the network model's price of the step's collectives
     local_collectives_s: float | None = None  # the local race's time in collectives (measure_local), if measured
+    phases: list[dict[str, Any]] | None = None  # a phased method's phases (study/phases.py): the step is their mean
 
     @property
     def step_s(self) -> float:
         return self.compute_s + self.compress_s + self.communicate_s
+
+    def seconds_for(self, steps: float) -> float:
+        """Predicted seconds of the run's first ``steps`` steps: phase by phase for a phased method (its last
+        phase's step beyond the run), the step times ``steps`` for the others."""
+        if not self.phases:
+            return self.step_s * steps
+        total = sum(max(0.0, min(steps, p["stop"]) - p["start"]) * p["step_s"] for p in self.phases)
+        return total + max(0.0, steps - self.phases[-1]["stop"]) * self.phases[-1]["step_s"]
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "step_s": self.step_s,
@@ -798,6 +819,9 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
     shape_key = [list(s) for s in shapes]
     # every worker on this machine (gradcomp race's emulated hosts): the local race measures each method's step
     local_race = opts.model is not None and opts.colocated > 1 and opts.colocated == opts.workers
+    # what is measured: every plain method, and each phase's exchange of a phased one (study/phases.py)
+    split = {m.label: phased.phases(m, opts.steps) for m in methods}
+    units = [p.method for m in methods for p in (split[m.label] or [])] + [m for m in methods if not split[m.label]]
     sharing = opts.colocated if opts.colocated > 1 and not local_race else 1  # parts timed n processes at once
     local: dict[str, dict[str, float]] = {}
     if local_race:
@@ -806,8 +830,8 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
                     "batch_size": opts.batch_size, "device": opts.device, "seed": opts.seed,
                     "workers": opts.workers, "method": m.key(), "steps": [LOCAL_STEPS, LOCAL_COMPUTE_STEPS]}
 
-        local = {m.label: v for m in methods if (v := cache.get(local_key(m))) is not None}
-        todo = [m for m in methods if m.label not in local]
+        local = {m.label: v for m in units if (v := cache.get(local_key(m))) is not None}
+        todo = [m for m in units if m.label not in local]
         if todo:
             log(f"measuring {len(todo)} methods' steps with {opts.workers} workers on this machine, unshaped "
                 f"(gradcomp race --link none, {LOCAL_STEPS} steps each)")
@@ -837,8 +861,8 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
         compute_s, compute_from = 0.0, "not included (--shapes without --compute-ms)"
     if opts.pilots and opts.model is not None:
         pilot_steps(opts.model, opts.pilot_steps)  # a bad --pilot-steps: ConfigError before any measurement
-    rows = []
-    for method in methods:
+    priced: dict[str, PlanRow] = {}
+    for method in units:
         log(f"measuring {method.label} on {opts.workers} simulated workers")
         key = {"what": "method", "machine": machine, "shapes": shape_key, "workers": opts.workers,
                "device": opts.device, "seed": opts.seed, "method": method.key(),
@@ -854,8 +878,10 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
         traffic = Traffic.from_measurement(measured)
         mine = local.get(method.label)
         row_compute = compute_s if opts.compute_ms is not None or mine is None else mine["compute_s"]
-        rows.append(price(method.label, method.name, traffic, network, opts.workers, row_compute, method.note,
-                          mine))
+        priced[method.label] = price(method.label, method.name, traffic, network, opts.workers, row_compute,
+                                     method.note, mine)
+    rows = [phased.combine(m, [(p, priced[p.method.label]) for p in split[m.label]], opts.steps, PlanRow)
+            if split[m.label] else priced[m.label] for m in methods]
     target = None
     if opts.pilots and opts.model is not None:
         target = pilot.to_target(opts, methods, rows, cache, FP32, machine, compute_s, log)
@@ -1033,6 +1059,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with --model: a local race measures each method's step, docs/plan.md); compute and "
                         "compression are timed in N processes at once (default 1: each worker has a machine)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="the run's length: needed to plan a method whose steps are not all alike (dense_steps, "
+                        "onebit_adam's freeze, local_steps), planned phase by phase (docs/plan.md)")
     p.add_argument("--target", type=float, default=None,
                    help="rank by predicted time to this validation bits/byte (language models) or test accuracy in %% "
                         "(classifiers); default: fp32's value at the end of its pilot")
@@ -1066,7 +1095,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         batch_size=args.batch_size, workers=args.workers, link=args.link, latency=args.latency, burst=args.burst,
         device=args.device, methods=args.methods or DEFAULT_METHODS, compute_ms=args.compute_ms,
         colocated=args.colocated, cache=not args.no_cache, seed=args.seed,
-        pilots=not args.no_pilot, pilot_steps=args.pilot_steps, target=args.target,
+        pilots=not args.no_pilot, pilot_steps=args.pilot_steps, target=args.target, steps=args.steps,
     )
 
 
