@@ -1,23 +1,19 @@
-"""The Transformer race of the methods built for Adam, at 10 and 100 Mbit/s, from one training per method.
+"""The Transformer race of the methods built for Adam, at a link, from the 1,000-step trainings of the adam1000 table.
 
-Training is deterministic and the link changes only the clock (docs/race.md), so a method's time to a target at
-a link is its steps to the target, measured in its 1,000-step training run (docs/workloads/adam1000, 3 seeds
-where they finished), times its step time at that link, measured by `gradcomp race` on the shaped link (4 hosts,
-network namespaces, `tc tbf`) over whole communication rounds:
-
-- fp32 DDP, torch fp16 and C_nat send the same message every step: the mean of steps 17-32 of a 32-step race;
-- 1-bit Adam runs dense, then compressed: its race freezes at step 16, so steps 1-16 time the dense step and
-  17-32 the compressed one, and its run of n steps costs min(n, F) dense steps and the rest compressed ones
-  (F = its run's freeze step, 150 or 25);
-- DiLoCo with H = 32 (H = 8) syncs once per 32 (8) steps: the mean over whole rounds (steps 1-32, syncs
-  included).
+Training is deterministic and the link changes only the clock (docs/race.md, "Several links from one training"),
+so a method's time to a target at a link is estimated exactly as `gradcomp race --link A,B` does for its later
+links (gradcomp.experiments.race.links): its steps to the target come from its 1,000-step training run
+(docs/workloads/adam1000, every seed that finished), and its step times from a window of its steps timed by
+`gradcomp race` on the shaped link (4 hosts, network namespaces, `tc tbf`): every step up to where its step
+pattern is steady (1-bit Adam's freeze step) and 50 steady steps after it in whole rounds (DiLoCo: rounds of H).
+Steps the window covers count with their own times, the rest at the window's steady mean.
 
 The target is each seed's fp32 1,000-step validation loss + 0.05 bits/byte; steps to target are resolved to the
 runs' evaluations (every 100 steps), so a time here is an upper bound by up to 100 steps. The ideal is fp32's
-steps to target × its compute-only step (race's compute-only measurement, same run).
+steps to target × its compute-only step (the race's compute-only measurement, same run).
 
-    python scripts/adam_race.py --link 10mbit --out docs/race/adam-10mbit     # as root; about 15 minutes
-    python scripts/adam_race.py --link 100mbit --out docs/race/adam-100mbit
+    python scripts/adam_race.py --link 10mbit --out docs/race/adam-10mbit      # as root; about 25 minutes
+    python scripts/adam_race.py --link 100mbit --out docs/race/adam-100mbit    # about 10 minutes
     python scripts/adam_race.py --link 10mbit --out docs/race/adam-10mbit --render   # the table only
 """
 
@@ -27,23 +23,22 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
-SEGMENT = 16
-FREEZE = 150  # the 1,000-step runs' freeze step (15 %), unless the row says another
-# table key → (race method, how its step time is read from the race's clock at steps 16 and 32)
+from gradcomp.experiments.race import links, race
+from gradcomp.experiments.run.report import make_output_dir
+
+# table key → the race method that runs the same training (None: timed only, no 1,000-step run)
 METHODS = {
-    "a_fp32": ("torch-fp32", "steady"),
-    "a_fp16": ("torch-fp16", "steady"),
-    "a_cnat": ("cnat:topology=sharded,server=cnat", "steady"),
-    "a_onebit_adam": (f"onebit_adam:freeze_step={SEGMENT}", "two phases"),
-    "a_onebit_adam_f25": (f"onebit_adam:freeze_step={SEGMENT}", "two phases, freeze 25"),
-    # its warm-up's steps are C_nat's (sharded both ways), timed as steps 1-16 of its race
-    "a_onebit_adam_cnat100": (f"onebit_adam:freeze_step={SEGMENT},warmup=cnat", "two phases, freeze 100"),
-    "a_diloco32": ("diloco:local_steps=32", "one round"),
-    "a_diloco8": ("diloco:local_steps=8", "one round"),
+    "a_fp32": "torch-fp32",
+    "a_fp16": "torch-fp16",
+    "a_cnat": "cnat:ddp=off",  # the table's run: gradcomp train's aggregator, the same training
+    "a_cnat_sharded": "cnat:topology=sharded,server=cnat,ddp=off",
+    "torch_powersgd": "torch-powersgd",
+    "a_onebit_adam_cnat100": "onebit_adam:freeze_step=100,warmup=cnat",
+    "a_diloco32": "diloco:local_steps=32",
 }
+BASELINES = ("a_fp16", "a_cnat", "a_cnat_sharded", "torch_powersgd")  # the issue's "best of C_nat, torch fp16 and torch PowerSGD"
 
 
 def read_rows(path: str) -> list[dict]:
@@ -58,52 +53,57 @@ def steps_to_target(curve: list, target: float) -> int | None:
     return None
 
 
-def step_seconds(method: dict, how: str):
-    """A function n → seconds of the first n steps at this link, from the race's clock at steps 16 and 32."""
-    clock = {int(step): seconds for step, seconds, _ in method["curve"]}
-    first, both = clock[SEGMENT], clock[2 * SEGMENT]
-    if how == "steady":
-        per = (both - first) / SEGMENT
-        return lambda n: n * per, per
-    if how.startswith("two phases"):
-        freeze = int(how.rsplit(" ", 1)[1]) if "freeze" in how else FREEZE
-        dense, compressed = first / SEGMENT, (both - first) / SEGMENT
-        return lambda n: min(n, freeze) * dense + max(0, n - freeze) * compressed, (dense, compressed)
-    per = both / (2 * SEGMENT)
-    return lambda n: n * per, per
+def options(link: str, out: str, keys: list[str]) -> tuple[race.Options, list]:
+    """The race's options, parsed as `gradcomp race --model transformer --hosts 4 --steps 1000` parses them (the
+    table's runs are `gradcomp train --model transformer --steps 1000`: the same defaults), and each method's window."""
+    p = argparse.ArgumentParser()
+    race.add_arguments(p)
+    argv = ["--model", "transformer", "--hosts", "4", "--link", link, "--steps", "1000", "--target-loss", "0.01",
+            "--out", out]
+    for key in keys:
+        argv += ["--method", METHODS[key]]
+    opts, _, _ = race.options_from_args(p.parse_args(argv))
+    configs, _ = race.plan(opts, log=lambda text: None)
+    return links.timing_options(opts, configs, links.DEFAULT_WINDOW, link), configs
 
 
-def race(link: str, out: str, python: str) -> None:
-    specs = list(dict.fromkeys(spec for spec, _ in METHODS.values()))
-    cmd = [python, "-m", "gradcomp.cli", "race", "--model", "transformer", "--hosts", "4", "--link", link,
-           "--steps", str(2 * SEGMENT), "--eval-every", str(SEGMENT), "--target-loss", "0.01", "--out", out]
-    for spec in specs:
-        cmd += ["--method", spec]
-    print("adam_race:", " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, check=False)
+def run(link: str, out: str, keys: list[str]) -> None:
+    timing, _ = options(link, out, keys)
+    make_output_dir(out, "--out", "; nothing was started")
+    print("adam_race: windows", timing.method_steps, flush=True)
+    race.race(timing, log=lambda text: print(text, file=sys.stderr, flush=True))
 
 
-def render(link: str, out: str, table: str) -> str:
-    raced = {m["spec"]: m for m in json.load(open(os.path.join(out, "race.json")))["methods"]}
+def render(link: str, out: str, table: str, keys: list[str], also: list[str] = ()) -> str:
+    raced: dict = {}
+    for where in (*also, out):  # a later race's record of a method wins; `out` last
+        with open(os.path.join(where, links.link_dir(link), "race.json")) as f:  # where the timing race writes
+            raced.update({m["spec"]: m for m in json.load(f)["methods"]})
+    timing, configs = options(link, out, keys)
     rows = [r for r in read_rows(table) if "result" in r]
     fp32 = {r["seed"]: r["result"] for r in rows if r["key"] == "a_fp32"}
-    ideal_step = raced[METHODS["a_fp32"][0]]["compute_only_step_s"]
+    ideal_step = raced[METHODS["a_fp32"]]["compute_only_step_s"]
     lines = [f"### {link}: time to fp32's 1,000-step loss + 0.05 (4 hosts, Transformer, AdamW)", "",
-             f"Ideal (fp32's steps to target × its compute-only step, {ideal_step:.3f} s): see the last column. "
-             "Step times from `race.json` in this folder; steps to target from docs/workloads/adam1000.", "",
-             "| method | step time at the link (s) | steps to target per seed | time to target (s) per seed | "
-             "mean ± std | × ideal | fp32 DDP time ÷ this |", "|---|---|---|---|---|---|---|"]
-    results = {}
-    for key, (spec, how) in METHODS.items():
-        method = raced.get(spec)
-        if method is None or method.get("error") or not method.get("curve"):
-            lines.append(f"| {spec} | (race failed or not run) | | | | | |")
+             f"Steps to target from docs/workloads/adam1000 (per seed); step times from a window of each method's "
+             f"steps timed at {link} (`{links.link_dir(link)}/race.json` here"
+             + (f", and in {', '.join(also)} for the methods that race did not time" if also else "")
+             + f"); ideal = fp32's steps to target × its compute-only step ({ideal_step:.3f} s).", "",
+             "| method | window timed (steps) | mean step in the window's steady part (s) | steps to target per seed "
+             "| time to target (s) per seed | mean ± std | × ideal | fp32 DDP time ÷ this |",
+             "|---|---|---|---|---|---|---|---|"]
+    results: dict[str, list] = {}
+    for (key, spec), method, cfg in zip(((k, METHODS[k]) for k in keys), timing.methods, configs):
+        rec = raced.get(spec)
+        if rec is None or rec.get("error") or not rec.get("step_end_s"):
+            lines.append(f"| {spec} | (race failed or not run) | | | | | | |")
             continue
-        seconds, per = step_seconds(method, how)
-        per_text = f"{per:.3f}" if not isinstance(per, tuple) else f"dense {per[0]:.3f}, compressed {per[1]:.3f}"
+        ends = rec["step_end_s"]
+        start, h = links.steady_from(method, cfg), links.round_length(cfg)
+        begin = -(-start // h) * h
+        steady = (ends[-1] - (ends[begin - 1] if begin else 0.0)) / (len(ends) - begin)
         runs = sorted((r for r in rows if r["key"] == key), key=lambda r: r["seed"])
-        if not runs:  # its step time is measured, its steps to target are not
-            lines.append(f"| {spec} | {per_text} | (no 1,000-step run: {key}) | – | – | – | – |")
+        if not runs:
+            lines.append(f"| {spec} | {len(ends)} | {steady:.3f} | (no 1,000-step run) | – | – | – | – |")
             continue
         steps, times, ideals = [], [], []
         for r in runs:
@@ -111,10 +111,9 @@ def render(link: str, out: str, table: str) -> str:
                 continue
             target = fp32[r["seed"]]["val_bits_per_byte"] + 0.05
             n = steps_to_target(r["result"]["val_loss_curve"], target)
-            fp32_n = steps_to_target(fp32[r["seed"]]["val_loss_curve"], target)
             steps.append(n)
-            times.append(None if n is None else seconds(n))
-            ideals.append(fp32_n * ideal_step)
+            times.append(None if n is None else links.predict(ends, n, start, h))
+            ideals.append(steps_to_target(fp32[r["seed"]]["val_loss_curve"], target) * ideal_step)
         results[key] = times
         reached = [t for t in times if t is not None]
         mean = statistics.mean(reached) if reached else None
@@ -122,7 +121,8 @@ def render(link: str, out: str, table: str) -> str:
             f"{mean:.0f} (1 seed)" if mean is not None else "never")
         vs_ideal = (f"{statistics.mean(t / i for t, i in zip(times, ideals) if t is not None):.2f}"
                     if reached else "–")
-        lines.append(f"| {spec} | {per_text} | {', '.join('never' if s is None else str(s) for s in steps)} | "
+        lines.append(f"| {spec} | {len(ends)} | {steady:.3f} | "
+                     f"{', '.join('never' if s is None else str(s) for s in steps)} | "
                      f"{', '.join('–' if t is None else f'{t:.0f}' for t in times)} | {spread} | {vs_ideal} | "
                      "{vs_fp32_" + key + "} |")
     base = results.get("a_fp32") or []
@@ -132,6 +132,12 @@ def render(link: str, out: str, table: str) -> str:
         ratio = (f"{statistics.mean(pairs):.2f}" + (f" ± {statistics.stdev(pairs):.2f}" if len(pairs) > 1 else ""))\
             if pairs else "–"
         text = text.replace("{vs_fp32_" + key + "}", ratio)
+    best = min((statistics.mean(t) for k, t in results.items() if k in BASELINES and t and None not in t),
+               default=None)
+    ours = results.get("a_onebit_adam_cnat100")
+    if best and ours and None not in ours:
+        text += (f"\n\n1-bit Adam (C_nat warm-up) against the best of {', '.join(BASELINES)} that reached the target "
+                 f"on every seed: {best / statistics.mean(ours):.2f}x sooner (means over the seeds each has).")
     with open(os.path.join(out, "adam-race.md"), "w") as f:
         f.write(text + "\n")
     return text
@@ -142,12 +148,18 @@ def main() -> int:
     p.add_argument("--link", default="10mbit")
     p.add_argument("--out", required=True)
     p.add_argument("--table", default="docs/workloads/adam1000/results.jsonl")
-    p.add_argument("--render", action="store_true", help="only the table, from OUT/race.json")
-    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--keys", default=",".join(METHODS), help="table keys to race (default: all)")
+    p.add_argument("--render", action="store_true", help="only the table, from OUT/link-LINK/race.json")
+    p.add_argument("--also", action="append", default=[], metavar="DIR",
+                   help="with --render: another timing race's OUT (same link), for methods OUT's race lacks")
     args = p.parse_args()
+    keys = [k.strip() for k in args.keys.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in METHODS]
+    if unknown or "a_fp32" not in keys:
+        p.error(f"--keys: unknown {unknown}; known {list(METHODS)}; a_fp32 is needed (the reference)")
     if not args.render:
-        race(args.link, args.out, args.python)
-    print(render(args.link, args.out, args.table))
+        run(args.link, args.out, keys)
+    print(render(args.link, args.out, args.table, keys, args.also))
     return 0
 
 

@@ -79,6 +79,8 @@ ADAM_ROWS = [
     ("a_diloco8", "DiLoCo H=8, outer Nesterov 0.7 / 0.9, fp32 pseudo-gradients",
      ["--compressor", "none", "--local-steps", "8", "--outer-optimizer", "nesterov"]),
     ("a_cnat", "natural compression (C_nat)", ["--compressor", "cnat"]),
+    ("a_cnat_sharded", "natural compression (C_nat), sharded both ways (server C_nat)",
+     ["--compressor", "cnat", "--topology", "sharded", "--server-compressor", "cnat"]),
     ("a_fp16", "fp16", ["--compressor", "fp16"]),
     ("a_zero_one_adam", "0/1 Adam", ["--optimizer", "zero_one_adam"]),
     ("a_diloco32_4bit", "DiLoCo H=32, outer Nesterov, 4-bit pseudo-gradients (random dithering, 7 levels)",

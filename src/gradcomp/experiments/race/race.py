@@ -852,13 +852,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only remove the namespaces left by run TAG (printed at its start), or 'all'")
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.cleanup:
-        removed = netns.cleanup(args.cleanup)
-        dirs = remove_workdirs(args.cleanup)
-        print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else "")
-              + (f"; work directories: {', '.join(dirs)}" if dirs else ""))
-        return 0
+def options_from_args(args: argparse.Namespace) -> tuple[Options, list[str], list[int] | None]:
+    """The race's Options (link: the first of ``--link``), the links and the seeds, from parsed arguments."""
     from gradcomp.experiments.run.report import parse_seeds
     from gradcomp.experiments.run.runner import resolve_training_defaults
 
@@ -875,6 +870,17 @@ def main(args: argparse.Namespace) -> int:
         compute_steps=args.compute_steps, timeout_s=args.timeout, out=args.out, verbose=not args.quiet,
         window=args.link_window,
     )
+    return opts, links, seeds
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.cleanup:
+        removed = netns.cleanup(args.cleanup)
+        dirs = remove_workdirs(args.cleanup)
+        print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else "")
+              + (f"; work directories: {', '.join(dirs)}" if dirs else ""))
+        return 0
+    opts, links, seeds = options_from_args(args)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     if len(links) > 1:
         return race_links_seeds(opts, links, seeds or [opts.seed], log)
