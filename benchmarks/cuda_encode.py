@@ -152,7 +152,9 @@ def main() -> None:
         return
     device = torch.device("cpu") if CPU else torch.device("cuda")
     if CPU:
-        os.environ["GRADCOMP_DEVICE_PATH"] = "1"
+        from gradcomp.wire.bits import set_device_path_on_cpu
+
+        set_device_path_on_cpu(True)
     x = torch.randn(args.size, device=device)
     copy_ms = median_ms(lambda: x.clone())
     name = "CPU (smoke run)" if CPU else torch.cuda.get_device_name()

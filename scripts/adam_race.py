@@ -25,7 +25,7 @@ import os
 import statistics
 import sys
 
-from gradcomp.experiments.race import links, race
+from gradcomp.experiments.race import command, links, race
 from gradcomp.experiments.run.report import make_output_dir
 
 # table key → the race method that runs the same training (None: timed only, no 1,000-step run)
@@ -57,12 +57,12 @@ def options(link: str, out: str, keys: list[str]) -> tuple[race.Options, list]:
     """The race's options, parsed as `gradcomp race --model transformer --hosts 4 --steps 1000` parses them (the
     table's runs are `gradcomp train --model transformer --steps 1000`: the same defaults), and each method's window."""
     p = argparse.ArgumentParser()
-    race.add_arguments(p)
+    command.add_arguments(p)
     argv = ["--model", "transformer", "--hosts", "4", "--link", link, "--steps", "1000", "--target-loss", "0.01",
             "--out", out]
     for key in keys:
         argv += ["--method", METHODS[key]]
-    opts, _, _ = race.options_from_args(p.parse_args(argv))
+    opts, _, _ = command.options_from_args(p.parse_args(argv))
     configs, _ = race.plan(opts, log=lambda text: None)
     return links.timing_options(opts, configs, links.DEFAULT_WINDOW, link), configs
 

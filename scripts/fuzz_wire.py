@@ -27,7 +27,7 @@ Mutation kinds (round robin; each mutated buffer differs from its original):
                    these: another float is a valid float; reported, not a failure)
 
 ``--path device`` feeds the same buffers through what a receiver on a GPU does instead: ``aggregate_buffers``
-with the device path forced on CPU tensors (``GRADCOMP_DEVICE_PATH=1``, as the sync-count tests do), where every
+with the device path forced on CPU tensors (``wire.bits.set_device_path_on_cpu``, as the sync-count tests do), where every
 field is decoded and summed before the message's checks (checksum, headers, positions, padding) are read, in one
 transfer after the sums; "same" then means the aggregate bit for bit. A corrupted position that indexes past its
 slot before that read is a crash here (an IndexError on the CPU; on a GPU a device-side assert, which ends the
@@ -52,7 +52,6 @@ import copy
 import hashlib
 import inspect
 import itertools
-import os
 import random
 import struct
 import sys
@@ -393,15 +392,13 @@ def receive(compressor: Compressor, raw: bytes | bytearray, step: int) -> tuple[
 @contextlib.contextmanager
 def _device_path():
     """CPU tensors take the device path (``wire.bits.host_path``) while inside."""
-    before = os.environ.get("GRADCOMP_DEVICE_PATH")
-    os.environ["GRADCOMP_DEVICE_PATH"] = "1"
+    from gradcomp.wire.bits import set_device_path_on_cpu
+
+    before = set_device_path_on_cpu(True)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["GRADCOMP_DEVICE_PATH"]
-        else:
-            os.environ["GRADCOMP_DEVICE_PATH"] = before
+        set_device_path_on_cpu(before)
 
 
 def receive_on_device(

@@ -17,7 +17,8 @@ import argparse
 import json
 import sys
 
-from gradcomp.experiments.race.race import first_reaching, seeds_summary
+from gradcomp.experiments.race.race import first_reaching
+from gradcomp.experiments.race.seeds import seeds_summary
 
 
 def main(argv: list[str]) -> int:

@@ -2,11 +2,11 @@
 
 Simulated cluster of 4 workers, ``GradientAggregator`` with one slot per parameter tensor (one exchange per step),
 each worker's real gradient on its own batch of 8 samples, the third step counted. Models: the default job's CNN on
-MNIST and the byte-level Transformer on the ``pystdlib`` corpus. On the device path (``GRADCOMP_DEVICE_PATH=1``,
+MNIST and the byte-level Transformer on the ``pystdlib`` corpus. On the device path (``--device-path``,
 the GPU's code on CPU tensors) a size exchange also carries each message's layout values (docs/wire.md, "The size
 exchange of a message whose layout varies"); the host path sends lengths only. Prints a markdown table:
 
-    GRADCOMP_DEVICE_PATH=1 GRADCOMP_KERNELS=0 .venv/bin/python scripts/size_exchange_bytes.py
+    GRADCOMP_KERNELS=0 .venv/bin/python scripts/size_exchange_bytes.py --device-path
     .venv/bin/python scripts/size_exchange_bytes.py
 """
 
@@ -47,6 +47,11 @@ def _worker(transport, model_name: str, data_name: str, name: str, params: dict)
 
 
 def main() -> None:
+    import sys
+
+    from gradcomp.wire.bits import set_device_path_on_cpu
+
+    set_device_path_on_cpu("--device-path" in sys.argv[1:])
     torch.set_num_threads(1)
     print("| model | method | payload | control |")
     print("|---|---|---:|---:|")

@@ -5,7 +5,8 @@
 #
 # 1. reference: 2 gloo workers under torchrun, uninterrupted;
 # 2. the same job with --checkpoint DIR --checkpoint-every 10 --resume-if-present under
-#    `torchrun --max-restarts 1`; GRADCOMP_CRASH_AT_STEP makes rank 1 SIGKILL itself before step 26 on the first
+#    `torchrun --max-restarts 1`; the tests' fault injection (tests/faults: GCTEST_CRASH_AT_STEP, on PYTHONPATH)
+#    makes rank 1 SIGKILL itself before step 26 on the first
 #    attempt only (TORCHELASTIC_RESTART_COUNT=0); rank 0 then fails in its collective, torchrun restarts both
 #    workers, they find DIR/latest (step 20) and go on from there;
 # 3. prints both accuracy curves side by side and checks that the final parameters are bit-identical.
@@ -28,10 +29,10 @@ echo "== reference run (uninterrupted)"
   || { cat "$OUT/reference.log"; exit 1; }
 
 echo "== the same run; rank 1 killed before step 26 on the first attempt; torchrun --max-restarts 1"
-GRADCOMP_CRASH_AT_STEP=26 "$TORCHRUN" --standalone --max-restarts 1 --nproc-per-node 2 "${JOB[@]}" \
+GCTEST_CRASH_AT_STEP=26 PYTHONPATH="$PWD/tests/faults${PYTHONPATH:+:$PYTHONPATH}" "$TORCHRUN" --standalone --max-restarts 1 --nproc-per-node 2 "${JOB[@]}" \
   --checkpoint "$OUT/checkpoints" --checkpoint-every 10 --resume-if-present --json "$OUT/restarted.json" \
   > "$OUT/restarted.log" 2>&1 || { cat "$OUT/restarted.log"; exit 1; }
-grep -E "GRADCOMP_CRASH_AT_STEP|resuming from|restart|exitcode|Failures|failed" "$OUT/restarted.log" | sed 's/^/   log: /' || true
+grep -E "GCTEST_CRASH_AT_STEP|resuming from|restart|exitcode|Failures|failed" "$OUT/restarted.log" | sed 's/^/   log: /' || true
 
 "$PYTHON" - "$OUT/reference.json" "$OUT/restarted.json" <<'EOF'
 import json

@@ -4,7 +4,8 @@ Workers are forked from multiprocessing's fork server, not spawned: the server i
 test session, and each worker is a fork of it (a fraction of a second, where a spawned worker imports torch afresh:
 two to four seconds per test on two cores). The server never runs any of gradcomp, so every worker starts from a
 fresh import, as a spawned one does. What a worker would have inherited from the test at spawn time is handed to it
-instead: the environment (``GRADCOMP_DEVICE_PATH`` and the like, set by the test), applied before ``fn`` runs. Its
+instead: the environment (``GRADCOMP_KERNELS`` and the like, set by the test) and the wire's device path on CPU
+tensors (tests/wire_paths.py), applied before ``fn`` runs. Its
 standard output and error are the server's, not the test's: a test that needs a worker's output returns it.
 """
 
@@ -34,6 +35,11 @@ def _entry(
     if environment is not None:  # the test's environment, as a spawned worker would have inherited it
         os.environ.clear()
         os.environ.update(environment)
+        from wire_paths import WORKER_ENV
+
+        from gradcomp.wire.bits import set_device_path_on_cpu
+
+        set_device_path_on_cpu(environment.get(WORKER_ENV) == "1")
     torch.set_num_threads(1)
     join_group("gloo", port, rank, world_size, timeout_s=60)
     result = fn(rank, world_size, *args)

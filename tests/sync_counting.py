@@ -20,7 +20,7 @@ Two mechanisms, because not everything goes through torch's dispatcher:
   test cannot enter the mode on (a collective's completion callback, which gloo runs on its own thread unless
   the collective had completed already); a wrapped call is counted once, not again by the mode.
 
-The wire code's device path is forced on CPU tensors (``GRADCOMP_DEVICE_PATH=1``) and the compiled CPU kernels
+The wire code's device path is forced on CPU tensors (tests/wire_paths.py) and the compiled CPU kernels
 are switched off (``GRADCOMP_KERNELS=0``), so that what runs is what runs on a GPU.
 """
 

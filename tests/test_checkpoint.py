@@ -14,7 +14,9 @@ import pytest
 from gradcomp.cli import main
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.run import checkpoint
-from gradcomp.experiments.run.checkpoint import CRASH_ENV, CheckpointError, find_checkpoint
+from crash import crash_at as inject_crash, environment
+
+from gradcomp.experiments.run.checkpoint import CheckpointError, find_checkpoint
 from gradcomp.experiments.run.runner import TrainConfig, run_simulated, worker_threads
 
 SMALL = ["--dataset", "synthetic", "--model", "mlp", "--no-progress", "--eval-every", "2"]
@@ -40,13 +42,13 @@ def same_run(a: dict, b: dict) -> None:
 def interrupted_and_resumed(tmp_path: Path, monkeypatch, capsys, args: list[str], crash_at: int, every: int,
                             workers: int = 3, simulate: bool = True) -> dict:  # fmt: skip
     root = tmp_path / "ckpt"
-    monkeypatch.setenv(CRASH_ENV, str(crash_at))  # rank 1 fails before step crash_at
+    inject_crash(monkeypatch, crash_at)  # rank 1 fails before step crash_at
     argv = ["train", *SMALL, "--steps", "8", "--workers", str(workers), *args, "--checkpoint", str(root),
             "--checkpoint-every", str(every)] + (["--simulate"] if simulate else [])  # fmt: skip
     capsys.readouterr()
     assert main(argv) == 2
     assert "rank 1: stopped before step" in capsys.readouterr().err
-    monkeypatch.delenv(CRASH_ENV)
+    inject_crash(monkeypatch, None)
     kw = {"workers": workers, "simulate": simulate}
     assert find_checkpoint(root).name == checkpoint.step_dir_name(crash_at // every * every)
     resumed = train(tmp_path / "resumed.json", *args, "--checkpoint", str(root), "--resume", str(root), **kw)
@@ -314,7 +316,7 @@ def test_torchrun_restarts_a_killed_worker_and_training_continues_from_the_check
     # the simulated reference below runs each worker at worker_threads(2) intra-op threads, as the spawning
     # launcher does; torchrun's workers get theirs from OMP_NUM_THREADS (other counts round conv backward
     # otherwise: seen on a 16-core machine)
-    env = {**os.environ, CRASH_ENV: "11", "OMP_NUM_THREADS": str(worker_threads(2))}
+    env = {**environment(11), "OMP_NUM_THREADS": str(worker_threads(2))}
     command = [str(torchrun), "--standalone", "--max-restarts", "1", "--nproc-per-node", "2", "-m", "gradcomp.cli",
                "train", *SMALL, *TOPK, "--steps", "16", "--checkpoint", str(root), "--checkpoint-every", "4",
                "--resume-if-present", "--json", str(out)]  # fmt: skip

@@ -2,7 +2,7 @@
 guarantees hold there too. Every fixed-size method's step that a NaN on one worker spoils runs its rounds to the
 end, is abandoned at the step's one read on every worker, raises the same NonFiniteGradientError at the same step,
 and leaves every worker's state as if the step had never happened (tests/test_faults.py's runs, with the wire's
-device path forced on CPU tensors: ``GRADCOMP_DEVICE_PATH=1``)."""
+device path forced on CPU tensors: tests/wire_paths.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from test_faults import _undone_run
 
 from gradcomp.train import aggregator, exchange
+from wire_paths import device_path as use_device_path
 
 DEFERRED = {
     "topk-ef": ("topk", {"density": 0.25, "error_feedback": True}, "auto"),
@@ -41,7 +42,7 @@ DEFERRED = {
 
 @pytest.fixture
 def device_path(monkeypatch):
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    use_device_path(monkeypatch)
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     seen = []
     deferred, settle = exchange._drive_deferred, aggregator.settle

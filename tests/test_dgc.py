@@ -20,6 +20,7 @@ from gradcomp.feedback import ErrorFeedback
 from gradcomp.registry import parse_param_strings
 from gradcomp.train.exchange import GradientExchange
 from gradcomp.wire import encode
+from wire_paths import device_path
 
 
 def randn(n, seed):
@@ -429,7 +430,7 @@ def test_dgc_compresses_a_bucket_with_two_reads(monkeypatch):
     once (2 reads for 4 slots), also where a slot's k-th largest is tied (torch.topk's pick, as select)."""
     from sync_counting import counting
 
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     batched, single = DGC(density=0.01), DGC(density=0.01)
     slots = [Slot("a", 0, 20_000), Slot("b", 1, 5000), Slot("c", 2, 300), Slot("d", 3, 8000)]
     g = torch.Generator().manual_seed(9)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
+from wire_paths import device_path
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -304,7 +305,7 @@ def test_a_server_compressor_that_cannot_compress_a_finite_aggregate_stops_every
     applied Inf gradients without an error; the decoded result's finiteness is now read with its checks. Either way
     every worker raises at step 2, its state as before it."""
     if path == "device":
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     want = [(0, True), (1, True), (2, 2, True), (3, True)]
     assert server_overflow_run("none", topology, 3, server="qsgd") == [want] * 3
@@ -427,7 +428,7 @@ def test_lgc_compresses_a_finite_gradient_of_any_size(variant, path, monkeypatch
     from gradcomp.transport.sim import SimulatedCluster
 
     if path == "device":
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     with SimulatedCluster(2, timeout=30) as cluster:
         runs = cluster.run(lambda t: _lgc_huge(t, variant, (1,), 2, 1e20))
@@ -442,7 +443,7 @@ def test_lgc_abandons_a_step_whose_result_overflows_on_every_worker(path, monkey
     from gradcomp.transport.sim import SimulatedCluster
 
     if path == "device":
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     with SimulatedCluster(2, timeout=30) as cluster:
         runs = cluster.run(lambda t: _lgc_huge(t, "ps", (0, 1), 1, 3e38))
@@ -458,7 +459,7 @@ def test_an_aggregate_that_a_message_makes_non_finite_abandons_the_step_on_every
     from gradcomp.transport.sim import SimulatedCluster
 
     if path == "device":
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         monkeypatch.setenv("GRADCOMP_KERNELS", "0")
 
     def fn(t):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_workers
+from wire_paths import device_path
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
@@ -275,7 +276,7 @@ def test_a_nan_on_one_rank_raises_on_every_rank_and_changes_nothing(name, params
     verdicts ride on the all-to-alls as device flags and are read with the decoded messages' checks once, at the
     pass's end (raised from ``backward`` there): the same outcome."""
     if path == "device":
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     with_nan = run_workers(_nan_run, 2, name, params, where, timeout=120)
     without = _never_happened(name, params, path)
@@ -337,7 +338,7 @@ def test_a_nan_on_one_rank_skips_the_pass_on_every_rank_with_a_scaler_or_propaga
     before, included) and step counts are those before the pass, and the run ends bit for bit where a run without
     that step ends."""
     if path == "device":
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     params = {"density": 0.3, "error_feedback": True}
     with_nan = run_workers(_skipping_run, 2, "topk", params, "nan on rank 1", mode, timeout=120)
@@ -477,7 +478,7 @@ def test_a_fixed_size_pass_reads_the_device_once(monkeypatch):
     (device flags that rode on each call's all-to-all) with every decoded message's checks, not a read per module's
     reduce-scatter (one per call before; three per call before that: the input's finiteness, the marks and the
     checks apart)."""
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     names = ["none", "fp16", "topk", "signum", "cnat", "topk/root"]  # /root: the root's call in FSDP's end callback
     counted = run_workers(_reads_per_call, 2, names, timeout=120)
@@ -518,7 +519,7 @@ def test_a_corrupted_message_raises_wire_error_at_the_pass_end_on_every_rank(mon
     ran, and with the state the pass changed put back. The sending rank, which saw nothing wrong (the corruption
     happened on the way to its peer), learns of it at the same pass from the ranks' agreement, and puts its state
     back too."""
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     (sent, _), (received, calls) = run_workers(_corrupted_run, 2, timeout=120)
     assert sent[0] == (0, None, False)  # residuals moved
@@ -554,7 +555,7 @@ def test_holding_the_checks_for_the_pass_changes_no_bit(monkeypatch):
     """The pass's one read moves reads, not arithmetic: the same parameters and residuals as a read per call."""
     from distributed import same
 
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     for (held, per_call) in run_workers(_held_and_read_per_call, 2, timeout=120):
         assert all(torch.equal(a, b) for a, b in zip(held[0], per_call[0]))
@@ -624,7 +625,7 @@ def test_an_owners_aggregate_that_a_message_makes_non_finite_stops_every_rank(na
     applied it. Every rank now learns it in the pass's end agreement (train.exchange.settle) and raises the same
     error at the same call, no state changed."""
     if path == "device":
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     runs = run_workers(_owner_overflow, 2, name, params, timeout=120)
     want = [(0, "applied"), *[(1, "applied")] * (bad == 2), *[(call, bad, True) for call in range(bad, 3)]]
@@ -770,7 +771,7 @@ def test_a_module_used_twice_is_one_pass_undone_whole(path, monkeypatch):
     the device path, the first call's held checks) were left as they were. Both calls are now one pass: every
     rank raises, and the state is as before the pass."""
     if path == "device":
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     runs = run_workers(_module_used_twice, 2, timeout=120)
     # the root (the head, key 0) is called once a pass, the block (key 1) twice; step 1 leaves no trace. The error

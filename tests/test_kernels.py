@@ -19,6 +19,7 @@ from gradcomp.compressors.sign import _below
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import pack_bits, pack_bits_into, packed_nbytes, packs_into, unpack_bits
+from wire_paths import device_path
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="numba is not importable")
 
@@ -516,10 +517,10 @@ def test_random_k_positions_on_the_device_path_are_the_host_paths_without_a_host
     cpu = torch.device("cpu")
     for seed in range(3):
         host = sample_without_replacement(n, k, torch.Generator().manual_seed(seed), cpu)
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         with counting() as counter:
             device = sample_without_replacement(n, k, torch.Generator().manual_seed(seed), cpu)
-        monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+        device_path(monkeypatch, False)
         assert counter.total == 0, counter
         assert device.dtype == torch.int64 and torch.equal(device, host)
 
@@ -533,7 +534,7 @@ def test_random_k_positions_on_the_device_path_stay_distinct_when_the_draws_repe
 
     real = torch.randint
     monkeypatch.setattr(torch, "randint", lambda n, size, **kw: real(3, size, **kw) * 7)  # only 0, 7, 14
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     with counting() as counter:
         got = sample_without_replacement(1000, 10, torch.Generator().manual_seed(0), torch.device("cpu"))
     assert counter.total == 0, counter

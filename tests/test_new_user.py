@@ -16,8 +16,8 @@ import pytest
 import gradcomp.errors as gradcomp_errors
 from gradcomp.cli import main
 from gradcomp.experiments.run import checkpoint, launch
-from gradcomp.experiments.run.checkpoint import CRASH_ENV
 from gradcomp.experiments.run.runner import TrainConfig
+from crash import crash_at
 
 SMALL = ["--dataset", "synthetic", "--model", "mlp", "--no-progress"]
 TOPK = ["--compressor", "topk", "--param", "density=0.05", "--error-feedback"]
@@ -62,7 +62,7 @@ def test_a_truncated_rank_file_is_found_before_the_workers_start(tmp_path, capsy
 
 def test_a_failure_during_training_names_the_checkpoint_to_resume_from(tmp_path, capsys, monkeypatch):
     root = tmp_path / "ckpt"
-    monkeypatch.setenv(CRASH_ENV, "3")  # rank 1 fails before step 3; the checkpoint of step 2 is in place
+    crash_at(monkeypatch, 3)  # rank 1 fails before step 3; the checkpoint of step 2 is in place
     code, err, _ = run(capsys, *TOPK, "--simulate", "--workers", "2", "--steps", "6", "--checkpoint", str(root),
                        "--checkpoint-every", "2")  # fmt: skip
     assert code == 2
@@ -72,8 +72,8 @@ def test_a_failure_during_training_names_the_checkpoint_to_resume_from(tmp_path,
 
 def test_a_worker_error_is_shown_without_its_module_path():
     line = "gradcomp.experiments.run.checkpoint.CheckpointError: checkpoint file x is truncated"
-    assert launch._GRADCOMP_ERROR_PATH.sub("", line) == "CheckpointError: checkpoint file x is truncated"
-    assert launch._GRADCOMP_ERROR_PATH.sub("", "ValueError: gradcomp.x") == "ValueError: gradcomp.x"
+    assert launch._QUALIFIED_ERROR_NAME.sub("", line) == "CheckpointError: checkpoint file x is truncated"
+    assert launch._QUALIFIED_ERROR_NAME.sub("", "ValueError: gradcomp.x") == "ValueError: gradcomp.x"
 
 
 def test_ctrl_c_ends_with_one_line_and_status_130_after_the_progress_bar():

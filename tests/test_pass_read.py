@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
+from wire_paths import device_path
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -138,7 +139,7 @@ def _worker(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def runs():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("GRADCOMP_DEVICE_PATH", "1")  # the GPU's code on CPU tensors
+        device_path(patch)  # the GPU's code on CPU tensors
         patch.setenv("GRADCOMP_KERNELS", "0")
         yield run_workers(_worker, 2, timeout=180)
 
@@ -176,7 +177,7 @@ def test_only_an_aggregate_that_is_the_workers_result_holds_its_checks(monkeypat
     from gradcomp.schemes.single_round import aggregate_buffers, encode_slots
     from gradcomp.wire.container import DeviceChecks, holding_for_the_pass
 
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     compressor, slots = gradcomp.make("topk", density=0.1), [gradcomp.Slot("w", 0, 3000)]
     x = torch.randn(3000, generator=torch.Generator().manual_seed(0))

@@ -68,7 +68,7 @@ def test_the_step_is_the_run_s_mean_and_its_time_is_summed_phase_by_phase():
 def test_a_plan_of_one_bit_adam_measures_its_phases_traffic():
     shapes = [(256, 256), (256,)]
     n = 256 * 256 + 256
-    opts = plan.PlanOptions(shapes=shapes, model=None, workers=4, link="100mbit", steps=100, compute_ms=10.0,
+    opts = plan.PlanOptions(shapes=shapes, model=None, workers=4, link="1mbit", steps=100, compute_ms=10.0,
                             methods=["none", "onebit_adam:freeze_step=20", "onebit_adam:freeze_step=20,warmup=cnat"],
                             pilots=False, cache=False)
     rows = {r["label"]: r for r in plan.run_plan(opts)["rows"]}

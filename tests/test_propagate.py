@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.errors import ConfigError
+from wire_paths import device_path
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -77,7 +78,7 @@ def _worker(rank: int, world: int) -> dict:
 def runs(request):
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "device":
-            patch.setenv("GRADCOMP_DEVICE_PATH", "1")  # the GPU's code on CPU tensors: the stateless ones read nothing
+            device_path(patch)  # the GPU's code on CPU tensors: the stateless ones read nothing
             patch.setenv("GRADCOMP_KERNELS", "0")
         yield run_workers(_worker, 2, timeout=180)
 

@@ -17,7 +17,7 @@ import pytest
 
 from gradcomp import cli
 from gradcomp.errors import ConfigError
-from gradcomp.experiments.race import netns, race
+from gradcomp.experiments.race import netns, race, report
 
 NEEDS_NETNS = pytest.mark.skipif(
     netns.missing_tools(shaped=True) is not None,
@@ -425,7 +425,7 @@ def test_a_cuda_race_needs_a_gpu_per_host(monkeypatch):
 
 def test_without_matplotlib_an_earlier_plot_is_removed_and_the_json_says_none(tmp_path, monkeypatch):
     (tmp_path / "race.png").write_bytes(b"an earlier race's plot")
-    monkeypatch.setattr(race, "render_plot", lambda *args: False)  # as when matplotlib cannot be imported
+    monkeypatch.setattr(report, "render_plot", lambda *args: False)  # as when matplotlib cannot be imported
     said = []
     result = {"table": "| table |\n", "methods": [], "summary": {}}
     race.write_outputs(str(tmp_path), result, "title", log=said.append)
@@ -436,7 +436,7 @@ def test_without_matplotlib_an_earlier_plot_is_removed_and_the_json_says_none(tm
 
 
 def test_the_json_names_the_plot_when_one_was_drawn(tmp_path, monkeypatch):
-    monkeypatch.setattr(race, "render_plot", lambda records, summary, path, title: open(path, "wb").close() or True)
+    monkeypatch.setattr(report, "render_plot", lambda records, summary, path, title: open(path, "wb").close() or True)
     result = {"table": "t", "methods": [], "summary": {}}
     race.write_outputs(str(tmp_path), result, "title", log=print)
     assert json.loads((tmp_path / "race.json").read_text())["plot"] == str(tmp_path / "race.png")

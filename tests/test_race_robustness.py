@@ -19,7 +19,8 @@ from test_race import NEEDS_NETNS, no_leftovers  # noqa: F401 (a fixture, used b
 
 from gradcomp import cli
 from gradcomp.errors import ConfigError
-from gradcomp.experiments.race import netns, race
+from gradcomp.experiments.race import command, netns, race
+from crash import crash_at
 
 
 def _args(out, *extra, link="none"):
@@ -99,7 +100,7 @@ def test_an_interrupted_race_that_left_its_network_says_how_to_remove_it(monkeyp
         assert code in (2, 130) and network.exists()
         assert "removed" not in err and f"`gradcomp race --cleanup {network.tag}`" in err
         said = []
-        race.report_interruption({"network": network}, None, said.append)
+        command.report_interruption({"network": network}, None, said.append)
         assert said == [f"gradcomp race: interrupted; the emulated network was not removed completely: remove it "
                         f"with `gradcomp race --cleanup {network.tag}`"]
     finally:
@@ -141,7 +142,7 @@ def test_signals_held_are_delivered_afterwards():
 
 @pytest.mark.slow
 def test_a_failed_method_makes_the_exit_status_1(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("GRADCOMP_CRASH_AT_STEP", "1")  # rank 1 of every method fails at step 1
+    crash_at(monkeypatch, 1)  # rank 1 of every method fails at step 1
     argv = _args(tmp_path / "out")
     argv[argv.index("qsgd") - 1: argv.index("qsgd") + 1] = []  # one method
     code = cli.main(argv)

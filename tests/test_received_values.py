@@ -15,6 +15,7 @@ from gradcomp.compressors.base import Slot
 from gradcomp.errors import WireError
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots
 from gradcomp.wire.container import StepAbandoned
+from wire_paths import device_path
 
 SLOT = Slot("w", 0, 203)
 
@@ -77,7 +78,7 @@ CASES = [
 @pytest.mark.parametrize("name,params,spoil,message", CASES)
 def test_a_value_no_sender_makes_is_refused(name, params, spoil, message, path, monkeypatch):
     if path == "device":
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
     compressor, fields = _fields(name, **params)
     sound = _receive(compressor, fields)
     assert torch.equal(sound, compressor.decompress(fields, SLOT, 0))
@@ -98,7 +99,7 @@ def test_a_level_index_is_not_read_where_none_can_be_out_of_range(monkeypatch):
 
 def test_a_nan_norm_is_left_to_the_finiteness_check(monkeypatch):
     """On the device path a non-finite gradient travels as a NaN norm: the receivers abandon the step, as before."""
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     compressor, fields = _fields("qsgd", levels=16)
     fields = [torch.full_like(fields[0], float("nan")), fields[1]]
     with pytest.raises(StepAbandoned):

@@ -19,6 +19,7 @@ from torch import nn
 
 import gradcomp
 from gradcomp.wire.container import MAGIC
+from gradcomp.wire.bits import set_device_path_on_cpu
 
 # label: (method, its parameters, topology, the rank that receives the corrupted message)
 CASES = {
@@ -142,12 +143,12 @@ def _hook(rank: int) -> dict:
 def _worker(rank: int, world: int) -> dict:
     out = {}
     for path in PATHS:
-        os.environ["GRADCOMP_DEVICE_PATH"] = "1" if path == "device" else "0"
+        set_device_path_on_cpu(True) if path == "device" else "0"
         os.environ["GRADCOMP_KERNELS"] = "0" if path == "device" else os.environ.get("GRADCOMP_KERNELS", "1")
         for label in CASES:
             out[(label, path)] = _aggregator(rank, label)
             out[(label, path, "never")] = _aggregator(rank, label, corrupt=False)
-    os.environ["GRADCOMP_DEVICE_PATH"] = "0"
+    set_device_path_on_cpu(False)
     out["hook"] = _hook(rank)
     return out
 

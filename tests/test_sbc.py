@@ -15,6 +15,7 @@ from gradcomp.experiments.run.data import load_dataset, shard_indices
 from gradcomp.experiments.run.models import build_model
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES, decode, encode, optimal_rice_parameter
+from wire_paths import device_path
 
 SLOT = gradcomp.Slot("w", 0, 20_000)
 
@@ -195,7 +196,7 @@ def test_stc_compresses_a_bucket_with_one_read(monkeypatch):
     with fewer nonzero entries than k, whose zeros are not sent, included)."""
     from sync_counting import counting
 
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     batched, single = gradcomp.make("stc", density=0.05), gradcomp.make("stc", density=0.05)
     slots = [gradcomp.Slot("a", 0, 3000), gradcomp.Slot("b", 1, 40), gradcomp.Slot("c", 2, 200)]
     g = torch.Generator().manual_seed(8)

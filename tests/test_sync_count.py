@@ -32,6 +32,8 @@ from gradcomp.sync_budget import (
     BUDGETS, FIXED_SIZE, NOTES, READS_NOTHING_HANDED_ON, TOPOLOGIES, VERDICT_IN_RESULT, topology_table,
 )
 from gradcomp.train import ddp_hook
+from wire_paths import device_path
+from gradcomp.wire.bits import set_device_path_on_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = {"lgc": {"density": 0.05, "dense_steps": 1, "topk_steps": 1}}
@@ -65,7 +67,7 @@ def group(tmp_path_factory):
 
 @pytest.fixture
 def device_paths(monkeypatch):
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")  # the wire's device path on CPU tensors
+    device_path(monkeypatch)  # the wire's device path on CPU tensors
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")  # the torch code that runs on a GPU, not the numba kernels
 
 
@@ -366,7 +368,7 @@ def test_variable_messages_come_to_the_host_in_one_transfer_whatever_the_world_s
     ]
     assert len({b.numel() for b in buffers}) > 1, [b.numel() for b in buffers]  # sizes that vary
     on_host = aggregate_buffers(compressor, slots, buffers, 0, torch.device("cpu"))
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     for world in (1, 2, 4):
         with counting() as counter:
@@ -431,7 +433,7 @@ if __name__ == "__main__":  # python tests/test_sync_count.py [NAME ...]: the co
 
     import _pytest.monkeypatch
 
-    os.environ["GRADCOMP_DEVICE_PATH"] = "1"
+    set_device_path_on_cpu(True)
     os.environ["GRADCOMP_KERNELS"] = "0"
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
     for name in sys.argv[1:] or sorted(gradcomp.available()):

@@ -12,6 +12,7 @@ from gradcomp.schemes.sketch import SketchedSGD
 from gradcomp.schemes.topk_baselines import LocalTopK, TrueTopK
 from gradcomp.train.exchange import GradientExchange
 from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES
+from wire_paths import device_path
 
 SLOTS = [Slot("w", 0, 3000), Slot("m", 1, 2000, (20, 100)), Slot("bias", 2, 40)]
 
@@ -183,9 +184,9 @@ def test_largest_on_the_device_path_is_the_host_paths_selection_without_a_host_r
     x[7] = float("inf") if seed == 4 else x[7]
     for n in (1, 17, 150, 299):
         expected = largest(x, n)
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         with counting() as counter:
             got = largest(x, n)
-        monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+        device_path(monkeypatch, False)
         assert counter.total == 0, counter
         assert got.tolist() == expected.tolist(), (n, got.tolist(), expected.tolist())

@@ -7,6 +7,7 @@ import torch
 
 from gradcomp.errors import ConfigError, WireError
 from gradcomp.wire import bits_needed, pack_bits, pack_bool, unpack_bits, unpack_bool
+from wire_paths import device_path
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ALL_WIDTHS = list(range(1, 33))
@@ -218,10 +219,10 @@ def test_window_unpack_rejects_padding_bits(width, count):
 
 @pytest.mark.parametrize("width", [1, 3, 8, 9, 12, 16, 17, 23, 28, 31, 32])
 def test_the_device_path_writes_and_reads_the_reference_layout(width, monkeypatch):
-    """The torch formulation a GPU runs (GRADCOMP_DEVICE_PATH=1 sends CPU tensors down it): for widths above 8 a
+    """The torch formulation a GPU runs (tests/wire_paths.py sends CPU tensors down it): for widths above 8 a
     fixed number of operations (gathered windows) instead of one per byte column; the same bytes as the
     documented layout, the values back, extremes included, and padding bits refused."""
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     gen = torch.Generator().manual_seed(77 + width)
     for n in (1, 7, 8, 9, 63, 300):
         values = torch.randint(0, 1 << width, (n,), generator=gen, dtype=torch.int64)

@@ -23,6 +23,7 @@ from gradcomp import Slot, make
 from gradcomp.errors import WireError
 from gradcomp.wire import HEADER_BYTES, decode, encode
 from gradcomp.wire.checksum import checksum64, crc32, crc32c, to_host
+from wire_paths import device_path
 
 # ----------------------------------------------------------------------------------------- definitions
 
@@ -515,7 +516,7 @@ def _mixed_message(seed: int):
 
 
 def _decode_with(path: str, monkeypatch, buf, specs):
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1" if path == "device" else "0")
+    device_path(monkeypatch, "1" if path == "device" else "0" == "1")
     return decode(buf, specs)
 
 
@@ -524,9 +525,9 @@ def test_a_message_encoded_on_one_path_decodes_on_the_other(monkeypatch, encoder
     for seed in range(3):
         fields, fixed, variable = _mixed_message(seed)
         for specs in (fixed, variable):
-            monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "0")
+            device_path(monkeypatch, False)
             reference = encode(fields, specs)
-            monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1" if encoder == "device" else "0")
+            device_path(monkeypatch, "1" if encoder == "device" else "0" == "1")
             buf = encode(fields, specs)
             assert torch.equal(buf, reference)  # the same bytes, header and checksum included
             out = _decode_with(decoder, monkeypatch, buf, specs)
@@ -579,7 +580,7 @@ def test_set_padding_bits_and_bad_positions_under_a_valid_checksum_are_rejected_
 
 
 def test_sender_checks_of_the_device_path_are_raised_at_the_next_read(monkeypatch):
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     check_pending()  # nothing left over from other tests
     spec = [FieldSpec(Codec.BITS, count=3, width=3)]
     encode([torch.tensor([1, 9, 2])], spec)  # 9 does not fit 3 bits: not read back here
@@ -624,7 +625,7 @@ def test_decodes_checked_together_raise_what_decode_raises(monkeypatch):
     from gradcomp.schemes.single_round import aggregate_buffers
     from gradcomp.wire.container import DeviceChecks
 
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     fields, fixed, _ = _mixed_message(6)
     good = encode(fields, fixed)
     bad = good.clone()
@@ -658,7 +659,7 @@ def test_a_variable_message_leaves_its_data_checks_for_the_read(monkeypatch):
     host decoder names."""
     from gradcomp.wire.container import DeviceChecks
 
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     pos = torch.tensor([3, 40, 41, 900, 4000])
     specs = [FieldSpec(Codec.GOLOMB, max_count=10, universe=5000)]
     good = encode([pos], specs)
@@ -681,7 +682,7 @@ def test_one_golomb_field_of_known_count_decodes_with_one_read(monkeypatch):
     stream with a fault the checksum does not see is still refused with the host path's error."""
     from sync_counting import counting
 
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     check_pending()
     g = torch.Generator().manual_seed(5)
     pos = torch.randperm(20000, generator=g)[:200].sort().values

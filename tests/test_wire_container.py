@@ -23,6 +23,7 @@ from gradcomp.wire import (
 )
 from gradcomp.wire.bits import decoded_dtype
 from gradcomp.wire.container import check_pending, encoded_size
+from wire_paths import device_path
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 M64 = (1 << 64) - 1
@@ -293,7 +294,7 @@ def test_encode_misuse():
     for fields, specs in cases:
         with pytest.raises(ConfigError):
             encode(fields, specs)
-            # the device path (GRADCOMP_DEVICE_PATH=1) checks a field's values on the device and reads the verdict
+            # the device path (tests/wire_paths.py) checks a field's values on the device and reads the verdict
             # with the next device read of the thread, or here: the misuse is refused either way, and no failed
             # check is left over to surface in an unrelated later decode
             check_pending()
@@ -681,7 +682,7 @@ def test_length_on_device_is_encodes_length_and_its_streams_give_the_same_bytes(
     for k, seed in ((1, 0), (37, 1), (500, 2), (0, 3)):
         fields = sized_message(k, seed, torch.zeros(0, dtype=torch.int64))
         on_host = encode(fields, specs)
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         with counting() as counter:
             length, which, bits = length_on_device(fields, specs)
         assert counter.total == 0, counter
@@ -693,7 +694,7 @@ def test_length_on_device_is_encodes_length_and_its_streams_give_the_same_bytes(
         assert counter.total == 0, counter  # (the sender checks wait for the next read)
         check_pending()
         assert torch.equal(got, on_host)
-        monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+        device_path(monkeypatch, False)
 
 
 def test_a_variable_message_decodes_on_the_device_from_its_layout_values(monkeypatch):
@@ -716,7 +717,7 @@ def test_a_variable_message_decodes_on_the_device_from_its_layout_values(monkeyp
     for k, seed in ((1, 0), (37, 1), (500, 2), (0, 3)):
         fields = sized_message(k, seed, torch.tensor([3, 60]))
         buf = encode(fields, specs)
-        monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+        device_path(monkeypatch)
         with counting() as counter:
             _, _, bits = length_on_device(fields, specs)
             values = layout_values(specs, [f.numel() for f in fields], bits, torch.device("cpu"))
@@ -753,7 +754,7 @@ def test_a_variable_message_decodes_on_the_device_from_its_layout_values(monkeyp
         impossible = values.tolist()
         impossible[0] = -5
         assert_fields_equal(decode(buf, specs, layout=impossible), fields, specs)  # (the host path's headers)
-        monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+        device_path(monkeypatch, False)
 
 
 VARIABLE_METHODS = {
@@ -803,7 +804,7 @@ def test_a_variable_exchange_on_the_device_path_equals_the_host_paths(label, mon
             return cluster.run(fn)
 
     on_host = run()
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     on_device = run()
     for a, b in zip(on_host, on_device):
@@ -856,7 +857,7 @@ def test_the_device_path_keeps_the_heads_of_fixed_layouts_only(monkeypatch):
     would make one at every step). The bytes are the host path's either way."""
     from gradcomp.wire import container
 
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     container._kept_heads.cache_clear()
     fixed = [FieldSpec(Codec.F32, count=5), FieldSpec(Codec.BITS, count=5, width=3)]
     variable = [FieldSpec(Codec.F32, max_count=50), FieldSpec(Codec.POSITIONS, max_count=50, universe=1000)]
@@ -869,16 +870,16 @@ def test_the_device_path_keeps_the_heads_of_fixed_layouts_only(monkeypatch):
         assert torch.equal(got[1], pos)
     info = container._kept_heads.cache_info()
     assert (info.currsize, info.misses, info.hits) == (1, 1, 2)
-    monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+    device_path(monkeypatch, False)
     assert torch.equal(encode(fields, fixed), _device_encoded(fields, fixed, monkeypatch))
 
 
 def _device_encoded(fields, specs, monkeypatch):
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")
+    device_path(monkeypatch)
     try:
         return encode(fields, specs)
     finally:
-        monkeypatch.delenv("GRADCOMP_DEVICE_PATH")
+        device_path(monkeypatch, False)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -929,7 +930,7 @@ def test_the_fault_flag_says_on_the_device_what_the_read_would_refuse(device, mo
     headers, the flag is True exactly when ``read`` raises WireError."""
     from gradcomp.wire.container import DeviceChecks, layout_values
 
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")  # (on the CPU: the GPU's code)
+    device_path(monkeypatch)  # (on the CPU: the GPU's code)
     fixed = [FieldSpec(Codec.POSITIONS, count=20, universe=1000), FieldSpec(Codec.F32, count=20),
              FieldSpec(Codec.BITS, count=20, width=3)]
     fields = [f.to(device) for f in mixed_message(20, seed=5)]

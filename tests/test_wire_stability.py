@@ -48,6 +48,7 @@ import torch
 import gradcomp
 from gradcomp import Slot
 from gradcomp.wire import HEADER_BYTES, decode, encode
+from wire_paths import device_path
 
 
 def _heavy(d: int, seed: int) -> torch.Tensor:
@@ -298,7 +299,7 @@ def torch_paths(monkeypatch):
     monkeypatch.setattr(natural, "_cpu_loop", lambda t: False)
     monkeypatch.setattr(bits, "_chunked", lambda values, width: False)
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")  # the compiled kernels (gradcomp.kernels) too
-    monkeypatch.setenv("GRADCOMP_DEVICE_PATH", "1")  # and the wire's device path (deferred checks, one size read)
+    device_path(monkeypatch)  # and the wire's device path (deferred checks, one size read)
 
 
 # the cases whose compressors have a CPU fast path and a torch path (one or two inputs each, for time)

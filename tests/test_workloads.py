@@ -13,11 +13,11 @@ import torch
 from gradcomp.cli import main
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.run import checkpoint
-from gradcomp.experiments.run.checkpoint import CRASH_ENV
 from gradcomp.experiments.run.data import TextDataset, corpus_files, load_dataset, split_files, stdlib_dir
 from gradcomp.experiments.run.models import ResNet, TransformerLM, build_model
 from gradcomp.experiments.run.report import aggregate_seeds, mean_std, parse_seeds
 from gradcomp.experiments.run.runner import TrainConfig
+from crash import crash_at
 
 TINY_LM = ["--model", "transformer_tiny", "--context", "32", "--no-progress", "--simulate", "--workers", "2"]
 
@@ -194,9 +194,9 @@ def test_adamw_and_a_cosine_schedule_resume_bit_exactly(tmp_path, monkeypatch, c
     ref = tmp_path / "ref.json"
     assert main(["train", *args, "--json", str(ref)]) == 0
     root = tmp_path / "ckpt"
-    monkeypatch.setenv(CRASH_ENV, "5")
+    crash_at(monkeypatch, 5)
     assert main(["train", *args, "--checkpoint", str(root), "--checkpoint-every", "2"]) == 2
-    monkeypatch.delenv(CRASH_ENV)
+    crash_at(monkeypatch, None)
     resumed = tmp_path / "resumed.json"
     assert main(["train", *args, "--resume", str(root), "--json", str(resumed)]) == 0
     a, b = json.loads(ref.read_text()), json.loads(resumed.read_text())
@@ -213,9 +213,9 @@ def test_adamw_state_is_needed_for_the_bit_exact_resume(tmp_path, monkeypatch, c
     ref = tmp_path / "ref.json"
     assert main(["train", *args, "--json", str(ref)]) == 0
     root = tmp_path / "ckpt"
-    monkeypatch.setenv(CRASH_ENV, "5")
+    crash_at(monkeypatch, 5)
     assert main(["train", *args, "--checkpoint", str(root), "--checkpoint-every", "2"]) == 2
-    monkeypatch.delenv(CRASH_ENV)
+    crash_at(monkeypatch, None)
     monkeypatch.setattr(checkpoint, "_restore_optimizer", lambda optimizer, state: None)
     resumed = tmp_path / "resumed.json"
     assert main(["train", *args, "--resume", str(root), "--json", str(resumed)]) == 0
@@ -303,7 +303,7 @@ def test_train_with_seeds_reports_each_seed_and_mean_std(tmp_path, capsys):
 
 
 def test_race_checks_the_target_kind_before_anything_starts():
-    from gradcomp.experiments.race import race
+    from gradcomp.experiments.race import race, seeds
 
     text = race.Options(methods=[race.parse_method("none")], hosts=2, link="none", model="transformer_tiny",
                         dataset="pystdlib", steps=4, train_extra={"optimizer": "adamw", "momentum": 0.0,
@@ -317,7 +317,7 @@ def test_race_checks_the_target_kind_before_anything_starts():
 
 
 def test_race_times_a_loss_target_lower_is_better_and_summarises_seeds():
-    from gradcomp.experiments.race import race
+    from gradcomp.experiments.race import race, seeds
 
     curve = [[10, 1.0, 5.0], [20, 2.0, 3.1], [30, 3.0, 2.9], [40, 4.0, 3.0]]
     assert race.first_reaching(curve, 3.0, lower=True) == (30, 3.0)
@@ -325,7 +325,7 @@ def test_race_times_a_loss_target_lower_is_better_and_summarises_seeds():
     runs = [{"summary": {"lower_is_better": True, "effective_target": 3.0},
              "methods": [{"label": "a", "time_to_target_s": t, "final_accuracy": f}]}
             for t, f in ((1.0, 2.5), (3.0, 2.7), (None, 3.2))]
-    s = race.seeds_summary(runs, [0, 1, 2])
+    s = seeds.seeds_summary(runs, [0, 1, 2])
     row = s["methods"][0]
     assert row["time_to_target_s"] == [1.0, 3.0, None]
     assert row["time_mean_std"] == pytest.approx((2.0, math.sqrt(2.0)))

@@ -222,7 +222,7 @@ def _list(args: argparse.Namespace) -> int:
     from gradcomp import registry
     from gradcomp.registry import PluginWarning, available, compressor_class
 
-    os.environ.pop(registry._WARNED_ENV, None)  # the list reports every plugin left out, said before or not
+    registry._warned.clear()  # the list reports every plugin left out, said before or not
     rows, broken = [], []
     with warnings.catch_warnings(record=True) as ignored:  # plugins left out: said after the table, as one line each
         warnings.simplefilter("always", PluginWarning)
@@ -294,7 +294,7 @@ _LAB = {
     "bench": ("gradcomp.experiments.bench.bench", "throughput and bits per element of every compressor"),
     "sweep": ("gradcomp.experiments.study.sweep", "grid of sparsification schemes; table and plots; resumes"),
     "curves": ("gradcomp.experiments.study.curves", "accuracy curves of finished runs: table and plot"),
-    "race": ("gradcomp.experiments.race.race", "time to accuracy of several methods over emulated slow links"),
+    "race": ("gradcomp.experiments.race.command", "time to accuracy of several methods over emulated slow links"),
     "plan": ("gradcomp.experiments.study.plan", "predict each method's step time on a network; recommend one"),
 }
 

@@ -120,9 +120,17 @@ class PluginWarning(UserWarning):
     package to fix. A warning, not an error: the method of that name still works, it is the built-in one."""
 
 
-# The shadowed entry points already warned about, as "name=value" words: in this process, and through the
-# environment in the worker processes it starts (which look the names up again), so the warning shows once.
-_WARNED_ENV = "GRADCOMP_IGNORED_PLUGINS_WARNED"
+# The shadowed entry points already warned about in this process ("name=value"). The worker processes a command
+# starts look the names up again and say nothing (``_in_worker``): the command that started them has said it.
+_warned: set[str] = set()
+
+
+def _in_worker() -> bool:
+    """A worker process: started by multiprocessing (gradcomp's launcher, a test's workers), or a rank other than 0
+    of torchrun or gradcomp race (rank 0 speaks for them; torchrun's own process does not look plugins up)."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None or os.environ.get("RANK", "0") != "0"
 
 
 def _plugins() -> dict[str, EntryPoint | tuple[EntryPoint, ...]]:
@@ -136,9 +144,9 @@ def _plugins() -> dict[str, EntryPoint | tuple[EntryPoint, ...]]:
     found: dict[str, list[EntryPoint]] = {}
     for ep in _entry_points():
         if ep.name in BUILTIN or ep.name in _REGISTERED:
-            said = os.environ.get(_WARNED_ENV, "").split()
-            if f"{ep.name}={ep.value}" not in said:
-                os.environ[_WARNED_ENV] = " ".join([*said, f"{ep.name}={ep.value}"])
+            said = f"{ep.name}={ep.value}"
+            if said not in _warned and not _in_worker():
+                _warned.add(said)
                 which = "built-in" if ep.name in BUILTIN else "registered"
                 warnings.warn(
                     f"gradcomp: ignoring plugin method {ep.name!r} from {_describe(ep)}: {ep.name!r} is a {which} "

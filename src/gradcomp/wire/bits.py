@@ -58,9 +58,9 @@ def host_path(t: torch.Tensor) -> bool:
     """Whether the wire code treats ``t`` as host memory (numpy, struct, compiled kernels, host CRCs).
 
     True for CPU tensors, False for device tensors, which take the torch path that reads nothing back
-    (docs/gpu.md). ``GRADCOMP_DEVICE_PATH=1`` sends CPU tensors down the device path too: for tests
-    only (tests/test_sync_count.py counts what that path reads back; tests/test_wire_checksum.py decodes on one
-    path what the other encoded), since the host path is the faster one on the CPU.
+    (docs/gpu.md). :func:`set_device_path_on_cpu` sends CPU tensors down the device path too: for tests
+    (tests/test_sync_count.py counts what that path reads back; tests/test_wire_checksum.py decodes on one path
+    what the other encoded), since the host path is the faster one on the CPU.
     """
     return host_device(t.device)
 
@@ -72,9 +72,20 @@ def ints_on(device: torch.device, values: list[int]) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
+_device_path_on_cpu = False  # set_device_path_on_cpu; a module setting, not read from the environment per call
+
+
+def set_device_path_on_cpu(on: bool) -> bool:
+    """Send CPU tensors down the device path (True) or the host path (False, the default) from now on, in this
+    process; returns the previous setting. For tests: the device path is the GPU's code, run on CPU tensors."""
+    global _device_path_on_cpu
+    previous, _device_path_on_cpu = _device_path_on_cpu, bool(on)
+    return previous
+
+
 def host_device(device: torch.device) -> bool:
     """:func:`host_path` for tensors on ``device``."""
-    return device.type == "cpu" and os.environ.get("GRADCOMP_DEVICE_PATH") != "1"
+    return device.type == "cpu" and not _device_path_on_cpu
 
 
 def _check_width(width: object, exc: type[Exception] = ConfigError) -> int:

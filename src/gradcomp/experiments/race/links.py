@@ -28,7 +28,6 @@ ideal at that link (fp32's steps to the target × the compute-only step measured
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any
@@ -36,19 +35,16 @@ from typing import Any
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race import netns
 from gradcomp.experiments.race.method import Method
-from gradcomp.experiments.run.report import make_output_dir, write_atomic
 
 DEFAULT_WINDOW = 50  # steady steps timed at every link after the first (rounded up to whole rounds)
 
 
 def parse_links(text: str) -> list[str]:
     """``"10mbit,100mbit"`` → ["10mbit", "100mbit"]; ConfigError for an empty item, a bad rate or a repeat."""
-    from gradcomp.experiments.race.race import link_rate
-
     links = [item.strip() for item in str(text).split(",")]
     if any(not item for item in links):
         raise ConfigError(f"--link takes rates separated by commas (e.g. 10mbit,100mbit), got {text!r}")
-    rates = [link_rate(item) for item in links]
+    rates = [netns.link_rate(item) for item in links]
     if len(set(rates)) != len(rates):
         raise ConfigError(f"--link names the same rate twice: {text!r}")
     return links
@@ -220,41 +216,9 @@ def render(combined: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def race_links(opts, links: list[str], log=print, show=None) -> dict[str, Any]:
-    """The full race at links[0], a timing race at every other link, and the combined table."""
-    from gradcomp.experiments.race.race import plan, race
-
-    if len(links) < 2:
-        raise ConfigError("race_links needs two links or more")
-    if opts.window < 1:
-        raise ConfigError(f"--link-window must be >= 1, got {opts.window}")
-    configs, _ = plan(dataclasses.replace(opts, link=links[0]), log)
-    for link in links:  # every link checked (and the namespaces' tools for a shaped one) before anything starts
-        plan_link(opts, link)
-    if opts.out:
-        make_output_dir(opts.out, "--out", "; nothing was started")
-    log(f"gradcomp race: one training per method at {links[0]}; at {', '.join(links[1:])} a window of each "
-        f"method's steps is timed and its time to target estimated from it (docs/race.md, several links)")
-    first = dataclasses.replace(opts, link=links[0],
-                                out=os.path.join(opts.out, link_dir(links[0])) if opts.out else None)
-    results = [race(first, log)]
-    for link in links[1:]:
-        log(f"gradcomp race: timing windows at {link}")
-        results.append(race(timing_options(opts, configs, opts.window, link), log))
-    combined = combine(opts, links, results, configs)
-    if show is not None:
-        show(combined["table"])
-    if opts.out:
-        write_atomic(os.path.join(opts.out, "race-links.md"), combined["table"])
-        write_atomic(os.path.join(opts.out, "race-links.json"), json.dumps(combined, indent=1))
-    return combined
-
-
 def plan_link(opts, link: str) -> None:
     """ConfigError / EmulationError now, not after the first link's race, for a link this machine cannot have."""
-    from gradcomp.experiments.race.race import link_rate
-
-    rate = link_rate(link)
+    rate = netns.link_rate(link)
     if rate is not None:
         if opts.netns_mode == "off":
             raise ConfigError("--no-netns runs plain local processes, which cannot be shaped: use --link none")

@@ -39,7 +39,7 @@ import subprocess
 import threading
 from dataclasses import dataclass
 
-from gradcomp.errors import GradcompError
+from gradcomp.errors import ConfigError, GradcompError
 
 TBF_BURST = "256kb"
 TBF_BURST_BYTES = 256 * 1024  # tc's "kb" is KiB
@@ -317,3 +317,14 @@ class NamespaceNetwork(_Hosts):
         return any(ns in present for ns in self.namespaces)
 
 
+def link_rate(link: str) -> float | None:
+    """``"100mbit"`` → 1e8 bit/s; ``"none"`` → None (unshaped); ConfigError outside tbf's 1kbit to 100gbit."""
+    if link.strip().lower() in ("none", "off", "unshaped"):
+        return None
+    from gradcomp.netmodel import parse_bandwidth
+
+    rate = parse_bandwidth(link, "--link")
+    if not MIN_RATE_BPS <= rate <= MAX_RATE_BPS:
+        raise ConfigError(f"--link must lie between 1kbit and 100gbit (what tbf shapes with a 256kb burst), "
+                          f"got {link!r} = {rate:.4g} bit/s")
+    return rate

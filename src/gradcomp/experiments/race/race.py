@@ -9,13 +9,11 @@ Methods: ``--method``, repeated, as :mod:`gradcomp.experiments.race.method` pars
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import glob
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import signal
@@ -29,12 +27,13 @@ from typing import Any
 
 from gradcomp.errors import ConfigError, GradcompError
 from gradcomp.experiments.race import netns
-from gradcomp.experiments.race.links import parse_links, race_links
+from gradcomp.experiments.race.netns import link_rate
+from gradcomp.experiments.race.report import (  # noqa: F401 (render_plot, _secs: for the tests and the seeds)
+    EXTRA_MEMORY, MEMORY_FLAG, _secs, code_version, machine, render_plot, render_table, write_outputs,
+)
 from gradcomp.experiments.race.method import DEFAULT_METHODS, RUN_KEYS, Method, parse_method  # noqa: F401
-from gradcomp.experiments.run.report import make_output_dir, write_atomic
+from gradcomp.experiments.run.report import make_output_dir
 
-MEMORY_FLAG = 4.0  # flag a method that needs more than this many gradient sizes beyond plain DDP
-EXTRA_MEMORY = ("extra_memory_vs_ddp_grads", "extra_cuda_vs_ddp_grads")  # host resident set; CUDA allocated
 MASTER_PORT = 29500  # inside host 0's own namespace: no other process can hold it
 BURST_FACTOR = 20  # warn when a host sends less than this many tbf bursts over a method's whole run
 with open(os.path.join(os.path.dirname(__file__), "race_targets.json")) as _f:
@@ -82,19 +81,6 @@ class Options:
     # a timing race (race/links.py): each method's own number of steps, by label (None: ``steps`` for all)
     method_steps: dict[str, int] | None = None
     window: int = 50  # with several links: steady steps timed at the links after the first (race/links.py)
-
-
-def link_rate(link: str) -> float | None:
-    """``"100mbit"`` → 1e8 bit/s; ``"none"`` → None (unshaped); ConfigError outside tbf's 1kbit to 100gbit."""
-    if link.strip().lower() in ("none", "off", "unshaped"):
-        return None
-    from gradcomp.netmodel import parse_bandwidth
-
-    rate = parse_bandwidth(link, "--link")
-    if not netns.MIN_RATE_BPS <= rate <= netns.MAX_RATE_BPS:
-        raise ConfigError(f"--link must lie between 1kbit and 100gbit (what tbf shapes with a 256kb burst), "
-                          f"got {link!r} = {rate:.4g} bit/s")
-    return rate
 
 
 def make_network(opts: Options, log=print):
@@ -523,135 +509,6 @@ def check_targets(ok: list[dict[str, Any]], ref: dict[str, Any] | None, ideal: f
     return out
 
 
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{suffix}"
-
-
-def _secs(value: float | None) -> str:
-    """Seconds with three significant digits (0.0123, 1.23, 123), or – for None."""
-    if value is None:
-        return "–"
-    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
-
-
-def render_table(records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
-    target = summary["effective_target"]
-    lower = summary.get("lower_is_better", False)
-    spec = ".4f" if lower else ".2f"  # the final value: bits per byte, or an accuracy in %
-    head = (
-        f"| method | steps to {f'{target:.4f} bits/byte' if lower else f'{100 * target:.2f} %'} | time to target (s) "
-        "| × fp32 ideal | fp32 DDP time ÷ this | median step (s) | × fp32 DDP step | compute-only step (s) "
-        f"| {'final val. bits/byte' if lower else 'final acc (%)'} | wire MB/step/host "
-        "| peak RSS max / median without file-backed (MiB) | extra vs DDP (× grad) |"
-    )
-    on_cuda = any(r.get("cuda_peak_bytes") is not None for r in records)
-    if on_cuda:
-        head += " CUDA peak allocated (MiB) | CUDA extra vs DDP (× grad) |"
-    columns = 13 if on_cuda else 11
-    lines = [head, "|" + "---|" + "---:|" * columns]
-    for r in records:
-        accuracy = r.get("final_accuracy")
-        if r.get("error"):
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * (columns - 1))
-            continue
-        flag = {key: " ⚠" if (r.get(key) or 0) > MEMORY_FLAG else "" for key in EXTRA_MEMORY}
-        mb = r["wire_tx_bytes_per_step"]
-        line = (
-            f"| {r['label']} | {_fmt(r['steps_to_target'], 'd')} | {_secs(r['time_to_target_s'])} "
-            f"| {_fmt(r['vs_fp32_ideal'], '.2f')} | {_fmt(r['vs_fp32_time'], '.2f')} "
-            f"| {_secs(r['median_step_s'])} | {_fmt(r['step_vs_fp32'], '.2f')} "
-            f"| {_secs(r['compute_only_step_s'])} "
-            f"| {_fmt(None if accuracy is None else (accuracy if lower else 100 * accuracy), spec)} "
-            f"| {_fmt(mb and mb / 1e6, '.3f')} "
-            f"| {max(r['peak_rss_bytes']) / 2**20:.0f} / {statistics.median(r['peak_anon_bytes']) / 2**20:.0f} "
-            f"| {_fmt(r['extra_memory_vs_ddp_grads'], '+.1f')}{flag['extra_memory_vs_ddp_grads']} |"
-        )
-        if on_cuda:
-            cuda = r.get("cuda_peak_bytes")
-            line += (
-                f" {_fmt(cuda and cuda / 2**20, '.0f')} "
-                f"| {_fmt(r.get('extra_cuda_vs_ddp_grads'), '+.1f')}{flag['extra_cuda_vs_ddp_grads']} |"
-            )
-        lines.append(line)
-    out = "\n".join(lines) + "\n"
-    allocators = sorted({a for r in records for a in r.get("allocator") or []})
-    if allocators:
-        out += f"\nHost allocator in the workers: {'; '.join(allocators)}\n"
-    if summary["fp32_ideal_s"]:
-        out += (f"\nfp32 with free communication (fp32 DDP's steps to target × its compute-only step): "
-                f"{_secs(summary['fp32_ideal_s'])} s\n")
-    if summary.get("message_latency_s"):
-        out += (f"\nA message's fixed cost on this link: an all-reduce of one float took "
-                f"{1e3 * summary['tiny_allreduce_s']:.2f} ms (median), {1e6 * summary['message_latency_s']:.0f} us "
-                "per message of its ring (`gradcomp plan --latency`)\n")
-    for note in summary["notes"]:
-        out += f"\nNote: {note}\n"
-    if summary["targets"]:
-        judged = summary.get("targets_judged_on") or "a 100 Mbit/s link"
-        out += f"\nTargets at 100 Mbit/s, judged on this race ({judged}):\n"
-        out += "\n| goal | met | measured |\n|---|---|---|\n"
-        for t in summary["targets"]:
-            met = {True: "yes", False: "no", None: "–"}[t["met"]]
-            out += f"| {t['goal']} | {met} | {t['detail']} |\n"
-    return out
-
-
-def render_plot(records: list[dict[str, Any]], summary: dict[str, Any], path: str, title: str) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lower = summary.get("lower_is_better", False)
-    scale = 1 if lower else 100
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for r in records:
-        if r.get("error") or not r["curve"]:
-            continue
-        ax.plot([s for _, s, _ in r["curve"]], [scale * a for _, _, a in r["curve"]], marker=".", label=r["label"])
-    ax.axhline(scale * summary["effective_target"], color="grey", linestyle="--", linewidth=0.8)
-    ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
-    ax.set_ylabel("validation loss (bits per byte)" if lower else "test accuracy (%)")
-    if not lower:
-        lo = min((100 * a for r in records if not r.get("error") for _, _, a in r["curve"]), default=90)
-        ax.set_ylim(max(lo - 1, 100 * summary["effective_target"] - 10), 100)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:  # no curve when every method failed
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def code_version() -> dict[str, Any] | None:
-    """The git commit of the gradcomp source that the workers import, and its modified files, if it is a checkout."""
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the gradcomp package
-    try:
-        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        status = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", "."], capture_output=True,
-                                text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if commit.returncode != 0:
-        return None
-    return {"commit": commit.stdout.strip(), "modified": [line[3:] for line in status.stdout.splitlines()]}
-
-
-def machine() -> dict[str, Any]:
-    import torch
-
-    from gradcomp.experiments.run.report import cpu_model
-
-    return {
-        "cpu": cpu_model(), "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-        "torch": torch.__version__, "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }
-
-
 # -- the command ---------------------------------------------------------------------------------------------
 
 
@@ -798,199 +655,3 @@ def race(opts: Options, log=print, show=None, state: dict[str, Any] | None = Non
             raise GradcompError(f"--out {opts.out}: could not write the results ({exc})"
                                 + ("; the table was printed above" if show is not None else "")) from None
     return result
-
-
-def write_outputs(out_dir: str, result: dict[str, Any], title: str, log=print, plot: bool = True) -> None:
-    """race.md, race.png (with matplotlib and ``plot``; otherwise an earlier race's plot there is removed) and
-    race.json (written last, replaced whole)."""
-    write_atomic(os.path.join(out_dir, "race.md"), result["table"])
-    path = os.path.join(out_dir, "race.png")
-    if plot and render_plot(result["methods"], result["summary"], path, title):
-        result["plot"] = path
-    else:
-        if os.path.exists(path):  # an earlier race's plot would sit beside this race's table
-            os.remove(path)
-        if plot:
-            log("gradcomp race: matplotlib is not installed: no plot (pip install 'gradcomp[plots]')")
-    write_atomic(os.path.join(out_dir, "race.json"), json.dumps(result, indent=1))
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", action="append", default=None, metavar="NAME[:KEY=VALUE,...]",
-                   help="a method to race (repeat); gradcomp compressor or torch-fp32 / torch-fp16 / "
-                        "torch-powersgd; e.g. topk:density=0.01,feedback=residual (default: ten, docs/race.md)")
-    p.add_argument("--hosts", "--workers", dest="hosts", type=int, default=4, help="emulated hosts, one worker each")
-    p.add_argument("--link", default="100mbit",
-                   help="each host's link rate up and down, e.g. 100mbit or 1gbit (tbf); none: unshaped. Several, "
-                        "e.g. 10mbit,100mbit: one full training at the first, a timed window of steps at the others "
-                        "(docs/race.md)")
-    p.add_argument("--link-window", type=int, default=50, metavar="STEPS",
-                   help="with several links: steady steps timed at the links after the first, after each method's "
-                        "warm-up, in whole rounds (default 50)")
-    p.add_argument("--no-netns", action="store_true",
-                   help="with --link none: plain local processes on 127.0.0.1 instead of namespaces")
-    p.add_argument("--steps", type=int, default=500, help="training steps of every method")
-    from gradcomp.experiments.run.runner import add_training_options
-
-    add_training_options(p, epochs=None)
-    p.set_defaults(model="convnet")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seeds", default=None, metavar="S,S,...",
-                   help="race once per seed (e.g. 0,1,2; each into OUT/seed-S) and report every method's time to "
-                        "target as mean ± std beside the per-seed values (OUT/race-seeds.md and .json)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--target", type=float, default=0.98, help="test accuracy to reach (fraction)")
-    p.add_argument("--target-loss", type=float, default=None, metavar="BITS",
-                   help="a language model (--model transformer): the validation loss to reach, in bits per byte")
-    p.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps (off the training clock)")
-    p.add_argument("--compute-steps", type=int, default=20,
-                   help="compute-only steps (no communication) measured before each method's training")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck collective fails")
-    p.add_argument("--out", default="race", metavar="DIR", help="writes race.md, race.json and race.png here")
-    p.add_argument("--quiet", action="store_true", help="no per-evaluation progress lines")
-    p.add_argument("--cleanup", default=None, metavar="TAG",
-                   help="only remove the namespaces left by run TAG (printed at its start), or 'all'")
-
-
-def options_from_args(args: argparse.Namespace) -> tuple[Options, list[str], list[int] | None]:
-    """The race's Options (link: the first of ``--link``), the links and the seeds, from parsed arguments."""
-    from gradcomp.experiments.run.report import parse_seeds
-    from gradcomp.experiments.run.runner import resolve_training_defaults
-
-    train = resolve_training_defaults(args)
-    seeds = parse_seeds(args.seeds) if args.seeds is not None else None
-    links = parse_links(args.link)
-    opts = Options(
-        methods=[parse_method(s) for s in (args.method or DEFAULT_METHODS)],
-        hosts=args.hosts, link=links[0], netns_mode="off" if args.no_netns else "auto", steps=args.steps,
-        batch_size=train.pop("batch_size"), lr=train.pop("lr"), momentum=train.pop("momentum"),
-        weight_decay=train.pop("weight_decay"), dataset=train.pop("dataset"), data_root=train.pop("data_root"),
-        model=train.pop("model"), seed=args.seed if seeds is None else seeds[0], device=args.device,
-        target=args.target, target_loss=args.target_loss, train_extra=train, eval_every=args.eval_every,
-        compute_steps=args.compute_steps, timeout_s=args.timeout, out=args.out, verbose=not args.quiet,
-        window=args.link_window,
-    )
-    return opts, links, seeds
-
-
-def main(args: argparse.Namespace) -> int:
-    if args.cleanup:
-        removed = netns.cleanup(args.cleanup)
-        dirs = remove_workdirs(args.cleanup)
-        print(f"removed {len(removed)} namespaces" + (f": {', '.join(removed)}" if removed else "")
-              + (f"; work directories: {', '.join(dirs)}" if dirs else ""))
-        return 0
-    opts, links, seeds = options_from_args(args)
-    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    if len(links) > 1:
-        return race_links_seeds(opts, links, seeds or [opts.seed], log)
-    if seeds is not None and len(seeds) > 1:
-        return race_seeds(opts, seeds, log)
-    state: dict[str, Any] = {}
-    try:
-        result = race(opts, log, show=print, state=state)
-    except (KeyboardInterrupt, Interrupted):
-        with netns.signals_held():  # say truthfully what is left before anything else happens
-            report_interruption(state, opts.out, log)
-        return 130
-    if opts.out:
-        log(f"gradcomp race: wrote {os.path.join(opts.out, 'race.md')}, race.json"
-            + (", race.png" if result.get("plot") else ""))
-    failed = [r["label"] for r in result["methods"] if r.get("error")]
-    if failed:
-        log(f"gradcomp race: {len(failed)} of {len(result['methods'])} methods failed: {', '.join(failed)}")
-        return 1
-    return 0
-
-
-def race_links_seeds(opts: Options, links: list[str], seeds: list[int], log) -> int:
-    """``--link A,B``: per seed (into OUT/seed-S with several seeds), one training at A, timing windows at the rest."""
-    if opts.window < 1:
-        raise ConfigError(f"--link-window must be >= 1, got {opts.window}")
-    if opts.out and len(seeds) > 1:
-        make_output_dir(opts.out, "--out", "; nothing was started")
-    for seed in seeds:
-        one = dataclasses.replace(opts, seed=seed, out=os.path.join(opts.out, f"seed-{seed}")
-                                  if opts.out and len(seeds) > 1 else opts.out)
-        try:
-            result = race_links(one, links, log, show=print)
-        except (KeyboardInterrupt, Interrupted):
-            log(f"gradcomp race: interrupted during seed {seed}")
-            return 130
-        if any(entry.get("error") for row in result["methods"] for entry in row["links"].values()):
-            return 1
-    return 0
-
-
-def race_seeds(opts: Options, seeds: list[int], log) -> int:
-    """One race per seed (into OUT/seed-S), then every method's time to target and final value over the seeds."""
-    plan(opts, log)  # every method checked once, before the first race starts
-    if opts.out:
-        make_output_dir(opts.out, "--out", "; nothing was started")
-    results = []
-    for seed in seeds:
-        log(f"gradcomp race: seed {seed} ({len(results) + 1}/{len(seeds)})")
-        one = dataclasses.replace(opts, seed=seed, out=os.path.join(opts.out, f"seed-{seed}") if opts.out else None)
-        try:
-            results.append(race(one, log))
-        except (KeyboardInterrupt, Interrupted):
-            log(f"gradcomp race: interrupted during seed {seed}; the seeds before it are in {opts.out}")
-            return 130
-    combined = seeds_summary(results, seeds)
-    print(combined["table"])
-    if opts.out:
-        write_atomic(os.path.join(opts.out, "race-seeds.md"), combined["table"])
-        write_atomic(os.path.join(opts.out, "race-seeds.json"), json.dumps(combined, indent=1))
-    failed = [r["label"] for res in results for r in res["methods"] if r.get("error")]
-    return 1 if failed else 0
-
-
-def seeds_summary(results: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
-    """Per method: time to target and final value for every seed, and their mean ± sample std (over the seeds
-    that reached the target; the others are counted)."""
-    from gradcomp.experiments.run.report import mean_std
-
-    lower = results[0]["summary"].get("lower_is_better", False)
-    labels = [r["label"] for r in results[0]["methods"]]
-    rows = []
-    for label in labels:
-        per = [next((r for r in res["methods"] if r["label"] == label), None) for res in results]
-        times = [None if r is None or r.get("error") else r.get("time_to_target_s") for r in per]
-        finals = [None if r is None or r.get("error") else r.get("final_accuracy") for r in per]
-        reached = [t for t in times if t is not None]
-        done = [f for f in finals if f is not None]
-        rows.append({"label": label, "seeds": seeds, "time_to_target_s": times, "final": finals,
-                     "time_mean_std": mean_std(reached) if reached else None,
-                     "final_mean_std": mean_std(done) if done else None})
-    scale, spec = (1, ".4f") if lower else (100, ".2f")
-    unit = "bits/byte" if lower else "%"
-    lines = [f"| method | time to target (s): mean ± std | per seed (s) | final {unit}: mean ± std | per seed |",
-             "|---|---|---|---|---|"]
-    for row in rows:
-        tm = row["time_mean_std"]
-        fm = row["final_mean_std"]
-        reached = sum(t is not None for t in row["time_to_target_s"])
-        lines.append(
-            f"| {row['label']} | " + (f"{tm[0]:.3g} ± {tm[1]:.2g} ({reached} of {len(seeds)} reached)" if tm else "–")
-            + " | " + ", ".join("–" if t is None else f"{t:.3g}" for t in row["time_to_target_s"])
-            + " | " + (f"{format(scale * fm[0], spec)} ± {format(scale * fm[1], spec)}" if fm else "–")
-            + " | " + ", ".join("–" if f is None else format(scale * f, spec) for f in row["final"]) + " |")
-    table = (f"Over seeds {', '.join(map(str, seeds))} (sample std; each race's own table is in seed-S/race.md; "
-             "targets per race as each race's summary says):\n\n" + "\n".join(lines) + "\n")
-    return {"seeds": seeds, "lower_is_better": lower, "methods": rows, "table": table,
-            "effective_targets": [res["summary"]["effective_target"] for res in results]}
-
-
-def report_interruption(state: dict[str, Any], out: str | None, log) -> None:
-    """What an interrupted race left: the network (removed, or the --cleanup to run) and the finished rows."""
-    network = state.get("network")
-    if isinstance(network, netns.NamespaceNetwork) and network.exists():
-        log(f"gradcomp race: interrupted; the emulated network was not removed completely: remove it with "
-            f"`gradcomp race --cleanup {network.tag}`")
-    elif isinstance(network, netns.NamespaceNetwork):
-        log("gradcomp race: interrupted; workers stopped and the emulated network removed")
-    else:
-        log("gradcomp race: interrupted; workers stopped")
-    if state.get("saved") and out:
-        log(f"gradcomp race: the methods that finished ({state['saved']}) are in {os.path.join(out, 'race.json')} "
-            "and race.md")

@@ -43,10 +43,8 @@ Resuming into the same directory from a checkpoint that is not the newest one dr
 belong to the abandoned continuation). A fresh run refuses a ``--checkpoint`` directory that already holds a
 checkpoint, so two runs are never mixed.
 
-``GRADCOMP_CRASH_AT_STEP=K`` (with ``GRADCOMP_CRASH_RANK=r``, default 1, or 0 with one worker) makes that
-rank fail when it is about to run step K, on the first attempt only (``TORCHELASTIC_RESTART_COUNT`` unset or
-0): under torchrun it kills itself with SIGKILL, elsewhere it raises ``InjectedCrash``. It exists for the
-tests and ``scripts/torchrun_restart.sh``.
+A worker lost mid-run is simulated by the tests (tests/faults/crash_injection.py), and by
+``scripts/torchrun_restart.sh``, which kills one of two workers under ``torchrun --max-restarts 1``.
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -70,7 +67,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradcomp.errors import CommunicationError, ConfigError, GradcompError
+from gradcomp.errors import ConfigError, GradcompError
 from gradcomp.experiments.run.report import make_output_dir, write_atomic
 
 if TYPE_CHECKING:
@@ -83,17 +80,11 @@ Curves = Any  # a gradcomp.experiments.run.runner.Curves
 FORMAT = 1
 LATEST = "latest"
 MANIFEST = "manifest.json"
-CRASH_ENV = "GRADCOMP_CRASH_AT_STEP"
-CRASH_RANK_ENV = "GRADCOMP_CRASH_RANK"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
 class CheckpointError(GradcompError):
     """A checkpoint could not be written, found or read (missing, truncated, corrupted)."""
-
-
-class InjectedCrash(CommunicationError):
-    """The failure that GRADCOMP_CRASH_AT_STEP asked for (tests and the torchrun demonstration)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -509,7 +500,6 @@ class WorkerCheckpoints:
         self.root = Path(cfg.checkpoint_dir).expanduser() if cfg.checkpoint_dir is not None else None
         self.every = cfg.checkpoint_every
         self.resumed_from: int | None = None
-        self.crash_at = self._crash_plan()
 
     @property
     def active(self) -> bool:
@@ -520,22 +510,6 @@ class WorkerCheckpoints:
             or cfg.checkpoint_every is not None
             or cfg.resume_if_present
         )
-
-    def _crash_plan(self) -> int | None:
-        raw = os.environ.get(CRASH_ENV)
-        if not raw or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-            return None
-        rank = int(os.environ.get(CRASH_RANK_ENV, "1" if self.world_size > 1 else "0"))
-        return int(raw) if rank == self.rank else None
-
-    def crash_if_asked(self, step: int) -> None:
-        if self.crash_at is None or step != self.crash_at:
-            return
-        message = f"rank {self.rank}: stopped before step {step}, as {CRASH_ENV} asked"
-        if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # a torchrun worker: die as a killed process does
-            print(f"gradcomp: {message} (SIGKILL)", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise InjectedCrash(message)
 
     # -- resume ----------------------------------------------------------------------------------------------
 

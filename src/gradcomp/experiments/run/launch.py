@@ -235,7 +235,7 @@ def _wait_for(context: mp.ProcessContext, cfg: TrainConfig, store: dist.TCPStore
                 raise WorkerLostError(_stopped_message(context, stopped, cfg, exc)) from None
             if isinstance(exc, mp.ProcessRaisedException):
                 # the worker's traceback is in the exception; its last line says what went wrong
-                last = _GRADCOMP_ERROR_PATH.sub("", str(exc).strip().splitlines()[-1])
+                last = _QUALIFIED_ERROR_NAME.sub("", str(exc).strip().splitlines()[-1])
                 raise WorkerFailedError(f"worker {exc.error_index} failed: {last}") from None
             if not store.check([RESULT_KEY]):
                 raise WorkerLostError(f"worker {exc.error_index} died: {exc}") from None
@@ -249,7 +249,7 @@ def _wait_for(context: mp.ProcessContext, cfg: TrainConfig, store: dist.TCPStore
 
 
 # "gradcomp.experiments.run.checkpoint.CheckpointError: ..." -> "CheckpointError: ...": the user's words, not a module path
-_GRADCOMP_ERROR_PATH = re.compile(r"^gradcomp(?:\.\w+)*\.(?=\w+Error: )")
+_QUALIFIED_ERROR_NAME = re.compile(r"^gradcomp(?:\.\w+)*\.(?=\w+Error: )")
 
 
 class _NoTerminatingNotice(logging.Filter):

@@ -770,7 +770,6 @@ def run_worker(
     if before_training is not None:
         before_training()
     for step in range(start, total):
-        checkpoints.crash_if_asked(step)  # GRADCOMP_CRASH_AT_STEP (tests, scripts/torchrun_restart.sh)
         started = time.perf_counter()
         xb, yb = batches.get(step, device)
         if buffers:  # rank 0's buffers on every replica before the forward pass, as DDP does
