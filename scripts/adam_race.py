@@ -99,8 +99,7 @@ def render(link: str, out: str, table: str, keys: list[str], also: list[str] = (
             continue
         ends = rec["step_end_s"]
         start, h = links.steady_from(method, cfg), links.round_length(cfg)
-        begin = -(-start // h) * h
-        steady = (ends[-1] - (ends[begin - 1] if begin else 0.0)) / (len(ends) - begin)
+        steady = links.steady_mean(ends, start, h)
         runs = sorted((r for r in rows if r["key"] == key), key=lambda r: r["seed"])
         if not runs:
             lines.append(f"| {spec} | {len(ends)} | {steady:.3f} | (no 1,000-step run) | – | – | – | – |")

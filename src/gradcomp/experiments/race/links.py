@@ -100,14 +100,19 @@ def predict(step_end_s: list[float], steps_to_target: int, steady: int | None, r
         return float(step_end_s[steps_to_target - 1])
     if steady is None:
         raise ValueError("a method that never becomes steady is timed over all its steps, not extrapolated")
+    return float(step_end_s[n - 1] + (steps_to_target - n) * steady_mean(step_end_s, steady, round_steps))
+
+
+def steady_mean(step_end_s: list[float], steady: int, round_steps: int = 1) -> float:
+    """The window's mean step over its whole rounds from the first round boundary at or after ``steady``."""
+    n = len(step_end_s)
     begin = math.ceil(steady / round_steps) * round_steps
     rounds = (n - begin) // round_steps
     if rounds < 1:
         raise ValueError(f"the window ({n} steps) holds no whole round of {round_steps} after step {steady}")
     stop = begin + rounds * round_steps
     start_s = step_end_s[begin - 1] if begin else 0.0
-    mean = (step_end_s[stop - 1] - start_s) / (stop - begin)
-    return float(step_end_s[n - 1] + (steps_to_target - n) * mean)
+    return (step_end_s[stop - 1] - start_s) / (stop - begin)
 
 
 def timing_options(opts, configs: list[Any], window: int, link: str):
@@ -215,11 +220,3 @@ def render(combined: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
-
-def plan_link(opts, link: str) -> None:
-    """ConfigError / EmulationError now, not after the first link's race, for a link this machine cannot have."""
-    rate = netns.link_rate(link)
-    if rate is not None:
-        if opts.netns_mode == "off":
-            raise ConfigError("--no-netns runs plain local processes, which cannot be shaped: use --link none")
-        netns.require_emulation(shaped=True)

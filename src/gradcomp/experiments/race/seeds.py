@@ -10,7 +10,7 @@ from typing import Any
 
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race import links as by_link
-from gradcomp.experiments.race.race import Interrupted, Options, plan, race
+from gradcomp.experiments.race.race import Interrupted, Options, make_network, plan, race
 from gradcomp.experiments.run.report import make_output_dir, write_atomic
 
 
@@ -100,7 +100,7 @@ def race_links(opts, links: list[str], log=print, show=None) -> dict[str, Any]:
         raise ConfigError(f"--link-window must be >= 1, got {opts.window}")
     configs, _ = plan(dataclasses.replace(opts, link=links[0]), log)
     for link in links:  # every link checked (and the namespaces' tools for a shaped one) before anything starts
-        by_link.plan_link(opts, link)
+        make_network(dataclasses.replace(opts, link=link), log)  # a link this machine cannot have: refused now
     if opts.out:
         make_output_dir(opts.out, "--out", "; nothing was started")
     log(f"gradcomp race: one training per method at {links[0]}; at {', '.join(links[1:])} a window of each "

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race.method import Method
-from gradcomp.experiments.run.runner import DEFAULT_FREEZE_FRACTION
 
 SHARDED_WARMUPS = ("cnat", "natural_dithering")  # 1-bit Adam's warm-ups that go sharded both ways (the others all-reduced)
 
@@ -52,7 +51,8 @@ def _exchange(label: str, name: str, **fields) -> Method:
 
 
 def freeze_step(method: Method, steps: int) -> int:
-    return method.freeze_step if method.freeze_step is not None else max(1, round(DEFAULT_FREEZE_FRACTION * steps))
+    """1-bit Adam's freeze step in a run of ``steps``, as the runner resolves it."""
+    return dataclasses.replace(method.config(), steps=steps).resolved_freeze_step()
 
 
 def phases(method: Method, steps: int | None) -> list[Phase] | None:
