@@ -31,7 +31,7 @@ import gradcomp
 from gradcomp.experiments.run.launch import join_group, rendezvous_store
 from gradcomp.experiments.run.models import SmallCNN
 from gradcomp.train import aggregator as aggregator_module
-from gradcomp.wire.container import Refusals
+from gradcomp.wire.refusals import Refusals
 
 
 class _Unagreed(Refusals):

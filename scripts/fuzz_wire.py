@@ -74,7 +74,7 @@ from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encod
 from gradcomp.wire import FLOAT_DTYPES, HEADER_BYTES, SECTION_HEADER_BYTES, Codec
 from gradcomp.wire.bits import packed_nbytes
 from gradcomp.wire.checksum import checksum64
-from gradcomp.wire.container import free_sections
+from gradcomp.wire.format import free_sections
 
 DEFAULT_PER_DECODER = 100_000
 DEFAULT_PER_SCHEME = 10_000  # each replays a worker's whole step: slower than a decoder's
@@ -441,7 +441,7 @@ class Result:
 
 def _announced(compressor: Compressor, msg: Message) -> list[int] | None:
     """The layout values the sender of the unmutated ``msg`` announced in its size exchange (its free sections'
-    counts, its Golomb streams' bytes: ``wire.container.layout_values``), or None for a layout the specs fix."""
+    counts, its Golomb streams' bytes: ``wire.format.layout_values``), or None for a layout the specs fix."""
     specs = [spec for slot in SLOTS for spec in compressor.specs(slot)]
     free, golomb = free_sections(specs)
     if not free and not golomb:

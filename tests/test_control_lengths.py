@@ -78,7 +78,7 @@ def test_a_corrupted_size_round_in_training_raises_wire_error_on_its_receiver(bi
     length with bit 62 flipped: rank 1 raises WireError (not an allocation of 4 EiB for the padded gather), and the
     simulated cluster reports it as the primary error. (A negative length is the step's non-finite mark,
     ``train.exchange._mark_unless``: a flipped sign bit reads as "not finite" and abandons the step.) Bit 26 gives
-    a length a message could have, but not one of these specs (``wire.container.max_encoded_size``): refused too,
+    a length a message could have, but not one of these specs (``wire.format.max_encoded_size``): refused too,
     in each topology's size round (the all-gather's, the parameter server's gather, the all-to-all's)."""
     def worker(transport):
         torch.manual_seed(0)
@@ -111,7 +111,7 @@ def test_a_corrupted_size_round_in_training_raises_wire_error_on_its_receiver(bi
 
 def test_a_limit_from_the_specs_bounds_every_round():
     """A corrupted length that a message *could* have (bit 26 flipped: 64 MiB) is refused where the receiver knows
-    the specs: the most bytes they allow (``wire.container.max_encoded_size``) bounds each round, before the pad or
+    the specs: the most bytes they allow (``wire.format.max_encoded_size``) bounds each round, before the pad or
     the receive buffer is allocated (they were: 67 MB of padding for a message bounded to a few KB)."""
     with pytest.raises(WireError, match=r"\(0 to 100 bytes\)"):
         received_lengths([40, 101], "a round", limit=100)
@@ -133,7 +133,7 @@ def test_max_encoded_size_bounds_every_message_of_its_specs():
     """Variable-size methods' real messages fit the bound, and a fixed-size message equals it."""
     from gradcomp.compressors.base import Slot
     from gradcomp.schemes.single_round import encode_slots, fixed_buffer_size
-    from gradcomp.wire.container import max_encoded_size
+    from gradcomp.wire.format import max_encoded_size
 
     slot = Slot("w", 0, 3000)
     x = torch.randn(3000, generator=torch.Generator().manual_seed(0))

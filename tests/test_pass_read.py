@@ -1,7 +1,7 @@
 """The DDP hook's one read per backward pass for methods whose messages the wire decodes (device path forced on CPU
 tensors, 2 gloo ranks, several buckets): every bucket's checks (checksum, headers, positions, padding) and its
 aggregate's finiteness wait on the device and are read with the pass's verdicts at its last bucket
-(``wire.container.hold_for_the_pass``). The counts: tests/test_sync_count.py. Here, what that must not change and
+(``wire.device.hold_for_the_pass``). The counts: tests/test_sync_count.py. Here, what that must not change and
 what it does change:
 
 - the gradients and the method's state are bit for bit those of a read per bucket;
@@ -175,7 +175,7 @@ def test_only_an_aggregate_that_is_the_workers_result_holds_its_checks(monkeypat
     """A server's or a shard's aggregate is sent on: its checks are read at once, or a corruption would travel to
     workers that never see them. An all-gather's (``final=True``) waits for the pass's read."""
     from gradcomp.schemes.single_round import aggregate_buffers, encode_slots
-    from gradcomp.wire.container import DeviceChecks, holding_for_the_pass
+    from gradcomp.wire.device import DeviceChecks, holding_for_the_pass
 
     device_path(monkeypatch)
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")

@@ -200,7 +200,7 @@ def test_packed_is_shorter_when_levels_are_large_and_dense():
 def tampered(c: QSGD, slot: Slot, fields: list[torch.Tensor]) -> None:
     """A message whose fields the container accepts but whose content is impossible must raise WireError; inside a
     step that keeps its refusals for its end, that error is noted instead and the message adds nothing."""
-    from gradcomp.wire.container import Refusals, refusing_later
+    from gradcomp.wire.refusals import Refusals, refusing_later
 
     specs = c.specs(slot)
     with pytest.raises(WireError) as raised:

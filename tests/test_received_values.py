@@ -14,7 +14,7 @@ import gradcomp
 from gradcomp.compressors.base import Slot
 from gradcomp.errors import WireError
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots
-from gradcomp.wire.container import StepAbandoned
+from gradcomp.wire.refusals import StepAbandoned
 from wire_paths import device_path
 
 SLOT = Slot("w", 0, 203)

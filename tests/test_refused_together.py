@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradcomp
-from gradcomp.wire.container import MAGIC
+from gradcomp.wire.format import MAGIC
 from gradcomp.wire.bits import set_device_path_on_cpu
 
 # label: (method, its parameters, topology, the rank that receives the corrupted message)
@@ -195,7 +195,7 @@ def test_a_coordinate_beyond_its_part_is_noted_inside_refusing_later_and_made_ha
     """Local top-k's range check of the gathered coordinates (host path), a check after the checksum passed: WireError
     outside; inside a step that keeps its refusals, the fault noted and every coordinate clamped into its part."""
     from gradcomp.schemes.accumulation import split_indices
-    from gradcomp.wire.container import Refusals, refusing_later
+    from gradcomp.wire.refusals import Refusals, refusing_later
 
     field = torch.tensor([1, 2, 9, 0])
     with pytest.raises(gradcomp.WireError, match="part 1 holds coordinate 9, beyond its 5"):

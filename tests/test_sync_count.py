@@ -183,7 +183,7 @@ READ_AFTER_ROUNDS = list(READS_NOTHING_HANDED_ON)
 @pytest.mark.parametrize("name", FIXED_SIZE)
 def test_the_hook_reads_once_per_pass_whatever_the_buckets(name, group, device_paths, monkeypatch):
     """Every fixed-size method: the pass's verdicts (and the checks of the messages the wire decoded, held on the
-    device: wire.container.hold_for_the_pass) are read once, at the pass's last bucket, however many buckets."""
+    device: wire.device.hold_for_the_pass) are read once, at the pass's last bucket, however many buckets."""
     buckets: list = []
     counter = count_ddp_step(name, monkeypatch, buckets=buckets, bucket_cap_mb=0.001)
     assert len(buckets) >= 2, buckets  # several buckets in the counted step
@@ -194,7 +194,7 @@ def test_the_hook_reads_once_per_pass_whatever_the_buckets(name, group, device_p
 def test_the_hook_reads_the_variable_methods_data_checks_once_per_pass(name, group, device_paths, monkeypatch):
     """Sizes that vary: the size exchange (which brings every message's layout values, and the selections' counts
     where they vary: no transfer of the messages to the host) stays per bucket, the checks wait for the pass's one read
-    (wire.container.hold_for_the_pass): with two buckets, one read fewer than two steps of one."""
+    (wire.device.hold_for_the_pass): with two buckets, one read fewer than two steps of one."""
     buckets: list = []
     counter = count_ddp_step(name, monkeypatch, buckets=buckets, bucket_cap_mb=0.001)
     assert len(buckets) == 2, buckets
@@ -354,7 +354,7 @@ def test_sign_padding_is_checked_with_the_steps_one_read(device_paths):
 @pytest.mark.parametrize("name", ["threshold", "sbc"])
 def test_variable_messages_come_to_the_host_in_one_transfer_whatever_the_world_size(name, monkeypatch):
     """Aggregating W messages whose layout depends on the data reads twice on the device path, for any W: their
-    headers in one transfer (container.fetch_together) and the checks with the sums' finiteness; the result is
+    headers in one transfer (device.fetch_together) and the checks with the sums' finiteness; the result is
     the host path's, and a corrupted message among them still raises the host path's WireError."""
     from gradcomp.errors import WireError
     from gradcomp.schemes.single_round import aggregate_buffers, encode_slots
@@ -456,7 +456,7 @@ if __name__ == "__main__":  # python tests/test_sync_count.py [NAME ...]: the co
     ("topk+qsgd", {"error_feedback": True}),
 ])  # fmt: skip
 def test_a_workers_own_message_is_not_checked_with_a_read(name, params, group, device_paths, monkeypatch):
-    """The receivers' range checks (wire.container.check_received_range) join the decoding step's one read. Error
+    """The receivers' range checks (wire.refusals.check_received_range) join the decoding step's one read. Error
     feedback decodes the worker's own message too (these classes have no subtract_sent), outside any collecting
     DeviceChecks: a check there was read at once, 4 more reads a step (9 for TernGrad). It is left out now."""
     monkeypatch.setitem(PARAMS, name, params)

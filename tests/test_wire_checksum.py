@@ -341,7 +341,7 @@ def test_device_buffers_reach_the_host_through_one_reused_pinned_buffer():
 from gradcomp.errors import ConfigError  # noqa: E402
 from gradcomp.wire import Codec, FieldSpec  # noqa: E402
 from gradcomp.wire.checksum import BLOCK_BYTES, checksum64_tensor  # noqa: E402
-from gradcomp.wire.container import check_pending  # noqa: E402
+from gradcomp.wire.device import check_pending  # noqa: E402
 
 
 def _unsigned(t: torch.Tensor) -> int:
@@ -623,7 +623,7 @@ def test_cuda_checksum_on_the_device_and_messages_across_devices():
 
 def test_decodes_checked_together_raise_what_decode_raises(monkeypatch):
     from gradcomp.schemes.single_round import aggregate_buffers
-    from gradcomp.wire.container import DeviceChecks
+    from gradcomp.wire.device import DeviceChecks
 
     device_path(monkeypatch)
     fields, fixed, _ = _mixed_message(6)
@@ -657,7 +657,7 @@ def test_a_variable_message_leaves_its_data_checks_for_the_read(monkeypatch):
     """A Golomb message (its layout depends on the data) decoded with ``later``: its headers and checksum are read
     at once, its data checks (the Golomb code structure here) wait for ``later.read()``, which raises the error the
     host decoder names."""
-    from gradcomp.wire.container import DeviceChecks
+    from gradcomp.wire.device import DeviceChecks
 
     device_path(monkeypatch)
     pos = torch.tensor([3, 40, 41, 900, 4000])

@@ -22,7 +22,8 @@ from gradcomp.wire import (
     optimal_rice_parameter,
 )
 from gradcomp.wire.bits import decoded_dtype
-from gradcomp.wire.container import check_pending, encoded_size
+from gradcomp.wire.device import check_pending
+from gradcomp.wire.format import encoded_size
 from wire_paths import device_path
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -676,7 +677,7 @@ def test_length_on_device_is_encodes_length_and_its_streams_give_the_same_bytes(
     message's and the bytes are those the host path writes, for Golomb, positions, bits and floats, empty or not."""
     from sync_counting import counting
 
-    from gradcomp.wire.container import length_on_device
+    from gradcomp.wire.format import length_on_device
 
     specs = sized_specs(0)
     for k, seed in ((1, 0), (37, 1), (500, 2), (0, 3)):
@@ -706,12 +707,9 @@ def test_a_variable_message_decodes_on_the_device_from_its_layout_values(monkeyp
     that no message can have, send it to the host path, which reads its own."""
     from sync_counting import counting
 
-    from gradcomp.wire.container import (
-        DeviceChecks,
-        free_sections,
-        layout_values,
-        length_on_device,
-    )
+    from gradcomp.wire.device import DeviceChecks
+
+    from gradcomp.wire.format import free_sections, layout_values, length_on_device
 
     specs = sized_specs(2)
     for k, seed in ((1, 0), (37, 1), (500, 2), (0, 3)):
@@ -814,7 +812,7 @@ def test_a_variable_exchange_on_the_device_path_equals_the_host_paths(label, mon
 def test_length_from_counts_is_encodes_length():
     """A message sized from its fields' counts, some of them on the device (threshold's positions and values, a
     bitmap, floats), has the length encode gives it; a GOLOMB field is refused (its length needs its positions)."""
-    from gradcomp.wire.container import length_from_counts
+    from gradcomp.wire.format import length_from_counts
 
     specs = [*MIXED_SPECS, FieldSpec(Codec.F16, max_count=9), FieldSpec(Codec.BITS, count=5, width=1)]
     for k in (0, 1, 20, 100):
@@ -832,7 +830,7 @@ def test_a_golomb_streams_length_from_its_kept_positions_is_encodes(b, device):
     ``positions[kept]`` computed from all of them and the mask (a running maximum, no selection) is encode's, for
     masks that keep all, none, the first, the last, runs and scattered entries; with it, length_from_counts takes a
     GOLOMB field."""
-    from gradcomp.wire.container import length_from_counts
+    from gradcomp.wire.format import length_from_counts
     from gradcomp.wire.golomb import golomb_encode, golomb_stream_bits
 
     g = torch.Generator().manual_seed(b)
@@ -888,7 +886,7 @@ def test_inside_refusing_later_a_bad_message_is_noted_and_decodes_as_stand_ins(d
     the WireError decode raises outside, noted instead of raised, and zeros in place of the fields (each field's
     decoded dtype; the count its spec fixes, the count of the field it must match, or none); a message that decodes
     outside decodes the same inside, with nothing noted. Every decode counts as a use of the wire."""
-    from gradcomp.wire.container import Refusals, refusing_later
+    from gradcomp.wire.refusals import Refusals, refusing_later
 
     rng, noted = random.Random(77), 0
     linked = [FieldSpec(Codec.POSITIONS, count=5, universe=100), FieldSpec(Codec.F32, max_count=5, same_count_as=-1)]
@@ -928,7 +926,8 @@ def test_the_fault_flag_says_on_the_device_what_the_read_would_refuse(device, mo
     held checks before anything is read. For messages of a fixed layout and of a layout the size exchange announced,
     sound, with a flipped body bit, a flipped section-header bit, or announced values that disagree with their
     headers, the flag is True exactly when ``read`` raises WireError."""
-    from gradcomp.wire.container import DeviceChecks, layout_values
+    from gradcomp.wire.device import DeviceChecks
+    from gradcomp.wire.format import layout_values
 
     device_path(monkeypatch)  # (on the CPU: the GPU's code)
     fixed = [FieldSpec(Codec.POSITIONS, count=20, universe=1000), FieldSpec(Codec.F32, count=20),

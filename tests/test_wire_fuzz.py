@@ -97,12 +97,15 @@ def test_control_positions_used_before_their_check_are_found(monkeypatch):
     """Without the clamp of received positions (checked, but not yet read when they index), the device-path fuzz
     finds the crash."""
     import gradcomp.wire.container as container
+    import gradcomp.wire.device as device
+    import gradcomp.wire.format as wire_format
 
     def unclamped(pos, universe, checks):
-        checks.append(container._positions_ok(pos, universe))
+        checks.append(wire_format._positions_ok(pos, universe))
         return pos
 
-    monkeypatch.setattr(container, "_received_positions", unclamped)
+    for module in (container, device):  # every decoder that clamps received positions
+        monkeypatch.setattr(module, "_received_positions", unclamped)
     result = fuzz_wire.run(per_decoder=96, seed=2, only=["topk", "sbc"], per_scheme=0, device=True)
     assert result.total(outcome="crash") > 0 and result.failed
     assert any("index out of range" in c for c in result.crashes)

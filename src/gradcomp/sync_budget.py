@@ -46,27 +46,27 @@ _VERDICT = (
 )
 _PASS = (
     "; the DDP hook holds every bucket's checks and verdict on the device and reads them once per backward pass, "
-    "at its last bucket, whatever the number of buckets (wire.container.hold_for_the_pass)"
+    "at its last bucket, whatever the number of buckets (wire.device.hold_for_the_pass)"
 )
 _WITH_CHECKS = (
     "1 read of the agreed finiteness verdict (a device flag that rode on the step's first message) in the same "
     "transfer as every decoded message's checks (header, checksum, section heads, padding, positions, the sign "
-    "bitmaps' padding bits), and the finiteness of the aggregate sums (wire.container.DeviceChecks, once per "
+    "bitmaps' padding bits), and the finiteness of the aggregate sums (wire.device.DeviceChecks, once per "
     f"exchange whatever the world size){_PASS}"
 )
 _SIZES = (
     "1 size exchange, which carries every message's layout values (its free sections' counts and its Golomb "
-    "streams' lengths: wire.container.layout_values, sizes.exchange_lengths) and the workers' finiteness verdict as "
+    "streams' lengths: wire.format.layout_values, sizes.exchange_lengths) and the workers' finiteness verdict as "
     "well (a bad worker's values n travel as -1 - n, marked on the device: exchange._drive_deferred); every "
     "received message is then decoded on the device, its layout known, nothing of it brought to the host; 1 read "
     "of every message's checks (header, checksum, section heads against the layout values, padding, positions, "
-    "Golomb code structure) together with the finiteness of the aggregate sums (wire.container.DeviceChecks, once "
+    "Golomb code structure) together with the finiteness of the aggregate sums (wire.device.DeviceChecks, once "
     "per exchange whatever the world size; the DDP hook holds this last read for the backward pass and makes it "
-    "once, at its last bucket, with the other buckets': wire.container.hold_for_the_pass)"
+    "once, at its last bucket, with the other buckets': wire.device.hold_for_the_pass)"
 )
 _STREAMS = (
     "; the size exchange's read brings this worker's Golomb stream lengths too, computed on the device before "
-    "encoding (wire.container.length_on_device), so that encoding reads nothing"
+    "encoding (wire.format.length_on_device), so that encoding reads nothing"
 )
 
 _DIRECT = (
@@ -140,12 +140,12 @@ TOPOLOGIES: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = {
                 "agreed verdict (which rode on the all-to-all: Sharded.defers_verdict), before it compresses its "
                 "aggregate again (a message that fails its checks, or a sum that overflowed, must be known before "
                 "anything is sent on); 1 read, at the step's end, of the owners' downstream buffers' checks, held for "
-                "it (wire.container.hold_for_the_pass)"),
+                "it (wire.device.hold_for_the_pass)"),
     "ps": ((2, 1), (6, 4), "every worker: 1 read at the step's end, of the downstream message's checks (held for "
            "it) with the mark of the root's broadcast; the root also: 1 read of the gathered messages' checks with "
            "the agreed verdict (which rode on the gather: SingleRound.passes_verdict_on) before it compresses their "
            "aggregate again; a bad verdict, or an aggregate that is not finite, goes on in place of its broadcast "
-           "(wire.container.AbandonedHere), and every worker abandons the step at its step's end read"),
+           "(wire.refusals.AbandonedHere), and every worker abandons the step at its step's end read"),
 }  # fmt: skip
 
 

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from gradcomp.errors import ConfigError
 from gradcomp.wire import FieldSpec
-from gradcomp.wire.container import length_on_device
+from gradcomp.wire.format import length_on_device
 
 Fields = list[Tensor]
 

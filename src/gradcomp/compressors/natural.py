@@ -126,7 +126,7 @@ from gradcomp.compressors.sparse import workspace
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import decoded_dtype, host_path
-from gradcomp.wire.container import check_received_range
+from gradcomp.wire.refusals import check_received_range
 
 __all__ = ["NaturalCompression", "RandomDithering", "NaturalDithering", "TernGrad", "cnat_encode", "cnat_decode"]
 
@@ -493,7 +493,7 @@ class _Dithering(Compressor):
         return _run_lookup(kernel, codes, mask, self.level_bits, self._table, self._norm_value(norm), out, add)
 
     def check_message(self, norm: Tensor, codes: Tensor | None, slot: Slot) -> None:
-        """WireError (through ``wire.container.check_received``: on the device path with the step's one read) for
+        """WireError (through ``wire.refusals.check_received``: on the device path with the step's one read) for
         what no sender makes and a checksum cannot catch when the sender itself is wrong: a norm below 0 (every
         decoded entry's sign flipped) or a level index above ``levels``, which the code's width allows unless
         ``levels`` is 2^b − 1 (QSGD's 16 levels take 5 bits: indices up to 31 would decode above the norm). The
@@ -743,7 +743,7 @@ class TernGrad(Compressor):
         return _run_lookup(kernel, codes, 3, _NO_SIGN_BIT, _TERNARY, scale, out, add)
 
     def check_message(self, fields: Fields, slot: Slot) -> None:
-        """WireError (``wire.container.check_received``) for what no sender makes: a scale below 0 (every entry's
+        """WireError (``wire.refusals.check_received``) for what no sender makes: a scale below 0 (every entry's
         sign flipped) or code 3, which the 2-bit code allows and no sender writes (one pass over the codes)."""
         scale, codes = fields
         where = f"terngrad: {slot.name}"

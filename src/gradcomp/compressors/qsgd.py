@@ -69,7 +69,7 @@ from gradcomp.compressors.natural import RandomDithering
 from gradcomp.errors import ConfigError, WireError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import check_received
+from gradcomp.wire.refusals import check_received
 from gradcomp.wire.elias import elias_gamma_decode, elias_gamma_encode
 
 __all__ = ["QSGD", "CODINGS", "elias_max_bytes"]
@@ -186,7 +186,7 @@ class QSGD(RandomDithering):
     def _elias_codes(self, fields: Fields, slot: Slot) -> Tensor:
         """The packed coding's codes (sign·2^level_bits + level) of an elias message, as int32 (s < 2^24: the
         codes fit), checked as the wire format requires: WireError for a bad one, or, inside a step that keeps its
-        refusals for its end (``wire.container.refusing_later``), the fault noted and zero codes in its place."""
+        refusals for its end (``wire.refusals.refusing_later``), the fault noted and zero codes in its place."""
         _, negative, stream = fields
         negative = negative.reshape(-1).to(torch.int64)
         try:

@@ -67,7 +67,7 @@ from gradcomp.compressors.sparse import (
     topk_positions,
 )
 from gradcomp.wire import Codec, FieldSpec, optimal_rice_parameter
-from gradcomp.wire.container import check_received_range
+from gradcomp.wire.refusals import check_received_range
 from gradcomp.wire.golomb import golomb_stream_bits
 
 
@@ -278,7 +278,7 @@ class SparseTernary(_SharedValueSparsifier):
         return positions, signs * magnitude.to(torch.float32)
 
     def _received(self, fields: Fields, slot: Slot) -> tuple[Tensor, Tensor]:
-        """``_values`` of a received message, checked: WireError (``wire.container.check_received``) for a
+        """``_values`` of a received message, checked: WireError (``wire.refusals.check_received``) for a
         magnitude below 0, which no sender makes (every sent sign flipped). A worker's own message
         (``sent_entries``, for error feedback) is not checked."""
         check_received_range(fields[2].reshape(-1).to(torch.float32), 0.0, None, f"stc: {slot.name}: a negative mean")

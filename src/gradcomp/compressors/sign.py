@@ -62,7 +62,7 @@ slot's message is:
 
 plus the container's 20-byte header once per message (all slots of a step travel in one message). A set
 padding bit in the last byte is rejected with WireError by ``decompress``, as the container does for its
-own bitmaps (on the device path the check joins the decoding step's one read, ``wire.container.check_received``). Decoding reads each byte's 8 values from a 256-row table (±1, ±scale, or the two means);
+own bitmaps (on the device path the check joins the decoding step's one read, ``wire.refusals.check_received``). Decoding reads each byte's 8 values from a 256-row table (±1, ±scale, or the two means);
 ``accumulate`` adds them into the running sum chunk by chunk, without a d-sized temporary.
 
 Choices where the papers are silent or differ:
@@ -120,7 +120,7 @@ from gradcomp.compressors.state import MovingAverage
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import check_received, check_received_range
+from gradcomp.wire.refusals import check_received, check_received_range
 
 __all__ = ["EFSignSGD", "OneBit", "SignSGD", "Signum", "pack_signs", "packed_count", "unpack_signs"]
 
@@ -263,7 +263,7 @@ def _check_packed(packed: Tensor, numel: int, where: str, received: bool = True)
     """ConfigError for a bitmap of the wrong length; WireError for nonzero padding bits after the last sign.
 
     The padding is read on the host path; on the device path the check is handed to the decoding step's one read
-    (``wire.container.check_received``: no host synchronisation here), and skipped for a bitmap this worker made
+    (``wire.refusals.check_received``: no host synchronisation here), and skipped for a bitmap this worker made
     itself (``received`` False: error feedback's subtraction of what it sent)."""
     count = packed_count(numel)
     if packed.numel() != count:
@@ -344,7 +344,7 @@ class _Sign(Compressor):
         raise NotImplementedError
 
     def _received_values(self, fields: Fields, slot: Slot) -> tuple[Tensor, Tensor]:
-        """``_decode_values`` of a received message, checked: WireError (``wire.container.check_received``) for a
+        """``_decode_values`` of a received message, checked: WireError (``wire.refusals.check_received``) for a
         value for bit 0 below 0 or one for bit 1 above 0, which no sender makes (every decoded sign flipped)."""
         positive, negative = self._decode_values(fields, slot)
         where = f"{self.name}: {slot.name}"

@@ -22,7 +22,7 @@ def allgather_buffers(
     """Every worker's uint8 buffer, in rank order, without padding (``rank``: this worker's).
 
     ``sizes``: every worker's buffer length when all of them know it in advance (checked for this worker's);
-    ``limit``: else the most bytes any worker's buffer can have (``wire.container.max_encoded_size``), which bounds
+    ``limit``: else the most bytes any worker's buffer can have (``wire.format.max_encoded_size``), which bounds
     the lengths the size round brings before anything is allocated for them.
     """
     sizes = yield from buffer_sizes(buffer, rank, sizes, limit)

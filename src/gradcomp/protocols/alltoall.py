@@ -28,7 +28,7 @@ def alltoall_buffers(
     padded to the longest buffer of all, and the padding is booked apart and cut off again. ``known[j]``: the
     length of every worker's buffer for worker j, when all of them know it in advance (fixed-width messages);
     the control round is then skipped (this worker's buffers are checked against it first). ``limits[j]``: else the
-    most bytes a buffer for worker j can have (``wire.container.max_encoded_size``), which bounds the lengths the
+    most bytes a buffer for worker j can have (``wire.format.max_encoded_size``), which bounds the lengths the
     control round brings before anything is allocated for them.
     """
     world = len(buffers)

@@ -31,7 +31,7 @@ def parameter_server(
     downstream_limit: int | None = None,
 ) -> Rounds:
     """``limit`` / ``downstream_limit``: the most bytes a worker's buffer / the downstream buffer can have
-    (``wire.container.max_encoded_size``), bounding the lengths their size rounds bring."""
+    (``wire.format.max_encoded_size``), bounding the lengths their size rounds bring."""
     sizes = yield from buffer_sizes(buffer, rank, sizes, limit)
     largest = max(sizes)
     pad_in = sum(largest - s for s in sizes)

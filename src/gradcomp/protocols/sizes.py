@@ -39,7 +39,7 @@ def exchange_sizes(buffer: Tensor, limit: int | None = None) -> Rounds:
 def received_lengths(values, what: str, limit: int | None = None) -> list[int]:
     """``values`` (message lengths in bytes, one per worker, as a round brought them) as ints, after checking
     that each is a length the messages can have: in [0, ``limit``], the most the receiver's specs allow
-    (``wire.container.max_encoded_size``), or, where the caller does not know them, in [0, MAX_MESSAGE_BYTES].
+    (``wire.format.max_encoded_size``), or, where the caller does not know them, in [0, MAX_MESSAGE_BYTES].
     Raises WireError naming the round and the worker otherwise, before anything is allocated for it (a corrupted
     length would otherwise size the padding and the receive buffers: gigabytes for one flipped bit)."""
     bound = MAX_MESSAGE_BYTES if limit is None else min(int(limit), MAX_MESSAGE_BYTES)
@@ -54,9 +54,9 @@ def received_lengths(values, what: str, limit: int | None = None) -> list[int]:
 
 
 def exchange_lengths(length: Tensor, also: Tensor, layout: Tensor, limit: int | None = None) -> Rounds:
-    """The device path's size exchange, before a message is encoded (``wire.container.length_on_device``): this
+    """The device path's size exchange, before a message is encoded (``wire.format.length_on_device``): this
     worker's length (a one-element int64 tensor on the device, not read) and ``layout``, the message's layout values
-    (``wire.container.layout_values``, int64 on the device), sent together (8 bytes each, control traffic), so that
+    (``wire.format.layout_values``, int64 on the device), sent together (8 bytes each, control traffic), so that
     every receiver decodes every message where it is, none brought to the host for its headers; ``also`` (int64
     values of this worker's own, not sent) read in the same transfer. Returns ``(every worker's length, every
     worker's layout values, also's values)``. The host path's exchange (``exchange_sizes``) sends lengths only: it

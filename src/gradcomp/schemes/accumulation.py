@@ -38,7 +38,7 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.compressors.state import Momentum
 from gradcomp.wire import Codec, FieldSpec
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import check_received
+from gradcomp.wire.refusals import check_received
 
 
 class AccumulatingScheme(Scheme):
@@ -161,7 +161,7 @@ def split_indices(field: Tensor, counts: Sequence[int], bounds: Sequence[int], w
     """A decoded ``indices_spec`` field cut into parts of ``counts``, each checked to lie in [0, bound):
     WireError otherwise, before any of them indexes a tensor.
 
-    On the device path the check is handed to the decoding step's one read (``wire.container.check_received``;
+    On the device path the check is handed to the decoding step's one read (``wire.refusals.check_received``;
     read at once where no step collects checks) and the parts are clamped into range, so that a bad coordinate
     never indexes out of bounds before that read raises (a sound message is unchanged by the clamp)."""
     starts = offsets_of(counts)

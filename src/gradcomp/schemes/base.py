@@ -65,7 +65,7 @@ class Scheme(ABC):
     def passes_verdict_on(self, slots: Sequence[Slot]) -> bool:
         """Whether a deferred verdict may ride on a parameter server's gather (the step's first message): only the
         root reads it there, with its checks of what it gathered, so only a scheme whose server then broadcasts an
-        abandoned message in place of its aggregate (``wire.container.AbandonedHere``) may say so. False unless a
+        abandoned message in place of its aggregate (``wire.refusals.AbandonedHere``) may say so. False unless a
         scheme says otherwise: the verdict is then read at the gather, on every worker."""
         return False
 

@@ -110,7 +110,9 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.lgc_autoencoder import AutoencoderTrainer, latent_size, padded_length
 from gradcomp.transport.requests import AllReduce, Rounds
 from gradcomp.wire import Codec, FieldSpec, decode, encode, encoded_size
-from gradcomp.wire.container import StepAbandoned, held_for_the_pass, max_encoded_size
+from gradcomp.wire.device import held_for_the_pass
+from gradcomp.wire.format import max_encoded_size
+from gradcomp.wire.refusals import StepAbandoned
 from gradcomp.wire.golomb import optimal_rice_parameter
 
 VARIANTS = ("ring", "ps")

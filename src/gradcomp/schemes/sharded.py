@@ -86,10 +86,9 @@ from gradcomp.schemes.single_round import (
     aggregate_buffers, decode_slots, encode_slots, fixed_buffer_size, read_result, serve_compressed,
 )
 from gradcomp.transport.requests import Rounds
-from gradcomp.wire.container import (
-    AbandonedHere, DeviceChecks, abandon_flags, abandon_message, add_to_verdict, deferring, fetch_together,
-    max_encoded_size,
-)
+from gradcomp.wire.device import DeviceChecks, fetch_together
+from gradcomp.wire.format import max_encoded_size
+from gradcomp.wire.refusals import AbandonedHere, abandon_flags, abandon_message, add_to_verdict, deferring
 
 
 def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:

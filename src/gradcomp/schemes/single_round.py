@@ -43,24 +43,22 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.transport.requests import Rounds
 from gradcomp.transport.sim import Shared, computed_once
 from gradcomp.wire import FLOAT_DTYPES, Codec, FieldSpec, decode, encode, encoded_size
-from gradcomp.wire.container import (
-    AbandonedHere,
+from gradcomp.wire.device import (
     DeviceChecks,
+    fetch_together,
+    hold_for_the_pass,
+    held_for_the_pass,
+    holding_for_the_pass,
+)
+from gradcomp.wire.format import free_sections, layout_values, length_from_counts, length_on_device, max_encoded_size
+from gradcomp.wire.refusals import (
+    AbandonedHere,
     StepAbandoned,
     abandon_flags,
     abandon_later,
     abandon_message,
     add_to_verdict,
     deferring,
-    fetch_together,
-    free_sections,
-    hold_for_the_pass,
-    held_for_the_pass,
-    holding_for_the_pass,
-    layout_values,
-    length_from_counts,
-    length_on_device,
-    max_encoded_size,
 )
 from gradcomp.wire.bits import bits_needed, host_path, packed_nbytes
 
@@ -132,7 +130,7 @@ def aggregate_buffers(
     sum still adds the workers in rank order: the same sums, bit for bit. The finiteness check reads each slot's
     sum of sums in float64 (finite exactly when the tensor is: float32 entries cannot overflow it) instead of
     building |sum| and three d-sized masks (``torch.isfinite``), and all slots' in one read, together with the
-    checks of every decoded device buffer (``wire.container.DeviceChecks``): one host synchronisation per exchange,
+    checks of every decoded device buffer (``wire.device.DeviceChecks``): one host synchronisation per exchange,
     not one per slot and message. A compressor
     with its own compact tally (``base.new_tally``: majority vote counts sign bits) adds the messages there
     instead.
@@ -141,7 +139,7 @@ def aggregate_buffers(
     server's, a shard's). Only then may the checks wait for the DDP hook's backward pass (``hold_for_the_pass``): a
     message sent on from unread checks would carry a corruption to workers that never see its checks.
 
-    ``layouts``: each buffer's layout values from the size exchange (``wire.container.layout_values``): buffers whose
+    ``layouts``: each buffer's layout values from the size exchange (``wire.format.layout_values``): buffers whose
     layout depends on the data are then decoded on the device like fixed ones, none brought to the host.
     """
     tallies = [new_tally(compressor, slot, device) for slot in slots]  # None: add up float32 messages
@@ -415,7 +413,7 @@ class SingleRound(Scheme):
 
     def _sized_on_device(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         """The device path of a message whose size depends on the data: its length and layout values (the free
-        sections' counts, the Golomb streams' lengths: ``wire.container.layout_values``) computed on the device,
+        sections' counts, the Golomb streams' lengths: ``wire.format.layout_values``) computed on the device,
         sent in the size exchange and read with the others' and with its own Golomb streams' lengths (one read),
         then encoded without a read of its own; every receiver then decodes every message on the device, its
         layout known, with nothing brought to the host. Returns (this worker's buffer, every worker's length,

@@ -46,7 +46,7 @@ from gradcomp.schemes.base import Scheme
 from gradcomp.protocols import allgather_buffers
 from gradcomp.transport.requests import AllReduce, Rounds
 from gradcomp.wire import Codec, FieldSpec, decode, encode
-from gradcomp.wire.container import DeviceChecks, hold_for_the_pass
+from gradcomp.wire.device import DeviceChecks, hold_for_the_pass
 
 EXCHANGES = ("allgather", "allreduce")
 _INT8_MAX_WORKERS = 127  # a sum of W values in {-1, 0, 1} fits int8

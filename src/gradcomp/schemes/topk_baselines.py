@@ -42,7 +42,7 @@ from gradcomp.schemes.accumulation import (
 )
 from gradcomp.transport.requests import AllReduce, Rounds
 from gradcomp.wire import decode, encode, encoded_size
-from gradcomp.wire.container import DeviceChecks, hold_for_the_pass
+from gradcomp.wire.device import DeviceChecks, hold_for_the_pass
 
 
 class LocalTopK(AccumulatingScheme):

@@ -23,7 +23,7 @@ state is put back, and on a GPU the methods that only all-reduce (none, fp16, bf
 PowerSGD, sketched SGD, true top-k) read nothing from the device in a step; ``skipped`` is not counted then.
 
 A message that fails its checks on one worker (a corruption on the way, seen only by its receiver) does not stop
-that worker at once: the step's rounds run to their end (``wire.container.refusing_later``), then the workers agree
+that worker at once: the step's rounds run to their end (``wire.refusals.refusing_later``), then the workers agree
 on it (``train.exchange.settle``: one 4-byte all-reduce; on the device path read with the step's checks) and every
 worker raises WireError at that step, the state put back as for a non-finite step.
 
@@ -49,7 +49,8 @@ from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_f
 from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_abandons, settle, warn_float64
 from gradcomp.transport.base import Transport
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import DeviceChecks, Refusals, holding_for_the_pass
+from gradcomp.wire.device import DeviceChecks, holding_for_the_pass
+from gradcomp.wire.refusals import Refusals
 
 GRANULARITIES = ("layer", "model")
 

@@ -141,7 +141,8 @@ from gradcomp.train.exchange import (
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import DeviceChecks, Refusals, holding_for_the_pass
+from gradcomp.wire.device import DeviceChecks, holding_for_the_pass
+from gradcomp.wire.refusals import Refusals
 
 GRANULARITIES = ("layer", "bucket")
 DEFAULT_MIN_COMPRESSION_RATE = 2.0
@@ -433,7 +434,7 @@ class _CommThread:
 
     def _pass_abandoned(self, job: _Job) -> bool:
         """The pass's one read (on the device path) of its deferred verdicts, with every check of the messages its
-        buckets decoded (``wire.container.hold_for_the_pass``) and the ranks' agreement on the messages they refused
+        buckets decoded (``wire.device.hold_for_the_pass``) and the ranks' agreement on the messages they refused
         (``settle``: WireError on every rank, the state put back as at the start of the pass): whether some rank's
         gradients, or some aggregate, were not finite in some bucket. The same answer on every rank, at the same
         bucket."""

@@ -50,10 +50,10 @@ from gradcomp.transport.requests import (
     execute,
 )
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import (
-    ABANDON_MARK, Codec, DeviceChecks, FieldSpec, Refusals, StepAbandoned, decode, defer_verdict, encode,
-    encoded_size, refusing_later, take_verdict,
-)
+from gradcomp.wire.container import decode, encode
+from gradcomp.wire.device import DeviceChecks
+from gradcomp.wire.format import Codec, FieldSpec, encoded_size
+from gradcomp.wire.refusals import ABANDON_MARK, Refusals, StepAbandoned, defer_verdict, refusing_later, take_verdict
 
 TOPOLOGIES = (*SINGLE_ROUND_TOPOLOGIES, "sharded")
 
@@ -145,7 +145,7 @@ def settle(
     verdicts: Sequence[Tensor] = (), step: int | None = None,
 ) -> bool:
     """The end of a step (or of a DDP / FSDP backward pass) whose received messages were checked with their
-    refusals kept for it (``wire.container.refusing_later``): every worker learns there, at the same step, whether
+    refusals kept for it (``wire.refusals.refusing_later``): every worker learns there, at the same step, whether
     any worker refused a message.
 
     A message that fails its checks (a corruption on the way) is seen only by the worker that received it. Raised
@@ -159,7 +159,7 @@ def settle(
 
     A flag held in ``checks`` that abandons the step (``DeviceChecks.abandon``, ``hold_for_the_pass``) may be this
     worker's alone (an FSDP rank's aggregate of its own shard), and so is ``refusals.abandoned`` (a server's or a
-    shard owner's aggregate that a message made non-finite: ``wire.container.abandon_later``): either rides in the
+    shard owner's aggregate that a message made non-finite: ``wire.refusals.abandon_later``): either rides in the
     same all-reduced value, so every worker abandons the step with it.
 
     Returns True when the verdicts say the step is abandoned as not finite (the same on every worker; refusals do
@@ -367,7 +367,7 @@ class GradientExchange:
         from its snapshot on every worker: the DDP hook reads a backward pass's flags once, at its last bucket.
 
         ``refusals``: a received message that fails its checks is noted there, and the rounds go on to their end
-        (``wire.container.refusing_later``), for the caller to ``settle`` at the end of the step or pass, on every
+        (``wire.refusals.refusing_later``), for the caller to ``settle`` at the end of the step or pass, on every
         worker at once; None: WireError here, on the receiving worker only.
         """
         self.check(slots, tensors, validate and finite is None)
@@ -654,7 +654,7 @@ def drive_agreeing(
     ``finite`` a one-element bool tensor (``GradientExchange.exchange``'s deferred verdict): where the first such
     message is a float all-reduce or a gather of every worker's message, on the device path, the mark is put on
     by ``torch.where`` and the agreed verdict is not read there but handed to the wire's next device read
-    (``wire.container.defer_verdict``: one byte more in that transfer, StepAbandoned if bad), or read after the
+    (``wire.refusals.defer_verdict``: one byte more in that transfer, StepAbandoned if bad), or read after the
     last round if no such read came (not with ``after_rounds=False``: the scheme's sizes vary). A first message
     that is a size exchange (``AllGather(read=True)``, int64) carries the device flag as its mark (every length n
     becomes −1 − n, ``torch.where``), and the verdict is read with the lengths, in the one transfer the size
@@ -663,7 +663,7 @@ def drive_agreeing(
     list: it is appended there, for the caller to read later (``GradientExchange.exchange(verdicts=...)``); None:
     read, as True. ``served`` (``Scheme.passes_verdict_on``): a first message that is a parameter server's gather
     carries the device flag too; the root reads the verdict with its checks of what it gathered, and passes a bad
-    one on in its broadcast (``wire.container.AbandonedHere``), which every worker reads at its step's end.
+    one on in its broadcast (``wire.refusals.AbandonedHere``), which every worker reads at its step's end.
     """
     if isinstance(finite, Tensor):
         return _drive_deferred(transport, rounds, finite, after_rounds, read, served)

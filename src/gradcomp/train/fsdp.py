@@ -82,10 +82,10 @@ Other choices:
   On the host path (and for sizes that vary) each call reads its verdict at once: a bad rank compresses zeros in its
   rows' place and the error is raised at the bad call. On the device path, for messages of fixed sizes, a call reads
   nothing: its rank's verdict stays a device flag put on its buffers by ``torch.where``, and the agreed verdict and
-  the decoded messages' checks are held for the pass (``wire.container.hold_for_the_pass``). The pass's first call
+  the decoded messages' checks are held for the pass (``wire.device.hold_for_the_pass``). The pass's first call
   queues ``pass_ends`` with the autograd engine, which runs after FSDP2's own end-of-backward callback (queued
   before it, and where FSDP reduce-scatters the root module's own parameters): one read for the whole pass. A
-  message that failed its checks (on either path) is noted and the pass goes on (``wire.container.refusing_later``);
+  message that failed its checks (on either path) is noted and the pass goes on (``wire.refusals.refusing_later``);
   at its end the ranks agree on it (``train.exchange.settle``: one 4-byte all-reduce, read with the pass's checks)
   and every rank raises WireError, the pass undone.
   With ``scaler=`` (fp16 mixed precision) or ``nonfinite="propagate"`` (the default) nothing raises: the backward
@@ -129,9 +129,9 @@ from gradcomp.train.exchange import (
 )
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.container import (
-    DeviceChecks, Refusals, StepAbandoned, holding_for_the_pass, max_encoded_size, refusing_later,
-)
+from gradcomp.wire.device import DeviceChecks, holding_for_the_pass
+from gradcomp.wire.format import max_encoded_size
+from gradcomp.wire.refusals import Refusals, StepAbandoned, refusing_later
 
 try:  # torch >= 2.6 (FSDP2's custom collectives: 2.8)
     from torch.distributed.fsdp import FSDPModule

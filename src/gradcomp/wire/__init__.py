@@ -2,14 +2,17 @@
 
 Every function works on CPU and CUDA tensors with vectorized torch ops. Byte layouts are documented in the
 submodules: :mod:`.bits` (LSB-first fixed-width packing), :mod:`.golomb` (Rice codes of position gaps),
-:mod:`.checksum` (64-bit body checksum) and :mod:`.container` (20-byte header + one section per field).
+:mod:`.checksum` (64-bit body checksum), :mod:`.format` (20-byte header + one section per field) and
+:mod:`.container` (encode, decode); :mod:`.device` decodes where a message lies, :mod:`.refusals` is how a worker
+refuses a message or abandons a step without leaving the others.
 Decoders raise only :class:`gradcomp.errors.WireError` for bad bytes; encoders raise
 :class:`gradcomp.errors.ConfigError` for misuse.
 """
 
 from gradcomp.wire.bits import bits_needed, pack_bits, pack_bool, unpack_bits, unpack_bool
 from gradcomp.wire.checksum import checksum64
-from gradcomp.wire.container import (
+from gradcomp.wire.container import decode, encode
+from gradcomp.wire.format import (
     FLOAT_DTYPES,
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -17,8 +20,6 @@ from gradcomp.wire.container import (
     SECTION_HEADER_BYTES,
     Codec,
     FieldSpec,
-    decode,
-    encode,
     encoded_size,
 )
 from gradcomp.wire.golomb import golomb_decode, golomb_encode, optimal_rice_parameter

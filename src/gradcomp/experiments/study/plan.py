@@ -321,7 +321,7 @@ def measure_method(
     from gradcomp.train.ddp_hook import DEFAULT_MIN_COMPRESSION_RATE, direct_message, sends_directly
     from gradcomp.train.exchange import GradientExchange, settle
     from gradcomp.transport.sim import SimulatedCluster
-    from gradcomp.wire.container import Refusals
+    from gradcomp.wire.refusals import Refusals
 
     dev = torch.device(device)
     cfg = method.config()
