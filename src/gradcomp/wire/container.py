@@ -282,12 +282,10 @@ def encode(
         raise ConfigError(f"{len(fields)} fields but {len(specs)} specs")
     if len(specs) > 0xFFFF:
         raise ConfigError(f"at most 65535 fields per message, got {len(specs)}")
-    device = torch.device("cpu")
     for i, f in enumerate(fields):
         if not isinstance(f, torch.Tensor):
             raise ConfigError(f"field {i}: expected a tensor, got {type(f).__name__}")
-    if fields:
-        device = fields[0].device
+    device = fields[0].device if fields else torch.device("cpu")
     codecs = _check_specs(specs)
     on_host = host_device(device)
     flags: list = []  # the device path's deferred sender checks
@@ -296,34 +294,35 @@ def encode(
         stream_bits = {}
     elif stream_bits is None:
         stream_bits = _golomb_lengths(fields, specs, codecs, device)
-    # Pass 1: checks, sizes, and the streams of the non-float codecs. plan: (codec, param, count, nbytes, tensor,
-    # packed_later) where tensor is the detached field itself for float codecs (read once, in pass 2) and for BITS
-    # fields that the compiled packer writes straight into the output in pass 2 (packed_later), else its data bytes.
+    plan, body_length = _plan_sections(fields, specs, codecs, device, on_host, stream_bits, flags)
+    if on_host:
+        return _write_on_host(fields, plan, body_length, len(specs))
+    out = _write_on_device(plan, body_length, specs, codecs, device)
+    if flags:
+        _defer(flags)
+    return out
+
+
+def _plan_sections(
+    fields: list, specs: list, codecs: list, device: torch.device, on_host: bool, stream_bits: dict, flags: list
+) -> tuple[list[tuple[Codec, int, int, int, torch.Tensor, bool]], int]:
+    """encode's first pass: every field checked against its spec, its section's size computed and the streams of the
+    non-float codecs built. Returns ``(plan, body length)``, plan holding per field ``(codec, param, count, nbytes,
+    tensor, packed_later)``: the tensor is the detached field itself for float codecs (read once, when written) and
+    for BITS fields that the compiled packer writes straight into the output (packed_later), else its data bytes."""
     plan: list[tuple[Codec, int, int, int, torch.Tensor, bool]] = []
     body_length = 0
     for i, (f, spec, codec) in enumerate(zip(fields, specs, codecs)):
         t = f.detach()
         n = t.numel()
         later = False
-        if spec.count is not None and n != spec.count:
-            raise ConfigError(f"field {i} ({codec.name}): {n} elements, spec expects exactly {spec.count}")
-        if spec.same_count_as is not None:
-            j = i + spec.same_count_as
-            if n != fields[j].numel():
-                raise ConfigError(
-                    f"field {i} ({codec.name}): {n} elements, but field {j} has {fields[j].numel()} and the "
-                    "spec links their counts (same_count_as)"
-                )
-        if spec.count is None and n > spec.max_count:
-            raise ConfigError(f"field {i} ({codec.name}): {n} elements exceed max_count {spec.max_count}")
-        if n > _U32_MAX:
-            raise ConfigError(f"field {i} ({codec.name}): {n} elements do not fit the u32 count")
+        _check_count(fields, i, spec, codec, n)
         if codec in FLOAT_DTYPES:
             if not t.dtype.is_floating_point:
                 raise ConfigError(f"field {i} ({codec.name}): expected a floating-point tensor, got dtype {t.dtype}")
             param, data, nbytes = 0, t, _expected_nbytes(codec, 0, n)
         elif codec == Codec.BITS and on_host and packs_into(t, spec.width):
-            later = True  # packed in pass 2 straight into the output by the compiled kernel (range-checked there)
+            later = True  # packed when written, straight into the output by the compiled kernel (range-checked there)
             param, data, nbytes = spec.width, t, packed_nbytes(n, spec.width)
         else:
             param, data = _encode_field(
@@ -337,56 +336,86 @@ def encode(
         plan.append((codec, param, n, nbytes, data, later))
     if body_length > _U32_MAX:
         raise ConfigError(f"message body of {body_length} bytes does not fit the u32 length")
-    # Pass 2: one allocation, every section written at its offset, then the checksum of the body in place. (A one-field
-    # F16 / BF16 message whose data a compressor wrote in place, float_message: no allocation, no copy of the data.)
-    placed = _reserved_buffer(fields, plan, body_length) if on_host else None
-    out = placed if placed is not None else torch.empty(HEADER_BYTES + body_length, dtype=torch.uint8, device=device)
-    mem = out.numpy() if on_host else None  # the output's own memory, for struct and small copies
-    heads: list[tuple[int, bytes]] = []  # section headers to write on other devices
-    # the host path's checksum of a message with a large float section, taken in order: such sections as they are
-    # written (_put_float_summed), the other bytes from `summed` up to the next one, or up to the end (summed None:
-    # none yet; a message without one is checksummed whole at the end, as before)
+    return plan, body_length
+
+
+def _check_count(fields: list, i: int, spec: FieldSpec, codec: Codec, n: int) -> None:
+    """ConfigError where field ``i``'s ``n`` elements are not what its spec allows."""
+    if spec.count is not None and n != spec.count:
+        raise ConfigError(f"field {i} ({codec.name}): {n} elements, spec expects exactly {spec.count}")
+    if spec.same_count_as is not None:
+        j = i + spec.same_count_as
+        if n != fields[j].numel():
+            raise ConfigError(
+                f"field {i} ({codec.name}): {n} elements, but field {j} has {fields[j].numel()} and the "
+                "spec links their counts (same_count_as)"
+            )
+    if spec.count is None and n > spec.max_count:
+        raise ConfigError(f"field {i} ({codec.name}): {n} elements exceed max_count {spec.max_count}")
+    if n > _U32_MAX:
+        raise ConfigError(f"field {i} ({codec.name}): {n} elements do not fit the u32 count")
+
+
+def _write_on_host(fields: list, plan: list, body_length: int, n_sections: int) -> torch.Tensor:
+    """encode's second pass on the CPU: one allocation (none for a one-field F16 / BF16 message whose data a
+    compressor wrote in place, :func:`float_message`), every section written at its offset through the output's own
+    memory, the body's checksum (a large float section's taken as it is written), the header last."""
+    placed = _reserved_buffer(fields, plan, body_length)
+    out = placed if placed is not None else torch.empty(HEADER_BYTES + body_length, dtype=torch.uint8)
+    mem = out.numpy()
+    # the checksum of a message with a large float section, taken in order: such sections as they are written
+    # (_put_float_summed), the other bytes from `summed` up to the next one, or up to the end (summed None: none yet;
+    # a message without one is checksummed whole at the end)
     running, summed = RunningChecksum64(), None
     off = HEADER_BYTES
     for codec, param, n, nbytes, data, later in plan:
-        if mem is not None:
-            _SECTION.pack_into(mem, off, int(codec), param, n, nbytes)
-        else:
-            heads.append((off, _SECTION.pack(int(codec), param, n, nbytes)))
+        _SECTION.pack_into(mem, off, int(codec), param, n, nbytes)
         off += SECTION_HEADER_BYTES
         if codec in FLOAT_DTYPES:
             dtype = FLOAT_DTYPES[codec]
             if placed is not None:
                 pass  # the data is already there
-            elif mem is not None and _summed_applies(off, nbytes, data, dtype):
+            elif _summed_applies(off, nbytes, data, dtype):
                 running.update(mem[HEADER_BYTES if summed is None else summed : off])  # before it, its header too
                 _put_float_summed(out, mem, off, nbytes, data, dtype, running)
                 summed = off + nbytes
             else:
                 _put_float(out, mem, off, nbytes, data, dtype)
-        elif later:  # a BITS field left for this pass (see pass 1); CPU only, so mem is the output's memory
+        elif later:  # a BITS field the compiled kernel packs here (see _plan_sections)
             pack_bits_into(data, param, mem[off : off + nbytes])
-        elif mem is not None and nbytes <= _SMALL_COPY:
+        elif nbytes <= _SMALL_COPY:
             mem[off : off + nbytes] = data.numpy()
         elif nbytes:
             out[off : off + nbytes].copy_(data)
         off += nbytes
-    if mem is not None:
-        if summed is None:
-            checksum = checksum64(out[HEADER_BYTES:])
-        else:
-            running.update(mem[summed:off])
-            checksum = running.value()
-        _HEADER.pack_into(mem, 0, MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, checksum)
-        return out
-    # The device path: nothing is read back. The header's first 12 bytes go with the section headers; the checksum is
-    # computed where the body is (checksum64_tensor) and written as the header's last 8 bytes (little-endian u64).
-    heads.insert(0, (0, _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, 0)[:12]))
+    if summed is None:
+        checksum = checksum64(out[HEADER_BYTES:])
+    else:
+        running.update(mem[summed:off])
+        checksum = running.value()
+    _HEADER.pack_into(mem, 0, MAGIC, FORMAT_VERSION, 0, n_sections, 0, body_length, checksum)
+    return out
+
+
+def _write_on_device(plan: list, body_length: int, specs: list, codecs: list, device: torch.device) -> torch.Tensor:
+    """encode's second pass on another device, where nothing is read back: one allocation, the data written at its
+    offsets, every section header and the header's first 12 bytes in one transfer, the checksum computed where the
+    body is (checksum64_tensor) and written as the header's last 8 bytes (little-endian u64)."""
+    out = torch.empty(HEADER_BYTES + body_length, dtype=torch.uint8, device=device)
+    heads: list[tuple[int, bytes]] = [(0, _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(specs), 0, body_length, 0)[:12])]
+    off = HEADER_BYTES
+    for codec, param, n, nbytes, data, _ in plan:
+        heads.append((off, _SECTION.pack(int(codec), param, n, nbytes)))
+        off += SECTION_HEADER_BYTES
+        if codec in FLOAT_DTYPES:
+            _put_float(out, None, off, nbytes, data, FLOAT_DTYPES[codec])
+        elif nbytes:
+            out[off : off + nbytes].copy_(data)
+        off += nbytes
     _put_heads(out, heads, keep=all(spec.count is not None and c != Codec.GOLOMB for spec, c in zip(specs, codecs)))
     out[12:HEADER_BYTES].copy_(checksum64_tensor(out[HEADER_BYTES:]).reshape(1).view(torch.uint8))
-    if flags:
-        _defer(flags)
     return out
+
 
 
 def decode(
@@ -439,6 +468,107 @@ def _stand_ins(specs: Sequence[FieldSpec], device: torch.device) -> list[torch.T
     return out
 
 
+def _check_header(mem, host: torch.Tensor, computed: int | None, n_specs: int, total: int) -> None:
+    """WireError unless the 20-byte header in ``mem`` is the one a message of ``n_specs`` sections and ``total`` bytes
+    has, and the body's checksum (``computed`` on the device, else computed here from ``host``) matches it."""
+    magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack_from(mem, 0)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r} (expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        older = " (an older format, whose checksum missed some 2-bit errors)" if version < FORMAT_VERSION else ""
+        raise WireError(
+            f"unsupported format version {version}{older}: this decoder reads version {FORMAT_VERSION} only; "
+            "encode the message with the same gradcomp version on every worker"
+        )
+    if flags != 0:
+        raise WireError(f"unsupported flags 0x{flags:02x} (expected 0)")
+    if reserved != 0:
+        raise WireError(f"nonzero reserved header field 0x{reserved:04x}")
+    if n_sections != n_specs:
+        raise WireError(f"header says {n_sections} sections, expected {n_specs}")
+    got = total - HEADER_BYTES
+    if got < body_length:
+        # The length field is outside the checksum, so a flipped bit in it reads as a cut or a padded buffer
+        raise WireError(
+            f"truncated buffer: header says {body_length} body bytes, got {got} (or the header's length field "
+            "is corrupted)"
+        )
+    if got > body_length:
+        raise WireError(
+            f"oversized buffer: header says {body_length} body bytes, got {got} (trailing bytes, or the header's "
+            "length field is corrupted)"
+        )
+    if (checksum64(host[HEADER_BYTES:]) if computed is None else computed) != checksum:
+        raise WireError("checksum mismatch: the message body is corrupted")
+
+
+def _read_section_header(
+    mem, off: int, total: int, where: str, spec: FieldSpec, codec: Codec, counts: list[int], codecs: list
+) -> tuple[int, int, int]:
+    """``(param, count, nbytes)`` of the section header at ``off`` in ``mem``, WireError unless it is what the spec
+    allows (``counts``: the earlier sections', for ``same_count_as``) and its data lies within the ``total`` bytes."""
+    if off + SECTION_HEADER_BYTES > total:
+        raise WireError(f"{where}: section header runs past the end of the body")
+    s_codec, param, count, nbytes = _SECTION.unpack_from(mem, off)
+    if s_codec != codec:
+        name = Codec(s_codec).name if s_codec in Codec._value2member_map_ else "unknown"
+        raise WireError(f"{where}: codec {s_codec} ({name}) where {codec.name} expected")
+    if spec.count is not None and count != spec.count:
+        raise WireError(f"{where}: count {count} != expected {spec.count}")
+    if count > _max_count(spec):
+        raise WireError(f"{where}: count {count} exceeds the maximum {_max_count(spec)}")
+    if spec.same_count_as is not None:
+        j = len(counts) + spec.same_count_as  # (counts: the sections before this one)
+        if count != counts[j]:
+            raise WireError(
+                f"{where}: count {count} != count {counts[j]} of section {j}: the sections disagree "
+                f"({codec.name} must have one element per element of section {j}, {codecs[j].name})"
+            )
+    if codec in FLOAT_DTYPES and param != 0:
+        raise WireError(f"{where}: param {param} != 0 for a float codec")
+    if codec == Codec.BITS and param != spec.width:
+        raise WireError(f"{where}: bit width {param} != expected {spec.width}")
+    if codec == Codec.POSITIONS and param != bits_needed(spec.universe):
+        raise WireError(f"{where}: position width {param} != expected {bits_needed(spec.universe)}")
+    if codec == Codec.GOLOMB:
+        implied = _golomb_b(spec, count)  # what encode() uses: the spec's golomb_b, else the optimal one
+        if param != implied:
+            raise WireError(
+                f"{where}: Rice parameter {param} != expected {implied} (the spec's for {count} positions)"
+            )
+    expected = _expected_nbytes(codec, param, count)
+    if expected is not None and nbytes != expected:
+        raise WireError(f"{where}: {nbytes} data bytes, expected {expected} for {count} elements")
+    if off + SECTION_HEADER_BYTES + nbytes > total:
+        left = total - off - SECTION_HEADER_BYTES
+        raise WireError(f"{where}: {nbytes} data bytes run past the end of the body ({left} bytes left)")
+    return param, count, nbytes
+
+
+def _section_values(
+    data: torch.Tensor, spec: FieldSpec, codec: Codec, param: int, count: int, where: str, checks: list | None
+) -> torch.Tensor:
+    """One section's field decoded from its ``data`` bytes, WireError for bytes no encoder writes; on the device path
+    (``checks`` a list) the data checks are appended to ``checks`` instead of read."""
+    if codec in FLOAT_DTYPES:
+        # clone: the one copy of the values, into fresh, aligned storage that does not alias the caller's
+        # buffer (a view would be misaligned for F32 at byte 30, and would change when a receive buffer is
+        # reused or corrupt it when a decompressor works in place)
+        return data.clone().view(FLOAT_DTYPES[codec])
+    if codec == Codec.BITS:
+        return _unpack_checked(data, param, count, where, decoded_dtype(param), checks)
+    if codec == Codec.POSITIONS:
+        pos = _unpack_checked(data, param, count, where, torch.int64, checks)  # indices
+        if checks is None:
+            _check_positions(pos, spec.universe, WireError, where)
+            return pos
+        return _received_positions(pos, spec.universe, checks)
+    try:
+        return golomb_decode(data, param, count, spec.universe, checks)
+    except WireError as e:
+        raise WireError(f"{where}: {e}") from None
+
+
 def _decode(
     buf: torch.Tensor, specs: Sequence[FieldSpec], on_host: bool | None, later: DeviceChecks | None = None,
     layout: Sequence[int] | None = None,
@@ -470,35 +600,7 @@ def _decode(
         mem, computed = fetched if fetched is not None else _fetch([buf])[0]
         host = torch.from_numpy(mem)
     checks: list | None = None if on_host else []  # the device's data checks, read together at the end
-    magic, version, flags, n_sections, reserved, body_length, checksum = _HEADER.unpack_from(mem, 0)
-    if magic != MAGIC:
-        raise WireError(f"bad magic {magic!r} (expected {MAGIC!r})")
-    if version != FORMAT_VERSION:
-        older = " (an older format, whose checksum missed some 2-bit errors)" if version < FORMAT_VERSION else ""
-        raise WireError(
-            f"unsupported format version {version}{older}: this decoder reads version {FORMAT_VERSION} only; "
-            "encode the message with the same gradcomp version on every worker"
-        )
-    if flags != 0:
-        raise WireError(f"unsupported flags 0x{flags:02x} (expected 0)")
-    if reserved != 0:
-        raise WireError(f"nonzero reserved header field 0x{reserved:04x}")
-    if n_sections != len(specs):
-        raise WireError(f"header says {n_sections} sections, expected {len(specs)}")
-    got = total - HEADER_BYTES
-    if got < body_length:
-        # The length field is outside the checksum, so a flipped bit in it reads as a cut or a padded buffer
-        raise WireError(
-            f"truncated buffer: header says {body_length} body bytes, got {got} (or the header's length field "
-            "is corrupted)"
-        )
-    if got > body_length:
-        raise WireError(
-            f"oversized buffer: header says {body_length} body bytes, got {got} (trailing bytes, or the header's "
-            "length field is corrupted)"
-        )
-    if (checksum64(host[HEADER_BYTES:]) if computed is None else computed) != checksum:
-        raise WireError("checksum mismatch: the message body is corrupted")
+    _check_header(mem, host, computed, len(specs), total)
 
     out: list[torch.Tensor] = []
     counts: list[int] = []
@@ -506,63 +608,12 @@ def _decode(
     try:
         for i, (spec, codec) in enumerate(zip(specs, codecs)):
             where = f"section {i}"
-            if off + SECTION_HEADER_BYTES > total:
-                raise WireError(f"{where}: section header runs past the end of the body")
-            s_codec, param, count, nbytes = _SECTION.unpack_from(mem, off)
-            off += SECTION_HEADER_BYTES
-            if s_codec != codec:
-                name = Codec(s_codec).name if s_codec in Codec._value2member_map_ else "unknown"
-                raise WireError(f"{where}: codec {s_codec} ({name}) where {codec.name} expected")
-            if spec.count is not None and count != spec.count:
-                raise WireError(f"{where}: count {count} != expected {spec.count}")
-            if count > _max_count(spec):
-                raise WireError(f"{where}: count {count} exceeds the maximum {_max_count(spec)}")
-            if spec.same_count_as is not None:
-                j = i + spec.same_count_as
-                if count != counts[j]:
-                    raise WireError(
-                        f"{where}: count {count} != count {counts[j]} of section {j}: the sections disagree "
-                        f"({codec.name} must have one element per element of section {j}, {codecs[j].name})"
-                    )
+            param, count, nbytes = _read_section_header(mem, off, total, where, spec, codec, counts, codecs)
             counts.append(count)
-            if codec in FLOAT_DTYPES and param != 0:
-                raise WireError(f"{where}: param {param} != 0 for a float codec")
-            if codec == Codec.BITS and param != spec.width:
-                raise WireError(f"{where}: bit width {param} != expected {spec.width}")
-            if codec == Codec.POSITIONS and param != bits_needed(spec.universe):
-                raise WireError(f"{where}: position width {param} != expected {bits_needed(spec.universe)}")
-            if codec == Codec.GOLOMB:
-                implied = _golomb_b(spec, count)  # what encode() uses: the spec's golomb_b, else the optimal one
-                if param != implied:
-                    raise WireError(
-                        f"{where}: Rice parameter {param} != expected {implied} (the spec's for {count} positions)"
-                    )
-            expected = _expected_nbytes(codec, param, count)
-            if expected is not None and nbytes != expected:
-                raise WireError(f"{where}: {nbytes} data bytes, expected {expected} for {count} elements")
-            if off + nbytes > total:
-                raise WireError(f"{where}: {nbytes} data bytes run past the end of the body ({total - off} bytes left)")
+            off += SECTION_HEADER_BYTES
             data = buf[off : off + nbytes]
             off += nbytes
-            if codec in FLOAT_DTYPES:
-                # clone: the one copy of the values, into fresh, aligned storage that does not alias the caller's
-                # buffer (a view would be misaligned for F32 at byte 30, and would change when a receive buffer is
-                # reused or corrupt it when a decompressor works in place)
-                out.append(data.clone().view(FLOAT_DTYPES[codec]))
-            elif codec == Codec.BITS:
-                out.append(_unpack_checked(data, param, count, where, decoded_dtype(param), checks))
-            elif codec == Codec.POSITIONS:
-                pos = _unpack_checked(data, param, count, where, torch.int64, checks)  # indices
-                if checks is None:
-                    _check_positions(pos, spec.universe, WireError, where)
-                else:
-                    pos = _received_positions(pos, spec.universe, checks)
-                out.append(pos)
-            else:
-                try:
-                    out.append(golomb_decode(data, param, count, spec.universe, checks))
-                except WireError as e:
-                    raise WireError(f"{where}: {e}") from None
+            out.append(_section_values(data, spec, codec, param, count, where, checks))
         if off != total:
             raise WireError(f"trailing bytes: {total - off} bytes after the last section")
     except WireError:

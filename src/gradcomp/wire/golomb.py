@@ -195,42 +195,12 @@ def golomb_encode(
     return _pack(bits, 1), total
 
 
-def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int, flags: list | None = None) -> torch.Tensor:
-    """Decode ``count`` positions in ``[0, universe)`` from a Golomb–Rice stream with parameter ``b``.
-
-    Returns an int64 tensor on the buffer's device. Raises WireError when the stream is truncated, holds
-    more codes than ``count`` (more than 7 bits left over), has nonzero padding bits, decodes a position
-    ``>= universe``, or when ``count`` or ``b`` is invalid; ConfigError for an invalid ``universe``.
-
-    With ``flags`` (a list: the wire's device path), nothing is read back: the checks that depend on the stream's
-    bits are appended to it as one bool tensor (true when the stream is sound) for the caller to read with its
-    others, and the positions returned are then meaningful only if it is true, though always in [0, universe) so
-    that they can index before the read (see :func:`_decode_deferred`). The
-    checks on the sizes alone (count, bytes, b, universe) still raise at once: they read nothing.
-    """
-    if isinstance(universe, bool) or not isinstance(universe, int) or not 0 <= universe <= MAX_UNIVERSE:
-        raise ConfigError(f"universe must be an int in [0, 2**62], got {universe!r}")
-    b = _check_b(b, WireError)
-    buf = _as_uint8_buffer(buf)
-    device = buf.device
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise WireError(f"golomb: invalid position count {count!r}")
-    nbytes = buf.numel()
-    if count == 0:
-        if nbytes:
-            raise WireError(f"golomb: {nbytes} bytes given for 0 positions (expected an empty stream)")
-        return torch.empty(0, dtype=torch.int64, device=device)
-    if count > universe:
-        raise WireError(f"golomb: {count} distinct positions cannot fit in a universe of {universe}")
-    n = 8 * nbytes
-    if count * (1 + b) > n:
-        raise WireError(f"golomb: truncated stream: {count} codes need at least {count * (1 + b)} bits, got {n}")
-    if n > universe + count * b + 7:
-        # A valid stream has sum(q) <= universe - count, hence at most universe + count * b + 7 bits.
-        raise WireError(f"golomb: stream of {n} bits is too long for {count} positions below {universe}")
-    if flags is not None:
-        return _decode_deferred(buf, b, count, universe, n, flags)
-    bits = _unpack(buf, 1, n)  # uint8 0/1, length n
+def _code_boundaries(
+    bits: torch.Tensor, b: int, count: int, n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the ``count`` codes of the ``n``-bit stream ``bits`` (uint8 0/1) lie: ``(the bit of each code's unary
+    terminator, each code's end)``, int64, found by pointer doubling over the zero bits. WireError for a stream cut
+    short, one holding more codes than ``count``, or nonzero padding bits."""
     idx_dtype = torch.int32 if n + 2 * MAX_RICE_PARAMETER + 4 < 2**31 else torch.int64
     is_zero = bits == 0
     # Every code ends its unary part with a zero bit, its "terminator". Work on terminator candidates:
@@ -272,6 +242,14 @@ def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int, flags: l
         )
     if left and bool(bits[end:].any()):
         raise WireError("golomb: nonzero padding bits after the last code")
+    return zero_at, ends
+
+
+def _positions_from_codes(
+    bits: torch.Tensor, zero_at: torch.Tensor, ends: torch.Tensor, b: int, universe: int, device: torch.device
+) -> torch.Tensor:
+    """The positions the codes between :func:`_code_boundaries`' bits encode: each gap's quotient (the unary run) and
+    ``b`` remainder bits, summed; WireError for a position at or past ``universe``."""
     starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), ends[:-1]])
     q = zero_at - starts
     # Clamp q so that q << b cannot overflow; any clamped gap is >= universe and rejected below.
@@ -290,6 +268,46 @@ def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int, flags: l
     if last >= universe:
         raise WireError(f"golomb: decoded position {last} is outside the universe [0, {universe})")
     return positions
+
+
+def golomb_decode(buf: torch.Tensor, b: int, count: int, universe: int, flags: list | None = None) -> torch.Tensor:
+    """Decode ``count`` positions in ``[0, universe)`` from a Golomb–Rice stream with parameter ``b``.
+
+    Returns an int64 tensor on the buffer's device. Raises WireError when the stream is truncated, holds
+    more codes than ``count`` (more than 7 bits left over), has nonzero padding bits, decodes a position
+    ``>= universe``, or when ``count`` or ``b`` is invalid; ConfigError for an invalid ``universe``.
+
+    With ``flags`` (a list: the wire's device path), nothing is read back: the checks that depend on the stream's
+    bits are appended to it as one bool tensor (true when the stream is sound) for the caller to read with its
+    others, and the positions returned are then meaningful only if it is true, though always in [0, universe) so
+    that they can index before the read (see :func:`_decode_deferred`). The
+    checks on the sizes alone (count, bytes, b, universe) still raise at once: they read nothing.
+    """
+    if isinstance(universe, bool) or not isinstance(universe, int) or not 0 <= universe <= MAX_UNIVERSE:
+        raise ConfigError(f"universe must be an int in [0, 2**62], got {universe!r}")
+    b = _check_b(b, WireError)
+    buf = _as_uint8_buffer(buf)
+    device = buf.device
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise WireError(f"golomb: invalid position count {count!r}")
+    nbytes = buf.numel()
+    if count == 0:
+        if nbytes:
+            raise WireError(f"golomb: {nbytes} bytes given for 0 positions (expected an empty stream)")
+        return torch.empty(0, dtype=torch.int64, device=device)
+    if count > universe:
+        raise WireError(f"golomb: {count} distinct positions cannot fit in a universe of {universe}")
+    n = 8 * nbytes
+    if count * (1 + b) > n:
+        raise WireError(f"golomb: truncated stream: {count} codes need at least {count * (1 + b)} bits, got {n}")
+    if n > universe + count * b + 7:
+        # A valid stream has sum(q) <= universe - count, hence at most universe + count * b + 7 bits.
+        raise WireError(f"golomb: stream of {n} bits is too long for {count} positions below {universe}")
+    if flags is not None:
+        return _decode_deferred(buf, b, count, universe, n, flags)
+    bits = _unpack(buf, 1, n)  # uint8 0/1, length n
+    zero_at, ends = _code_boundaries(bits, b, count, n, device)
+    return _positions_from_codes(bits, zero_at, ends, b, universe, device)
 
 
 def _decode_deferred(buf: torch.Tensor, b: int, count: int, universe: int, n: int, flags: list) -> torch.Tensor:
