@@ -4,7 +4,7 @@
     PYTHONPATH=src python benchmarks/refusal_agreement.py --workers 4 --method signum --steps 200
 
 Every step of a method whose messages are containers ends with one all-reduce of a 4-byte flag, "I refused a
-message" (``train.exchange.settle``; docs/wire.md, "A message refused on one rank"). This times
+message" (``train.agreement.settle``; docs/wire.md, "A message refused on one rank"). This times
 iterations of a loop that draws SmallCNN's gradients (about 0.2M parameters, random normal: a stand-in for
 backward, about a millisecond) and calls ``GradientAggregator.step()``, on gloo over 127.0.0.1 (a whole iteration:
 the agreement makes the ranks wait for each other at the step's end, which without it they do at the next step's

@@ -12,7 +12,7 @@ the same (the variable-size ones too); the file now also holds ``arithmetic_fing
 machine, and the parameter digests are compared only on a machine with the same fingerprint. Byte counts re-recorded
 on 2026-12-05: every configuration that encodes a container message sends 4 bytes more up and receives 4 more down
 per step (200 over 50 steps), the all-reduced flag by which the workers agree that no rank refused a message
-(train.exchange.settle); the summed-only ones (none, none-model, fp16, bf16, random-k, random block) are unchanged,
+(train.agreement.settle); the summed-only ones (none, none-model, fp16, bf16, random-k, random block) are unchanged,
 and so is every parameter digest. That change went unseen for a week because the byte counts were compared only
 with the parameters, on the recording machine; they are now compared on every machine.
 

@@ -77,7 +77,7 @@ def test_a_corrupted_size_round_in_training_raises_wire_error_on_its_receiver(bi
     """threshold's message size varies, so every step has a size round (int64, control). Rank 1 receives rank 0's
     length with bit 62 flipped: rank 1 raises WireError (not an allocation of 4 EiB for the padded gather), and the
     simulated cluster reports it as the primary error. (A negative length is the step's non-finite mark,
-    ``train.exchange._mark_unless``: a flipped sign bit reads as "not finite" and abandons the step.) Bit 26 gives
+    ``train.agreement._mark_unless``: a flipped sign bit reads as "not finite" and abandons the step.) Bit 26 gives
     a length a message could have, but not one of these specs (``wire.format.max_encoded_size``): refused too,
     in each topology's size round (the all-gather's, the parameter server's gather, the all-to-all's)."""
     def worker(transport):

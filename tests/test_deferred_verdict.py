@@ -1,4 +1,4 @@
-"""The device path's deferred finiteness verdict (``train.exchange.drive_agreeing`` with a device flag): issue 30's
+"""The device path's deferred finiteness verdict (``train.agreement.drive_agreeing`` with a device flag): issue 30's
 guarantees hold there too. Every fixed-size method's step that a NaN on one worker spoils runs its rounds to the
 end, is abandoned at the step's one read on every worker, raises the same NonFiniteGradientError at the same step,
 and leaves every worker's state as if the step had never happened (tests/test_faults.py's runs, with the wire's
@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_faults import _undone_run
 
-from gradcomp.train import aggregator, exchange
+from gradcomp.train import agreement, aggregator
 from wire_paths import device_path as use_device_path
 
 DEFERRED = {
@@ -45,7 +45,7 @@ def device_path(monkeypatch):
     use_device_path(monkeypatch)
     monkeypatch.setenv("GRADCOMP_KERNELS", "0")
     seen = []
-    deferred, settle = exchange._drive_deferred, aggregator.settle
+    deferred, settle = agreement._drive_deferred, aggregator.settle
 
     def spy(*args):
         agreed, result = deferred(*args)
@@ -59,7 +59,7 @@ def device_path(monkeypatch):
             seen.append(False)
         return abandoned
 
-    monkeypatch.setattr(exchange, "_drive_deferred", spy)
+    monkeypatch.setattr(agreement, "_drive_deferred", spy)
     monkeypatch.setattr(aggregator, "settle", settled)
     return seen
 
@@ -174,7 +174,7 @@ def test_a_step_of_broadcasts_only_agrees_in_one_flag_round_after_them(flag):
     def fn(t, bad_rank):
         finite = t.rank != bad_rank
         verdict = finite if flag == "bool" else torch.tensor([finite])
-        return exchange.drive_agreeing(t, rounds(t.rank), verdict, after_rounds=False)
+        return agreement.drive_agreeing(t, rounds(t.rank), verdict, after_rounds=False)
 
     with SimulatedCluster(3) as cluster:
         assert cluster.run(lambda t: fn(t, None)) == [(True, 10.0)] * 3

@@ -622,7 +622,7 @@ def test_an_owners_aggregate_that_a_message_makes_non_finite_stops_every_rank(na
     """A rank aggregates its own shard only, so a message that makes that aggregate non-finite is seen by that rank
     alone. It used to raise there alone: StepAbandoned (an internal exception) left the other rank waiting at the
     pass's end until the time-out on the host path, and on the device path one rank undid the call while the other
-    applied it. Every rank now learns it in the pass's end agreement (train.exchange.settle) and raises the same
+    applied it. Every rank now learns it in the pass's end agreement (train.agreement.settle) and raises the same
     error at the same call, no state changed."""
     if path == "device":
         device_path(monkeypatch)

@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.errors import CommunicationError
-from gradcomp.train import ddp_hook
-from gradcomp.train.ddp_hook import _CommThread, _Job
+from gradcomp.train import comm_thread
+from gradcomp.train.comm_thread import _CommThread, _Job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,7 +92,7 @@ def test_completing_a_future_that_raises_fails_it_and_every_later_one(monkeypatc
     def broken(future, value):
         raise RuntimeError("set_result broke (test)")
 
-    monkeypatch.setattr(ddp_hook, "_set_result", broken)
+    monkeypatch.setattr(comm_thread, "_set_result", broken)
     exchange = _Exchange()
     worker = _CommThread(exchange, timeout=20)
     jobs = [_job(i) for i in range(3)]
@@ -169,7 +169,7 @@ def _break(stage: str, state, monkeypatch_undo: list) -> str:
 
         patch(single_round, "aggregate_buffers", raiser(text, gradcomp.WireError))
     elif stage == "set_result":
-        patch(ddp_hook, "_set_result", raiser(text))
+        patch(comm_thread, "_set_result", raiser(text))
     else:
         patch(_CommThread, "_run", raiser(text, _Die))
     return text
@@ -203,7 +203,7 @@ def _each_stage(rank: int, world: int) -> dict:
         out[stage] = {"error": error, "text": text, "seconds": seconds, "failure": repr(state.failure),
                       "closed": closed, "sum": t.tolist(), "bound": state._worker.timeout}
     short = dist.new_group(backend="gloo", timeout=timedelta(seconds=7))
-    out["timeouts"] = (ddp_hook.group_timeout(None), ddp_hook.group_timeout(short))
+    out["timeouts"] = (comm_thread.group_timeout(None), comm_thread.group_timeout(short))
     return out
 
 
@@ -213,7 +213,7 @@ def test_a_bucket_broken_at_each_stage_raises_from_backward_on_every_rank():
         # the thread's waits are bounded by the group's time-out (60 s in these workers) and a margin
         assert per_rank.pop("timeouts") == (60.0, 7.0)
         for stage, r in per_rank.items():
-            assert r["bound"] == ddp_hook.wait_bound(60.0) == 70.0, (stage, r)
+            assert r["bound"] == comm_thread.wait_bound(60.0) == 70.0, (stage, r)
             assert r["text"] in r["error"], (stage, r)
             assert r["text"] in r["failure"], (stage, r)
             assert r["seconds"] < 30 and r["closed"], (stage, r)

@@ -55,14 +55,14 @@ def _flat(tensors) -> torch.Tensor:
 @contextlib.contextmanager
 def _read_per_bucket():
     """The hook without its pass's holding: every exchange reads its own checks, as before."""
-    from gradcomp.train import ddp_hook
+    from gradcomp.train import comm_thread
 
-    held = ddp_hook.holding_for_the_pass
-    ddp_hook.holding_for_the_pass = lambda checks: contextlib.nullcontext()
+    held = comm_thread.holding_for_the_pass
+    comm_thread.holding_for_the_pass = lambda checks: contextlib.nullcontext()
     try:
         yield
     finally:
-        ddp_hook.holding_for_the_pass = held
+        comm_thread.holding_for_the_pass = held
 
 
 def _train(label: str, rank: int) -> dict:

@@ -170,7 +170,7 @@ def test_a_pass_handed_on_is_nan_in_every_bucket_where_the_flags_say_and_untouch
     read."""
     from types import SimpleNamespace
 
-    from gradcomp.train.ddp_hook import _CommThread
+    from gradcomp.train.comm_thread import _CommThread
 
     restored = []
 

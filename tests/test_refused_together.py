@@ -2,7 +2,7 @@
 
 Two gloo ranks; the rank that receives the corrupted copy (one bit of a container message's body flipped as the
 collective hands it over, the sender's copy untouched) is the only one whose checks can see it. Every rank must
-still stop at the same step (``train.exchange.settle``), with the method's state as it was before the step, and the
+still stop at the same step (``train.agreement.settle``), with the method's state as it was before the step, and the
 replicas must stay identical when the caller catches the error and goes on. Each method and topology runs on the
 host path and on the device path (the GPU's code on CPU tensors).
 """

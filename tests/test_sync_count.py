@@ -4,7 +4,7 @@ For every registered method, one steady-state training step (after two warm-up s
 and of the DDP hook (world size 1 over gloo, in this process) runs under :mod:`sync_counting`, which counts every
 operation that would make the host wait for a GPU (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``,
 ``nonzero``, boolean indexing, ...) on every thread the step uses (the DDP hook's communication thread too). The
-test fails when a method's count exceeds its budget, the numbers of ``gradcomp.sync_budget`` (the table of
+test fails when a method's count exceeds its budget, the numbers of ``tests/sync_budget.py`` (the table of
 docs/gpu.md, checked against it below). ``python tests/test_sync_count.py`` prints the counts and where they come
 from.
 """
@@ -28,10 +28,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 from gradcomp.registry import BUILTIN
-from gradcomp.sync_budget import (
+from sync_budget import (
     BUDGETS, FIXED_SIZE, NOTES, READS_NOTHING_HANDED_ON, TOPOLOGIES, VERDICT_IN_RESULT, topology_table,
 )
-from gradcomp.train import ddp_hook
+from gradcomp.train import comm_thread, ddp_hook
 from wire_paths import device_path
 from gradcomp.wire.bits import set_device_path_on_cpu
 
@@ -92,7 +92,7 @@ def count_ddp_step(name: str, monkeypatch, *, scaler=None, hook_threads: set | N
                    buckets: list | None = None, bucket_cap_mb: float = 0.005, nonfinite: str = "raise"):
     """The counts of one steady-state DDP step; ``hook_threads`` collects the threads the hook was called on,
     ``buckets`` the index of every bucket of the counted step."""
-    monkeypatch.setattr(ddp_hook._CommThread, "_run", count_on_this_thread(ddp_hook._CommThread._run))
+    monkeypatch.setattr(comm_thread._CommThread, "_run", count_on_this_thread(comm_thread._CommThread._run))
     submit = ddp_hook.CompressionHookState.submit
 
     def recorded(self, bucket):

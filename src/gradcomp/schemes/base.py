@@ -56,7 +56,7 @@ class Scheme(ABC):
 
     def defers_verdict(self, slots: Sequence[Slot]) -> bool:
         """Whether the workers' verdict on the step's finiteness may be read after the rounds rather than at the
-        first message (``train.exchange.drive_agreeing``): only for rounds whose sizes follow from the slots
+        first message (``train.agreement.drive_agreeing``): only for rounds whose sizes follow from the slots
         alone and which read no data of a message before the wire's own checks (which read the verdict with them).
         A non-finite step then runs its rounds to the end (the same collectives on every worker) and is abandoned
         at that read. False (read at the first message) unless a scheme says otherwise."""

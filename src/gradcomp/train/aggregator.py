@@ -24,7 +24,7 @@ PowerSGD, sketched SGD, true top-k) read nothing from the device in a step; ``sk
 
 A message that fails its checks on one worker (a corruption on the way, seen only by its receiver) does not stop
 that worker at once: the step's rounds run to their end (``wire.refusals.refusing_later``), then the workers agree
-on it (``train.exchange.settle``: one 4-byte all-reduce; on the device path read with the step's checks) and every
+on it (``train.agreement.settle``: one 4-byte all-reduce; on the device path read with the step's checks) and every
 worker raises WireError at that step, the state put back as for a non-finite step.
 
 A parameter without a gradient on this step contributes zeros, so all workers always send the same slots;
@@ -46,7 +46,8 @@ from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.state import plain_name
 from gradcomp.errors import ConfigError
 from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_flags, loss_scale
-from gradcomp.train.exchange import GradientExchange, agreed_non_finite, any_abandons, settle, warn_float64
+from gradcomp.train.agreement import agreed_non_finite, any_abandons, settle
+from gradcomp.train.exchange import GradientExchange, warn_float64
 from gradcomp.transport.base import Transport
 from gradcomp.wire.bits import host_path
 from gradcomp.wire.device import DeviceChecks, holding_for_the_pass
@@ -157,23 +158,7 @@ class GradientAggregator:
         With ``nonfinite="propagate"`` nothing is read to decide it: the averages are returned, NaN on every worker
         when the step is bad (the counter advances).
         """
-        if len(grads) != len(self.named):
-            raise ConfigError(f"expected {len(self.named)} gradients, got {len(grads)}")
-        for name, g in zip(self.names, grads):
-            if not g.is_floating_point():
-                raise ConfigError(f"{name}: gradcomp compresses floating-point tensors, got dtype {g.dtype}")
-            if g.layout != torch.strided:
-                raise ConfigError(
-                    f"{name}: a {g.layout} gradient (nn.Embedding(sparse=True)?): gradcomp compresses dense "
-                    "tensors; build the module with sparse=False, or leave the parameter out of this aggregator and "
-                    "average its gradient yourself. Nothing was sent"
-                )
-        if self.scaler is not None and _unscaled_already(self.scaler):
-            raise ConfigError(
-                "GradientAggregator: scaler.unscale_(optimizer) was called before step(): the aggregator unscales "
-                "(and judges the step's finiteness on every worker) itself. Call step() right after backward(), then "
-                "scaler.unscale_(optimizer) for clipping, then scaler.step(optimizer). Nothing was sent"
-            )
+        self._check_gradients(grads)
         # On the host path this worker's verdict is read here (names for the error); on the device path it stays
         # a device flag, read once with the step's other checks (GradientExchange.exchange), and the names are
         # looked for only on a step that failed.
@@ -181,7 +166,7 @@ class GradientAggregator:
         # as the exchange's is: counted in exchange.compress_s, the time split's "compression")
         started = time.perf_counter()
         device_path = bool(grads) and not host_path(grads[0])
-        here = [] if device_path else [name for name, ok in zip(self.names, finite_flags(grads)) if not ok]
+        here = [] if device_path else self._not_finite(grads)
         finite = finite_flag(grads) if device_path else not here
         own = time.perf_counter() - started
         if not self._slots_agreed:
@@ -201,15 +186,7 @@ class GradientAggregator:
         compress_before = exchange.compress_s
         try:
             with holding_for_the_pass(checks):
-                if self.granularity == "layer":
-                    inputs = [g / scale for g in grads] if scale is not None and not here else grads
-                    averaged = exchange.exchange(self.slots, inputs, self.steps, **options)
-                else:
-                    flat = torch.cat([g.reshape(-1) for g in grads])
-                    if scale is not None and not here:
-                        flat.div_(scale)
-                    out = exchange.exchange(self.slots, [flat], self.steps, **options)
-                    averaged = None if out is None else list(torch.split(out[0], [g.numel() for g in grads]))
+                averaged = self._exchanged(exchange, grads, scale if not here else None, options)
             held = [] if self.propagate or verdicts is None else verdicts
             if averaged is not None and settle(self.transport, refusals, grads[0].device, checks, held, self.steps):
                 averaged = None
@@ -222,16 +199,7 @@ class GradientAggregator:
         if averaged is not None and self.propagate and verdicts:
             averaged = self._handed_on(averaged, verdicts, snapshot)
         if averaged is None:
-            self.exchange.restore(snapshot)
-            if device_path:  # which of this worker's tensors were not finite (reads on a failed step only)
-                here = [name for name, ok in zip(self.names, finite_flags(grads)) if not ok]
-            if self.scaler is None and not self.propagate:
-                raise agreed_non_finite(self.steps, here + self.exchange.refusal())
-            self.steps += 1
-            self.skipped += 1
-            if self.propagate:  # NaN on every worker, for the scaler's check or the caller's
-                return [torch.full_like(g, float("nan")) for g in grads]
-            return None
+            return self._not_applied(grads, here, device_path, snapshot)
         self.steps += 1
         started = time.perf_counter()
         if scale is not None:
@@ -239,6 +207,64 @@ class GradientAggregator:
         averaged = [a.view_as(g) for a, g in zip(averaged, grads)]
         self.exchange.compress_s += time.perf_counter() - started
         return averaged
+
+    def _check_gradients(self, grads: Sequence[Tensor]) -> None:
+        """ConfigError, before anything is sent, for gradients the exchange cannot take: another count than the
+        parameters', a dtype that is not floating point, a sparse layout, or a scaler whose ``unscale_`` was called
+        already (the aggregator unscales, and judges the step's finiteness, itself)."""
+        if len(grads) != len(self.named):
+            raise ConfigError(f"expected {len(self.named)} gradients, got {len(grads)}")
+        for name, g in zip(self.names, grads):
+            if not g.is_floating_point():
+                raise ConfigError(f"{name}: gradcomp compresses floating-point tensors, got dtype {g.dtype}")
+            if g.layout != torch.strided:
+                raise ConfigError(
+                    f"{name}: a {g.layout} gradient (nn.Embedding(sparse=True)?): gradcomp compresses dense "
+                    "tensors; build the module with sparse=False, or leave the parameter out of this aggregator and "
+                    "average its gradient yourself. Nothing was sent"
+                )
+        if self.scaler is not None and _unscaled_already(self.scaler):
+            raise ConfigError(
+                "GradientAggregator: scaler.unscale_(optimizer) was called before step(): the aggregator unscales "
+                "(and judges the step's finiteness on every worker) itself. Call step() right after backward(), then "
+                "scaler.unscale_(optimizer) for clipping, then scaler.step(optimizer). Nothing was sent"
+            )
+
+    def _not_finite(self, grads: Sequence[Tensor]) -> list[str]:
+        """The names of this worker's gradients that hold a NaN or Inf (a host read)."""
+        return [name for name, ok in zip(self.names, finite_flags(grads)) if not ok]
+
+    def _exchanged(
+        self, exchange: GradientExchange, grads: Sequence[Tensor], scale: Tensor | None, options: dict
+    ) -> list[Tensor] | None:
+        """The step's exchange of ``grads`` through ``exchange``, divided by ``scale`` first (None: as they are),
+        one slot per parameter or, with ``granularity="model"``, one flat slot split back per parameter; None when
+        some worker's gradients were not finite."""
+        if self.granularity == "layer":
+            inputs = [g / scale for g in grads] if scale is not None else grads
+            return exchange.exchange(self.slots, inputs, self.steps, **options)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if scale is not None:
+            flat.div_(scale)
+        out = exchange.exchange(self.slots, [flat], self.steps, **options)
+        return None if out is None else list(torch.split(out[0], [g.numel() for g in grads]))
+
+    def _not_applied(
+        self, grads: Sequence[Tensor], here: list[str], device_path: bool, snapshot: dict
+    ) -> list[Tensor] | None:
+        """A step some worker's gradients made not finite (on every worker): the state put back as before it, then
+        NonFiniteGradientError naming this worker's bad gradients (``here``; on the device path looked for now) and
+        refusals, or, the counter advanced, a skipped step: None with a scaler, NaN on every worker propagated."""
+        self.exchange.restore(snapshot)
+        if device_path:  # which of this worker's tensors were not finite (reads on a failed step only)
+            here = self._not_finite(grads)
+        if self.scaler is None and not self.propagate:
+            raise agreed_non_finite(self.steps, here + self.exchange.refusal())
+        self.steps += 1
+        self.skipped += 1
+        if self.propagate:  # NaN on every worker, for the scaler's check or the caller's
+            return [torch.full_like(g, float("nan")) for g in grads]
+        return None
 
     def _handed_on(self, averaged: list[Tensor], verdicts: list[Tensor], snapshot: dict) -> list[Tensor] | None:
         """The step's agreed verdict left on the device (``verdicts``: True, some worker's gradients were not

@@ -2,7 +2,7 @@
 
     state = gradcomp.register_ddp_hook(ddp_model, gradcomp.make("topk", density=0.01, error_feedback=True))
 
-Design: one communication thread per hook state, fed by a FIFO.
+Design: one communication thread per hook state, fed by a FIFO (the thread: ``train.comm_thread``).
 
 - The hook runs on the autograd thread. It puts ``(slots, tensors, step, future)`` on the FIFO and returns the
   future at once, so backward goes on computing the next bucket while this one is exchanged; it reads nothing
@@ -68,13 +68,14 @@ then every rank raises the same NonFiniteGradientError from ``backward`` itself,
 ended the pass cleanly (``CompressionHookState._raise_at_the_end``): the next backward works. On the device path,
 when nothing raises, nothing reads the verdict of a scheme that only all-reduces, so that a step on a GPU waits
 for nothing: a stateless one's sum carries a bad rank's NaN to every rank by itself, and the others' pass-end
-flags are applied on the device (``_pass_handed_on``: NaN into the pass's buckets and the state put back, by
+flags are applied on the device (``_CommThread._pass_handed_on``: NaN into the pass's buckets and the state put back, by
 ``torch.where`` on the agreed flag; what reaches ``.grad`` is the last bucket, and every bucket with
 ``gradient_as_bucket_view=True``: DDP has copied the others by then).
 (After any other error inside backward DDP itself refuses the next iteration: "Expected to have finished
-reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the thread (a collective that failed or timed out, a bad message) completes that bucket's future with the
-exception; DDP raises it from ``backward`` as a RuntimeError whose message names the original exception and
-its traceback (the original object is ``state.failure``). (A message that fails its checks is not such an error at
+reduction in the prior iteration"; rebuild the DDP model to go on.) An error on the thread (a collective that
+failed or timed out, a bad message) completes that bucket's future with the exception; DDP raises it from
+``backward`` as a RuntimeError whose message names the original exception and its traceback (the original object
+is ``state.failure``). (A message that fails its checks is not such an error at
 once: it is noted, the pass goes on, and at its last bucket the ranks agree on it, ``settle``, so that every rank
 raises WireError at the same pass, the state put back.) The thread then refuses every later bucket at once
 (CommunicationError naming the first error; nothing more is sent), since the ranks' collective sequences may
@@ -113,9 +114,7 @@ import math
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -125,341 +124,20 @@ from torch import Tensor, nn
 from gradcomp.compressors.base import Compressor, Slot
 from gradcomp.compressors.dense import BFloat16, Float16, NoCompression
 from gradcomp.compressors.state import plain_name
-from gradcomp.errors import CommunicationError, ConfigError, NonFiniteGradientError, WorkerLostError
+from gradcomp.errors import CommunicationError, ConfigError, WorkerLostError
+from gradcomp.finite import check_nonfinite, check_scaler, loss_scale
 from gradcomp.schemes.base import Scheme
 from gradcomp.schemes.single_round import SingleRound
 from gradcomp.train.aggregator import GradientAggregator
-from gradcomp.finite import check_nonfinite, check_scaler, finite_flag, finite_flags, loss_scale
-from gradcomp.train.exchange import (
-    GradientExchange,
-    agreed_non_finite,
-    any_abandons,
-    locally_bad,
-    settle,
-    warn_float64,
-)
+from gradcomp.train.agreement import agreed_non_finite
+from gradcomp.train.comm_thread import CLOSED, HOOK_REMEDY, _CommThread, _Job, _refusal, group_timeout, wait_bound
+from gradcomp.train.exchange import GradientExchange, warn_float64
 from gradcomp.transport.base import PAYLOAD
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
-from gradcomp.wire.device import DeviceChecks, holding_for_the_pass
-from gradcomp.wire.refusals import Refusals
 
 GRANULARITIES = ("layer", "bucket")
 DEFAULT_MIN_COMPRESSION_RATE = 2.0
-DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group time-out, when the group's own cannot be read
-
-
-# what a NonFiniteGradientError of the hook says to do instead
-HOOK_REMEDY = (
-    "to skip such steps and train on as torch's DDP does, leave nonfinite= at its default (\"propagate\": the NaN "
-    "reaches every rank's gradients, the method's state untouched) and let your GradScaler or check skip the step, "
-    "or pass scaler=your_grad_scaler to register_ddp_hook"
-)
-
-CLOSED = (
-    "this DDP hook state was closed; torch allows one communication hook per DistributedDataParallel model, so wrap "
-    "the module in a new DistributedDataParallel, register a hook on it and load this state's state_dict() into it"
-)
-
-
-def group_timeout(group: dist.ProcessGroup | None, device: torch.device | None = None) -> float | None:
-    """The process group's time-out in seconds, or None when torch does not expose it."""
-    with contextlib.suppress(Exception):  # not a public API: the group's backend options
-        group = group if group is not None else dist.group.WORLD
-        backend = group._get_backend(device or torch.device("cpu"))
-        return float(backend.options._timeout.total_seconds())
-    return None
-
-
-def wait_bound(timeout_s: float | None) -> float:
-    """How long ``wait`` / ``close`` wait for the thread: the group's time-out (a job in a collective ends by
-    then, with its result or with the time-out's error) and a margin for the jobs' own work."""
-    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-    return timeout_s + max(10.0, 0.1 * timeout_s)
-
-
-@dataclass
-class _Job:
-    slots: list[Slot]
-    tensors: list[Tensor]  # what the scheme reads: per-parameter views of ``buffer``, or ``buffer`` itself
-    buffer: Tensor  # the bucket's flat buffer, overwritten with the average
-    step: int
-    future: torch.futures.Future
-    retain: list[Slot] | None  # at the last bucket of a pass: every slot of the pass
-    stream: Any = None  # the autograd thread's CUDA stream, or None on the CPU
-    first: bool = False  # the first bucket of a backward pass
-    names: list[str] | None = None  # the bucket's parameters (to name a non-finite one)
-    grads: list[Tensor] | None = None  # granularity "bucket": the parameters' gradients (to name a non-finite one)
-    finish: Any = None  # ``none``'s direct path: the read of its allreduce's verdict, run here instead of an exchange
-
-
-class _CommThread:
-    """One thread draining one FIFO: every job's rounds run to the end, in submission order.
-
-    Shared state (the queue, the count of jobs not yet completed, ``failure``) is guarded by one lock (the
-    condition's): ``failure`` is written by this thread and, for ``none``'s direct path, by gloo's callback
-    thread. If the thread dies (an error outside a job's own handling, e.g. completing a future raised), every
-    job still queued has its future failed with the cause, and later jobs are refused at once, so no future is
-    left pending. ``wait_idle`` and ``stop`` wait at most ``timeout`` seconds (the process group's time-out and
-    a margin: a job in a collective ends by then, with a result or the collective's time-out error).
-    """
-
-    def __init__(self, exchange: GradientExchange, timeout: float = DEFAULT_TIMEOUT_S, scaler: Any = None,
-                 propagate: bool = False):
-        self.exchange = exchange
-        self.timeout = timeout
-        self.scaler = scaler
-        # a bad pass's NaN is handed on, on every rank, instead of raised: to the scaler, or to the user's own check
-        self.propagate = scaler is not None or propagate
-        self._snapshot: dict | None = None  # the method's state at the start of the pass (taken on this thread)
-        self._skipping = False  # the pass overflowed on some rank (propagated): its later buckets are skipped
-        # the pass's deferred verdicts (device flags, True: abandon) that no read has taken, read once at its last
-        # bucket; and, per bucket of the pass, its buffer, this rank's own flag and its parameters' names
-        self._pass_flags: list[Tensor] = []
-        self._pass_buckets: list[tuple[Tensor, Tensor | bool, list[str]]] = []
-        # the checks of the messages the pass's buckets decoded (device path), read with its verdicts at its end
-        self._pass_checks = DeviceChecks()
-        self._pass_refusals = Refusals()
-        self._failure: BaseException | None = None
-        # nonfinite="raise": the agreed NonFiniteGradientError of the pass, raised from backward once DDP has
-        # finished the pass (``CompressionHookState._raise_at_the_end``), not through a future
-        self._pass_error: NonFiniteGradientError | None = None
-        self._jobs: deque[_Job] = deque()
-        self._cond = threading.Condition()
-        self._pending = 0
-        self._stopped = False
-        self._dead: BaseException | None = None  # why the thread ended abnormally
-        self._thread: threading.Thread | None = None
-
-    @property
-    def failure(self) -> BaseException | None:
-        with self._cond:
-            return self._failure
-
-    def refuse_pass(self, error: NonFiniteGradientError) -> None:
-        """Note the pass's agreed non-finite verdict (the first of the pass) for backward to raise at its end."""
-        with self._cond:
-            if self._pass_error is None:
-                self._pass_error = error
-
-    def take_pass_error(self) -> NonFiniteGradientError | None:
-        with self._cond:
-            error, self._pass_error = self._pass_error, None
-            return error
-
-    def fail(self, exc: BaseException) -> BaseException:
-        """Record ``exc`` as the first failure unless one is recorded already; returns the first failure."""
-        with self._cond:
-            if self._failure is None:
-                self._failure = exc
-            return self._failure
-
-    def submit(self, job: _Job) -> None:
-        with self._cond:
-            if self._stopped:
-                raise CommunicationError(CLOSED)
-            if self._dead is not None:
-                _fail_future(job.future, _refusal(self._dead, "the DDP hook's communication thread died"))
-                return
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="gradcomp-ddp-comm", daemon=True)
-                self._thread.start()
-            self._jobs.append(job)
-            self._pending += 1
-            self._cond.notify_all()
-
-    def wait_idle(self, timeout: float | None = None) -> None:
-        """Return once every submitted job has completed its future.
-
-        CommunicationError if that takes longer than ``timeout`` seconds (default: the process group's
-        time-out and a margin), naming the failure if there is one. A dead thread's jobs were failed already.
-        """
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        with self._cond:
-            while self._pending:
-                if self._thread is not None and not self._thread.is_alive():
-                    self._drain(self._dead or RuntimeError("the communication thread ended"))
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    cause = f"; first failure: {type(self._failure).__name__}: {self._failure}" if self._failure else ""
-                    raise CommunicationError(
-                        f"the DDP hook's communication thread still had {self._pending} bucket(s) after "
-                        f"{self.timeout if timeout is None else timeout:.0f} s (the process group's time-out and a "
-                        f"margin){cause}"
-                    )
-                self._cond.wait(min(left, 1.0))  # and look at the thread's liveness every second
-
-    def stop(self, timeout: float | None = None) -> bool:
-        """Let the thread finish the queued jobs, then end it; waits at most ``timeout`` seconds (default: the
-        process group's time-out and a margin). Returns whether the thread ended in time; if not, the jobs it
-        had not started have their futures failed, and the thread (a daemon) is left to end with its collective.
-        """
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return True
-        thread.join(self.timeout if timeout is None else timeout)
-        if thread.is_alive():
-            with self._cond:
-                self._drain(CommunicationError("the DDP hook state was closed before this bucket was exchanged"))
-            return False
-        return True
-
-    @property
-    def closed(self) -> bool:
-        return self._stopped
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _drain(self, cause: BaseException) -> None:
-        """Fail the future of every job not started (the lock held)."""
-        while self._jobs:
-            _fail_future(self._jobs.popleft().future, _refusal(cause, "the DDP hook's communication thread died"))
-            self._pending -= 1
-        self._cond.notify_all()
-
-    def _loop(self) -> None:
-        job: _Job | None = None
-        try:
-            while True:
-                with self._cond:
-                    while not self._jobs and not self._stopped:
-                        self._cond.wait()
-                    if not self._jobs:
-                        return
-                    job = self._jobs.popleft()
-                try:
-                    self._run(job)
-                finally:
-                    with self._cond:
-                        self._pending -= 1
-                        self._cond.notify_all()
-                job = None
-        except BaseException as exc:  # the thread dies: nothing may stay pending
-            with self._cond:
-                if self._failure is None:
-                    self._failure = exc
-                self._dead = exc
-                if job is not None:
-                    _fail_future(job.future, exc)
-                self._drain(exc)
-
-    def _run(self, job: _Job) -> None:
-        stream = torch.cuda.stream(job.stream) if job.stream is not None else contextlib.nullcontext()
-        with stream:
-            try:
-                failure = self.failure
-                if failure is not None:
-                    raise _refusal(failure, "an earlier exchange of this DDP hook failed")
-                with torch.no_grad():
-                    if job.finish is not None:
-                        job.finish()
-                    else:
-                        self._exchange(job)
-                _set_result(job.future, job.buffer)
-            except Exception as exc:
-                self.fail(exc)
-                _fail_future(job.future, exc)
-
-    def _exchange(self, job: _Job) -> None:
-        """The bucket's exchange, agreed finite on every rank (see the module docstring, "Non-finite")."""
-        if job.first:
-            self._snapshot, self._skipping = self.exchange.snapshot(), False
-            self._pass_flags, self._pass_buckets, self._pass_checks = [], [], DeviceChecks()
-            self._pass_refusals = Refusals()
-        if self._skipping:  # an earlier bucket of this pass overflowed on some rank: every rank skips the rest
-            job.buffer.fill_(float("nan"))
-            return
-        # on this thread: the autograd thread never waits for it. On the device path the verdict stays a device
-        # flag, read once with the bucket's other checks (GradientExchange.exchange); names only on a failure.
-        device_path = bool(job.tensors) and not host_path(job.tensors[0])
-        here = [] if device_path else self._not_finite(job)
-        scale = loss_scale(self.scaler)
-        if scale is not None and not here:
-            job.buffer.div_(scale)  # error feedback and momentum see unscaled gradients (a power of 2: exact)
-        finite = finite_flag([job.buffer]) if device_path else not here  # the views' buffer: one pass, few launches
-        self._pass_buckets.append((job.buffer, finite, list(job.names or [])))
-        with holding_for_the_pass(self._pass_checks if device_path else None):
-            averages = self.exchange.exchange(
-                job.slots, job.tensors, job.step, validate=False, finite=finite, handed_on=self.propagate,
-                verdicts=self._pass_flags if device_path else None, refusals=self._pass_refusals,
-            )
-        if averages is None:  # some rank's gradients were not finite: every rank is here, at this bucket
-            if device_path:  # (a division by the scale changes no entry's finiteness)
-                here = self._not_finite(job)
-            self.exchange.restore(self._snapshot)
-            if not self.propagate:
-                self.refuse_pass(agreed_non_finite(job.step, here + self.exchange.refusal(), remedy=HOOK_REMEDY))
-            self._skipping = True
-            job.buffer.fill_(float("nan"))  # on every rank: the scaler's found_inf (or the user's check) skips
-            return
-        for target, average in zip(job.tensors, averages):
-            if average.data_ptr() != target.data_ptr():  # an in-place exchange left it there already
-                target.copy_(average.view_as(target))
-        if scale is not None:
-            job.buffer.mul_(scale)  # back in the scaler's units, for scaler.unscale_
-        if (job.retain is not None and (self._pass_flags or self._pass_checks.pending or self._pass_refusals.used)
-                and not self._pass_handed_on() and self._pass_abandoned(job)):
-            self.exchange.restore(self._snapshot)
-            if not self.propagate:
-                self.refuse_pass(agreed_non_finite(job.step, self._locally_bad(), remedy=HOOK_REMEDY))
-            for buffer, _, _ in self._pass_buckets:
-                buffer.fill_(float("nan"))  # the pass's buckets (the last reaches .grad): the scaler (or user) skips
-            return
-        if job.retain is not None:
-            self.exchange.scheme.retain(job.retain)
-
-    def _pass_handed_on(self) -> bool:
-        """Under a scaler or ``nonfinite="propagate"``: the pass's deferred verdicts applied on the device, unread
-        (True), or False where they must be read (``_pass_abandoned``). The agreed flag "some rank's gradients were
-        not finite in some bucket" fills the pass's buckets with NaN (the last one's future is still open, so its
-        NaN reaches ``.grad`` on every rank; the earlier ones' only as bucket views) and puts the method's state back
-        where it was at the start of the pass (``GradientExchange.restore_where``), by ``torch.where`` on the flag:
-        a good pass changes nothing, a bad one ends as the read would have left it, and the host waits for nothing.
-        False when the state's layout moved during the pass (a slot's first step), which only the read can undo."""
-        if not self.propagate or self._pass_checks.pending or self._pass_refusals.used:  # only a read refuses one
-            return False
-        bad = any_abandons(self._pass_flags)
-        if not self.exchange.restore_where(self._snapshot, bad):
-            return False
-        self._pass_flags = []
-        for buffer, _, _ in self._pass_buckets:
-            buffer.masked_fill_(bad, float("nan"))  # the pass's buckets, on every rank, where bad
-        return True
-
-    def _pass_abandoned(self, job: _Job) -> bool:
-        """The pass's one read (on the device path) of its deferred verdicts, with every check of the messages its
-        buckets decoded (``wire.device.hold_for_the_pass``) and the ranks' agreement on the messages they refused
-        (``settle``: WireError on every rank, the state put back as at the start of the pass): whether some rank's
-        gradients, or some aggregate, were not finite in some bucket. The same answer on every rank, at the same
-        bucket."""
-        flags, self._pass_flags = self._pass_flags, []
-        checks, self._pass_checks = self._pass_checks, DeviceChecks()
-        refusals, self._pass_refusals = self._pass_refusals, Refusals()
-        try:
-            return settle(self.exchange.transport, refusals, job.buffer.device, checks, flags, job.step)
-        except Exception:
-            self.exchange.restore(self._snapshot)
-            raise
-
-    def _locally_bad(self) -> list[str]:
-        """This rank's buckets of the pass whose gradients were not finite (read on a failure only), named by their
-        parameters: their gradients are averages by now, so no closer than the bucket."""
-        return locally_bad([(names, flag) for _, flag, names in self._pass_buckets])
-
-
-    @staticmethod
-    def _not_finite(job: _Job) -> list[str]:
-        """The names of the job's tensors (of the parameters, at granularity "bucket") that hold a NaN or Inf."""
-        flags = finite_flags(job.tensors)
-        if job.grads is not None and not all(flags):
-            flags = finite_flags(job.grads)
-        return [name for name, ok in zip(job.names or [], flags) if not ok]
 
 
 def sends_directly(scheme: Scheme) -> bool:
@@ -491,27 +169,25 @@ def direct_message(flat: Tensor, compressor: Compressor, world: int, mark: bool 
     return flat, total
 
 
-def _set_result(future: torch.futures.Future, value: Tensor) -> None:
-    """Complete ``future`` with ``value`` (one place, so that a test can make it fail)."""
-    future.set_result(value)
-
-
-def _fail_future(future: torch.futures.Future, exc: BaseException) -> None:
-    """Complete ``future`` with ``exc`` unless it is completed already (then there is nothing to do)."""
-    if future.done():
-        return
-    with contextlib.suppress(RuntimeError):  # completed meanwhile
-        future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-
-
-def _refusal(cause: BaseException, what: str) -> CommunicationError:
-    error = CommunicationError(f"{what} ({type(cause).__name__}: {cause}); nothing more is sent")
-    error.__cause__ = cause
-    return error
-
-
 def _unwrap(future: torch.futures.Future) -> Tensor:
     return future.value()
+
+
+def _direct_not_finite(
+    flat: Tensor, total: Tensor | None, index: int, read_here: bool, pass_reads: list[tuple[Tensor, Tensor, int]]
+) -> list[str] | None:
+    """The direct path's verdict on a reduced bucket, read in its ``done``: None when every rank's buckets were
+    finite, else this rank's buckets that were not (named ``bucket <index>``). ``read_here`` (the host path, read
+    on): this bucket's reduced first entry; ``pass_reads`` (the device path's last bucket of a pass): every bucket's
+    reduced first entry of the pass, in one transfer, and the sums their marks came from only when one is not."""
+    if read_here and not math.isfinite(float(flat[0])):
+        return [f"bucket {index}"] if not math.isfinite(float(total)) else []
+    if pass_reads:  # the pass's one read: every bucket's reduced first entry
+        firsts = torch.cat([reduced[:1] for reduced, _, _ in pass_reads])
+        if not bool(torch.isfinite(firsts).all()):
+            sums = torch.isfinite(torch.stack([t for _, t, _ in pass_reads])).tolist()
+            return [f"bucket {i}" for (_, _, i), ok in zip(pass_reads, sums) if not ok]
+    return None
 
 
 class CompressionHookState:
@@ -734,18 +410,8 @@ class CompressionHookState:
         # sequences may no longer agree, nothing more is sent.
         if failure is not None:
             raise _refusal(failure, "an earlier exchange of this DDP hook failed")
-        compressor = self._active.scheme.compressor
-        flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
-        scale = None if compressor.dtype == torch.float32 else loss_scale(self._worker.scaler)
-        if scale is not None:
-            flat.div_(scale)  # unscaled gradients, as the thread's exchange sees them (a power of 2: exact)
-        flat, total = direct_message(flat, compressor, transport.world_size, mark=not self._worker.propagate)
-        started = time.perf_counter()
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=transport.group, async_op=True)
-        with self._counter_lock:
-            transport.counter.book(PAYLOAD, up=flat.nbytes, down=flat.nbytes)
-            transport.counter.record("all_reduce", flat.nbytes)
-            transport.counter.collectives += 1
+        flat, total, scale = self._direct_message(buffer)
+        work, started = self._all_reduce_direct(flat)
         read = not self._worker.propagate and flat.numel() > 0
         device_path = not host_path(flat)
         if read and device_path:
@@ -764,14 +430,7 @@ class CompressionHookState:
                 raise lost from exc
             with self._counter_lock:
                 transport.counter.seconds += time.perf_counter() - started
-            here = None  # set when some rank's bucket was not finite: this rank's bad buckets
-            if read and not device_path and not math.isfinite(float(flat[0])):
-                here = [f"bucket {index}"] if not math.isfinite(float(total)) else []
-            elif pass_reads:  # the pass's one read: every bucket's reduced first entry
-                firsts = torch.cat([reduced[:1] for reduced, _, _ in pass_reads])
-                if not bool(torch.isfinite(firsts).all()):
-                    sums = torch.isfinite(torch.stack([t for _, t, _ in pass_reads])).tolist()
-                    here = [f"bucket {i}" for (_, _, i), ok in zip(pass_reads, sums) if not ok]
+            here = _direct_not_finite(flat, total, index, read and not device_path, pass_reads)
             if here is not None:  # every rank's verdict: NaN in its gradients, raised at the pass's end
                 self._worker.refuse_pass(agreed_non_finite(step, here, remedy=HOOK_REMEDY))
                 buffer.fill_(float("nan"))
@@ -784,6 +443,37 @@ class CompressionHookState:
 
         if not pass_reads:  # no read in ``done``: a callback, wherever it runs, waits for nothing
             return work.get_future().then(done)
+        return self._read_on_the_thread(work, done, buffer, step)
+
+    def _direct_message(self, buffer: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The direct path's message of a bucket's ``buffer`` (``direct_message``, from its values in fp32, divided
+        by the scaler's scale for fp16 / bf16, as the thread's exchange divides them), the sum its mark came from,
+        and the scale to multiply the average back by (None: none)."""
+        compressor = self._active.scheme.compressor
+        flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
+        scale = None if compressor.dtype == torch.float32 else loss_scale(self._worker.scaler)
+        if scale is not None:
+            flat.div_(scale)  # unscaled gradients, as the thread's exchange sees them (a power of 2: exact)
+        flat, total = direct_message(flat, compressor, self.transport.world_size, mark=not self._worker.propagate)
+        return flat, total, scale
+
+    def _all_reduce_direct(self, flat: Tensor) -> tuple[Any, float]:
+        """The direct path's collective: ``flat`` all-reduced (summed) in place on the hook's group, asynchronously,
+        its bytes booked as the scheme books them (under the counter's lock: gloo's thread adds the seconds).
+        Returns the collective's work and the clock it started at."""
+        transport = self.transport
+        started = time.perf_counter()
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=transport.group, async_op=True)
+        with self._counter_lock:
+            transport.counter.book(PAYLOAD, up=flat.nbytes, down=flat.nbytes)
+            transport.counter.record("all_reduce", flat.nbytes)
+            transport.counter.collectives += 1
+        return work, started
+
+    def _read_on_the_thread(self, work: Any, done: Any, buffer: Tensor, step: int) -> torch.futures.Future:
+        """The device path's last bucket of a pass: its all-reduce handed to the communication thread, as a job that
+        waits for it and runs ``done`` (the pass's one read), so that the autograd thread never waits for the
+        device; DDP gets the job's future, completed with ``buffer`` or with the job's error."""
         device = buffer.device
         on_cuda = device.type == "cuda"
         future: torch.futures.Future = torch.futures.Future(devices=[device]) if on_cuda else torch.futures.Future()
@@ -854,6 +544,60 @@ def _own_group(model: nn.parallel.DistributedDataParallel) -> dist.ProcessGroup:
     return dist.new_group(ranks, **kwargs)
 
 
+def _ddp_model(model: Any) -> nn.parallel.DistributedDataParallel:
+    """The DDP model to register the hook on: ``model`` itself, or the DDP model inside ``torch.compile(DDP(model))``;
+    ConfigError for anything else."""
+    compiled = getattr(model, "_orig_mod", None)  # torch.compile(DDP(model)): the hook goes on the DDP model inside
+    if isinstance(compiled, nn.parallel.DistributedDataParallel):
+        model = compiled
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ConfigError(
+            f"register_ddp_hook takes a torch.nn.parallel.DistributedDataParallel model, got {type(model).__name__}; "
+            "wrap it first (DistributedDataParallel(model)), or call gradcomp.GradientAggregator(model, ...).step() "
+            "after backward instead"
+        )
+    return model
+
+
+def _check_hookable(model: nn.parallel.DistributedDataParallel, process_group: dist.ProcessGroup | None) -> None:
+    """ConfigError, before anything is registered, for a DDP model the hook cannot serve: one with a communication
+    hook already, one running torch's per-parameter Python reducer, ``process_group`` that is DDP's own group under
+    ``find_unused_parameters``, or parameters with sparse gradients."""
+    if getattr(model, "_comm_hooks", None):
+        raise ConfigError(
+            "register_ddp_hook: this DDP model has a communication hook already (torch allows one per model; "
+            "DDP(mixed_precision=...) registers one of its own, so leave that option out and let the method send "
+            "what it sends); wrap the module in a new DistributedDataParallel to register another. Nothing was "
+            "registered"
+        )
+    if getattr(model, "_use_python_reducer", False):
+        raise ConfigError(
+            "register_ddp_hook: this DDP model runs torch's Python reducer (torch._dynamo.config.optimize_ddp = "
+            "'python_reducer', for compiled autograd), which calls a communication hook per parameter, not per "
+            "bucket; gradcomp's hook compresses buckets: use optimize_ddp's default ('ddp_optimizer'), or "
+            "gradcomp.GradientAggregator. Nothing was registered"
+        )
+    if process_group is not None and process_group is model.process_group and model.find_unused_parameters:
+        raise ConfigError(
+            "register_ddp_hook: process_group is the DDP model's own group, on which DDP(find_unused_parameters="
+            "True) issues collectives of its own during backward, in an order that differs from the hook's "
+            "between ranks (the job hangs); leave process_group out (the hook then makes a group of its own)"
+        )
+    ignored = getattr(model, "parameters_to_ignore", set())
+    sparse = [
+        f"{prefix}.weight" if prefix else "weight"
+        for prefix, module in model.module.named_modules()
+        if getattr(module, "sparse", False) is True and isinstance(getattr(module, "weight", None), nn.Parameter)
+        and (f"{prefix}.weight" if prefix else "weight") not in ignored
+    ]
+    if sparse:  # (DDP all-reduces them as sparse tensors; a bucket of them has no dense buffer to compress)
+        raise ConfigError(
+            f"register_ddp_hook: {', '.join(sparse)} get sparse gradients (sparse=True), which gradcomp does not "
+            "compress: build the module with sparse=False, or keep it out of DDP "
+            "(DistributedDataParallel._set_params_and_buffers_to_ignore_for_model) and average its gradient yourself"
+        )
+
+
 def register_ddp_hook(
     model: nn.parallel.DistributedDataParallel,
     method: Compressor | Scheme,
@@ -895,48 +639,8 @@ def register_ddp_hook(
     the rest (torch PowerSGD's ``start_iter``, DGC's warm-up); the method starts at pass N with its state empty,
     its step numbers the run's. The state's ``state_dict`` is the method's throughout.
     """
-    compiled = getattr(model, "_orig_mod", None)  # torch.compile(DDP(model)): the hook goes on the DDP model inside
-    if isinstance(compiled, nn.parallel.DistributedDataParallel):
-        model = compiled
-    if not isinstance(model, nn.parallel.DistributedDataParallel):
-        raise ConfigError(
-            f"register_ddp_hook takes a torch.nn.parallel.DistributedDataParallel model, got {type(model).__name__}; "
-            "wrap it first (DistributedDataParallel(model)), or call gradcomp.GradientAggregator(model, ...).step() "
-            "after backward instead"
-        )
-    if getattr(model, "_comm_hooks", None):
-        raise ConfigError(
-            "register_ddp_hook: this DDP model has a communication hook already (torch allows one per model; "
-            "DDP(mixed_precision=...) registers one of its own, so leave that option out and let the method send "
-            "what it sends); wrap the module in a new DistributedDataParallel to register another. Nothing was "
-            "registered"
-        )
-    if getattr(model, "_use_python_reducer", False):
-        raise ConfigError(
-            "register_ddp_hook: this DDP model runs torch's Python reducer (torch._dynamo.config.optimize_ddp = "
-            "'python_reducer', for compiled autograd), which calls a communication hook per parameter, not per "
-            "bucket; gradcomp's hook compresses buckets: use optimize_ddp's default ('ddp_optimizer'), or "
-            "gradcomp.GradientAggregator. Nothing was registered"
-        )
-    if process_group is not None and process_group is model.process_group and model.find_unused_parameters:
-        raise ConfigError(
-            "register_ddp_hook: process_group is the DDP model's own group, on which DDP(find_unused_parameters="
-            "True) issues collectives of its own during backward, in an order that differs from the hook's "
-            "between ranks (the job hangs); leave process_group out (the hook then makes a group of its own)"
-        )
-    ignored = getattr(model, "parameters_to_ignore", set())
-    sparse = [
-        f"{prefix}.weight" if prefix else "weight"
-        for prefix, module in model.module.named_modules()
-        if getattr(module, "sparse", False) is True and isinstance(getattr(module, "weight", None), nn.Parameter)
-        and (f"{prefix}.weight" if prefix else "weight") not in ignored
-    ]
-    if sparse:  # (DDP all-reduces them as sparse tensors; a bucket of them has no dense buffer to compress)
-        raise ConfigError(
-            f"register_ddp_hook: {', '.join(sparse)} get sparse gradients (sparse=True), which gradcomp does not "
-            "compress: build the module with sparse=False, or keep it out of DDP "
-            "(DistributedDataParallel._set_params_and_buffers_to_ignore_for_model) and average its gradient yourself"
-        )
+    model = _ddp_model(model)
+    _check_hookable(model, process_group)
     warn_float64(list(model.module.named_parameters()), "register_ddp_hook")
     state = CompressionHookState(
         method,

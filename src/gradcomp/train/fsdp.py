@@ -74,7 +74,7 @@ Other choices:
   reduce-scatter once per pass, in the same order on every rank), so a bad pass puts back every slot its calls
   changed, the finite calls before the bad one included, and every call's step count. A message that is itself not
   finite makes one rank's aggregate of its own shard non-finite, which no other rank sees: that rank holds an
-  "abandon" flag, which the pass's end agreement (``train.exchange.settle``) carries to every rank, and every rank
+  "abandon" flag, which the pass's end agreement (``train.agreement.settle``) carries to every rank, and every rank
   raises there. Catch the error, call FSDP2's
   ``reset_iter_state()`` on the root module (its recovery after an exception in backward) and ``zero_grad()``, and
   go on: the run is then the run without that step, bit for bit (tests/test_fsdp.py). The price: the journal's copy
@@ -86,7 +86,7 @@ Other choices:
   queues ``pass_ends`` with the autograd engine, which runs after FSDP2's own end-of-backward callback (queued
   before it, and where FSDP reduce-scatters the root module's own parameters): one read for the whole pass. A
   message that failed its checks (on either path) is noted and the pass goes on (``wire.refusals.refusing_later``);
-  at its end the ranks agree on it (``train.exchange.settle``: one 4-byte all-reduce, read with the pass's checks)
+  at its end the ranks agree on it (``train.agreement.settle``: one 4-byte all-reduce, read with the pass's checks)
   and every rank raises WireError, the pass undone.
   With ``scaler=`` (fp16 mixed precision) or ``nonfinite="propagate"`` (the default) nothing raises: the backward
   pass is skipped
@@ -118,15 +118,8 @@ from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.finite import all_finite, check_nonfinite, check_scaler, finite_flag, loss_scale
 from gradcomp.protocols import alltoall_buffers
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots, fixed_buffer_size
-from gradcomp.train.exchange import (
-    agreed_non_finite,
-    check_gradients,
-    check_state,
-    drive_agreeing,
-    locally_bad,
-    refusal_note,
-    settle,
-)
+from gradcomp.train.agreement import agreed_non_finite, drive_agreeing, locally_bad, refusal_note, settle
+from gradcomp.train.exchange import check_gradients, check_state
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire.bits import host_path
 from gradcomp.wire.device import DeviceChecks, holding_for_the_pass
@@ -268,11 +261,54 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         self, output_tensor: Tensor, input_tensor: Tensor, group: Any = None, op: Any = None, async_op: bool = False
     ) -> None:
         state = self.state
-        world, rank = state.world_size, state.rank
+        factor = self._factor(op)
+        rows, names = self._rows(output_tensor, input_tensor)
+        record = state.pass_begins(self)
+        if state.pass_bad:  # an earlier call of this backward pass was not finite on some rank: so is this one
+            output_tensor.fill_(float("nan"))  # on every rank, with nothing sent
+            state.call_ends()
+            return None
+        scale = loss_scale(state.scaler)  # error feedback sees unscaled gradients (_messages)
+        # fixed sizes on the device path: this rank's verdict stays a device flag, rides on the all-to-all and waits,
+        # with the decoded messages' checks, for the pass's one read at its end (state.pass_ends); else it is read here
+        defer = self.known is not None and not host_path(input_tensor)
+        finite: bool | Tensor = finite_flag([input_tensor]) if defer else all_finite(input_tensor)
+        step = self.step
+        started = time.perf_counter()
+        blocked_before = state.transport.counter.seconds
+        mine = self.owned[state.rank]
+        with torch.no_grad():
+            up, refused, finite = self._compress(record, rows, defer, finite, step, scale)
+            held = isinstance(finite, Tensor)  # (a refusal made it a bool: read at once)
+            state.pass_device = input_tensor.device
+            # Every call counts as a use of the wire on every rank, so that every rank makes the pass's end agreement
+            # (settle): a rank that owns no row of the pass's modules decodes nothing, and counted only its decodes, it
+            # skipped the agreement's all-reduce while the others waited in it until the time-out.
+            state.pass_refusals.used += 1
+            with holding_for_the_pass(state.pass_checks if held else None), refusing_later(state.pass_refusals):
+                agreed, aggregates = drive_agreeing(
+                    state.transport, self._rounds(up, mine, step, input_tensor.device), finite, after_rounds=defer,
+                    read=state.pass_flags if held else True,
+                )
+            if not agreed:  # some rank's gradients were not finite: every rank is here, at this call
+                self._not_agreed(output_tensor, rows, names, finite, refused, step)
+                return None
+            if held:  # this rank's flag, to name its parameters if the pass's read finds it bad
+                state.pass_mine.append((self, finite))
+            self._write_back(output_tensor, mine, aggregates, factor, scale)
+        state.compress_s += time.perf_counter() - started - (state.transport.counter.seconds - blocked_before)
+        self.step += 1
+        state.calls += 1
+        state.call_ends()
+        return None
+
+    def _factor(self, op: Any) -> float:
+        """What the average is multiplied by for FSDP's ``op``: 1 for its average, W for its sum of inputs it divided
+        by a pre-factor; ConfigError, with nothing sent, for any other reduction, or a sum of a majority vote."""
+        state = self.state
         if op == dist.ReduceOp.AVG:
-            factor = 1.0
-        elif op == dist.ReduceOp.SUM:
-            factor = float(world)
+            return 1.0
+        if op == dist.ReduceOp.SUM:
             if getattr(state.compressor, "scale_free", False):
                 raise ConfigError(
                     f"compress_fsdp: {state.compressor.name!r} aggregates by majority vote to ±1, but FSDP asked for a "
@@ -281,11 +317,18 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
                     "would come out as ±pre-factor. Reduce in float32 or bfloat16 "
                     "(MixedPrecisionPolicy(reduce_dtype=...)). Nothing was sent"
                 )
-        else:
-            raise ConfigError(
-                f"compress_fsdp: FSDP asked for a reduce-scatter with {op!r}; only its average (and its sum with "
-                "pre/post division) are carried: do not call set_gradient_divide_factor on a compressed model"
-            )
+            return float(state.world_size)
+        raise ConfigError(
+            f"compress_fsdp: FSDP asked for a reduce-scatter with {op!r}; only its average (and its sum with "
+            "pre/post division) are carried: do not call set_gradient_divide_factor on a compressed model"
+        )
+
+    def _rows(self, output_tensor: Tensor, input_tensor: Tensor) -> tuple[Tensor, list[str]]:
+        """FSDP's input as W rows (row j: rank j's chunk of every parameter) and the parameters' names, after the
+        module is laid out again if which of its parameters train changed. ConfigError, with nothing sent, for
+        buffers of other sizes than the layout's, or gradients that are not floating point (the same on every
+        rank, so every rank refuses the call here)."""
+        world = self.state.world_size
         if [p.requires_grad for p in self.watched] != self.trainable:  # (two of the same size swapped keep the size)
             self.lay_out()  # frozen or unfrozen since the last layout: FSDP's buffer follows the new set, and so do we
         if input_tensor.numel() != world * self.row or output_tensor.numel() != self.row:
@@ -298,82 +341,80 @@ class _CompressedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         names = [p.name for p in self.pieces]
         if not input_tensor.is_floating_point():  # the same dtype on every rank: every rank refuses it here
             check_gradients(names, [rows[:, p.offset : p.offset + p.padded] for p in self.pieces], self.step)
-        record = state.pass_begins(self)
-        if state.pass_bad:  # an earlier call of this backward pass was not finite on some rank: so is this one
-            output_tensor.fill_(float("nan"))  # on every rank, with nothing sent
+        return rows, names
+
+    def _compress(
+        self, record: Journal, rows: Tensor, defer: bool, finite: bool | Tensor, step: int, scale: Tensor | None
+    ) -> tuple[list[Tensor], NonFiniteGradientError | None, bool | Tensor]:
+        """This rank's messages for every rank (``_messages``), with each slot's state before the pass changes it
+        noted in the pass's ``record``; zeros are compressed where this rank's rows were read not finite. Returns
+        the messages, the refusal of rows whose compression was not finite (or None), and this rank's verdict."""
+        refused = None
+        with journal(record):  # each slot's state before this pass changes it
+            try:  # (deferred: the rows as they are; a bad pass is undone before anything of it is applied)
+                up = self._messages(rows if defer or finite else torch.zeros_like(rows), step, scale)
+            except NonFiniteGradientError as exc:  # finite rows whose compression is not (QSGD's norm, ...):
+                refused, finite = exc, False  # refused on this rank only, so it is this rank's verdict
+                up = self._messages(torch.zeros_like(rows), step)  # (only the messages' sizes matter then)
+        return up, refused, finite
+
+    def _rounds(self, up: list[Tensor], mine: list[tuple[_Piece, Slot]], step: int, device: torch.device):
+        """The call's rounds (for ``drive_agreeing``): the all-to-all of the messages ``up``, then the decoding of
+        what this rank received into the aggregates of the slots it owns, ``mine`` (its checks held for the pass
+        when deferred)."""
+        state = self.state
+        received = yield from alltoall_buffers(state.rank, up, self.known, self.limits)
+        slots = [s for _, s in mine]
+        if not mine:
+            return []
+        try:
+            return aggregate_buffers(state.compressor, slots, received, step, device, final=True)
+        except StepAbandoned:  # (read at once) a message made this rank's aggregate of its own shard not
+            # finite: the others cannot see it; every rank learns it at the pass's end (settle), which
+            # abandons the pass there. (Deferred, the aggregate's flag is held for that read instead.)
+            state.pass_checks.abandon(torch.ones((), dtype=torch.bool, device=device))
+            return [torch.full((s.numel,), float("nan"), device=device) for s in slots]
+
+    def _not_agreed(
+        self, output_tensor: Tensor, rows: Tensor, names: list[str], finite: bool | Tensor,
+        refused: NonFiniteGradientError | None, step: int,
+    ) -> None:
+        """A call that some rank's gradients made not finite (every rank is here, at this call): the pass undone
+        (the state it changed and its calls' step counts put back), then skipped on every rank, NaN in the output
+        for the scaler (or the user's check), or, without propagation, the agreed NonFiniteGradientError raised,
+        naming this rank's parameters that were not finite and its refusal."""
+        state = self.state
+        state.pass_abandoned()  # the state this pass changed and its calls' step counts put back
+        if state.propagate:  # the pass is skipped on every rank: NaN for the scaler (or the user's check)
+            output_tensor.fill_(float("nan"))
             state.call_ends()
-            return None
-        scale = loss_scale(state.scaler)  # error feedback sees unscaled gradients (_messages)
-        # fixed sizes on the device path: this rank's verdict stays a device flag, rides on the all-to-all and waits,
-        # with the decoded messages' checks, for the pass's one read at its end (state.pass_ends); else it is read here
-        defer = self.known is not None and not host_path(input_tensor)
-        finite: bool | Tensor = finite_flag([input_tensor]) if defer else all_finite(input_tensor)
-        step, compressor = self.step, state.compressor
-        started = time.perf_counter()
-        blocked_before = state.transport.counter.seconds
-        mine = self.owned[rank]
-        with torch.no_grad():
-            refused = None
-            with journal(record):  # each slot's state before this pass changes it
-                try:  # (deferred: the rows as they are; a bad pass is undone before anything of it is applied)
-                    up = self._messages(rows if defer or finite else torch.zeros_like(rows), step, scale)
-                except NonFiniteGradientError as exc:  # finite rows whose compression is not (QSGD's norm, ...):
-                    refused, finite = exc, False  # refused on this rank only, so it is this rank's verdict
-                    up = self._messages(torch.zeros_like(rows), step)  # (only the messages' sizes matter then)
-
-            def rounds():  # the all-to-all, then the decoding (its checks held for the pass when deferred)
-                received = yield from alltoall_buffers(rank, up, self.known, self.limits)
-                slots = [s for _, s in mine]
-                if not mine:
-                    return []
-                try:
-                    return aggregate_buffers(compressor, slots, received, step, input_tensor.device, final=True)
-                except StepAbandoned:  # (read at once) a message made this rank's aggregate of its own shard not
-                    # finite: the others cannot see it; every rank learns it at the pass's end (settle), which
-                    # abandons the pass there. (Deferred, the aggregate's flag is held for that read instead.)
-                    state.pass_checks.abandon(torch.ones((), dtype=torch.bool, device=input_tensor.device))
-                    return [torch.full((s.numel,), float("nan"), device=input_tensor.device) for s in slots]
-
-            held = isinstance(finite, Tensor)  # (a refusal made it a bool: read at once)
-            state.pass_device = input_tensor.device
-            # Every call counts as a use of the wire on every rank, so that every rank makes the pass's end agreement
-            # (settle): a rank that owns no row of the pass's modules decodes nothing, and counted only its decodes, it
-            # skipped the agreement's all-reduce while the others waited in it until the time-out.
-            state.pass_refusals.used += 1
-            with holding_for_the_pass(state.pass_checks if held else None), refusing_later(state.pass_refusals):
-                agreed, aggregates = drive_agreeing(
-                    state.transport, rounds(), finite, after_rounds=defer, read=state.pass_flags if held else True
-                )
-            if not agreed:  # some rank's gradients were not finite: every rank is here, at this call
-                state.pass_abandoned()  # the state this pass changed and its calls' step counts put back
-                if state.propagate:  # the pass is skipped on every rank: NaN for the scaler (or the user's check)
-                    output_tensor.fill_(float("nan"))
-                    state.call_ends()
-                    return None
-                here = [] if bool(finite) else [
-                    name for name, p in zip(names, self.pieces)
-                    if not all_finite(rows[:, p.offset : p.offset + p.padded])
-                ]
-                if refused is not None:
-                    here.append(refusal_note(refused))
-                state.call_ends()
-                raise agreed_non_finite(step, here, remedy=FSDP_REMEDY)
-            if held:  # this rank's flag, to name its parameters if the pass's read finds it bad
-                state.pass_mine.append((self, finite))
-            output_tensor.zero_()
-            if mine:
-                flat = output_tensor.reshape(-1)
-                for (piece, slot), aggregate in zip(mine, aggregates):
-                    if factor != 1.0:
-                        aggregate = aggregate * factor
-                    if scale is not None:
-                        aggregate = aggregate * scale  # back in the scaler's units
-                    flat[piece.offset : piece.offset + slot.numel].copy_(aggregate)
-        state.compress_s += time.perf_counter() - started - (state.transport.counter.seconds - blocked_before)
-        self.step += 1
-        state.calls += 1
+            return
+        here = [] if bool(finite) else [
+            name for name, p in zip(names, self.pieces)
+            if not all_finite(rows[:, p.offset : p.offset + p.padded])
+        ]
+        if refused is not None:
+            here.append(refusal_note(refused))
         state.call_ends()
-        return None
+        raise agreed_non_finite(step, here, remedy=FSDP_REMEDY)
+
+    @staticmethod
+    def _write_back(
+        output_tensor: Tensor, mine: list[tuple[_Piece, Slot]], aggregates: list[Tensor], factor: float,
+        scale: Tensor | None,
+    ) -> None:
+        """The aggregates of this rank's slots written into FSDP's output (zeros elsewhere: padding), times FSDP's
+        ``factor`` and back in the scaler's units."""
+        output_tensor.zero_()
+        if not mine:
+            return
+        flat = output_tensor.reshape(-1)
+        for (piece, slot), aggregate in zip(mine, aggregates):
+            if factor != 1.0:
+                aggregate = aggregate * factor
+            if scale is not None:
+                aggregate = aggregate * scale  # back in the scaler's units
+            flat[piece.offset : piece.offset + slot.numel].copy_(aggregate)
 
 
 class FSDPCompressionState:

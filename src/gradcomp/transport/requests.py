@@ -20,7 +20,7 @@ not the parameter server's downlink (booked as server output). ``AllReduce(inpla
 transport overwrite the tensor it was given (the scheme made it and will not read it again), which saves a
 copy of every reduced buffer. ``AllGather(read=True)`` (a size exchange): the generator receives every worker's
 values as one flat list of Python numbers, read from the device in one transfer, so that the driver can read the
-workers' finiteness marks in the same transfer (``train.exchange.drive_agreeing``); with ``also`` (this worker's
+workers' finiteness marks in the same transfer (``train.agreement.drive_agreeing``); with ``also`` (this worker's
 values to read as well, not sent) it receives ``(gathered values, also's values)``, still one transfer.
 """
 

@@ -262,7 +262,7 @@ class DeviceChecks:
 
     def abandon_flag(self, device: torch.device) -> torch.Tensor:
         """Whether any flag held here says abandon, as a one-element bool tensor on ``device`` (nothing read): for
-        the workers to agree on it where only this worker holds it (``train.exchange.settle``; an FSDP owner's
+        the workers to agree on it where only this worker holds it (``train.agreement.settle``; an FSDP owner's
         aggregate of its own shard)."""
         if not self._abandon:
             return torch.zeros((), dtype=torch.bool, device=device)
@@ -304,7 +304,7 @@ class DeviceChecks:
     def fault_flag(self, device: torch.device) -> torch.Tensor:
         """Whether any pending check failed, as a one-element bool tensor computed where the checks are (nothing
         read): what :meth:`read` would refuse, for the workers to agree on before any of them reads
-        (``train.exchange.settle``). The expected header and section bytes of every message come to the device in
+        (``train.agreement.settle``). The expected header and section bytes of every message come to the device in
         one transfer that does not make the host wait."""
         wants = [want for _, _, _, want in self._items if want is not None]
         expected = ints_on(device, list(b"".join(wants))).to(torch.uint8) if wants else None

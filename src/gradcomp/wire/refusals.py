@@ -6,7 +6,7 @@ fault together, at the same point. This module holds what a thread running a ste
 and exceptions that carry it:
 
 - :class:`Refusals` and :func:`refusing_later`: the messages refused during a step (or a backward pass), noted instead
-  of raised, for the workers to agree on with one more collective (``train.exchange.settle``); :func:`abandon_later`
+  of raised, for the workers to agree on with one more collective (``train.agreement.settle``); :func:`abandon_later`
   where only this worker found the step must be abandoned.
 - The step's deferred verdict (:func:`defer_verdict`, :func:`add_to_verdict`, :func:`take_verdict`): whether some
   worker's gradients were not finite, a device flag that the next device read takes in its own transfer
@@ -68,7 +68,7 @@ _refusals = threading.local()  # .now: the Refusals of the step this thread runs
 def abandon_later() -> bool:
     """Notes, in the step's Refusals, that this worker alone found that the step must be abandoned (a server's or a
     shard owner's aggregate that a message made non-finite, where the verdict is not deferred), for the workers to
-    agree on at the step's end with the refusals (``train.exchange.settle``); False outside
+    agree on at the step's end with the refusals (``train.agreement.settle``); False outside
     :func:`refusing_later` (the caller then goes on as before)."""
     refusals = getattr(_refusals, "now", None)
     if refusals is None:
@@ -81,7 +81,7 @@ def refusing_later(refusals: Refusals | None):
     """While inside, a received message that fails its checks on this thread is noted in ``refusals`` instead of
     raising WireError (:func:`decode` returns stand-ins, :meth:`DeviceChecks.read` and :func:`check_received` go
     on), so that this worker runs the step's rounds to their end like every other and all of them learn of it
-    together (``train.exchange.settle``). None: raise at once, as outside."""
+    together (``train.agreement.settle``). None: raise at once, as outside."""
     return _checks_set(_refusals, refusals, "now")
 
 
@@ -134,7 +134,7 @@ def verdict_pending(flag: torch.Tensor):
 
 class StepAbandoned(Exception):
     """A device read found the step's deferred verdict bad (some worker's gradients were not finite): the step is
-    abandoned there, on every worker (``train.exchange.drive_agreeing`` catches it; nothing of the step is applied).
+    abandoned there, on every worker (``train.agreement.drive_agreeing`` catches it; nothing of the step is applied).
     """
 
 
