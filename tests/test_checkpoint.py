@@ -17,7 +17,8 @@ from gradcomp.experiments.run import checkpoint
 from crash import crash_at as inject_crash, environment
 
 from gradcomp.experiments.run.checkpoint import CheckpointError, find_checkpoint
-from gradcomp.experiments.run.runner import TrainConfig, run_simulated, worker_threads
+from gradcomp.experiments.run.config import TrainConfig
+from gradcomp.experiments.run.runner import run_simulated, worker_threads
 
 SMALL = ["--dataset", "synthetic", "--model", "mlp", "--no-progress", "--eval-every", "2"]
 TOPK = ["--compressor", "topk", "--param", "density=0.05", "--error-feedback"]

@@ -14,8 +14,8 @@ import torch
 import gradcomp.experiments.run.launch as launch_module
 from gradcomp.cli import main
 from gradcomp.errors import ConfigError
+from gradcomp.experiments.run.config import TrainConfig
 from gradcomp.experiments.run.defaults import RULES, accepted_pairs, refuse_untrained_defaults
-from gradcomp.experiments.run.runner import TrainConfig
 
 TINY = ["--dataset", "synthetic", "--model", "mlp", "--workers", "2", "--simulate", "--no-progress"]
 PAIRS = accepted_pairs(dataset="synthetic", model="mlp", workers=2, simulate=True)

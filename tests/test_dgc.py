@@ -15,7 +15,7 @@ import gradcomp
 from gradcomp import ConfigError, Slot
 from gradcomp.compressors.base import shared_seed
 from gradcomp.compressors.dgc import DGC, WARMUP_DENSITIES, sample_count
-from gradcomp.experiments.run.runner import TrainConfig
+from gradcomp.experiments.run.config import TrainConfig
 from gradcomp.feedback import ErrorFeedback
 from gradcomp.registry import parse_param_strings
 from gradcomp.train.exchange import GradientExchange

@@ -123,7 +123,7 @@ def test_more_nccl_workers_than_gpus_are_refused_before_they_start(gpus, no_work
 
 
 def test_torchrun_counts_the_processes_of_this_machine_not_the_world(gpus, monkeypatch):
-    from gradcomp.experiments.run.runner import TrainConfig
+    from gradcomp.experiments.run.config import TrainConfig
 
     gpus(2)
     monkeypatch.setenv("RANK", "0")
@@ -142,7 +142,7 @@ def test_torchrun_counts_the_processes_of_this_machine_not_the_world(gpus, monke
 
 
 def test_a_simulated_cluster_shares_one_gpu(gpus):
-    from gradcomp.experiments.run.runner import TrainConfig
+    from gradcomp.experiments.run.config import TrainConfig
 
     gpus(1)
     TrainConfig(dataset="synthetic", model="mlp", steps=2, workers=4, device="cuda", simulate=True).validate()

@@ -13,8 +13,8 @@ from distributed import run_workers
 
 import gradcomp
 from gradcomp.compressors.base import Slot
+from gradcomp.experiments.run.config import TrainConfig
 from gradcomp.experiments.run.launch import launch
-from gradcomp.experiments.run.runner import TrainConfig
 from gradcomp.transport.dist import DistTransport
 
 

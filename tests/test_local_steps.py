@@ -8,7 +8,7 @@ import torch
 import gradcomp
 from gradcomp.cli import main
 from gradcomp.errors import ConfigError
-from gradcomp.experiments.run.runner import TrainConfig
+from gradcomp.experiments.run.config import TrainConfig
 
 SMALL = ["--dataset", "synthetic", "--model", "mlp", "--steps", "4", "--no-progress", "--workers", "2", "--simulate"]
 

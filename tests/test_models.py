@@ -9,9 +9,10 @@ from torch import nn
 
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.run import models
+from gradcomp.experiments.run.config import TrainConfig
 from gradcomp.experiments.run.data import Dataset
 from gradcomp.experiments.run.models import MODEL_NAMES, MnistConvNet, build_model
-from gradcomp.experiments.run.runner import TrainConfig, run_simulated
+from gradcomp.experiments.run.runner import run_simulated
 
 MNIST_SHAPE = (1, 28, 28)
 MNIST_PARAMETERS = 1_199_882

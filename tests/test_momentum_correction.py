@@ -8,7 +8,7 @@ import torch
 
 import gradcomp
 from gradcomp import ConfigError, Slot
-from gradcomp.experiments.run.runner import TrainConfig
+from gradcomp.experiments.run.config import TrainConfig
 from gradcomp.feedback import MomentumCorrection
 
 SLOT = Slot("w", 0, 400)

@@ -7,7 +7,8 @@ import math
 import pytest
 
 import gradcomp
-from gradcomp.experiments.run.runner import TrainConfig, run_simulated
+from gradcomp.experiments.run.config import TrainConfig
+from gradcomp.experiments.run.runner import run_simulated
 from gradcomp.netmodel import NetworkModel, parse_bandwidth, parse_latency
 
 

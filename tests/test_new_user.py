@@ -16,7 +16,7 @@ import pytest
 import gradcomp.errors as gradcomp_errors
 from gradcomp.cli import main
 from gradcomp.experiments.run import checkpoint, launch
-from gradcomp.experiments.run.runner import TrainConfig
+from gradcomp.experiments.run.config import TrainConfig
 from crash import crash_at
 
 SMALL = ["--dataset", "synthetic", "--model", "mlp", "--no-progress"]

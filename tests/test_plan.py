@@ -10,7 +10,7 @@ import pytest
 import gradcomp
 from gradcomp.cli import main
 from gradcomp.experiments.run.runner import run_simulated, worker_threads
-from gradcomp.experiments.study import plan
+from gradcomp.experiments.study import plan, plan_local
 from gradcomp.netmodel import NetworkModel
 
 TINY = [(128, 64), (128,), (10, 128), (10,)]  # the mlp on the synthetic dataset
@@ -274,8 +274,8 @@ def test_a_small_margin_is_called_small():
 def test_every_worker_on_this_machine_is_planned_from_a_local_race(tmp_path, monkeypatch):
     """--colocated W with a model: each method's compute, compression and time in collectives come from a real
     race of W processes on an unshaped network; the second plan takes them from the cache, races nothing."""
-    monkeypatch.setattr(plan, "LOCAL_STEPS", 4)
-    monkeypatch.setattr(plan, "LOCAL_COMPUTE_STEPS", 2)
+    monkeypatch.setattr(plan_local, "LOCAL_STEPS", 4)
+    monkeypatch.setattr(plan_local, "LOCAL_COMPUTE_STEPS", 2)
     opts = plan.PlanOptions(pilots=False, model="mlp", dataset="synthetic", workers=2, colocated=2, link="1mbit",
                             methods=["none", "powersgd:rank=2"], cache_dir=str(tmp_path), batch_size=8)
     first = plan.run_plan(opts)
@@ -286,7 +286,7 @@ def test_every_worker_on_this_machine_is_planned_from_a_local_race(tmp_path, mon
     by = {r["label"]: r for r in first["rows"]}
     assert by["none"]["compress_s"] == 0.0 < by["powersgd:rank=2"]["compress_s"]  # the hook's own all-reduce
     assert "unshaped network" in plan.format_text(first)
-    monkeypatch.setattr(plan, "measure_local", lambda *a: pytest.fail("raced again"))
+    monkeypatch.setattr(plan_local, "measure_local", lambda *a: pytest.fail("raced again"))
     again = plan.run_plan(opts)
     assert again["cache"]["misses"] == 0 and again["rows"] == first["rows"]
 

@@ -381,7 +381,7 @@ def test_tiny_race_as_local_processes(tmp_path, no_leftovers):
 def test_failed_method_is_reported_and_the_race_goes_on(tmp_path, monkeypatch, no_leftovers):
     """A worker that fails (a k larger than a layer, which the parent's check would have refused) is reported,
     its log is kept, and the next method runs."""
-    from gradcomp.experiments.run.runner import TrainConfig
+    from gradcomp.experiments.run.config import TrainConfig
 
     monkeypatch.setattr(TrainConfig, "validate", lambda self: None)  # let the bad method reach the workers
     out = tmp_path / "out"

@@ -9,7 +9,7 @@ import pytest
 from gradcomp import cli
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race import links, netns, race
-from gradcomp.experiments.run.runner import TrainConfig
+from gradcomp.experiments.run.config import TrainConfig
 
 NEEDS_NETNS = pytest.mark.skipif(
     netns.missing_tools(shaped=True) is not None,

@@ -30,7 +30,7 @@ def one_process_group(tmp_path):
 
 
 def _cfg(**kw):
-    from gradcomp.experiments.run.runner import TrainConfig
+    from gradcomp.experiments.run.config import TrainConfig
 
     return TrainConfig(workers=1, steps=2, batch_size=8, dataset="synthetic", model="mlp", progress=False, **kw)
 

@@ -16,9 +16,9 @@ import gradcomp
 from gradcomp import ConfigError, NonFiniteGradientError, Slot, WireError
 from gradcomp.compressors import sign
 from gradcomp.compressors.sign import EFSignSGD, OneBit, SignSGD, Signum, pack_signs, packed_count, unpack_signs
+from gradcomp.experiments.run.config import TrainConfig
 from gradcomp.experiments.run.data import load_dataset, shard_indices
 from gradcomp.experiments.run.models import build_model
-from gradcomp.experiments.run.runner import TrainConfig
 from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots
 from gradcomp.transport.dist import DistTransport
 from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES, checksum64, decode, encode, pack_bool

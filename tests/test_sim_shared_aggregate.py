@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gradcomp.experiments.run.runner import TrainConfig, run_simulated
+from gradcomp.experiments.run.config import TrainConfig
+from gradcomp.experiments.run.runner import run_simulated
 from gradcomp.schemes import single_round
 from gradcomp.transport.sim import SimulatedCluster, computed_once
 

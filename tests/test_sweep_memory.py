@@ -8,7 +8,7 @@ import pytest
 
 from gradcomp.cli import main
 from gradcomp.errors import ConfigError
-from gradcomp.experiments.run.runner import TrainConfig
+from gradcomp.experiments.run.config import TrainConfig
 from gradcomp.experiments.study.sweep import cell_config, cell_key, memory_of, render_table
 
 

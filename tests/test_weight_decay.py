@@ -13,8 +13,9 @@ import torch
 from distributed import run_workers
 from torch import nn
 
+from gradcomp.experiments.run.config import TrainConfig
 from gradcomp.experiments.run.launch import launch
-from gradcomp.experiments.run.runner import TrainConfig, add_weight_decay_to_gradients, make_optimizer
+from gradcomp.experiments.run.runner import add_weight_decay_to_gradients, make_optimizer
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ import torch
 from gradcomp.cli import main
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.run import checkpoint
+from gradcomp.experiments.run.config import TrainConfig
 from gradcomp.experiments.run.data import TextDataset, corpus_files, load_dataset, split_files, stdlib_dir
 from gradcomp.experiments.run.models import ResNet, TransformerLM, build_model
 from gradcomp.experiments.run.report import aggregate_seeds, mean_std, parse_seeds
-from gradcomp.experiments.run.runner import TrainConfig
 from crash import crash_at
 
 TINY_LM = ["--model", "transformer_tiny", "--context", "32", "--no-progress", "--simulate", "--workers", "2"]

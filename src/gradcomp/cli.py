@@ -13,12 +13,8 @@ from gradcomp import errors
 from gradcomp.allocator import keep_freed_memory
 from gradcomp.errors import CommunicationError, ConfigError, GradcompError
 from gradcomp.experiments.run.report import parse_seeds
-from gradcomp.experiments.run.runner import (
-    DEFAULT_TIMEOUT_S,
-    add_training_options,
-    launched_by_torchrun,
-    resolve_training_defaults,
-)
+from gradcomp.experiments.run.config import DEFAULT_TIMEOUT_S, launched_by_torchrun
+from gradcomp.experiments.run.options import add_training_options, resolve_training_defaults
 from gradcomp.registry import parse_param_strings
 
 
@@ -129,7 +125,7 @@ def outer_options(args: argparse.Namespace) -> dict:
 def _train(args: argparse.Namespace) -> int:
     from gradcomp.experiments.run.launch import launch
     from gradcomp.experiments.run.report import check_output_file
-    from gradcomp.experiments.run.runner import TrainConfig
+    from gradcomp.experiments.run.config import TrainConfig
 
     if args.json:
         check_output_file(args.json, "--json")  # now, not after the whole training

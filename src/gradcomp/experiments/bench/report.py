@@ -115,6 +115,34 @@ def cast_lines(result: dict[str, Any]) -> list[str]:
 
 
 def format_report(result: dict[str, Any]) -> str:
+    """The text ``gradcomp bench`` prints for a :func:`run_bench` result: the run and its inputs, the table, the
+    targets met and missed, the fp16 / bf16 references, the copies timed beside the rows, the comparison with
+    top-k and the run's seconds."""
+    meta = result["meta"]
+    lines = _preamble(result)
+    lines.append("")
+    lines.append(format_table(result))
+    for note in meta["skipped"]:
+        lines.append(f"skipped: {note}")
+    lines += _target_lines(result)
+    lines += cast_lines(result)
+    lines += _copy_lines(result)
+    compared = versus_topk(result)
+    if compared:
+        lines += ["", "time as a fraction of top-k's at the same density (same input, same run):"]
+        for c in compared:
+            lines.append(
+                f"  {c['input']:9s}  {c['compressor']:12s} {c['setting']:28s} compress+encode "
+                f"{100 * c['fraction']:6.2f} %   compress alone {100 * c['compress_fraction']:6.2f} %"
+            )
+    lines.append("")
+    lines.append(f"total {meta['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+def _preamble(result: dict[str, Any]) -> list[str]:
+    """The lines above the table: the run (torch, device, repeats, load, allocator), each input with its copy
+    rate, and what the columns mean."""
     meta = result["meta"]
     lines = [
         f"gradcomp bench: torch {meta['torch']}, device {meta['device']}, {meta['threads']} threads, "
@@ -151,37 +179,47 @@ def format_report(result: dict[str, Any]) -> str:
             "input; the hash tables are built once per slot, outside the timed region; bits/elem = the r x c fp32 "
             "table (32*r*c/d, no headers; round 2's P*k values not counted)"
         )
-    lines.append("")
-    lines.append(format_table(result))
-    for note in meta["skipped"]:
-        lines.append(f"skipped: {note}")
+    return lines
+
+
+def _target_lines(result: dict[str, Any]) -> list[str]:
+    """The targets' verdict: why none were checked (not the CPU, not the targets' synthetic size), or the rows
+    that met and missed theirs, and the memcpy-fraction targets judged against the batched memcpy row."""
+    meta = result["meta"]
     targets = meta.get("targets")
     if not targets_apply_to(meta):
-        lines += ["", f"targets: none checked (they are set for the CPU; this ran on {meta['device']})"]
-    elif "synthetic" in meta["inputs"] and meta["inputs"]["synthetic"]["numel"] != TARGET_SIZE:
-        lines += ["", f"targets: none checked (they are set for the synthetic input at --size {TARGET_SIZE})"]
-    elif targets and (targets["met"] or targets["missed"]):
-        total = len(targets["met"]) + len(targets["missed"])
-        lines += [
-            "",
-            f"targets ({'/'.join(TARGET_INPUTS)} input; each row against references timed beside it: compress+"
-            f"encode as a fraction of the copy (xbeside), fp16 / bf16 as a multiple of a cast plus its checksum "
-            f"(xcast+sum)): "
-            f"{len(targets['met'])} of {total} rows met"
-            + (f"; MISSED by {len(targets['missed'])}:" if targets["missed"] else ""),
-        ]
-        lines += [f"  met     {m}" for m in targets["met"]]
-        lines += [f"  MISSED  {m}" for m in targets["missed"]]
-        batched_missed = targets.get("missed_batched") or []
-        judged = [r for r in result["rows"] if r.get("target_met_batched") is not None]
-        if judged:
-            lines.append(
-                f"against the batched memcpy row instead (xmemcpy, the earlier reference): "
-                f"{sum(r['target_met_batched'] for r in judged)} of {len(judged)} memcpy-fraction targets met"
-                + (f"; missed by {len(batched_missed)}: " + ", ".join(batched_missed) if batched_missed else "")
-            )
-    lines += cast_lines(result)
-    for name in meta["inputs"]:
+        return ["", f"targets: none checked (they are set for the CPU; this ran on {meta['device']})"]
+    if "synthetic" in meta["inputs"] and meta["inputs"]["synthetic"]["numel"] != TARGET_SIZE:
+        return ["", f"targets: none checked (they are set for the synthetic input at --size {TARGET_SIZE})"]
+    if not (targets and (targets["met"] or targets["missed"])):
+        return []
+    total = len(targets["met"]) + len(targets["missed"])
+    lines = [
+        "",
+        f"targets ({'/'.join(TARGET_INPUTS)} input; each row against references timed beside it: compress+"
+        f"encode as a fraction of the copy (xbeside), fp16 / bf16 as a multiple of a cast plus its checksum "
+        f"(xcast+sum)): "
+        f"{len(targets['met'])} of {total} rows met"
+        + (f"; MISSED by {len(targets['missed'])}:" if targets["missed"] else ""),
+    ]
+    lines += [f"  met     {m}" for m in targets["met"]]
+    lines += [f"  MISSED  {m}" for m in targets["missed"]]
+    batched_missed = targets.get("missed_batched") or []
+    judged = [r for r in result["rows"] if r.get("target_met_batched") is not None]
+    if judged:
+        lines.append(
+            f"against the batched memcpy row instead (xmemcpy, the earlier reference): "
+            f"{sum(r['target_met_batched'] for r in judged)} of {len(judged)} memcpy-fraction targets met"
+            + (f"; missed by {len(batched_missed)}: " + ", ".join(batched_missed) if batched_missed else "")
+        )
+    return lines
+
+
+def _copy_lines(result: dict[str, Any]) -> list[str]:
+    """Per input, the range of the copies timed beside its rows against the memcpy row's batched copies; and the
+    rows still taking page faults after their warm-up."""
+    lines = []
+    for name in result["meta"]["inputs"]:
         rows = [r for r in result["rows"] if r["input"] == name]
         copies = [r["memcpy_beside_s"] for r in rows if r.get("memcpy_beside_s")]
         batched = [r["compress_encode_s"] for r in rows if r["compressor"] == "memcpy"]
@@ -196,14 +234,4 @@ def format_report(result: dict[str, Any]) -> str:
             "still taking page faults after the warm-up (median per repeat): "
             + ", ".join(f"{r['compressor']} [{r['setting']}] {r['minor_faults_per_repeat']:g}" for r in faulting)
         )
-    compared = versus_topk(result)
-    if compared:
-        lines += ["", "time as a fraction of top-k's at the same density (same input, same run):"]
-        for c in compared:
-            lines.append(
-                f"  {c['input']:9s}  {c['compressor']:12s} {c['setting']:28s} compress+encode "
-                f"{100 * c['fraction']:6.2f} %   compress alone {100 * c['compress_fraction']:6.2f} %"
-            )
-    lines.append("")
-    lines.append(f"total {meta['seconds']:.1f} s")
-    return "\n".join(lines)
+    return lines

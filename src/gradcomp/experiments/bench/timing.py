@@ -3,11 +3,13 @@ compressor's timed, verified round trips (:func:`bench_one`). docs/bench.md says
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -160,16 +162,11 @@ def bench_one(
     numel = x.numel()
     slot = Slot(name="bench", index=0, numel=numel)
     x_ref = x.clone()
-    parts: dict[str, list[float]] = {"compress": [], "encode": [], "decode": [], "decompress": []}
-    sizes: list[int] = []
-    copies: list[float] = []
-    casts: list[float] = []
-    checksums: list[float] = []
-    faults: list[int] = []
+    kept = _Repeats()
     deterministic = True
     warmups, step = 0, 0
     while True:  # warm-up rounds first (step 0, 1, ...), then the repeats, each with a fresh step
-        warming = len(copies) == 0 and warmups < MAX_WARMUP_ROUNDS
+        warming = len(kept.copies) == 0 and warmups < MAX_WARMUP_ROUNDS
         faults_before = minor_faults()
         t0 = timer.now()
         fields = compressor.compress(x, slot, step)
@@ -187,61 +184,92 @@ def bench_one(
             cast = x.to(cast_to)
             t6 = timer.now()
             wire_checksum(cast.reshape(-1).view(torch.uint8))
-            casts.append(t6 - t5)
-            checksums.append(timer.now() - t6)
+            kept.casts.append(t6 - t5)
+            kept.checksums.append(timer.now() - t6)
             del cast
 
         # Verification, outside the timed regions.
         expected = receiver.decompress(fields, slot, step)
         if step == 0:
             deterministic = torch.equal(expected, receiver.decompress(fields, slot, step))
-        if deterministic and not torch.equal(out, expected):
-            diff = (out.float() - expected.float()).abs()
-            raise BenchError(
-                f"{what}: round trip is broken at step {step}: decompress(decode(encode(fields))) differs from "
-                f"decompress(fields) in {int((diff != 0).sum())} of {numel} entries (max |diff| "
-                f"{float(diff.max()):.3g}, shapes {tuple(out.shape)} vs {tuple(expected.shape)}); not timing it"
-            )
-        if out.numel() != numel or out.dtype != torch.float32:
-            raise BenchError(
-                f"{what}: decompress returned {out.numel()} elements of {out.dtype}, expected {numel} float32"
-            )
+        _check_round_trip(out, expected, deterministic, numel, step, what)
         step += 1
         if warming and (warmups == 0 or faulted > 0):
             warmups += 1
             continue
-        parts["compress"].append(t1 - t0)
-        parts["encode"].append(t2 - t1)
-        parts["decode"].append(t3 - t2)
-        parts["decompress"].append(t4 - t3)
-        copies.append(t5 - t4)
-        faults.append(faulted)
-        sizes.append(int(buf.numel()))
-        if len(copies) >= repeats:
+        kept.add((t0, t1, t2, t3, t4, t5), faulted, int(buf.numel()))
+        if len(kept.copies) >= repeats:
             break
     if not torch.equal(x, x_ref):
         raise BenchError(f"{what}: the compressor modified its input tensor")
-    ce = [a + b for a, b in zip(parts["compress"], parts["encode"])]
-    dd = [a + b for a, b in zip(parts["decode"], parts["decompress"])]
-    ed = [a + b for a, b in zip(parts["encode"], parts["decode"])]
-    timed = len(copies)  # the timed repeats' casts and checksums: the last ones
-    casts, checksums = casts[len(casts) - timed:], checksums[len(checksums) - timed:]
-    encoded_bytes = statistics.mean(sizes)  # constant for all built-ins; a mean for data-dependent sizes
-    positions = position_bits(compressor, fields, slot)
-    return {
-        "position_bits": positions[0] if positions else None,
-        "entropy_bits": positions[1] if positions else None,
-        "encoded_bytes": encoded_bytes,
-        "compress_encode_s": median(ce),
-        "decode_decompress_s": median(dd),
-        **{f"{k}_s": median(v) for k, v in parts.items()},
-        "memcpy_beside_s": median(copies),
-        "encode_decode_s": median(ed),
-        "cast_beside_s": median(casts) if casts else None,
-        "checksum_beside_s": median(checksums) if checksums else None,
-        "cast_checksum_beside_s": median([a + b for a, b in zip(casts, checksums)]) if casts else None,
-        "warmup_rounds": warmups,
-        "first_timed_step": warmups,  # steps 0 .. warmups - 1 were the discarded rounds
-        "minor_faults_per_repeat": median(faults),
-        "verified": deterministic,
-    }
+    return kept.summary(position_bits(compressor, fields, slot), warmups, deterministic)
+
+
+def _check_round_trip(out: Tensor, expected: Tensor, deterministic: bool, numel: int, step: int, what: str) -> None:
+    """BenchError unless the receiver's output is ``numel`` float32 entries equal to ``decompress(fields)``
+    (compared only for a deterministic decompress): broken code is never timed."""
+    if deterministic and not torch.equal(out, expected):
+        diff = (out.float() - expected.float()).abs()
+        raise BenchError(
+            f"{what}: round trip is broken at step {step}: decompress(decode(encode(fields))) differs from "
+            f"decompress(fields) in {int((diff != 0).sum())} of {numel} entries (max |diff| "
+            f"{float(diff.max()):.3g}, shapes {tuple(out.shape)} vs {tuple(expected.shape)}); not timing it"
+        )
+    if out.numel() != numel or out.dtype != torch.float32:
+        raise BenchError(
+            f"{what}: decompress returned {out.numel()} elements of {out.dtype}, expected {numel} float32"
+        )
+
+
+@dataclass
+class _Repeats:
+    """The timed repeats of one ``bench_one`` row: each part's seconds, the copy timed beside it, the message's
+    size and the page faults; and the cast and checksum timed beside every round (the warm-up's too)."""
+
+    parts: dict[str, list[float]] = dataclasses.field(
+        default_factory=lambda: {"compress": [], "encode": [], "decode": [], "decompress": []})
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    copies: list[float] = dataclasses.field(default_factory=list)
+    casts: list[float] = dataclasses.field(default_factory=list)
+    checksums: list[float] = dataclasses.field(default_factory=list)
+    faults: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, times: tuple[float, ...], faulted: int, size: int) -> None:
+        """One timed repeat, from its six clock readings: before compress, after compress, encode, decode,
+        decompress, and after the copy beside it."""
+        t0, t1, t2, t3, t4, t5 = times
+        self.parts["compress"].append(t1 - t0)
+        self.parts["encode"].append(t2 - t1)
+        self.parts["decode"].append(t3 - t2)
+        self.parts["decompress"].append(t4 - t3)
+        self.copies.append(t5 - t4)
+        self.faults.append(faulted)
+        self.sizes.append(size)
+
+    def summary(self, positions: tuple[float, float] | None, warmups: int, deterministic: bool) -> dict[str, Any]:
+        """``bench_one``'s result: the medians over the timed repeats (the casts and checksums of the last rounds,
+        the timed ones), the mean encoded size, the position bits, the warm-up and the verification."""
+        parts = self.parts
+        ce = [a + b for a, b in zip(parts["compress"], parts["encode"])]
+        dd = [a + b for a, b in zip(parts["decode"], parts["decompress"])]
+        ed = [a + b for a, b in zip(parts["encode"], parts["decode"])]
+        timed = len(self.copies)  # the timed repeats' casts and checksums: the last ones
+        casts, checksums = self.casts[len(self.casts) - timed:], self.checksums[len(self.checksums) - timed:]
+        encoded_bytes = statistics.mean(self.sizes)  # constant for all built-ins; a mean for data-dependent sizes
+        return {
+            "position_bits": positions[0] if positions else None,
+            "entropy_bits": positions[1] if positions else None,
+            "encoded_bytes": encoded_bytes,
+            "compress_encode_s": median(ce),
+            "decode_decompress_s": median(dd),
+            **{f"{k}_s": median(v) for k, v in parts.items()},
+            "memcpy_beside_s": median(self.copies),
+            "encode_decode_s": median(ed),
+            "cast_beside_s": median(casts) if casts else None,
+            "checksum_beside_s": median(checksums) if checksums else None,
+            "cast_checksum_beside_s": median([a + b for a, b in zip(casts, checksums)]) if casts else None,
+            "warmup_rounds": warmups,
+            "first_timed_step": warmups,  # steps 0 .. warmups - 1 were the discarded rounds
+            "minor_faults_per_repeat": median(self.faults),
+            "verified": deterministic,
+        }

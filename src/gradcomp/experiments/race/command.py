@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-netns", action="store_true",
                    help="with --link none: plain local processes on 127.0.0.1 instead of namespaces")
     p.add_argument("--steps", type=int, default=500, help="training steps of every method")
-    from gradcomp.experiments.run.runner import add_training_options
+    from gradcomp.experiments.run.options import add_training_options
 
     add_training_options(p, epochs=None)
     p.set_defaults(model="convnet")
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> tuple[Options, list[str], list[int] | None]:
     """The race's Options (link: the first of ``--link``), the links and the seeds, from parsed arguments."""
     from gradcomp.experiments.run.report import parse_seeds
-    from gradcomp.experiments.run.runner import resolve_training_defaults
+    from gradcomp.experiments.run.options import resolve_training_defaults
 
     train = resolve_training_defaults(args)
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None

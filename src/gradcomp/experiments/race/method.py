@@ -91,7 +91,7 @@ class Method:
     def config(self, base=None, num_parameters: int = 0):
         """This method's TrainConfig: ``base`` (the race's settings; TrainConfig's defaults) with the method's own."""
         if base is None:
-            from gradcomp.experiments.run.runner import TrainConfig
+            from gradcomp.experiments.run.config import TrainConfig
 
             base = TrainConfig()
         bucket = self.bucket_cap_mb

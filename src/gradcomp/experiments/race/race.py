@@ -9,6 +9,7 @@ Methods: ``--method``, repeated, as :mod:`gradcomp.experiments.race.method` pars
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -101,7 +102,7 @@ def make_network(opts: Options, log=print):
 
 
 def _base_config(opts: Options):
-    from gradcomp.experiments.run.runner import TrainConfig
+    from gradcomp.experiments.run.config import TrainConfig
 
     return TrainConfig(
         workers=opts.hosts, steps=opts.steps, batch_size=opts.batch_size, lr=opts.lr, momentum=opts.momentum,
@@ -545,6 +546,127 @@ def remove_workdirs(tag: str) -> list[str]:
     return removed
 
 
+@dataclass
+class _RaceSoFar:
+    """A race's finished methods (their records and warnings) and what its result says around them: written after
+    every method, so that an interrupted race keeps its finished rows, and once more at the end."""
+
+    opts: Options
+    network: Any
+    num_parameters: int
+    rate: float | None  # the link's rate in bit/s; None unshaped
+    title: str
+    started: float
+    machine: dict[str, Any]  # at the start; the load average is read again at each write
+    code_start: Any  # each worker imports the source when it starts: the end's version notes a change meanwhile
+    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def result(self, complete: bool) -> dict[str, Any]:
+        """The result dict; ``complete`` False: written after a method, the race not finished (or interrupted)."""
+        opts, network = self.opts, self.network
+        summary = summarize(self.records, goal(opts), self.num_parameters, self.rate, self.title, lower=is_text(opts))
+        summary["notes"] += self.warnings
+        result = {
+            "command": "gradcomp race",
+            "complete": complete,
+            "options": {**{k: v for k, v in dataclasses.asdict(opts).items() if k != "methods"},
+                        "methods": [m.text for m in opts.methods]},
+            "methods": self.records,
+            "summary": summary,
+            "network": {"kind": network.kind, "hosts": len(network.hosts), "link": opts.link,
+                        "rate_bps": self.rate, "tbf_burst": netns.TBF_BURST,
+                        "tbf_latency": netns.TBF_LATENCY, "tag": network.tag},
+            "machine": {**self.machine, "load_average_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
+            "code": {"start": self.code_start, "end": code_version() if complete else None},
+            "started": self.started,
+            "wall_s": time.time() - self.started,
+        }
+        result["table"] = render_table(self.records, summary)
+        return result
+
+    def save(self, log, state: dict[str, Any]) -> None:
+        """race.json and race.md of the methods finished so far, with ``--out``; ``state["saved"]``: how many.
+
+        A failed write is logged, not raised: the race goes on, and the end's write says it again.
+        """
+        if not self.opts.out:
+            return
+        try:
+            write_outputs(self.opts.out, self.result(False), self.title, log, plot=False)
+            state["saved"] = len(self.records)
+        except OSError as exc:
+            log(f"gradcomp race: could not save the finished methods in {self.opts.out}: {exc}")
+
+
+@contextlib.contextmanager
+def _interrupted_by_signals():
+    """SIGTERM and SIGHUP raise ``Interrupted`` in the main thread while the race runs, so that every ``finally``
+    (the network taken down, the work folder removed) runs; the previous handlers are back afterwards."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    def interrupted(signum, frame):
+        raise Interrupted(f"signal {signum}")
+
+    for sig in previous:
+        signal.signal(sig, interrupted)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _announce(network, opts: Options, workdir: str, log) -> None:
+    """Where the race runs, and how to remove what a hard kill leaves of its namespaces."""
+    if network.tag:
+        where = f"{len(network.hosts)} hosts in namespaces (run {network.tag}), link {opts.link}"
+    else:
+        where = f"{len(network.hosts)} local processes, unshaped"
+    log(f"gradcomp race: {where}; {len(opts.methods)} methods × {opts.steps} steps")
+    if network.tag:
+        log(f"gradcomp race: if this process is killed hard, remove what is left (namespaces and "
+            f"{workdir}) with `gradcomp race --cleanup {network.tag}`")
+
+
+def _run_methods(so_far: _RaceSoFar, configs: list[Any], workdir: str, log, state: dict[str, Any]) -> None:
+    """Every method in turn on the network that is up, its record kept (a failed one where a worker failed) and
+    the files saved after each."""
+    opts = so_far.opts
+    for i, (method, cfg) in enumerate(zip(opts.methods, configs)):
+        log(f"[{i + 1}/{len(configs)}] {method.label}")
+        try:
+            raw = run_method(so_far.network, method, cfg, opts, workdir, i, log)
+        except WorkerFailedError as exc:
+            log(f"gradcomp race: {exc}")
+            so_far.records.append(failed_record(method, str(exc)))
+            so_far.save(log, state)
+            continue
+        record = method_record(method, cfg, raw, so_far.num_parameters)
+        so_far.records.append(record)
+        warning = _report_method(record, opts, so_far.rate, log)
+        if warning:
+            so_far.warnings.append(warning)
+        so_far.save(log, state)
+
+
+def _report_method(record: dict[str, Any], opts: Options, rate: float | None, log) -> str | None:
+    """One finished method's line (its step times, final accuracy or loss, when it reached the target); returns
+    the warning of a link it sent too few bursts over to be shaped as set (logged too), or None."""
+    reached = first_reaching(record["curve"], goal(opts), is_text(opts))
+    text = is_text(opts)
+    what = (lambda v: f"{v:.4f} bits/byte") if text else (lambda v: f"{100 * v:.2f} %")
+    log(f"    median step {record['median_step_s']:.3f} s, compute-only "
+        f"{record['compute_only_step_s'] or float('nan'):.3f} s, final "
+        f"{'validation loss' if text else 'accuracy'} {what(record['final_accuracy'] or 0)}, "
+        + (f"{what(goal(opts))} at step {reached[0]} ({reached[1]:.1f} s)" if reached
+           else f"{what(goal(opts))} not reached"))
+    warning = burst_warning(record, rate)
+    if warning:
+        log(f"gradcomp race: warning: {warning}")
+    return warning
+
+
 def race(opts: Options, log=print, show=None, state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run every method; returns the result dict (also written to ``opts.out``).
 
@@ -561,91 +683,17 @@ def race(opts: Options, log=print, show=None, state: dict[str, Any] | None = Non
     state["network"] = network
     rate = link_rate(opts.link)
     title = setting(opts)
-    records: list[dict[str, Any]] = []
-    warnings: list[str] = []
     started = time.time()
-    before = machine()
-    code_before = code_version()  # each worker imports the source when it starts: note if it changed meanwhile
-
-    def result_of(complete: bool) -> dict[str, Any]:
-        summary = summarize(records, goal(opts), num_parameters, rate, title, lower=is_text(opts))
-        summary["notes"] += warnings
-        result = {
-            "command": "gradcomp race",
-            "complete": complete,  # False: written after a method, the race not finished (or interrupted)
-            "options": {**{k: v for k, v in dataclasses.asdict(opts).items() if k != "methods"},
-                        "methods": [m.text for m in opts.methods]},
-            "methods": records,
-            "summary": summary,
-            "network": {"kind": network.kind, "hosts": len(network.hosts), "link": opts.link,
-                        "rate_bps": rate, "tbf_burst": netns.TBF_BURST,
-                        "tbf_latency": netns.TBF_LATENCY, "tag": network.tag},
-            "machine": {**before, "load_average_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
-            "code": {"start": code_before, "end": code_version() if complete else None},
-            "started": started,
-            "wall_s": time.time() - started,
-        }
-        result["table"] = render_table(records, summary)
-        return result
-
-    def save_so_far() -> None:
-        if not opts.out:
-            return
-        try:
-            write_outputs(opts.out, result_of(False), title, log, plot=False)
-            state["saved"] = len(records)
-        except OSError as exc:
-            log(f"gradcomp race: could not save the finished methods in {opts.out}: {exc}")
-
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
-
-    def interrupted(signum, frame):
-        raise Interrupted(f"signal {signum}")
-
-    for sig in previous:
-        signal.signal(sig, interrupted)
-    try:
+    so_far = _RaceSoFar(opts, network, num_parameters, rate, title, started, machine(), code_version())
+    with _interrupted_by_signals():
         with tempfile.TemporaryDirectory(prefix=f"gradcomp-race-{network.tag or 'local'}-") as workdir:
             try:
                 network.up()
-                if network.tag:
-                    where = f"{len(network.hosts)} hosts in namespaces (run {network.tag}), link {opts.link}"
-                else:
-                    where = f"{len(network.hosts)} local processes, unshaped"
-                log(f"gradcomp race: {where}; {len(opts.methods)} methods × {opts.steps} steps")
-                if network.tag:
-                    log(f"gradcomp race: if this process is killed hard, remove what is left (namespaces and "
-                        f"{workdir}) with `gradcomp race --cleanup {network.tag}`")
-                for i, (method, cfg) in enumerate(zip(opts.methods, configs)):
-                    log(f"[{i + 1}/{len(configs)}] {method.label}")
-                    try:
-                        raw = run_method(network, method, cfg, opts, workdir, i, log)
-                    except WorkerFailedError as exc:
-                        log(f"gradcomp race: {exc}")
-                        records.append(failed_record(method, str(exc)))
-                        save_so_far()
-                        continue
-                    record = method_record(method, cfg, raw, num_parameters)
-                    records.append(record)
-                    reached = first_reaching(record["curve"], goal(opts), is_text(opts))
-                    text = is_text(opts)
-                    what = (lambda v: f"{v:.4f} bits/byte") if text else (lambda v: f"{100 * v:.2f} %")
-                    log(f"    median step {record['median_step_s']:.3f} s, compute-only "
-                        f"{record['compute_only_step_s'] or float('nan'):.3f} s, final "
-                        f"{'validation loss' if text else 'accuracy'} {what(record['final_accuracy'] or 0)}, "
-                        + (f"{what(goal(opts))} at step {reached[0]} ({reached[1]:.1f} s)" if reached
-                           else f"{what(goal(opts))} not reached"))
-                    warning = burst_warning(record, rate)
-                    if warning:
-                        log(f"gradcomp race: warning: {warning}")
-                        warnings.append(warning)
-                    save_so_far()
+                _announce(network, opts, workdir, log)
+                _run_methods(so_far, configs, workdir, log, state)
             finally:
                 network.down()  # SIGINT, SIGTERM and SIGHUP wait until it is done (netns.signals_held)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    result = result_of(True)
+    result = so_far.result(True)
     if show is not None:
         show(result["table"])  # before the files: a failed write loses nothing printed
     if opts.out:

@@ -54,9 +54,8 @@ from gradcomp.experiments.run.data import Dataset, TextDataset, evaluate, evalua
 from gradcomp.experiments.run.launch import die_with_parent
 from gradcomp.experiments.run.models import build_model
 from gradcomp.experiments.run.report import write_atomic
-from gradcomp.experiments.run.runner import (
-    EXCHANGING_OPTIMIZERS, Batches, TrainConfig, compute_gradients, make_optimizer,
-)
+from gradcomp.experiments.run.config import EXCHANGING_OPTIMIZERS, TrainConfig
+from gradcomp.experiments.run.runner import Batches, compute_gradients, make_optimizer
 from gradcomp.transport.dist import DistTransport, bind_device
 
 WARMUP_STEPS = 2  # unreported local steps before the compute-only ones: torch's first calls are slow

@@ -71,10 +71,10 @@ from gradcomp.errors import ConfigError, GradcompError
 from gradcomp.experiments.run.report import make_output_dir, write_atomic
 
 if TYPE_CHECKING:
+    from gradcomp.experiments.run.config import TrainConfig
     from gradcomp.transport.base import Transport
 
 # runner imports this module, so its types are not imported back (tests/test_imports.py: no circles at all)
-TrainConfig = Any  # a gradcomp.experiments.run.runner.TrainConfig
 Curves = Any  # a gradcomp.experiments.run.runner.Curves
 
 FORMAT = 1

@@ -72,7 +72,7 @@ def accepted_pairs(**settings: Any) -> list[tuple[str, str, list[str]]]:
     Each method's default comes first, with no flag; a ``--feedback`` flag is listed only where it asks for a
     policy other than the default (``--feedback residual`` is ``--error-feedback``, ``none`` is
     ``--no-error-feedback``)."""
-    from gradcomp.experiments.run.runner import TrainConfig
+    from gradcomp.experiments.run.config import TrainConfig
     from gradcomp.registry import BUILTIN
 
     out = []

@@ -45,14 +45,9 @@ import torch.multiprocessing as mp
 
 from gradcomp.allocator import keep_freed_memory
 from gradcomp.errors import GradcompError, Interrupted, WorkerLostError
-from gradcomp.experiments.run.runner import (
-    TrainConfig,
-    launched_by_torchrun,
-    run_simulated,
-    run_worker,
-    summarize,
-    worker_threads,
-)
+from gradcomp.experiments.run.config import TrainConfig, launched_by_torchrun
+from gradcomp.experiments.run.runner import run_simulated, run_worker, worker_threads
+from gradcomp.experiments.run.summary import summarize
 from gradcomp.transport.dist import DistTransport, bind_device
 
 

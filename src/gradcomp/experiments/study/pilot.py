@@ -66,7 +66,8 @@ def base_config(model: str, dataset: str, data_root: str | None, batch_size: int
                 seed: int):
     """``gradcomp train``'s configuration for ``model`` (its per-model defaults: optimizer, lr, schedule, batch),
     for a pilot of ``steps`` steps on W simulated workers, evaluated PILOT_EVALS times."""
-    from gradcomp.experiments.run.runner import TrainConfig, add_training_options, resolve_training_defaults
+    from gradcomp.experiments.run.config import TrainConfig
+    from gradcomp.experiments.run.options import add_training_options, resolve_training_defaults
 
     parser = argparse.ArgumentParser()
     add_training_options(parser)

@@ -358,7 +358,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/sweep", metavar="DIR")
     p.add_argument("--real", action="store_true", help="spawn real gloo workers instead of the simulated cluster")
     p.add_argument("--workers", type=int, default=4)
-    from gradcomp.experiments.run.runner import add_training_options
+    from gradcomp.experiments.run.options import add_training_options
 
     add_training_options(p)
     p.add_argument("--bandwidth", default=None, metavar="RATE")
@@ -371,7 +371,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"unknown scheme(s) {unknown}; the sweep knows {list(SCHEMES)}")
     from gradcomp.experiments.run.report import parse_seeds
-    from gradcomp.experiments.run.runner import resolve_training_defaults
+    from gradcomp.experiments.run.options import resolve_training_defaults
 
     args.densities = _floats(args.densities, "--densities")
     args.granularities = [g.strip() for g in args.granularities.split(",") if g.strip()]
