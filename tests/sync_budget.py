@@ -35,13 +35,13 @@ VERDICT_IN_RESULT = ("bf16", "fp16", "none", "randomblock", "randomk")
 # Under a GradScaler or nonfinite="propagate" the DDP hook reads nothing of theirs (0 instead of their "ddp" budget
 # below), nor does GradientAggregator(nonfinite="propagate") (0 instead of "aggregator"): the stateless ones need no
 # verdict, the others' (PowerSGD, sketched SGD, true top-k) is applied on the device, NaN in every result and the
-# state put back where it says so (ddp_hook._CommThread._pass_handed_on, GradientAggregator._handed_on), except in
+# state put back where it says so (comm_thread._CommThread._pass_handed_on, GradientAggregator._handed_on), except in
 # a step in which a slot's state first appears, which reads it once
 READS_NOTHING_HANDED_ON = ("bf16", "fp16", "none", "powersgd", "randomblock", "randomk", "sketch", "true_topk")
 
 _VERDICT = (
     "1 read, after the last round, of the workers' agreed finiteness verdict, a device flag that rode on the step's "
-    "first message (exchange._drive_deferred); the DDP hook reads it once per backward pass, at its last bucket, "
+    "first message (agreement._drive_deferred); the DDP hook reads it once per backward pass, at its last bucket, "
     "whatever the number of buckets"
 )
 _PASS = (
@@ -57,7 +57,7 @@ _WITH_CHECKS = (
 _SIZES = (
     "1 size exchange, which carries every message's layout values (its free sections' counts and its Golomb "
     "streams' lengths: wire.format.layout_values, sizes.exchange_lengths) and the workers' finiteness verdict as "
-    "well (a bad worker's values n travel as -1 - n, marked on the device: exchange._drive_deferred); every "
+    "well (a bad worker's values n travel as -1 - n, marked on the device: agreement._drive_deferred); every "
     "received message is then decoded on the device, its layout known, nothing of it brought to the host; 1 read "
     "of every message's checks (header, checksum, section heads against the layout values, padding, positions, "
     "Golomb code structure) together with the finiteness of the aggregate sums (wire.device.DeviceChecks, once "
@@ -102,7 +102,7 @@ _TABLE: dict[str, tuple[int, int, str]] = {
     "lgc": (2, 2, "1 size read: the Golomb stream's length of the leader's positions (the leader encoding; the "
             "other workers read the broadcast length instead, sizes.broadcast_buffer); 1 read of the agreed verdict, "
             "marked on the device on the first message every worker contributes to (the leader's broadcasts pass "
-            "first: exchange._drive_deferred, LGC.defers_verdict) in the same transfer as every decoded message's "
+            "first: agreement._drive_deferred, LGC.defers_verdict) in the same transfer as every decoded message's "
             "checks (the positions' Golomb section of known count, decoded on the device like a fixed layout, "
             f"clamped into the slot until then: lgc._decoded){_PASS}"),
     "sbc": (2, 2, f"{_SIZES}{_STREAMS}"),

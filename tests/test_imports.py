@@ -29,7 +29,7 @@ ROOT = Path(gradcomp.__file__).parent
 # docs/architecture.md, "Layers").
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("allocator", "finite", "netmodel", "sync_budget"),  # leaves: glibc's allocator, NaN checks, the α–β model, GPU sync budgets
+    ("allocator", "finite", "netmodel"),  # leaves: glibc's allocator, NaN checks, the α–β model
     ("kernels",),  # compiled CPU kernels
     ("wire",),  # bits and bytes, the container
     ("compressors",),  # Slot, the Compressor interface, the methods, and state.py: per-slot state, momentum arithmetic
