@@ -29,7 +29,8 @@ ROOT = Path(gradcomp.__file__).parent
 # docs/architecture.md, "Layers").
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
-    ("allocator", "finite", "netmodel"),  # leaves: glibc's allocator, NaN checks, the α–β model
+    ("allocator", "finite", "netmodel", "step_state"),  # leaves: glibc's allocator, NaN checks, the α–β model, the
+    # state of the step a thread runs
     ("kernels",),  # compiled CPU kernels
     ("wire",),  # bits and bytes, the container
     ("compressors",),  # Slot, the Compressor interface, the methods, and state.py: per-slot state, momentum arithmetic

@@ -22,7 +22,7 @@ entries and the difference between the kept entries and μ — stays in the resi
 sign bit each (bit-packed) and ONE shared magnitude μ = mean |A| over the kept entries. As in the paper's
 algorithm (μ = Σ|kept| / k; the message is μ·sign(kept)), a kept entry that is exactly zero carries 0: it is
 left out of the message, which then holds fewer than k positions (a tensor with fewer than k nonzero entries);
-μ is still the sum over k. (A one-bit sign cannot say 0: these entries used to arrive as +μ.) Its Golomb positions
+μ is still the sum over k. (A one-bit sign cannot say 0, so such an entry sent would arrive as +μ.) Its Golomb positions
 use SBC's b* of the configured density p = k / d, also in a message with fewer than k positions: the encoder then
 needs no count to choose it, and on a GPU the stream's length is computed before the count is read.
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -52,6 +51,7 @@ from torch import Tensor
 
 from gradcomp.compressors.base import Slot, subtract_at
 from gradcomp.errors import ConfigError
+from gradcomp.step_state import setting, step_state
 
 
 def plain_name(name: str) -> str:
@@ -119,23 +119,16 @@ def _loaded_into(now: Any, saved: Any) -> bool:
     return True
 
 
-_journals = threading.local()  # .open: the journal recording on this thread, or None
-
-
 @contextlib.contextmanager
 def journal(record: Journal | None = None) -> Iterator[Journal]:
     """While open on this thread, every ``SlotState`` notes a slot's state before it first touches it (into
     ``record``, to go on with one opened before: FSDP's pass of several calls, ``train.fsdp``; else a new one)."""
-    record, before = record if record is not None else Journal(), getattr(_journals, "open", None)
-    _journals.open = record
-    try:
-        yield record
-    finally:
-        _journals.open = before
+    with setting("journal", record if record is not None else Journal()) as opened:
+        yield opened
 
 
 def _note(state: SlotState, fields: Iterable[str], key: str) -> None:
-    record = getattr(_journals, "open", None)
+    record = step_state().journal
     if record is not None:
         for field in fields:
             record.note(state, field, key)

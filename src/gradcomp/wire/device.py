@@ -11,19 +11,19 @@ transfer). A failed check is named by the host path (``container.decode``), whic
 The sender's checks of device-path encodes (BITS ranges, POSITIONS order) are kept here too, read with the next
 device read (:func:`check_pending`).
 
-The state is per thread, like the refusal protocol's (:mod:`.refusals`).
+The state is the thread's ``gradcomp.step_state.StepState``, shared with the refusal protocol.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from gradcomp.errors import ConfigError, WireError
+from gradcomp.step_state import setting, step_state
 from gradcomp.wire.bits import _as_uint8_buffer, _unpack, decoded_dtype, host_path, ints_on
 from gradcomp.wire.checksum import checksum64_tensor, to_host
 from gradcomp.wire.format import (
@@ -43,7 +43,6 @@ from gradcomp.wire.format import (
 from gradcomp.wire.golomb import golomb_decode
 from gradcomp.wire.refusals import (
     StepAbandoned,
-    _checks_set,
     _read_bytes,
     _refuse,
     collecting_received,
@@ -60,24 +59,19 @@ __all__ = [
     "hold_for_the_pass",
 ]
 
-_pass = threading.local()  # .checks: the DeviceChecks that holds a DDP backward pass's checks until its last bucket
-
-_pending = threading.local()
 _PENDING_LIMIT = 256
 
 
 def _defer(flags: list) -> None:
-    checks = getattr(_pending, "checks", None)
-    if checks is None:
-        checks = _pending.checks = []
+    checks = step_state().sender_checks
     checks.extend(flags)
     if len(checks) >= _PENDING_LIMIT:
         check_pending()
 
 
 def _take_pending() -> list:
-    checks = getattr(_pending, "checks", None) or []
-    _pending.checks = []
+    state = step_state()
+    checks, state.sender_checks = state.sender_checks, []
     return checks
 
 
@@ -95,7 +89,6 @@ def check_pending() -> None:
         _raise_failed(checks, _read_bytes(flags))
 
 
-_fetched = threading.local()  # .hosts: {(data_ptr, length): (host copy, device checksum)} (fetch_together)
 
 
 @contextlib.contextmanager
@@ -115,21 +108,17 @@ def fetch_together(messages: Sequence[tuple[torch.Tensor, Sequence[FieldSpec]]])
         fixed = _fixed_layout(specs, _check_specs(specs), total)
         if fixed is None or fixed[1] != total:
             wanted.append(_as_uint8_buffer(buf))
-    before = getattr(_fetched, "hosts", None)
-    hosts = dict(before or {})
+    hosts = dict(step_state().fetched or {})
     if len(wanted) > 1:  # (one buffer: decode makes the same single transfer itself)
         for b, (mem, computed) in zip(wanted, _fetch(wanted)):  # copies: the staging buffer is reused
             hosts[(b.data_ptr(), b.numel())] = (mem.copy(), computed)
-    _fetched.hosts = hosts
-    try:
+    with setting("fetched", hosts):
         yield
-    finally:
-        _fetched.hosts = before
 
 
 def _fetched_copy(buf: torch.Tensor) -> tuple[np.ndarray, int] | None:
     """The host copy and device checksum :func:`fetch_together` made of ``buf`` on this thread, or None."""
-    return (getattr(_fetched, "hosts", None) or {}).get((buf.data_ptr(), buf.numel()))
+    return (step_state().fetched or {}).get((buf.data_ptr(), buf.numel()))
 
 
 def _fetch(bufs: list[torch.Tensor]) -> list[tuple[np.ndarray, int]]:
@@ -357,12 +346,12 @@ class DeviceChecks:
 def holding_for_the_pass(checks: DeviceChecks | None):
     """While inside, :func:`hold_for_the_pass` on this thread moves an exchange's checks to ``checks`` (the DDP
     hook's communication thread, one backward pass, the device path; None: nothing is held)."""
-    return _checks_set(_pass, checks)
+    return setting("pass_checks", checks)
 
 
 def held_for_the_pass() -> DeviceChecks | None:
     """The DeviceChecks that holds this thread's pass (inside :func:`holding_for_the_pass`), or None."""
-    return getattr(_pass, "checks", None)
+    return step_state().pass_checks
 
 
 def hold_for_the_pass(checks: DeviceChecks, abandon: torch.Tensor | None = None) -> bool:
@@ -374,7 +363,7 @@ def hold_for_the_pass(checks: DeviceChecks, abandon: torch.Tensor | None = None)
     verdicts. The decoded values leave before that read, which refuses a bad message before anything of the pass is
     applied. Nothing is read here. False outside such a pass: the caller reads as before.
     """
-    held = getattr(_pass, "checks", None)
+    held = step_state().pass_checks
     if held is None:
         return False
     held.take(checks)

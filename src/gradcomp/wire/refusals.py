@@ -16,18 +16,19 @@ and exceptions that carry it:
 - :func:`check_received`: a receiver's check of a decoded field, read now on the host path or handed to the
   ``device.DeviceChecks`` collecting on this thread.
 
-The state is per thread (one step runs in one thread; the simulated cluster runs one worker per thread).
+The state is the thread's ``gradcomp.step_state.StepState`` (one step runs in one thread; the simulated cluster runs
+one worker per thread).
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Sequence
 
 import torch
 
 from gradcomp.errors import WireError
+from gradcomp.step_state import setting, step_state
 from gradcomp.wire.bits import host_path
 
 __all__ = [
@@ -62,7 +63,6 @@ class Refusals:
         self.abandoned = False  # this worker alone found that the step must be abandoned (``abandon_later``)
 
 
-_refusals = threading.local()  # .now: the Refusals of the step this thread runs, inside refusing_later
 
 
 def abandon_later() -> bool:
@@ -70,7 +70,7 @@ def abandon_later() -> bool:
     shard owner's aggregate that a message made non-finite, where the verdict is not deferred), for the workers to
     agree on at the step's end with the refusals (``train.agreement.settle``); False outside
     :func:`refusing_later` (the caller then goes on as before)."""
-    refusals = getattr(_refusals, "now", None)
+    refusals = step_state().refusals
     if refusals is None:
         return False
     refusals.abandoned = True
@@ -82,12 +82,12 @@ def refusing_later(refusals: Refusals | None):
     raising WireError (:func:`decode` returns stand-ins, :meth:`DeviceChecks.read` and :func:`check_received` go
     on), so that this worker runs the step's rounds to their end like every other and all of them learn of it
     together (``train.agreement.settle``). None: raise at once, as outside."""
-    return _checks_set(_refusals, refusals, "now")
+    return setting("refusals", refusals)
 
 
 def _note_use() -> Refusals | None:
     """Counts one message encoded or decoded in the step under way; its Refusals, if any."""
-    refusals = getattr(_refusals, "now", None)
+    refusals = step_state().refusals
     if refusals is not None:
         refusals.used += 1
     return refusals
@@ -95,41 +95,32 @@ def _note_use() -> Refusals | None:
 
 def _refuse(error: WireError) -> None:
     """Raises ``error``, or notes it in the step's Refusals (inside :func:`refusing_later`)."""
-    refusals = getattr(_refusals, "now", None)
+    refusals = step_state().refusals
     if refusals is None:
         raise error
     refusals.messages.append(str(error))
 
 
-_receiving = threading.local()  # .checks: the DeviceChecks collecting this thread's check_received calls, if any
 
 
-@contextlib.contextmanager
-def _checks_set(local: threading.local, checks: object, name: str = "checks"):
-    """``local.<name>`` is ``checks`` while inside, then what it was before."""
-    before = getattr(local, name, None)
-    setattr(local, name, checks)
-    try:
-        yield checks
-    finally:
-        setattr(local, name, before)
 
 
 def collecting_received(checks: object):
     """While inside, :func:`check_received` on this thread hands its checks to ``checks`` (a ``device.DeviceChecks``,
     through its ``add_received``), to be read with them."""
-    return _checks_set(_receiving, checks)
+    return setting("receiving", checks)
 
 
 @contextlib.contextmanager
 def verdict_pending(flag: torch.Tensor):
     """While inside, ``flag`` is the step's pending verdict (as :func:`defer_verdict` leaves it, without starting a
     deferred step): the next device read takes it in its transfer. Withdrawn on the way out, read or not."""
-    _verdict.flag = flag
+    state = step_state()
+    state.verdict = flag
     try:
         yield
     finally:
-        _verdict.flag = None
+        state.verdict = None
 
 
 class StepAbandoned(Exception):
@@ -168,22 +159,22 @@ def abandon_flags(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
     return ((head[:, 0] == ABANDON_MARK[0]) & (head[:, 1] == ABANDON_MARK[1])).any()
 
 
-_verdict = threading.local()  # .flag: this thread's pending verdict of the step (a bool tensor, True = abandon)
 
 
 def defer_verdict(flag: torch.Tensor | None) -> None:
     """Hands the step's agreed verdict (a one-element bool tensor on the device, True when some worker's gradients
     were not finite) to this thread's next device read in this module, which reads it in the same transfer and
     raises StepAbandoned if it is True; None withdraws it and ends the deferred step (``deferring``)."""
-    _verdict.flag = flag
-    _verdict.deferring = flag is not None
+    state = step_state()
+    state.verdict = flag
+    state.deferring = flag is not None
 
 
 def deferring() -> bool:
     """Whether this thread runs a step whose verdict was deferred (from ``defer_verdict(flag)`` until
     ``defer_verdict(None)``, whether or not a read has taken the flag yet): such a step may be abandoned by
     raising StepAbandoned on every worker at the same point."""
-    return getattr(_verdict, "deferring", False)
+    return step_state().deferring
 
 
 def add_to_verdict(flag: torch.Tensor) -> None:
@@ -195,8 +186,8 @@ def add_to_verdict(flag: torch.Tensor) -> None:
 
 def take_verdict() -> torch.Tensor | None:
     """The verdict :func:`defer_verdict` left that no read has taken yet (and withdraws it), or None."""
-    flag = getattr(_verdict, "flag", None)
-    _verdict.flag = None
+    state = step_state()
+    flag, state.verdict = state.verdict, None
     return flag
 
 
@@ -217,7 +208,7 @@ def check_received(ok: torch.Tensor | bool, message: str) -> None:
     the zero padding bits of a sign bitmap): handed to the :class:`DeviceChecks` collecting on this thread (read
     with its one transfer: no host synchronisation here), or read now where none is collecting or ``ok`` is a
     Python bool (the host path's). WireError(message) for a failed one (inside :func:`refusing_later`: noted)."""
-    later = getattr(_receiving, "checks", None)
+    later = step_state().receiving
     if later is not None and isinstance(ok, torch.Tensor):
         later.add_received(ok, message)
     elif not bool(ok):
@@ -235,7 +226,7 @@ def check_received_range(values: torch.Tensor, low: float | None, high: float | 
     feedback, it is left out rather than read at once (a host synchronisation for a message this worker made)."""
     if values.numel() == 0:
         return
-    if not host_path(values) and getattr(_receiving, "checks", None) is None:
+    if not host_path(values) and step_state().receiving is None:
         return
     if values.is_floating_point():  # (scales: a few entries)
         out = torch.zeros_like(values, dtype=torch.bool)

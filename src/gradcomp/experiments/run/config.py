@@ -26,8 +26,8 @@ from gradcomp.train.aggregator import GRANULARITIES, GradientAggregator
 from gradcomp.train.exchange import TOPOLOGIES, build_scheme
 from gradcomp.train.local_steps import check_compressors
 
-# Seconds a worker waits at a collective for the others. It was 900 s: a stopped or hung worker was then reported
-# after a quarter of an hour. The longest normal wait in `gradcomp train` is a few seconds (rank 0 evaluating the
+# Seconds a worker waits at a collective for the others before a stopped or hung worker is reported. The longest
+# normal wait in `gradcomp train` is a few seconds (rank 0 evaluating the
 # test set while the others wait for the next step, a worker importing torch on a busy machine); 120 s leaves a
 # wide margin for that and still reports a stuck worker within two minutes.
 DEFAULT_TIMEOUT_S = 120.0

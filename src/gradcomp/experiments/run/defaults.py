@@ -1,4 +1,4 @@
-"""Defaults that train: the method + feedback pairs refused at the settings measured not to train (issue 52).
+"""Defaults that train: the method + feedback pairs refused at the settings measured not to train.
 
 `gradcomp train` with no options is the docs' MNIST job (MNIST, SmallCNN, SGD lr 0.05 with momentum 0.9). Most
 methods train there at their own defaults; the pairs in ``RULES`` do not: they diverge to NaN or end near
