@@ -83,6 +83,8 @@ ADAM_ROWS = [
      ["--compressor", "cnat", "--topology", "sharded", "--server-compressor", "cnat"]),
     ("a_fp16", "fp16", ["--compressor", "fp16"]),
     ("a_zero_one_adam", "0/1 Adam", ["--optimizer", "zero_one_adam"]),
+    ("a_zero_one_adam_dense52", "0/1 Adam, the variance stage dense (52 steps, then frozen; no 1-bit gradient steps)",
+     ["--optimizer", "zero_one_adam", "--freeze-step", "52", "--var-update-scaler", "1000"]),
     ("a_diloco32_4bit", "DiLoCo H=32, outer Nesterov, 4-bit pseudo-gradients (random dithering, 7 levels)",
      ["--compressor", "random_dithering", "--param", "levels=7", "--local-steps", "32", "--outer-optimizer",
       "nesterov"]),
