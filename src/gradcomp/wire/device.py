@@ -89,8 +89,6 @@ def check_pending() -> None:
         _raise_failed(checks, _read_bytes(flags))
 
 
-
-
 @contextlib.contextmanager
 def fetch_together(messages: Sequence[tuple[torch.Tensor, Sequence[FieldSpec]]]):
     """While inside, :func:`decode` of any of the ``messages``' buffers (device buffers, each with its specs) on this
