@@ -629,11 +629,9 @@ def _decode(
     return out
 
 
-def _named_fault(buf: torch.Tensor | None, specs: list, wrong: str) -> WireError:
+def _named_fault(buf: torch.Tensor, specs: list, wrong: str) -> WireError:
     """The WireError for a message that failed the device's checks (``wrong``: which): the host path's, which names
-    the fault, where the buffer was kept; else one from the checks alone."""
-    if buf is None:  # let go (``DeviceChecks.take``): named from its checks
-        return WireError(f"a received message failed the device's checks: {wrong}")
+    the fault (a message whose buffer was let go is named from its checks alone, by ``DeviceChecks.read``)."""
     try:
         _decode(buf, specs, None)  # the host path names the fault
     except WireError as e:
