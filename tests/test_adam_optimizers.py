@@ -251,7 +251,9 @@ def _resume(world, cls, kwargs, steps, cut):
 
 @pytest.mark.parametrize("cls,kwargs", [(OneBitAdam, {"freeze_step": 6}),
                                         (OneBitAdam, {"freeze_step": 6, "warmup_compressor": "cnat"}),
-                                        (ZeroOneAdam, {"var_freeze_step": 6, "local_step_scaler": 2})])
+                                        (ZeroOneAdam, {"var_freeze_step": 6, "local_step_scaler": 2}),
+                                        (ZeroOneAdam, {"var_freeze_step": 6, "var_update_scaler": 6,
+                                                       "local_step_scaler": 2, "warmup_compressor": "cnat"})])
 @pytest.mark.parametrize("cut", [3, 6, 9])  # before, at and after the freeze
 def test_resume_is_bit_exact_across_the_freeze(cls, kwargs, cut):
     straight = _simulated(2, lambda t: _train(t, cls, kwargs, 14)[0])
@@ -266,11 +268,15 @@ def _wide() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 400), nn.Tanh(), nn.Linear(400, 3))
 
 
-def _warm_up(world: int, compressor: str, steps: int = 5):
+WARM_UPS = {OneBitAdam: {"freeze_step": 50},  # (0/1 Adam: every step of its variance stage a dense one)
+            ZeroOneAdam: {"var_freeze_step": 50, "var_update_scaler": 50}}
+
+
+def _warm_up(world: int, compressor: str, steps: int = 5, cls=OneBitAdam):
     def worker(transport):
         model = _wide()
-        opt = OneBitAdam(model, transport, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=50,
-                         warmup_compressor=compressor)
+        opt = cls(model, transport, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, warmup_compressor=compressor,
+                  **WARM_UPS[cls])
         sent = []
         for step in range(steps):
             _grads(model, transport.rank, step)
@@ -282,8 +288,9 @@ def _warm_up(world: int, compressor: str, steps: int = 5):
     return _simulated(world, worker)
 
 
-def test_a_compressed_warm_up_sends_fewer_bytes_and_stays_near_fp32s_adamw():
-    fp32 = _warm_up(2, "none")
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+def test_a_compressed_warm_up_sends_fewer_bytes_and_stays_near_fp32s_adamw(cls):
+    fp32 = _warm_up(2, "none", cls=cls)
     start = [p.detach() for p in _wide().parameters()]
 
     def distance(a, b):
@@ -292,7 +299,7 @@ def test_a_compressed_warm_up_sends_fewer_bytes_and_stays_near_fp32s_adamw():
     numel = sum(p.numel() for p in _wide().parameters())
     assert fp32[0][1][0] >= 4 * numel  # fp32's warm-up: at least 32 bits a coordinate
     for compressor, ratio in (("fp16", 0.5), ("cnat", 9 / 32)):
-        results = _warm_up(2, compressor)
+        results = _warm_up(2, compressor, cls=cls)
         (params, sent), (other, _) = results
         assert all(torch.equal(a, b) for a, b in zip(params, other))  # replicas identical
         # the messages' payload, up and down, is the quantiser's (headers aside), every warm-up step
@@ -617,6 +624,7 @@ SMALL = ["train", "--dataset", "synthetic", "--model", "mlp", "--no-progress", "
     (["--dense-steps", "2", "--local-steps", "2"], "not with --local-steps"),
     (["--optimizer", "zero_one_adam", "--local-step-clipper", "0"], "--local-step-clipper must be"),
     (["--optimizer", "onebit_adam", "--warmup-compressor", "topk"], "--warmup-compressor must be one of"),
+    (["--optimizer", "zero_one_adam", "--warmup-compressor", "sbc"], "--warmup-compressor must be one of"),
     (["--optimizer", "adamw", "--warmup-compressor", "cnat"], "--warmup-compressor is 1-bit Adam's"),
 ])
 def test_bad_options_are_one_line_before_any_worker_starts(extra, message, capsys):
@@ -629,6 +637,7 @@ def test_bad_options_are_one_line_before_any_worker_starts(extra, message, capsy
 
 @pytest.mark.parametrize("extra", [["--optimizer", "onebit_adam"], ["--optimizer", "zero_one_adam"],
                                    ["--optimizer", "onebit_adam", "--warmup-compressor", "cnat"],
+                                   ["--optimizer", "zero_one_adam", "--warmup-compressor", "cnat"],
                                    ["--ddp", "--compressor", "topk", "--param", "density=0.1", "--error-feedback",
                                     "--dense-steps", "3"],
                                    ["--local-steps", "3", "--outer-optimizer", "nesterov"]])

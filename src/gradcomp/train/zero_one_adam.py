@@ -44,6 +44,10 @@ Choices where the paper is silent or DeepSpeed differs:
 - A coordinate whose variance is 0 (its gradient exactly 0 at every variance update: an embedding row of a byte
   not seen) is not moved by 1-bit vectors or local steps while it is: divided by eps they would move it by about
   lr / eps (``ExchangingAdam._masks``).
+- ``warmup_compressor`` (not in the paper, default ``"none"``: fp32), as 1-bit Adam's: what the variance stage's
+  dense steps (those of T_v) send: fp16, bf16, C_nat or natural dithering (``DENSE_COMPRESSORS``). With
+  ``var_update_scaler`` at least ``var_freeze_step`` every step of the variance stage is such a step, and the
+  stage is 1-bit Adam's warm-up: no 1-bit gradient steps, whose error feedback Adam's moments see as bursts.
 - The residuals of the variance stage's 1-bit gradient exchange and of the local stage's 1-bit sync are apart
   (two exchanges): they compress different quantities.
 """
@@ -66,13 +70,14 @@ class ZeroOneAdam(ExchangingAdam):
 
     def __init__(self, params, transport: Transport | None = None, *, var_freeze_step: int, lr: float = 1e-3,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, var_update_scaler: int = 16,
-                 local_step_scaler: int = 50, local_step_clipper: int = 16):
+                 local_step_scaler: int = 50, local_step_clipper: int = 16, warmup_compressor: str = "none"):
         self.var_freeze_step = check_step_count(var_freeze_step, "var_freeze_step")
         self.var_update_scaler = check_step_count(var_update_scaler, "var_update_scaler")
         self.local_step_scaler = check_step_count(local_step_scaler, "local_step_scaler")
         self.local_step_clipper = check_step_count(local_step_clipper, "local_step_clipper")
+        self.warmup_compressor = warmup_compressor
         super().__init__(params, transport, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         onebit=("gradient", "update"))
+                         onebit=("gradient", "update"), dense_compressor=warmup_compressor)
         self.var_interval, self.var_counter, self.var_updates = 1, 0, 0
         self.local_interval, self.local_counter, self._pending, self.lrs, self.syncs = 1, 0, 0, 0.0, 0
         self._poisoned = False  # a local step's gradient was not finite since the last sync

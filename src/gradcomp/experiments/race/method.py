@@ -15,8 +15,9 @@ Methods (``--method``, repeated): ``NAME[:KEY=VALUE,KEY=VALUE...]``.
   optimizer settings, e.g. ``sgd.lr=0.001`` for sign methods) and ``label``. ``error_feedback=true`` works as in
   ``--param``.
 - The methods built for Adam (docs/adam.md): ``onebit_adam`` and ``zero_one_adam`` (``--optimizer onebit_adam``,
-  no compressor; ``freeze_step=N``; 1-bit Adam's ``warmup=cnat`` sends its warm-up through C_nat, as
-  ``--warmup-compressor``), and any compressor with ``local_steps=H`` and ``outer=nesterov`` (DiLoCo;
+  no compressor; ``freeze_step=N``; ``warmup=cnat`` sends 1-bit Adam's warm-up, or 0/1 Adam's variance
+  updates, through C_nat, as ``--warmup-compressor``), and any compressor with ``local_steps=H`` and
+  ``outer=nesterov`` (DiLoCo;
   ``outer.lr``, ``outer.momentum``; ``diloco:local_steps=32`` is ``none:local_steps=32,outer=nesterov``), or
   ``dense_steps=N`` (the first N steps dense fp32). These run after backward (``ddp=off``), as their exchange
   is not DDP's; ``lr=`` sets the learning rate of any method (``adam.lr`` too).

@@ -164,11 +164,11 @@ def _optimizer_text(cfg: TrainConfig) -> str:
     text = f"{cfg.optimizer} betas={tuple(cfg.betas)} eps={cfg.eps!r}"
     if cfg.optimizer == "onebit_adam":
         text += f" freeze={cfg.resolved_freeze_step()}"
-        if cfg.warmup_compressor != "none":
-            text += f" warmup={cfg.warmup_compressor}"
     elif cfg.optimizer == "zero_one_adam":
         text += (f" freeze={cfg.resolved_freeze_step()} kappa={cfg.var_update_scaler} "
                  f"local={cfg.local_step_scaler}/{cfg.local_step_clipper}")
+    if cfg.warmup_compressor != "none":
+        text += f" warmup={cfg.warmup_compressor}"
     return text
 
 

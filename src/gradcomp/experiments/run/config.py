@@ -301,9 +301,10 @@ class TrainConfig:
         if self.optimizer not in EXCHANGING_OPTIMIZERS and self.freeze_step is not None:
             raise ConfigError("--freeze-step is 1-bit Adam's and 0/1 Adam's: give --optimizer onebit_adam or "
                               "zero_one_adam")
-        if self.optimizer != "onebit_adam" and self.warmup_compressor != "none":
-            raise ConfigError("--warmup-compressor is 1-bit Adam's (what its dense warm-up sends): give --optimizer "
-                              "onebit_adam, or --dense-steps N for a compressor's fp32 warm-up")
+        if self.optimizer not in EXCHANGING_OPTIMIZERS and self.warmup_compressor != "none":
+            raise ConfigError("--warmup-compressor is 1-bit Adam's and 0/1 Adam's (what their dense steps send): give "
+                              "--optimizer onebit_adam or zero_one_adam, or --dense-steps N for a compressor's fp32 "
+                              "warm-up")
         if self.optimizer not in ADAM_FAMILY and (tuple(self.betas) != (0.9, 0.999) or self.eps != 1e-8):
             raise ConfigError("--beta1 / --beta2 / --eps are AdamW's: give --optimizer adamw")
 
@@ -333,13 +334,12 @@ class TrainConfig:
                 f"--freeze-step {freeze} is not before the run's last step ({self.steps} steps): "
                 f"{name} would never compress; give a freeze step below {self.steps}, or use --optimizer adamw"
             )
-        if name == "onebit_adam":
-            from gradcomp.train.compressed_adam import DENSE_COMPRESSORS
+        from gradcomp.train.compressed_adam import DENSE_COMPRESSORS
 
-            if self.warmup_compressor not in DENSE_COMPRESSORS:
-                raise ConfigError(f"--warmup-compressor must be one of {', '.join(DENSE_COMPRESSORS)} (unbiased or "
-                                  "near-lossless, so AdamW's moments see the gradient's own statistics), got "
-                                  f"{self.warmup_compressor!r}")
+        if self.warmup_compressor not in DENSE_COMPRESSORS:
+            raise ConfigError(f"--warmup-compressor must be one of {', '.join(DENSE_COMPRESSORS)} (unbiased or "
+                              "near-lossless, so AdamW's moments see the gradient's own statistics), got "
+                              f"{self.warmup_compressor!r}")
         if name == "zero_one_adam":
             for option, value in (("--var-update-scaler", self.var_update_scaler),
                                   ("--local-step-scaler", self.local_step_scaler),

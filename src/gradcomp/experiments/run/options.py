@@ -35,8 +35,8 @@ def add_training_options(p: argparse.ArgumentParser, *, epochs: float | None = 1
                    help="onebit_adam / zero_one_adam: steps of dense AdamW (0/1 Adam: of variance updates) before "
                         f"the variance freezes (default {round(100 * DEFAULT_FREEZE_FRACTION)} %% of --steps)")
     p.add_argument("--warmup-compressor", default="none", metavar="NAME",
-                   help="onebit_adam: what its warm-up's gradients go through: none (fp32, the paper's), fp16, bf16, "
-                        "cnat or natural_dithering")
+                   help="onebit_adam / zero_one_adam: what the dense warm-up steps' gradients go through: none (fp32, "
+                        "the papers'), fp16, bf16, cnat or natural_dithering")
     p.add_argument("--var-update-scaler", type=int, default=16, metavar="K",
                    help="zero_one_adam: variance updates per doubling of their interval (the paper's kappa)")
     p.add_argument("--local-step-scaler", type=int, default=50, metavar="N",

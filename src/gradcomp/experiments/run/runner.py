@@ -88,7 +88,8 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, transport: Transport | No
 
         return ZeroOneAdam(model, transport, var_freeze_step=cfg.resolved_freeze_step(),
                            var_update_scaler=cfg.var_update_scaler, local_step_scaler=cfg.local_step_scaler,
-                           local_step_clipper=cfg.local_step_clipper, **adam)
+                           local_step_clipper=cfg.local_step_clipper, warmup_compressor=cfg.warmup_compressor,
+                           **adam)
     if cfg.optimizer == "adamw":  # decoupled weight decay; the gradient it sees is the exchanged one
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                  weight_decay=cfg.weight_decay)

@@ -37,7 +37,7 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
         "server_params": dict(cfg.server_params), "error_feedback": cfg.uses_error_feedback(),
         **({"betas": list(cfg.betas), "eps": cfg.eps} if cfg.optimizer in ADAM_FAMILY else {}),
         **({"freeze_step": cfg.resolved_freeze_step()} if cfg.optimizer in EXCHANGING_OPTIMIZERS else {}),
-        **({"warmup_compressor": cfg.warmup_compressor} if cfg.optimizer == "onebit_adam" else {}),
+        **({"warmup_compressor": cfg.warmup_compressor} if cfg.optimizer in EXCHANGING_OPTIMIZERS else {}),
         **({"outer_optimizer": cfg.outer_optimizer, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
            if cfg.local_steps is not None else {}),
         "dense_steps": cfg.dense_steps,
