@@ -102,3 +102,18 @@ def test_pilots_skip_a_phase_they_cannot_reach_and_time_the_others_phase_by_phas
         n = early["steps_to_target"]
         dense, rest = early["phases"]
         assert early["time_s"] == pytest.approx(min(n, 4) * dense["step_s"] + max(0, n - 4) * rest["step_s"])
+
+
+def test_a_phased_row_is_never_taken_for_fp32s():
+    """1-bit Adam and DiLoCo have no compressor ("none", fp32's name): the plan's "x fp32" column and its
+    recommendation must still read fp32's own row."""
+    opts = plan.PlanOptions(shapes=[(256, 256)], model=None, workers=4, link="1mbit", steps=100, compute_ms=10.0,
+                            methods=["onebit_adam:freeze_step=20", "diloco:local_steps=4", "none"], pilots=False,
+                            cache=False)
+    result = plan.run_plan(opts)
+    rows = {r["label"]: r for r in result["rows"]}
+    assert [r["method"] for r in result["rows"]].count(plan.FP32) == 1
+    assert rows["none"]["method"] == plan.FP32
+    assert rows["onebit_adam:freeze_step=20"]["method"] == "none (onebit_adam)"
+    fp32_column = plan.table_rows(result)[[r["label"] for r in result["rows"]].index("none")][2]
+    assert fp32_column == "1.00"

@@ -122,6 +122,13 @@ def for_pilot(method: Method, steps: int | None) -> Method:
     return method
 
 
+def phased_name(method: Method) -> str:
+    """A phased method's row name: never fp32's ``none``, which 1-bit Adam and DiLoCo have as their compressor, so
+    that no report takes their row for fp32's."""
+    kind = method.optimizer or ("local steps" if method.local_steps is not None else "dense steps")
+    return f"{method.name} ({kind})"
+
+
 def combine(method: Method, parts: list[tuple[Phase, object]], steps: int, row_type):
     """One PlanRow for a phased method from its phases' priced rows: per step, the run's mean."""
     def mean(attr: str) -> float:
@@ -134,5 +141,5 @@ def combine(method: Method, parts: list[tuple[Phase, object]], steps: int, row_t
     last_phase, last = parts[-1]
     calls = {op: n / last_phase.every for op, n in last.calls.items()}
     note = "; ".join(f"{r['what']}: {1e3 * r['step_s']:.1f} ms a step" for r in rows)
-    return row_type(method.label, method.name, compute, mean("compress_s"), mean("communicate_s"), mean("bits_up"),
+    return row_type(method.label, phased_name(method), compute, mean("compress_s"), mean("communicate_s"), mean("bits_up"),
                     mean("bits_down"), calls, note, mean("priced_s"), None, rows)
