@@ -101,7 +101,7 @@ def make_network(opts: Options, log=print):
     return netns.NamespaceNetwork(opts.hosts, None)
 
 
-def _base_config(opts: Options):
+def base_config(opts: Options):
     from gradcomp.experiments.run.config import TrainConfig
 
     return TrainConfig(
@@ -152,7 +152,7 @@ def plan(opts: Options, log=print) -> tuple[list[Any], int]:
     labels = [m.label for m in opts.methods]
     if len(set(labels)) != len(labels):
         raise ConfigError(f"two methods have the same label: {labels}; give one label=...")
-    base = _base_config(opts)
+    base = base_config(opts)
     data = base.load_data()
     num_parameters = sum(p.numel() for p in build_model(opts.model, data, opts.seed).parameters())
     configs = []

@@ -12,6 +12,26 @@ from gradcomp.experiments.run.config import ADAM_FAMILY, EXCHANGING_OPTIMIZERS, 
 from gradcomp.transport.base import ByteCounter
 
 
+ECHOED = ("compressor", "feedback", "feedback_momentum", "granularity", "topology", "server_compressor",
+          "local_steps", "batch_size", "lr", "momentum", "optimizer", "weight_decay", "lr_schedule", "warmup_steps",
+          "dataset", "model", "seed", "simulate", "ddp", "fsdp")
+
+
+def config_record(cfg: TrainConfig) -> dict[str, Any]:
+    """The configuration part of a run's result, as given (``gradcomp plan --recorded`` matches runs by it)."""
+    return {
+        **{key: getattr(cfg, key) for key in ECHOED}, "params": dict(cfg.params),
+        "server_params": dict(cfg.server_params), "error_feedback": cfg.uses_error_feedback(),
+        **({"betas": list(cfg.betas), "eps": cfg.eps} if cfg.optimizer in ADAM_FAMILY else {}),
+        **({"freeze_step": cfg.resolved_freeze_step()} if cfg.optimizer in EXCHANGING_OPTIMIZERS else {}),
+        **({"warmup_compressor": cfg.warmup_compressor} if cfg.optimizer in EXCHANGING_OPTIMIZERS else {}),
+        **({"outer_optimizer": cfg.outer_optimizer, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
+           if cfg.local_steps is not None else {}),
+        "dense_steps": cfg.dense_steps,
+        **({"lr_step_size": cfg.lr_step_size, "lr_gamma": cfg.lr_gamma} if cfg.lr_schedule == "step" else {}),
+    }
+
+
 def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float, backend: str) -> dict[str, Any]:
     """One result dict from every worker's local statistics (bits are per-worker means of measured counts)."""
     workers = len(stats)
@@ -29,19 +49,8 @@ def summarize(cfg: TrainConfig, stats: list[dict[str, Any]], wall_time_s: float,
     dense_bits = 32 * num_parameters * steps * ((workers - 1) / workers if cfg.fsdp else 1)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     up, down = mean(bits_up), mean(bits_down)
-    echoed = ("compressor", "feedback", "feedback_momentum", "granularity", "topology", "server_compressor",
-              "local_steps", "batch_size", "lr", "momentum", "optimizer", "weight_decay", "lr_schedule", "warmup_steps",
-              "dataset", "model", "seed", "simulate", "ddp", "fsdp")  # the configuration, as given
     return {
-        **{key: getattr(cfg, key) for key in echoed}, "params": dict(cfg.params),
-        "server_params": dict(cfg.server_params), "error_feedback": cfg.uses_error_feedback(),
-        **({"betas": list(cfg.betas), "eps": cfg.eps} if cfg.optimizer in ADAM_FAMILY else {}),
-        **({"freeze_step": cfg.resolved_freeze_step()} if cfg.optimizer in EXCHANGING_OPTIMIZERS else {}),
-        **({"warmup_compressor": cfg.warmup_compressor} if cfg.optimizer in EXCHANGING_OPTIMIZERS else {}),
-        **({"outer_optimizer": cfg.outer_optimizer, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
-           if cfg.local_steps is not None else {}),
-        "dense_steps": cfg.dense_steps,
-        **({"lr_step_size": cfg.lr_step_size, "lr_gamma": cfg.lr_gamma} if cfg.lr_schedule == "step" else {}),
+        **config_record(cfg),
         "workers": workers, "steps": steps, "syncs": lead["syncs"], "epochs": lead["epochs"],
         "num_parameters": num_parameters, "backend": backend,
         "test_accuracy": lead["test_accuracy"],

@@ -162,31 +162,32 @@ class Prediction:
 
 
 def predict(pilot: dict[str, Any], fp32: dict[str, Any], target: float, lower: bool, tolerance: float,
-            fp32_steps: float) -> Prediction:
-    """Steps to ``target`` from a method's pilot and fp32's (see the module docstring)."""
+            fp32_steps: float, what: str = "pilot") -> Prediction:
+    """Steps to ``target`` from a method's pilot and fp32's (see the module docstring); ``what`` names the curves
+    in the details ("pilot", or "run" for a recorded one)."""
     if pilot.get("diverged"):
-        return Prediction("diverged", detail=f"diverged in its pilot ({pilot.get('error') or 'a non-finite value'})")
+        return Prediction("diverged", detail=f"diverged in its {what} ({pilot.get('error') or 'a non-finite value'})")
     curve, ref = pilot["curve"], fp32["curve"]
     if not curve:
-        return Prediction("does not keep up", detail="no evaluation in its pilot")
+        return Prediction("does not keep up", detail=f"no evaluation in its {what}")
     gap = (curve[-1][1] - ref[-1][1]) * (1 if lower else -1)
     unit = "bits/byte" if lower else "points"
     interval = curve[1][0] - curve[0][0] if len(curve) > 1 else curve[0][0]
     at = crossing(curve, target, lower)
     if at is not None and gap <= tolerance:
         return Prediction("reached", at, max(0.0, at - interval / 2), at + interval / 2, gap,
-                          f"reaches it in the pilot at step {at:.0f}")
+                          f"reaches it in the {what} at step {at:.0f}")
     if gap > tolerance:
         return Prediction("does not keep up", gap=gap,
-                          detail=f"{gap:.3f} {unit} behind fp32 at the pilot's end (step {curve[-1][0]}), beyond the "
+                          detail=f"{gap:.3f} {unit} behind fp32 at the {what}'s end (step {curve[-1][0]}), beyond the "
                                  f"noise ({tolerance:g})")
     ratio = slowdown(curve, ref, lower)
     if ratio is None:
-        return Prediction("does not keep up", gap=gap, detail="never reaches a value fp32 had in its pilot")
+        return Prediction("does not keep up", gap=gap, detail=f"never reaches a value fp32 had in its {what}")
     k, low, high = ratio
     return Prediction("extrapolated", k * fp32_steps, low * fp32_steps, high * fp32_steps, gap,
-                      f"{k:.2f} x fp32's steps (from {low:.2f} to {high:.2f} over the pilot's second half), assumed to hold "
-                      "beyond the pilot")
+                      f"{k:.2f} x fp32's steps (from {low:.2f} to {high:.2f} over the {what}'s second half), "
+                      f"assumed to hold beyond the {what}")
 
 
 # -- the pilots of one plan -------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def run_pilots(methods: Sequence[Any], base, cache, machine: dict[str, Any], log
 
     lower = is_text(base.model)
     tolerance = TOLERANCE["text" if lower else "image"]
-    runs = [("fp32", parse_method("none"))] + [(m.label, _trained_as(m)) for m in methods
+    runs = [("fp32", parse_method("none"))] + [(m.label, trained_as(m)) for m in methods
                                                if m.label not in skip and not is_fp32(m)]
     pilots: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
@@ -228,7 +229,7 @@ def run_pilots(methods: Sequence[Any], base, cache, machine: dict[str, Any], log
             log(f"pilot {i}/{len(runs)}: {label} (cached)")
         pilots[label] = cached
         if label == "fp32":
-            target = _check_target(cached, target, lower, cfg.steps)
+            target = check_target(cached, target, lower, cfg.steps)
     fp32 = pilots["fp32"]
     fp32_steps = crossing(fp32["curve"], target, lower)
     predictions = {}
@@ -243,7 +244,7 @@ def run_pilots(methods: Sequence[Any], base, cache, machine: dict[str, Any], log
             "pilot_steps": base.steps, "pilots": pilots, "predictions": predictions}
 
 
-def _trained_as(method):
+def trained_as(method):
     """What a method's pilot trains: itself, or for torch's PowerSGD hook gradcomp's PowerSGD of the same rank and
     start (the same algorithm; its messages differ in layout, not in what is averaged)."""
     if method.baseline != "torch-powersgd":
@@ -260,7 +261,7 @@ def is_fp32(method) -> bool:
             and method.optimizer is None)
 
 
-def _check_target(fp32: dict[str, Any], target: float | None, lower: bool, steps: int) -> float:
+def check_target(fp32: dict[str, Any], target: float | None, lower: bool, steps: int) -> float:
     """The target: the one given, or fp32's value at the pilot's end; ConfigError if fp32's pilot does not reach it."""
     if fp32.get("diverged") or not fp32["curve"]:
         raise ConfigError("fp32's pilot diverged or made no evaluation: nothing to plan against (check --lr or the "
@@ -336,7 +337,8 @@ def recommend_by_target(rows: Sequence[Any], target: dict[str, Any], fp32_name: 
     able = [r for r in rows if info[r.label]["time_s"] is not None]
     what = f"{target['metric']} {target['value']:.3f}"
     if not able:
-        return f"no method keeps up with fp32 to {what} in the pilots: nothing to recommend"
+        where = "recorded runs" if target.get("source") == "recorded" else "pilots"
+        return f"no method keeps up with fp32 to {what} in the {where}: nothing to recommend"
     best = min(able, key=lambda r: info[r.label]["time_s"])
     fp32 = next((r for r in rows if r.method == fp32_name), None)
     t = info[best.label]

@@ -60,7 +60,7 @@ from typing import Any
 from gradcomp.experiments.race import race
 from gradcomp.experiments.race.method import Method
 from gradcomp.experiments.study import phases as phased
-from gradcomp.experiments.study import pilot
+from gradcomp.experiments.study import pilot, recorded
 from gradcomp.experiments.study.pilot import pilot_steps
 from gradcomp.experiments.study.plan_cache import CACHE_FORMAT, Cache, machine_identity  # noqa: F401 (re-exported)
 from gradcomp.experiments.study.plan_local import (  # noqa: F401 (re-exported)
@@ -118,8 +118,12 @@ from gradcomp.experiments.study.plan_report import (  # noqa: F401 (re-exported)
 
 def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Check everything, measure (or read the cache), price; returns the plan as a dict (``--json``)."""
-    network, methods = opts.checked()
     opts = _with_batch_size(opts)
+    runs = None
+    if opts.recorded and opts.model is not None:  # read, and the run's length taken, before anything is measured
+        runs = recorded.load(opts.recorded)
+        opts = dataclasses.replace(opts, steps=recorded.run_length(opts, runs))
+    network, methods = opts.checked()
     shapes, source = _shapes(opts)
     check_memory(sum(math.prod(s) for s in shapes), opts.workers, opts.device)
     cache = Cache(opts.cache_dir, opts.cache)
@@ -132,7 +136,7 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
     sharing = opts.colocated if opts.colocated > 1 and not local_race else 1  # parts timed n processes at once
     local = cached_local_race(opts, units, cache, machine, log) if local_race else {}
     compute_s, compute_from = _compute(opts, local_race, local, sharing, cache, machine, log)
-    if opts.pilots and opts.model is not None:
+    if opts.pilots and opts.model is not None and runs is None:
         pilot_steps(opts.model, opts.pilot_steps)  # a bad --pilot-steps: ConfigError before any measurement
     priced: dict[str, PlanRow] = {}
     for method in units:
@@ -144,7 +148,9 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
     rows = [phased.combine(m, [(p, priced[p.method.label]) for p in split[m.label]], opts.steps, PlanRow)
             if split[m.label] else priced[m.label] for m in methods]
     target = None
-    if opts.pilots and opts.model is not None:
+    if runs is not None:
+        target = recorded.to_target(opts, methods, rows, FP32, runs, log)
+    elif opts.pilots and opts.model is not None:
         target = pilot.to_target(opts, methods, rows, cache, FP32, machine, compute_s, log)
     ordered = _ranked(rows, target)
     return {
@@ -278,6 +284,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pilot-steps", type=int, default=None, metavar="N",
                    help=f"steps of each method's pilot (default {pilot.PILOT_STEPS['image']} for a classifier, "
                         f"{pilot.PILOT_STEPS['text']} for a language model)")
+    p.add_argument("--recorded", nargs="+", default=None, metavar="PATH",
+                   help="steps to the target from these recorded runs instead of pilots: gradcomp train --json "
+                        "results, JSON lines of them, or a gradcomp race race.json (or its directory); docs/plan.md")
     p.add_argument("--no-pilot", action="store_true",
                    help="rank by predicted step time only (no pilots; the plan of earlier versions)")
     p.add_argument("--plot", default=None, metavar="PNG",
@@ -306,6 +315,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         device=args.device, methods=args.methods or DEFAULT_METHODS, compute_ms=args.compute_ms,
         colocated=args.colocated, cache=not args.no_cache, seed=args.seed,
         pilots=not args.no_pilot, pilot_steps=args.pilot_steps, target=args.target, steps=args.steps,
+        recorded=tuple(getattr(args, "recorded", None) or ()),
     )
 
 

@@ -82,6 +82,7 @@ class PlanOptions:
     pilot_steps: int | None = None  # None: pilot.PILOT_STEPS for the model's kind
     target: float | None = None  # None: fp32's value at its pilot's end
     steps: int | None = None  # the run's length: how a phased method's steps divide (study/phases.py)
+    recorded: Sequence[str] = ()  # runs to read steps to the target from, instead of pilots (study/recorded.py)
 
     def checked(self) -> tuple[NetworkModel, list[Method]]:
         """Everything checked before any measurement; returns the network and the parsed methods."""
@@ -112,6 +113,11 @@ class PlanOptions:
         labels = [m.label for m in methods]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"--methods: a method is given twice ({', '.join(labels)})")
+        if self.recorded and self.model is None:
+            raise ConfigError("--recorded reads runs of a model: give --model (not --shapes)")
+        if self.recorded and not self.pilots:
+            raise ConfigError("--recorded and --no-pilot: give one (recorded runs rank by time to target; --no-pilot "
+                              "by step time)")
         phased.check(methods, self.steps)
         return network, methods
 

@@ -90,13 +90,22 @@ def _footer(plan: dict[str, Any]) -> list[str]:
                      "is the longer of the priced collectives and that race's time in collectives")
     target = plan.get("target")
     if target:
-        given = "given" if target["given"] else "fp32's value at the end of its pilot"
-        lines.append(f"target: {target['metric']} {target['value']:.3f} ({given}); steps to it from a "
-                     f"{target['pilot_steps']}-step pilot per method (gradcomp train's defaults for the model, "
-                     f"simulated workers, the same seed); time = steps x the predicted step; '~': extrapolated "
-                     f"beyond the pilot by the method's slowdown against fp32; a method more than "
-                     f"{target['tolerance']:g} behind fp32 at the pilot's end does not keep up and is never "
-                     "recommended (docs/plan.md)")
+        if target.get("source") == "recorded":
+            given = "given" if target["given"] else "the least good of fp32's recorded final values"
+            lines.append(f"target: {target['metric']} {target['value']:.3f} ({given}); steps to it from recorded "
+                         f"{target['recorded_steps']}-step runs ({target['recorded_used']} of the "
+                         f"{target['recorded_read']} read match a planned method), each seed against fp32's run of "
+                         f"the same seed, the mean over seeds; time = steps x the predicted step; '~': extrapolated "
+                         f"by the slowdown against fp32; a method more than {target['tolerance']:g} behind fp32 at "
+                         "its run's end on any seed does not keep up and is never recommended (docs/plan.md)")
+        else:
+            given = "given" if target["given"] else "fp32's value at the end of its pilot"
+            lines.append(f"target: {target['metric']} {target['value']:.3f} ({given}); steps to it from a "
+                         f"{target['pilot_steps']}-step pilot per method (gradcomp train's defaults for the model, "
+                         f"simulated workers, the same seed); time = steps x the predicted step; '~': extrapolated "
+                         f"beyond the pilot by the method's slowdown against fp32; a method more than "
+                         f"{target['tolerance']:g} behind fp32 at the pilot's end does not keep up and is never "
+                         "recommended (docs/plan.md)")
         for r in plan["rows"]:
             if r.get("status") not in (None, "reached"):
                 lines.append(f"  {r['label']}: {r['status']}: {r['detail']}")
