@@ -26,7 +26,7 @@ import time
 import torch
 
 from gradcomp import available, make, wire
-from gradcomp.compressors.base import Compressor, Slot, select_sized
+from gradcomp.compressors.base import Compressor, Slot, compress_slots, select_sized
 from gradcomp.wire.bits import host_path
 from gradcomp.wire.checksum import _triton_kernel, checksum64, checksum64_tensor
 
@@ -136,7 +136,7 @@ def sized_line(name: str, x: torch.Tensor) -> str:
         selection.finish(read[: len(counts)])
 
     return (
-        f"{name:18s} selection: compress_slots {median_ms(lambda: classic.compress_slots([x], [slot], 1)):7.3f}"
+        f"{name:18s} selection: compress_slots {median_ms(lambda: compress_slots(classic, [x], [slot], 1)):7.3f}"
         f"  select_sized + one read + finish {median_ms(two_halves):7.3f}"
     )
 

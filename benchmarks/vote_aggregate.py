@@ -22,6 +22,7 @@ import torch
 
 import gradcomp
 from gradcomp import Slot
+from gradcomp.compressors.base import accumulate
 from gradcomp.schemes.single_round import aggregate_buffers, decode_slots, encode_slots
 
 
@@ -68,7 +69,7 @@ def time_one_size(compressor, n: int, workers: int, repeats: int) -> tuple[float
         total = torch.zeros(n, dtype=torch.float32)
         for buffer in buffers:
             for fields in decode_slots(compressor, slots, buffer):
-                compressor.accumulate(fields, slots[0], 0, total)
+                accumulate(compressor, fields, slots[0], 0, total)
         return compressor.aggregate(total, len(buffers))
 
     if not torch.equal(counted().view(torch.int32), floated().view(torch.int32)):

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 import gradcomp.registry as registry
-from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.compressors.base import Compressor, Slot, accumulate
 from gradcomp.compressors.natural import NORM_CODECS
 from gradcomp.compressors.qsgd import CODINGS
 from gradcomp.compressors.sparse import POSITION_CODECS
@@ -379,7 +379,7 @@ def receive(compressor: Compressor, raw: bytes | bytearray, step: int) -> tuple[
         for fields, slot in zip(decoded, SLOTS):
             dense = compressor.decompress(fields, slot, step)
             out = torch.zeros(slot.numel, dtype=torch.float32)
-            compressor.accumulate(fields, slot, step, out)
+            accumulate(compressor, fields, slot, step, out)
             if dense.shape != (slot.numel,) or dense.dtype != torch.float32:
                 raise TypeError(f"decompress gave {tuple(dense.shape)} {dense.dtype}")
     except WireError as e:

@@ -1,8 +1,8 @@
 """Compressor capabilities: each class declares the optional shortcuts it provides, and only those run.
 
 ``Compressor.capabilities`` (a ``Capabilities``) is set in each class's own body and never inherited; callers go
-through ``compressors.base``'s functions (``accumulate``, ``sent_entries``, ``subtract_sent``, ``compress_sum``,
-``new_tally``, ``select_sized``), which take a shortcut only where it is declared.
+through ``compressors.base``'s functions (``accumulate``, ``compress_slots``, ``sent_entries``, ``subtract_sent``,
+``compress_sum``, ``new_tally``, ``select_sized``), which take a shortcut only where it is declared.
 """
 
 from __future__ import annotations
@@ -53,13 +53,31 @@ def test_a_declared_capability_has_its_method(name):
     """A declaration is not a promise without code: the class (or a parent) defines the method it declares."""
     cls = compressor_class(name)
     for flag in _declared(cls):
-        method = HOOKS[flag]
-        assert getattr(cls, method) is not getattr(Compressor, method), (name, method)
+        assert callable(getattr(cls, HOOKS[flag], None)), (name, HOOKS[flag])
+
+
+def test_the_base_defines_no_shortcut_and_a_declaration_without_its_method_is_refused():
+    """The shortcuts are opt-in: the Compressor base has none of them (the generic routes are base's functions),
+    and a class that declares one without writing it fails at its class statement."""
+    assert not any(hasattr(Compressor, method) for method in HOOKS.values())
+    with pytest.raises(TypeError, match=r"declares Capabilities\(accumulate=True\) but defines no accumulate"):
+
+        class Promised(Compressor):  # the class statement itself raises
+            capabilities = Capabilities(accumulate=True)
+
+            def specs(self, slot):
+                return []
+
+            def compress(self, x, slot, step):
+                return []
+
+            def decompress(self, fields, slot, step):
+                return torch.zeros(slot.numel)
 
 
 def test_wrappers_declare_what_they_forward():
     ef = gradcomp.make("signum", error_feedback=True)
-    assert _declared(type(ef)) == {"accumulate", "tally", "select_sized"}
+    assert _declared(type(ef)) == {"accumulate", "tally", "select_sized", "compress_slots"}
     # error feedback forwards select_sized only where its inner compressor declares it (else None, untouched)
     assert base.select_sized(ef, [torch.randn(100)], [Slot("w", 0, 100)], 0) is None and not ef.residuals
     slot = Slot("w", 0, 100)

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 import gradcomp
 from gradcomp import ConfigError, ErrorFeedback, GradientExchange, SimulatedCluster, Slot
-from gradcomp.compressors.base import Compressor, subtract_sent
+from gradcomp.compressors.base import Compressor, accumulate, subtract_sent
 from gradcomp.compressors.natural import RandomDithering
 from gradcomp.errors import NonFiniteGradientError
 from gradcomp.feedback import MomentumCorrection
@@ -413,12 +413,12 @@ def _old_aggregate(compressor, slots, buffers, step):
     for i, slot in enumerate(slots):
         total = torch.zeros(slot.numel)
         for per_worker in decoded:
-            compressor.accumulate(per_worker[i], slot, step, total)
+            accumulate(compressor, per_worker[i], slot, step, total)
         if not bool(torch.isfinite(total).all()):
             total.zero_()
             for per_worker in decoded:
                 one = torch.zeros_like(total)
-                compressor.accumulate(per_worker[i], slot, step, one)
+                accumulate(compressor, per_worker[i], slot, step, one)
                 total += one.div_(len(decoded))
             results.append(compressor.aggregate(total, 1))
         else:

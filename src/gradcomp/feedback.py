@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradcomp.compressors import base
 from gradcomp.compressors.base import (
     Capabilities,
     Compressor,
@@ -62,6 +63,7 @@ from gradcomp.compressors.base import (
     SizedSelection,
     Slot,
     Tally,
+    compress_each,
     compress_sum,
     new_tally,
     sent_entries,
@@ -136,7 +138,7 @@ class _FeedbackWrapper(Compressor):
         return self.inner.aggregate(total, count)
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-        self.inner.accumulate(fields, slot, step, out)
+        base.accumulate(self.inner, fields, slot, step, out)
 
     def new_tally(self, slot: Slot, device: torch.device) -> Tally | None:
         return new_tally(self.inner, slot, device)  # messages, decoding and aggregation are the inner's
@@ -157,7 +159,8 @@ class _FeedbackWrapper(Compressor):
 class ErrorFeedback(_FeedbackWrapper):
     """Error feedback around ``inner``: one residual buffer per slot, updated in place (module docstring)."""
 
-    capabilities = dataclasses.replace(_FeedbackWrapper.capabilities, select_sized=True)
+    # (compress_slots: its own goes through the inner compressor's where that declares one, else slot by slot)
+    capabilities = dataclasses.replace(_FeedbackWrapper.capabilities, select_sized=True, compress_slots=True)
 
     def __init__(self, inner: Compressor):
         super().__init__(inner, "error feedback")
@@ -196,7 +199,7 @@ class ErrorFeedback(_FeedbackWrapper):
         the CPU's host path (whose fused, chunked a = x + r keeps :meth:`compress`): every a = x + r first, then the
         inner messages of all of them, then every r = a - D(m). The same arithmetic, so the same messages."""
         if not tensors or host_path(tensors[0]) or not self.inner.capabilities.compress_slots:
-            return super().compress_slots(tensors, slots, step)
+            return compress_each(self, tensors, slots, step)
         residuals = self._added(tensors, slots)
         return self._subtracted(lambda: self.inner.compress_slots(residuals, slots, step), residuals, slots, step)
 
@@ -247,7 +250,7 @@ class ErrorFeedback(_FeedbackWrapper):
         with self._fresh_start_on_failure(slots):
             inner = self.inner.select_sized(residuals, slots, step)
             if inner is None:
-                inner = SizedSelection.made(self.inner, slots, self.inner.compress_slots(residuals, slots, step))
+                inner = SizedSelection.made(self.inner, slots, base.compress_slots(self.inner, residuals, slots, step))
 
         return dataclasses.replace(
             inner, finish=lambda values: self._subtracted(lambda: inner.finish(values), residuals, slots, step)

@@ -119,26 +119,31 @@ def kept_count(density: float, numel: int) -> int:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """The optional shortcuts a compressor class provides: each flag says that the class's method of that name is
-    written for the class's own ``compress`` / ``decompress`` / ``aggregate`` and gives what the generic route
-    gives (the same values, bit for bit), only faster or smaller.
+    """The optional shortcuts a compressor class opts into. Each flag names a method the class then defines,
+    written for the class's own ``compress`` / ``decompress`` / ``aggregate``, that gives what the generic route
+    gives (the same values, bit for bit), only faster or smaller. The signatures, and the generic routes taken
+    where a class does not opt in, are this module's functions of the same names, the only way callers reach
+    them (``accumulate``, ``compress_slots``, ``compress_sum``, ``sent_entries``, ``subtract_sent``,
+    ``new_tally``, ``select_sized``); the Compressor base defines none of them.
 
-    Callers go through this module's functions of the same names (``accumulate``, ``sent_entries``,
-    ``subtract_sent``, ``compress_sum``, ``new_tally``), which take the shortcut where it is declared and the
-    generic route otherwise; ``compress_slots`` is called directly (its generic route is ``compress`` slot by slot),
-    and its flag tells wrappers (error feedback) whether the inner compressor's own is worth going through. A class declares its capabilities in its own body (``capabilities =
-    Capabilities(...)``); one that does not has none, even if its parent has some (see
-    ``Compressor.__init_subclass__``). A subclass that keeps its parent's decoding and wants its shortcuts says so:
-    ``capabilities = Parent.capabilities``.
+    A class declares its capabilities in its own body (``capabilities = Capabilities(...)``), and
+    ``Compressor.__init_subclass__`` checks that it defines each method it declares. One that declares nothing has
+    none, even if its parent has some (a parent's shortcuts were written for the parent's decoding); a subclass
+    that keeps its parent's decoding and wants its shortcuts says so: ``capabilities = Parent.capabilities``.
     """
 
-    accumulate: bool = False  # accumulate(): out += decompress(...) without the dense message (scatter-add, compiled)
-    sent_entries: bool = False  # sent_entries(): a sparse message's (positions, values)
-    subtract_sent: bool = False  # subtract_sent(): out -= decompress(...) in place
-    compress_sum: bool = False  # compress_sum(): into += x fused with compress (chunk by chunk, in cache)
-    tally: bool = False  # new_tally(): a compact running aggregate (majority vote's count of sign bits)
-    select_sized: bool = False  # select_sized(): a message's selections with their sizes left on the device
-    compress_slots: bool = False  # compress_slots(): a message's slots compressed together, sizes read at once
+    accumulate: bool = False  # accumulate(fields, slot, step, out): out += decompress(...), no dense message
+    sent_entries: bool = False  # sent_entries(fields, slot, step): a sparse message's (positions, values)
+    subtract_sent: bool = False  # subtract_sent(fields, slot, step, out): out -= decompress(...) in place
+    compress_sum: bool = False  # compress_sum(x, into, slot, step): into += x fused with compress (chunk by chunk)
+    tally: bool = False  # new_tally(slot, device): a compact running aggregate (majority vote's count of sign bits)
+    select_sized: bool = False  # select_sized(tensors, slots, step): selections with their sizes left on the device
+    compress_slots: bool = False  # compress_slots(tensors, slots, step): a message's slots compressed together
+
+
+_CAPABILITY_METHODS = {"accumulate": "accumulate", "sent_entries": "sent_entries", "subtract_sent": "subtract_sent",
+                       "compress_sum": "compress_sum", "tally": "new_tally", "select_sized": "select_sized",
+                       "compress_slots": "compress_slots"}
 
 
 NO_CAPABILITIES = Capabilities()
@@ -199,6 +204,9 @@ class Compressor(ABC):
             cls.capabilities = NO_CAPABILITIES  # a parent's shortcuts were written for the parent's decoding
         elif not isinstance(cls.__dict__["capabilities"], Capabilities):
             raise TypeError(f"{cls.__qualname__}.capabilities must be a Capabilities, got {cls.capabilities!r}")
+        for flag, method in _CAPABILITY_METHODS.items():
+            if getattr(cls.capabilities, flag) and not callable(getattr(cls, method, None)):
+                raise TypeError(f"{cls.__qualname__} declares Capabilities({flag}=True) but defines no {method}()")
 
     def bind_worker(self, worker: int) -> None:
         """Called by the exchange with this worker's rank (the server gets its own number).
@@ -226,55 +234,9 @@ class Compressor(ABC):
         compressors refuse NaN/Inf anyway (QSGD, C_nat, TernGrad, the ditherings); others pass them on.
         """
 
-    def compress_slots(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> list[Fields]:
-        """``[compress(x, slot, step) for ...]`` over the slots of one message (a bucket). A compressor whose
-        message sizes depend on the data may override it to read all the slots' sizes back from a GPU at once
-        instead of one slot at a time (threshold); the messages are those of ``compress``, byte for byte."""
-        return [self.compress(x, slot, step) for x, slot in zip(tensors, slots)]
-
-    def select_sized(self, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int) -> SizedSelection | None:
-        """``compress_slots`` in two halves, for the device path of a message whose size depends on the data: the
-        selections with their counts left on the device, then (``SizedSelection.finish``) the messages once the
-        caller has read those counts with its size exchange, so that sizing the message costs no read of its own.
-        None where this compressor cannot (then ``compress_slots``). Callers go through :func:`select_sized`."""
-        return None
-
-    def compress_sum(self, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
-        """``into += x`` in place (``torch.add(x, into, out=into)``: x's operand first), then ``compress(into)``:
-        error feedback's a = x + r, m = C(a). ``x`` and ``into`` are flat float32 tensors of the slot's size,
-        ``into`` contiguous. A compressor that reads its input in chunks may add each chunk just before reading
-        it, while it is in cache (the same elementwise sums). Callers go through :func:`compress_sum`."""
-        torch.add(x, into, out=into)
-        return self.compress(into, slot, step)
-
     @abstractmethod
     def decompress(self, fields: Fields, slot: Slot, step: int) -> Tensor:
         """The dense flat float32 tensor a message stands for. Pure: never changes the compressor's state."""
-
-    def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-        """Add the decompressed message into ``out``; sparse compressors override it to scatter-add (and declare
-        ``Capabilities(accumulate=True)``). Callers go through :func:`accumulate`."""
-        out += self.decompress(fields, slot, step)
-
-    def sent_entries(self, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:
-        """(positions, float32 values) such that ``decompress`` gives +0.0 everywhere except ``values[j]`` at the
-        distinct ``positions[j]``, bit for bit; None (the default) where the message is not of that form.
-
-        Sparse compressors override it, next to their ``decompress``, and declare ``sent_entries``; error feedback
-        uses it to update a residual at the sent positions only (a - (+0.0) is a for every a, signed zeros and
-        NaN included). Callers go through :func:`sent_entries`.
-        """
-        return None
-
-    def subtract_sent(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-        """``out -= decompress(fields, slot, step)`` in place (``out`` flat float32), with the same subtraction
-        per entry; overrides avoid building the dense message. ``fields`` must not share memory with ``out``.
-        Callers go through :func:`subtract_sent`."""
-        entries = sent_entries(self, fields, slot, step)
-        if entries is not None:
-            subtract_at(out, *entries)
-        else:
-            out.sub_(self.decompress(fields, slot, step))
 
     def aggregate(self, total: Tensor, count: int) -> Tensor:
         """How the sum of ``count`` workers' decompressed messages becomes the update: their mean.
@@ -282,15 +244,6 @@ class Compressor(ABC):
         Majority vote (signSGD) overrides it with the sign of the sum. May work in place on ``total``.
         """
         return total.div_(count)
-
-    def new_tally(self, slot: Slot, device: torch.device) -> Tally | None:
-        """A compact running aggregate of this slot's messages, or None (the default): receivers then add the
-        decompressed messages up in float32 (``accumulate``) and finish with ``aggregate``.
-
-        Majority vote returns a count of sign bits (``sign.VoteTally``): the same update bit for bit, without
-        decoding every worker's message into floats; it declares ``tally``. Callers go through :func:`new_tally`.
-        """
-        return None
 
     def retain(self, slots: list[Slot]) -> None:  # noqa: B027 - optional hook, nothing kept by default
         """Drop per-slot state (residuals, momentum) of every slot not in ``slots``."""
@@ -312,52 +265,102 @@ class Compressor(ABC):
 
 def accumulate(compressor: Compressor, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
     """``out += compressor.decompress(fields, slot, step)``, by the compressor's own ``accumulate`` where its class
-    declares it (``Capabilities.accumulate``)."""
+    declares it (``Capabilities.accumulate``: sparse ones scatter-add, C_nat decodes in one compiled pass)."""
     if compressor.capabilities.accumulate:
         compressor.accumulate(fields, slot, step, out)
     else:
-        Compressor.accumulate(compressor, fields, slot, step, out)
+        add_decompressed(compressor, fields, slot, step, out)
+
+
+def add_decompressed(compressor: Compressor, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+    """The generic route of :func:`accumulate`: ``out += decompress(...)``, the dense message built."""
+    out += compressor.decompress(fields, slot, step)
+
+
+def compress_slots(compressor: Compressor, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int
+                   ) -> list[Fields]:
+    """``[compressor.compress(x, slot, step) for ...]`` over the slots of one message (a bucket), by the
+    compressor's own ``compress_slots`` where its class declares it (``Capabilities.compress_slots``: a
+    compressor whose message sizes depend on the data reads all the slots' sizes back from a GPU at once instead
+    of one slot at a time); the messages are those of ``compress``, byte for byte."""
+    if compressor.capabilities.compress_slots:
+        return compressor.compress_slots(tensors, slots, step)
+    return compress_each(compressor, tensors, slots, step)
+
+
+def compress_each(compressor: Compressor, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int
+                  ) -> list[Fields]:
+    """The generic route of :func:`compress_slots`: ``compress`` slot by slot."""
+    return [compressor.compress(x, slot, step) for x, slot in zip(tensors, slots)]
 
 
 def new_tally(compressor: Compressor, slot: Slot, device: torch.device) -> Tally | None:
-    """``compressor.new_tally(...)`` where its class declares a tally (``Capabilities.tally``), else None: the
-    receiver adds the messages up in float32 and finishes with ``aggregate``."""
+    """A compact running aggregate of this slot's messages where the compressor's class declares one
+    (``Capabilities.tally``: majority vote's count of sign bits, ``sign.VoteTally``, the same update bit for bit
+    without decoding every message into floats); else None: the receiver adds the messages up in float32
+    (:func:`accumulate`) and finishes with ``aggregate``."""
     if not compressor.capabilities.tally:
         return None
     return compressor.new_tally(slot, device)
 
 
 def sent_entries(compressor: Compressor, fields: Fields, slot: Slot, step: int) -> tuple[Tensor, Tensor] | None:
-    """``compressor.sent_entries(...)`` where its class declares it (``Capabilities.sent_entries``), else None."""
+    """(positions, float32 values) such that ``decompress`` gives +0.0 everywhere except ``values[j]`` at the
+    distinct ``positions[j]``, bit for bit, where the compressor's class declares it (``Capabilities.sent_entries``:
+    sparse compressors, next to their ``decompress``); else None. Error feedback uses it to update a residual at
+    the sent positions only (a - (+0.0) is a for every a, signed zeros and NaN included)."""
     if not compressor.capabilities.sent_entries:
         return None
     return compressor.sent_entries(fields, slot, step)
 
 
 def subtract_sent(compressor: Compressor, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-    """``out -= compressor.decompress(fields, slot, step)`` in place, by the compressor's own shortcut where its
-    class declares one (``Capabilities.subtract_sent``; see ``Compressor.subtract_sent``)."""
+    """``out -= compressor.decompress(fields, slot, step)`` in place (``out`` flat float32, not sharing memory with
+    ``fields``), with the same subtraction per entry: by the compressor's own ``subtract_sent`` where its class
+    declares one (``Capabilities.subtract_sent``), else :func:`subtract_decompressed`."""
     if compressor.capabilities.subtract_sent:
         compressor.subtract_sent(fields, slot, step, out)
     else:
-        Compressor.subtract_sent(compressor, fields, slot, step, out)
+        subtract_decompressed(compressor, fields, slot, step, out)
+
+
+def subtract_decompressed(compressor: Compressor, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
+    """The generic route of :func:`subtract_sent`: at the sent entries only where the message is sparse
+    (:func:`sent_entries`), else ``out -= decompress(...)``."""
+    entries = sent_entries(compressor, fields, slot, step)
+    if entries is not None:
+        subtract_at(out, *entries)
+    else:
+        out.sub_(compressor.decompress(fields, slot, step))
 
 
 def select_sized(
     compressor: Compressor, tensors: Sequence[Tensor], slots: Sequence[Slot], step: int
 ) -> SizedSelection | None:
-    """``compressor.select_sized(...)`` where its class declares it (``Capabilities.select_sized``), else None."""
+    """:func:`compress_slots` in two halves, for the device path of a message whose size depends on the data: the
+    selections with their counts left on the device, then (``SizedSelection.finish``) the messages once the
+    caller has read those counts with its size exchange, so that sizing the message costs no read of its own.
+    The compressor's own ``select_sized`` where its class declares it (``Capabilities.select_sized``; it may
+    still return None at run time), else None (then :func:`compress_slots`)."""
     if not compressor.capabilities.select_sized or not tensors:
         return None
     return compressor.select_sized(tensors, slots, step)
 
 
 def compress_sum(compressor: Compressor, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
-    """``into += x``, then ``compressor.compress(into, ...)``, by the compressor's own fused route where its class
-    declares one (``Capabilities.compress_sum``; see ``Compressor.compress_sum``)."""
+    """``into += x`` in place (``torch.add(x, into, out=into)``: x's operand first), then ``compress(into)``: error
+    feedback's a = x + r, m = C(a); ``x`` and ``into`` flat float32 of the slot's size, ``into`` contiguous. By the
+    compressor's own fused route where its class declares one (``Capabilities.compress_sum``: a compressor that
+    reads its input in chunks adds each chunk just before reading it, while it is in cache; the same sums)."""
     if compressor.capabilities.compress_sum:
         return compressor.compress_sum(x, into, slot, step)
-    return Compressor.compress_sum(compressor, x, into, slot, step)
+    return add_then_compress(compressor, x, into, slot, step)
+
+
+def add_then_compress(compressor: Compressor, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
+    """The generic route of :func:`compress_sum`."""
+    torch.add(x, into, out=into)
+    return compressor.compress(into, slot, step)
 
 
 def subtract_at(out: Tensor, positions: Tensor, values: Tensor) -> None:

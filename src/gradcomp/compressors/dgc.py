@@ -99,6 +99,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors import sparse
+from gradcomp.compressors import base
 from gradcomp.compressors.base import (
     Capabilities,
     Compressor,
@@ -107,6 +108,7 @@ from gradcomp.compressors.base import (
     Slot,
     check_density,
     check_int,
+    compress_each,
     kept_count,
     shared_generator,
 )
@@ -421,7 +423,7 @@ class DGC(Compressor):
         then the selections, then every slot's v − sent and masking. The same messages and state as
         :meth:`compress` slot by slot."""
         if not tensors or sparse._numpy_path(tensors[0]):
-            return super().compress_slots(tensors, slots, step)
+            return compress_each(self, tensors, slots, step)
         try:
             vs = []
             for x, slot in zip(tensors, slots):
@@ -487,7 +489,7 @@ class DGC(Compressor):
         return self.selector.decompress(fields, slot, step)
 
     def accumulate(self, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:
-        self.selector.accumulate(fields, slot, step, out)
+        base.accumulate(self.selector, fields, slot, step, out)
 
     def retain(self, slots: list[Slot]) -> None:
         self.memory.state.retain(slots)

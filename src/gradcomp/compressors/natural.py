@@ -118,6 +118,7 @@ from gradcomp.compressors.base import (
     Compressor,
     Fields,
     Slot,
+    add_decompressed,
     check_int,
     shared_generator,
     shared_seed,
@@ -286,7 +287,7 @@ class NaturalCompression(Compressor):
         same_size = codes.numel() == out.numel()  # the kernel does not check bounds; out += t raises otherwise
         kernel = kernels.cnat() if _cpu_loop(out) and out.is_contiguous() and same_size else None
         if kernel is None:
-            return super().accumulate(fields, slot, step, out)
+            return add_decompressed(self, fields, slot, step, out)
         kernel.cnat_accumulate(codes.contiguous().numpy(), out.view(-1).numpy())
 
 
@@ -525,7 +526,7 @@ class _Dithering(Compressor):
         float32 addition per entry). A subclass that does not declare ``accumulate`` among its capabilities gets
         ``out += decompress(...)``."""
         if not self.capabilities.accumulate:
-            super().accumulate(fields, slot, step, out)
+            add_decompressed(self, fields, slot, step, out)
             return
         self.check_message(fields[0], fields[1], slot)
         if self._decode_compiled(fields, out, add=True) is None:
@@ -768,7 +769,7 @@ class TernGrad(Compressor):
         """``out += decompress(fields)``; on the CPU one compiled pass without the d-sized message. A subclass
         that does not declare ``accumulate`` among its capabilities gets ``out += decompress(...)``."""
         if not self.capabilities.accumulate:
-            super().accumulate(fields, slot, step, out)
+            add_decompressed(self, fields, slot, step, out)
             return
         self.check_message(fields, slot)
         if self._decode_compiled(fields, out, add=True) is None:

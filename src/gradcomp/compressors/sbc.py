@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from gradcomp.compressors import sparse
-from gradcomp.compressors.base import Capabilities, Compressor, Fields, SizedSelection, Slot
+from gradcomp.compressors.base import Capabilities, Compressor, Fields, SizedSelection, Slot, compress_each
 from gradcomp.compressors.sparse import (
     KeptCount,
     check_positions_codec,
@@ -204,7 +204,7 @@ class SparseTernary(_SharedValueSparsifier):
         """On the torch path (a GPU's), every slot's top-k first, then the counts of their nonzero entries read
         back together once, not once per slot; the messages of ``compress``, byte for byte."""
         if not tensors or sparse._numpy_path(tensors[0]):
-            return super().compress_slots(tensors, slots, step)
+            return compress_each(self, tensors, slots, step)
         kept = [self._kept(x, slot) for x, slot in zip(tensors, slots)]
         nonzero = [None if k is None else k[1] != 0 for k in kept]
         sums = [n.sum() for n in nonzero if n is not None]

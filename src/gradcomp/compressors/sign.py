@@ -114,7 +114,7 @@ import torch
 from torch import Tensor
 
 from gradcomp import kernels
-from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot, Tally
+from gradcomp.compressors.base import Capabilities, Compressor, Fields, Slot, Tally, add_then_compress
 from gradcomp.compressors.sparse import workspace
 from gradcomp.compressors.state import MovingAverage
 from gradcomp.errors import ConfigError, NonFiniteGradientError
@@ -643,7 +643,7 @@ class _ChunkedSign(_Sign):
     def compress_sum(self, x: Tensor, into: Tensor, slot: Slot, step: int) -> Fields:
         if not (_numpy_path(into) and into.dtype == x.dtype == torch.float32 and into.dim() == 1
                 and into.is_contiguous() and x.shape == into.shape):
-            return super().compress_sum(x, into, slot, step)
+            return add_then_compress(self, x, into, slot, step)
 
         def add(start: int, end: int) -> None:  # x + r, the operands in error feedback's order
             torch.add(x[start:end], into[start:end], out=into[start:end])

@@ -55,6 +55,7 @@ from gradcomp.compressors.base import (
     check_bool,
     check_density,
     check_int,
+    compress_each,
     kept_count,
     shared_generator,
     shared_seed,
@@ -598,7 +599,7 @@ class Threshold(_PositionsAndValues):
         ``compress``."""
         flats = [x.reshape(-1) for x in tensors]
         if not flats or _numpy_path(flats[0]):
-            return super().compress_slots(tensors, slots, step)
+            return compress_each(self, tensors, slots, step)
         masks = [flat.abs() > self.threshold for flat in flats]
         counts = torch.stack([mask.sum() for mask in masks]).tolist()  # the one read of this message's counts
         return self._compacted(flats, masks, counts)

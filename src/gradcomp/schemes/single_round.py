@@ -33,7 +33,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Fields, Slot, Tally, accumulate, new_tally, select_sized
+from gradcomp.compressors.base import (
+    Compressor,
+    Fields,
+    Slot,
+    Tally,
+    accumulate,
+    compress_slots,
+    new_tally,
+    select_sized,
+)
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.finite import all_finite, finite_flag
@@ -409,7 +418,7 @@ class SingleRound(Scheme):
         """This worker's messages of all slots as one wire buffer. The messages themselves (for a dense method
         its codes, int16 for most, half an fp32 gradient's worth) are dropped as soon as they are encoded, not
         kept alive through the collectives and the decoding that follow."""
-        return encode_slots(self.compressor, slots, self.compressor.compress_slots(tensors, slots, step))
+        return encode_slots(self.compressor, slots, compress_slots(self.compressor, tensors, slots, step))
 
     def _sized_on_device(self, slots: Sequence[Slot], tensors: Sequence[Tensor], step: int) -> Rounds:
         """The device path of a message whose size depends on the data: its length and layout values (the free
@@ -433,7 +442,7 @@ class SingleRound(Scheme):
             fields = [f for message in sized.finish(values[: len(counts)]) for f in message]
             streams = dict(zip(free_sections(specs)[1], values[len(counts) :]))
             return encode(fields, specs, stream_bits=streams or None), sizes, layouts
-        messages = self.compressor.compress_slots(tensors, slots, step)
+        messages = compress_slots(self.compressor, tensors, slots, step)
         fields = [f for message in messages for f in message]
         del messages
         length, which, bits = length_on_device(fields, specs)
