@@ -31,7 +31,8 @@ def test_dense_steps_and_local_steps():
 
 
 @pytest.mark.parametrize("text, steps, message", [
-    ("zero_one_adam", 1000, "does not model 0/1 Adam"),
+    ("zero_one_adam", None, "give the run's length, --steps N"),
+    ("zero_one_adam:freeze_step=100", 100, "freeze step 100 must lie in"),
     ("onebit_adam", None, "give the run's length, --steps N"),
     ("onebit_adam:freeze_step=1000", 1000, "freeze step 1000 must lie in"),
     ("topk:density=0.01,dense_steps=200", 100, "dense_steps 200 must lie in"),
@@ -117,3 +118,64 @@ def test_a_phased_row_is_never_taken_for_fp32s():
     assert rows["onebit_adam:freeze_step=20"]["method"] == "none (onebit_adam)"
     fp32_column = plan.table_rows(result)[[r["label"] for r in result["rows"]].index("none")][2]
     assert fp32_column == "1.00"
+
+
+@pytest.mark.parametrize("freeze,kappa,scaler,clipper", [(40, 4, 10, 8), (20, 100, 7, 4), (30, 16, 50, 16)])
+def test_zero_one_adams_schedule_is_the_optimizers_own(freeze, kappa, scaler, clipper):
+    """The planner's replay of 0/1 Adam's schedule against ZeroOneAdam itself: which steps update the variance
+    and which sync, step by step, on a simulated worker."""
+    import torch
+    from torch import nn
+
+    from gradcomp import SimulatedCluster
+    from gradcomp.train.zero_one_adam import ZeroOneAdam
+
+    steps = 120
+
+    def worker(transport):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = ZeroOneAdam(model, transport, var_freeze_step=freeze, var_update_scaler=kappa, local_step_scaler=scaler,
+                          local_step_clipper=clipper)
+        seen = []
+        for step in range(steps):
+            model.zero_grad()
+            g = torch.Generator().manual_seed(step)
+            model(torch.randn(8, 4, generator=g)).square().mean().backward()
+            before = opt.var_updates, opt.syncs
+            opt.step()
+            seen.append("variance" if opt.var_updates > before[0] else "sync" if opt.syncs > before[1] else
+                        "gradient" if step < freeze else "local")
+        return seen
+
+    with SimulatedCluster(1) as cluster:
+        (seen,) = cluster.run(worker)
+    assert [kind for kind, _ in phases.zero_one_steps(freeze, steps, kappa, scaler, clipper)] == seen
+
+
+def test_zero_one_adam_is_planned_by_its_schedule():
+    method = planned("zero_one_adam:freeze_step=100,var_update_scaler=1000,warmup=cnat,local_step_clipper=4", {})
+    found = phases.phases(method, 1000)
+    assert [(p.start, p.stop, p.every, p.method.name) for p in found] == [
+        (0, 100, 1, "cnat"), (100, 150, 1, "efsignsgd"), (150, 200, 2, "efsignsgd"), (200, 1000, 4, "efsignsgd")]
+    assert found[0].method.topology == "sharded" and found[1].method.server == "efsignsgd"
+    default = phases.phases(planned("zero_one_adam", {}), 1000)  # kappa 16, freeze 150: 52 dense, 98 1-bit
+    dense = sum(p.stop - p.start for p in default if p.method.name == "none")
+    onebit_gradient = sum(p.stop - p.start for p in default if p.stop <= 150 and p.method.name == "efsignsgd")
+    assert (dense, onebit_gradient) == (52, 98)
+    with pytest.raises(ConfigError, match="is 0/1 Adam's"):
+        planned("onebit_adam:local_step_clipper=4", {})
+
+
+def test_a_plan_of_zero_one_adam_measures_its_two_exchanges_once():
+    opts = plan.PlanOptions(shapes=[(256, 256)], model=None, workers=4, link="1mbit", steps=200, compute_ms=10.0,
+                            methods=["none", "zero_one_adam:freeze_step=40"], pilots=False, cache=False)
+    result = plan.run_plan(opts)
+    rows = {r["label"]: r for r in result["rows"]}
+    row = rows["zero_one_adam:freeze_step=40"]
+    assert row["method"] == "none (zero_one_adam)" and len(row["phases"]) > 4
+    # the run's mean over its phases: 28 of the first 40 steps dense fp32 (16, then every 2nd), the rest 1-bit or none
+    assert row["bits_up"] == pytest.approx(sum((p["stop"] - p["start"]) * p["bits_up"] for p in row["phases"]) / 200)
+    dense = sum(p["stop"] - p["start"] for p in row["phases"] if "AdamW" in p["what"])
+    assert dense == 28 and row["bits_up"] < (dense + 10) / 200 * rows["none"]["bits_up"]
+    assert row["step_s"] < rows["none"]["step_s"]

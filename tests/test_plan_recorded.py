@@ -122,3 +122,12 @@ def test_without_a_recorded_fp32_run_the_plan_stops_before_measuring(runs, tmp_p
 def _write(path, text: str) -> str:
     path.write_text(text)
     return str(path)
+
+
+def test_a_zero_one_adam_run_matches_only_its_own_schedule():
+    opts = plan.PlanOptions(model="mlp", dataset="synthetic", batch_size=32, workers=2, link="1gbit")
+    default = recorded.planned_identity(opts, "zero_one_adam", 30)
+    other = recorded.planned_identity(opts, "zero_one_adam:local_step_clipper=4", 30)
+    assert default["local_step_clipper"] == 16 and not recorded._same(default, other)
+    unknown = {k: v for k, v in default.items() if k != "var_update_scaler"}  # a result from before it was recorded
+    assert not recorded._same(recorded._identity(unknown), default)

@@ -16,7 +16,8 @@ Methods (``--method``, repeated): ``NAME[:KEY=VALUE,KEY=VALUE...]``.
   ``--param``.
 - The methods built for Adam (docs/adam.md): ``onebit_adam`` and ``zero_one_adam`` (``--optimizer onebit_adam``,
   no compressor; ``freeze_step=N``; ``warmup=cnat`` sends 1-bit Adam's warm-up, or 0/1 Adam's variance
-  updates, through C_nat, as ``--warmup-compressor``), and any compressor with ``local_steps=H`` and
+  updates, through C_nat, as ``--warmup-compressor``; 0/1 Adam's ``var_update_scaler``, ``local_step_scaler``
+  and ``local_step_clipper`` as its options of those names), and any compressor with ``local_steps=H`` and
   ``outer=nesterov`` (DiLoCo;
   ``outer.lr``, ``outer.momentum``; ``diloco:local_steps=32`` is ``none:local_steps=32,outer=nesterov``), or
   ``dense_steps=N`` (the first N steps dense fp32). These run after backward (``ddp=off``), as their exchange
@@ -50,6 +51,7 @@ DEFAULT_METHODS = (
     "signum:sgd.lr=0.001",
     "efsignsgd:sgd.lr=0.4,sgd.momentum=0",
 )
+ZERO_ONE_KEYS = ("var_update_scaler", "local_step_scaler", "local_step_clipper")  # 0/1 Adam's schedule
 RUN_KEYS = ("feedback", "topology", "server", "granularity", "ddp", "bucket_cap_mb", "label")
 SGD_KEYS = ("lr", "momentum", "weight_decay")
 
@@ -70,7 +72,8 @@ class Method:
     sgd: dict[str, float] = field(default_factory=dict)
     optimizer: str | None = None  # onebit_adam / zero_one_adam (None: the race's optimizer)
     freeze_step: int | None = None
-    warmup: str = "none"  # 1-bit Adam's warm-up compressor
+    warmup: str = "none"  # 1-bit Adam's warm-up compressor (0/1 Adam's: its variance updates')
+    zero_one: dict[str, int] = field(default_factory=dict)  # 0/1 Adam's ZERO_ONE_KEYS given (else the run's)
     local_steps: int | None = None
     outer: dict[str, Any] = field(default_factory=dict)  # optimizer, lr, momentum (DiLoCo's outer step)
     dense_steps: int = 0
@@ -86,8 +89,8 @@ class Method:
         return {"compressor": self.name, "params": self.params, "feedback": self.feedback, "topology": self.topology,
                 "server": self.server, "server_params": self.server_params, "granularity": self.granularity,
                 "ddp": self.ddp, "bucket_cap_mb": self.bucket_cap_mb, "optimizer": self.optimizer,
-                "freeze_step": self.freeze_step, "warmup": self.warmup, "local_steps": self.local_steps, "outer": self.outer,
-                "dense_steps": self.dense_steps}
+                "freeze_step": self.freeze_step, "warmup": self.warmup, "local_steps": self.local_steps,
+                "outer": self.outer, "dense_steps": self.dense_steps, **({"zero_one": self.zero_one} if self.zero_one else {})}
 
     def config(self, base=None, num_parameters: int = 0):
         """This method's TrainConfig: ``base`` (the race's settings; TrainConfig's defaults) with the method's own."""
@@ -122,6 +125,7 @@ class Method:
             outer_lr=self.outer.get("lr", 0.7 if self.outer.get("optimizer") == "nesterov" else 1.0),
             outer_momentum=self.outer.get("momentum", 0.9 if self.outer.get("optimizer") == "nesterov" else 0.0),
             dense_steps=self.dense_steps,
+            **{key: self.zero_one.get(key, getattr(base, key)) for key in ZERO_ONE_KEYS},
         )
 
 
@@ -171,6 +175,13 @@ def parse_method(text: str) -> Method:
                 raise ConfigError(f"--method {text!r}: bucket_cap_mb must be a number, got {value!r}") from None
         elif key in ("feedback", "topology", "server", "granularity", "warmup"):
             setattr(method, key, value)
+        elif key in ZERO_ONE_KEYS:
+            if method.optimizer != "zero_one_adam":
+                raise ConfigError(f"--method {text!r}: {key} is 0/1 Adam's (zero_one_adam:{key}=N)")
+            try:
+                method.zero_one[key] = int(value)
+            except ValueError:
+                raise ConfigError(f"--method {text!r}: {key} must be a whole number, got {value!r}") from None
         elif key in ("freeze_step", "local_steps", "dense_steps"):
             try:
                 setattr(method, key, int(value))

@@ -25,6 +25,8 @@ def config_record(cfg: TrainConfig) -> dict[str, Any]:
         **({"betas": list(cfg.betas), "eps": cfg.eps} if cfg.optimizer in ADAM_FAMILY else {}),
         **({"freeze_step": cfg.resolved_freeze_step()} if cfg.optimizer in EXCHANGING_OPTIMIZERS else {}),
         **({"warmup_compressor": cfg.warmup_compressor} if cfg.optimizer in EXCHANGING_OPTIMIZERS else {}),
+        **({key: getattr(cfg, key) for key in ("var_update_scaler", "local_step_scaler", "local_step_clipper")}
+           if cfg.optimizer == "zero_one_adam" else {}),
         **({"outer_optimizer": cfg.outer_optimizer, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
            if cfg.local_steps is not None else {}),
         "dense_steps": cfg.dense_steps,

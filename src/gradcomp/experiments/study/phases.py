@@ -1,4 +1,4 @@
-"""Methods whose steps are not all alike, for `gradcomp plan`: dense warm-ups, 1-bit Adam, local steps.
+"""Methods whose steps are not all alike, for `gradcomp plan`: dense warm-ups, 1-bit Adam, 0/1 Adam, local steps.
 
 The planner measures one exchange of the gradient per step (plan.measure_method). Some methods exchange
 something else, or not every step, or differently in two phases of the run:
@@ -8,6 +8,14 @@ something else, or not every step, or differently in two phases of the run:
   all-reduce; C_nat or natural dithering sharded both ways; fp16 / bf16 all-reduced), then 1-bit momentum:
   signs and one scale per shard, sharded both ways with error feedback on both sides (``efsignsgd``, topology
   ``sharded``, server ``efsignsgd``: the exchange OneBitAdam runs). F is ``freeze_step`` or 15 % of the run;
+- 0/1 Adam (``zero_one_adam``): its schedule replayed step by step as ZeroOneAdam keeps it (``zero_one_steps``).
+  In the variance stage (the first F steps) a step that updates the variance is a warm-up exchange (as 1-bit
+  Adam's), every other one a 1-bit exchange of the gradient; in the local stage a step sends nothing, except the
+  sync at the end of each run of H local steps, a 1-bit exchange of the change, with H doubling every
+  ``local_step_scaler`` steps up to ``local_step_clipper``. Each stretch of one variance interval becomes two
+  phases, its warm-up steps first and its 1-bit steps after them (the stretch's time is exact, the order within
+  it is not: the interval is 1 for the first κ updates, 2 for the next κ, ...), and each stretch of one local
+  interval one phase with an exchange every (its steps / its syncs) steps;
 - local steps (local SGD / AdamW, DiLoCo's outer step, SBC's local steps): one exchange of the method's
   compressor every H steps, each worker computing alone in between.
 
@@ -18,8 +26,7 @@ to a number of steps is summed phase by phase (``PlanRow.seconds_for``), not the
 method with an expensive warm-up reaches an early target in its warm-up's time. So the planner needs the run's
 length, ``gradcomp plan --steps``.
 
-Not modelled: 0/1 Adam, whose variance refreshes and local-step interval follow a schedule over the whole run
-(time it with ``gradcomp race``), and dense steps together with local steps.
+Not modelled: dense steps together with local steps.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ class Phase:
     method: Method  # the exchange measured for it: an ordinary method
     start: int  # the run's steps [start, stop) are in this phase
     stop: int
-    every: int = 1  # its exchange runs once in this many steps
+    every: float = 1  # its exchange runs once in this many steps (0/1 Adam: on average)
 
 
 def is_phased(method: Method) -> bool:
@@ -60,17 +67,13 @@ def phases(method: Method, steps: int | None) -> list[Phase] | None:
     for what the planner does not model, or a run too short for the method's phases."""
     if not is_phased(method):
         return None
-    if method.optimizer == "zero_one_adam":
-        raise ConfigError(f"--methods {method.text!r}: gradcomp plan does not model 0/1 Adam (its variance refreshes "
-                          "and local-step interval follow a schedule over the run): time it with gradcomp race "
-                          "(docs/adam.md)")
     if method.local_steps is not None and method.dense_steps:
         raise ConfigError(f"--methods {method.text!r}: gradcomp plan models dense steps or local steps, not both")
     if steps is None:
         raise ConfigError(f"--methods {method.text!r}: its steps are not all alike (a warm-up, or an exchange every "
                           "H steps): give the run's length, --steps N, to plan it")
     label = method.label
-    if method.optimizer == "onebit_adam":
+    if method.optimizer in ("onebit_adam", "zero_one_adam"):
         f = freeze_step(method, steps)
         if not 1 <= f < steps:
             raise ConfigError(f"--methods {method.text!r}: freeze step {f} must lie in [1, --steps {steps})")
@@ -80,7 +83,10 @@ def phases(method: Method, steps: int | None) -> list[Phase] | None:
         else:
             warmup = _exchange(f"{label} [warm-up]", warm)
         onebit = _exchange(f"{label} [1-bit]", "efsignsgd", topology="sharded", server="efsignsgd")
-        return [Phase(f"{f} AdamW steps, gradients through {warm if warm != 'none' else 'fp32'}", warmup, 0, f),
+        through = warm if warm != "none" else "fp32"
+        if method.optimizer == "zero_one_adam":
+            return _zero_one_phases(method, steps, f, warmup, onebit, through)
+        return [Phase(f"{f} AdamW steps, gradients through {through}", warmup, 0, f),
                 Phase(f"{steps - f} steps of 1-bit momentum, sharded", onebit, f, steps)]
     if method.dense_steps:
         n = int(method.dense_steps)
@@ -97,6 +103,60 @@ def phases(method: Method, steps: int | None) -> list[Phase] | None:
     what = "the averaged change" if method.outer.get("optimizer", "sgd") == "sgd" else "the pseudo-gradient"
     return [Phase(f"{h} local steps, then {what} through {method.name if method.name != 'none' else 'fp32'}",
                   exchange, 0, steps, every=h)]
+
+
+def zero_one_steps(freeze: int, steps: int, kappa: int, scaler: int, clipper: int) -> list[tuple[str, int]]:
+    """0/1 Adam's steps 1..steps as ZeroOneAdam's counters make them: per step its kind and interval,
+    ("variance", k) for a step that updates the variance (a dense exchange), ("gradient", k) for a 1-bit exchange
+    of the gradient (k: the variance interval), ("local", H) for a local step and ("sync", H) for one that syncs."""
+    out = []
+    interval, counter = 1, 0
+    for t in range(1, freeze + 1):
+        if t % interval == 0:
+            out.append(("variance", interval))
+            counter += 1
+            if counter == kappa:
+                counter, interval = 0, 2 * interval
+        else:
+            out.append(("gradient", interval))
+    interval, counter, pending = 1, 0, 0
+    for _ in range(freeze + 1, steps + 1):
+        syncing = pending + 1 == interval
+        pending = 0 if syncing else pending + 1
+        out.append(("sync" if syncing else "local", interval))
+        counter += 1
+        if counter == scaler:
+            counter, interval = 0, min(clipper, 2 * interval)
+    return out
+
+
+def _zero_one_phases(method: Method, steps: int, freeze: int, warmup: Method, onebit: Method, through: str
+                     ) -> list[Phase]:
+    cfg = method.config()
+    kinds = zero_one_steps(freeze, steps, cfg.var_update_scaler, cfg.local_step_scaler, cfg.local_step_clipper)
+    out: list[Phase] = []
+    start = 0
+    while start < len(kinds):
+        stage, interval = ("variance" if kinds[start][0] in ("variance", "gradient") else "local"), kinds[start][1]
+        stop = start
+        while stop < len(kinds) and kinds[stop][1] == interval and (
+                (kinds[stop][0] in ("variance", "gradient")) == (stage == "variance")):
+            stop += 1
+        stretch = [kind for kind, _ in kinds[start:stop]]
+        if stage == "variance":
+            dense = stretch.count("variance")
+            if dense:
+                out.append(Phase(f"{dense} AdamW steps (variance interval {interval}), gradients through {through}",
+                                 warmup, start, start + dense))
+            if dense < len(stretch):
+                out.append(Phase(f"{len(stretch) - dense} 1-bit gradient steps (variance interval {interval})",
+                                 onebit, start + dense, stop))
+        else:
+            syncs = max(1, stretch.count("sync"))  # (none in the stretch: finish() syncs at the end, one counted)
+            out.append(Phase(f"{len(stretch)} local steps, {syncs} syncs (interval {interval}), 1-bit, sharded",
+                             onebit, start, stop, every=len(stretch) / syncs))
+        start = stop
+    return out
 
 
 def check(methods: list[Method], steps: int | None) -> None:
@@ -116,8 +176,8 @@ def boundary(method: Method, steps: int | None) -> int:
 
 
 def for_pilot(method: Method, steps: int | None) -> Method:
-    """What a method's pilot trains: 1-bit Adam with the run's freeze step, not 15 % of the pilot's."""
-    if method.optimizer == "onebit_adam" and steps is not None:
+    """What a method's pilot trains: 1-bit Adam or 0/1 Adam with the run's freeze step, not 15 % of the pilot's."""
+    if method.optimizer in ("onebit_adam", "zero_one_adam") and steps is not None:
         return dataclasses.replace(method, freeze_step=freeze_step(method, steps))
     return method
 

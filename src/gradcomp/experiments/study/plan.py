@@ -133,6 +133,7 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
     # what is measured: every plain method, and each phase's exchange of a phased one (study/phases.py)
     split = {m.label: phased.phases(m, opts.steps) for m in methods}
     units = [p.method for m in methods for p in (split[m.label] or [])] + [m for m in methods if not split[m.label]]
+    units = list({u.label: u for u in units}.values())  # (0/1 Adam's phases share two exchanges: each measured once)
     sharing = opts.colocated if opts.colocated > 1 and not local_race else 1  # parts timed n processes at once
     local = cached_local_race(opts, units, cache, machine, log) if local_race else {}
     compute_s, compute_from = _compute(opts, local_race, local, sharing, cache, machine, log)

@@ -58,7 +58,8 @@ from gradcomp.experiments.study import pilot
 # the configuration fields a recorded run must share with a planned method's training (the module's docstring)
 IDENTITY = (*(k for k in ECHOED if k not in ("seed", "simulate", "ddp", "fsdp")), "params", "server_params",
             "error_feedback", "betas", "eps", "freeze_step", "warmup_compressor", "outer_optimizer", "outer_lr",
-            "outer_momentum", "dense_steps", "lr_step_size", "lr_gamma", "workers", "steps")
+            "outer_momentum", "dense_steps", "lr_step_size", "lr_gamma", "var_update_scaler", "local_step_scaler",
+            "local_step_clipper", "workers", "steps")
 
 
 @dataclass
@@ -82,7 +83,8 @@ class Run:
 
 def _identity(record: dict[str, Any]) -> dict[str, Any]:
     found = {key: record.get(key) for key in IDENTITY}
-    # fields results gained with later options, at the value that meant before them
+    # fields results gained with later options, at the value that meant before them (0/1 Adam's schedule, not
+    # recorded before, is left unknown: such a run matches no planned 0/1 Adam)
     if "dense_steps" not in record:
         found["dense_steps"] = 0
     if "warmup_compressor" not in record and record.get("optimizer") in EXCHANGING_OPTIMIZERS:
