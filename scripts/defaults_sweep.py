@@ -44,12 +44,13 @@ def pairs() -> list[tuple[str, str, list[str]]]:
     return accepted_pairs()
 
 
-def run_one(name: str, flags: list[str], steps: int | None, out: Path) -> dict:
+def run_one(name: str, flags: list[str], steps: int | None, out: Path, seed: int = 0) -> dict:
     stage = f"steps{steps}" if steps else "epoch"
     tag = "_".join([name, *(f for f in flags if not f.startswith("--"))]) or name
-    path = out / f"{tag}.{stage}.json"
-    command = ["gradcomp", "train", "--no-progress", "--allow-untrained-defaults", "--simulate", "--compressor", name, *flags,
-               *(["--steps", str(steps)] if steps else []), "--json", str(path)]
+    path = out / f"{tag}.{stage}{f'.seed{seed}' if seed else ''}.json"
+    command = ["gradcomp", "train", "--no-progress", "--allow-untrained-defaults", "--simulate", "--compressor", name,
+               *flags, *(["--steps", str(steps)] if steps else []), *(["--seed", str(seed)] if seed else []),
+               "--json", str(path)]
     env = dict(os.environ)
     bin_dir = Path(sys.executable).parent
     start = time.time()
