@@ -4,7 +4,7 @@
 # writes runs/<name>.json and .log.
 set -e
 mkdir -p runs
-G="python -m gradcomp.cli train --no-progress"
+G="python -m gradcomp.cli train --no-progress --allow-untrained-defaults"  # its n = 1 rows measure refused defaults
 
 # Density p x communication delay n. "grad" rows (n = 1 in the default gradient-exchange mode: momentum applied
 # after aggregation) take no --local-steps; --local-steps N exchanges the weight update of N local steps

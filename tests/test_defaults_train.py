@@ -34,6 +34,7 @@ REFUSED: list[tuple[str, list[str]]] = [
     ("signsgd", []), ("signsgd", ["--error-feedback"]), ("signsgd", MC), ("signsgd", MM),
     ("signum", []), ("signum", ["--error-feedback"]),
     ("efsignsgd", []), ("onebit", []), ("onebit", ["--no-error-feedback"]),
+    ("sbc", []), ("sbc", ["--error-feedback"]),
 ]
 
 
