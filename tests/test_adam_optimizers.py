@@ -696,8 +696,7 @@ def test_race_methods_for_adam_parse_into_their_training_and_plan_takes_them_by_
 
     for text in ("onebit_adam", "diloco:local_steps=8", "topk:density=0.01,dense_steps=5"):  # planned by phases
         assert len(phases.phases(planned(text, {}), 1000)) in (1, 2)
-    with pytest.raises(ConfigError, match="does not model 0/1 Adam"):
-        phases.phases(planned("zero_one_adam", {}), 1000)
+    assert len(phases.phases(planned("zero_one_adam", {}), 1000)) > 2  # its schedule's stretches (test_plan_phases)
 
 
 def test_an_evaluation_due_between_syncs_is_made_at_the_next_sync(tmp_path):

@@ -90,7 +90,8 @@ class Method:
                 "server": self.server, "server_params": self.server_params, "granularity": self.granularity,
                 "ddp": self.ddp, "bucket_cap_mb": self.bucket_cap_mb, "optimizer": self.optimizer,
                 "freeze_step": self.freeze_step, "warmup": self.warmup, "local_steps": self.local_steps,
-                "outer": self.outer, "dense_steps": self.dense_steps, **({"zero_one": self.zero_one} if self.zero_one else {})}
+                "outer": self.outer, "dense_steps": self.dense_steps,
+                **({"zero_one": self.zero_one} if self.zero_one else {})}
 
     def config(self, base=None, num_parameters: int = 0):
         """This method's TrainConfig: ``base`` (the race's settings; TrainConfig's defaults) with the method's own."""
