@@ -310,20 +310,22 @@ def to_target(opts, methods: Sequence[Any], rows: Sequence[Any], cache, fp32_nam
     log(f"pilots: {count} of {steps} steps each ({opts.workers} simulated workers, gradcomp train's defaults for "
         f"{opts.model}); about {max(1, round(count * steps * per_step / 60))} min unless cached")
     result = run_pilots(methods, base, cache, machine, log, opts.target, skip)
-    out_rows = {}
-    for m in methods:
-        p, row = result["predictions"][m.label], by_label[m.label]
-        time_s = row.seconds_for(p.steps) if p.keeps_up and p.steps is not None else None
-        out_rows[m.label] = {
-            "status": p.status, "detail": p.detail, "steps_to_target": p.steps, "gap": p.gap,
-            "time_s": time_s,
-            "time_low_s": row.seconds_for(p.steps_low) if time_s is not None and p.steps_low is not None else None,
-            "time_high_s": row.seconds_for(p.steps_high) if time_s is not None and p.steps_high is not None else None,
-        }
+    out_rows = {m.label: timed(result["predictions"][m.label], by_label[m.label]) for m in methods}
     return {"value": result["target"], "metric": "validation bits/byte" if result["lower"] else "test accuracy %",
             "lower_is_better": result["lower"], "tolerance": result["tolerance"], "pilot_steps": steps,
             "fp32_steps": result["fp32_steps"], "given": opts.target is not None,
             "pilots": result["pilots"], "rows": out_rows}
+
+
+def timed(p: Prediction, row) -> dict[str, Any]:
+    """A plan row's target columns: the prediction, and its time (step time x steps, phase by phase) with its range;
+    no time for a method that does not keep up."""
+    time_s = row.seconds_for(p.steps) if p.keeps_up and p.steps is not None else None
+    return {
+        "status": p.status, "detail": p.detail, "steps_to_target": p.steps, "gap": p.gap, "time_s": time_s,
+        "time_low_s": row.seconds_for(p.steps_low) if time_s is not None and p.steps_low is not None else None,
+        "time_high_s": row.seconds_for(p.steps_high) if time_s is not None and p.steps_high is not None else None,
+    }
 
 
 def pilot_base(opts, steps: int):

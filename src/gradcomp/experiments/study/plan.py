@@ -150,7 +150,7 @@ def run_plan(opts: PlanOptions, log: Callable[[str], None] = lambda s: None) -> 
             if split[m.label] else priced[m.label] for m in methods]
     target = None
     if runs is not None:
-        target = recorded.to_target(opts, methods, rows, FP32, runs, log)
+        target = recorded.to_target(opts, methods, rows, runs, log)
     elif opts.pilots and opts.model is not None:
         target = pilot.to_target(opts, methods, rows, cache, FP32, machine, compute_s, log)
     ordered = _ranked(rows, target)

@@ -232,7 +232,7 @@ def _same(a: dict[str, Any], b: dict[str, Any], ignore: Sequence[str] = ()) -> b
     return all(a.get(k) == b.get(k) for k in IDENTITY if k not in ignore)
 
 
-def to_target(opts, methods: Sequence[Any], rows: Sequence[Any], fp32_name: str, runs: Sequence[Run],
+def to_target(opts, methods: Sequence[Any], rows: Sequence[Any], runs: Sequence[Run],
               log: Callable[[str], None]) -> dict[str, Any]:
     """As ``pilot.to_target``, from recorded runs: per row ``status``, ``detail``, ``steps_to_target``, ``gap``,
     ``time_s`` and its range; and the target, its source and the runs used."""
@@ -247,31 +247,23 @@ def to_target(opts, methods: Sequence[Any], rows: Sequence[Any], fp32_name: str,
         used.update(id(r) for r in mine)
         matched[m.label] = {r.seed: r for r in mine}  # a seed recorded twice: the later file's run
     fp32_runs = _fp32_runs(opts, runs, steps)
-    good = list(fp32_runs.values())
     target = opts.target
     if target is None:
-        finals = [r.curve[-1][1] for r in good]
+        finals = [r.curve[-1][1] for r in fp32_runs.values()]
         target = max(finals) if lower else min(finals)
     else:
-        for r in good:
+        for r in fp32_runs.values():
             pilot.check_target({"curve": r.curve}, target, lower, r.steps)
     log(f"recorded runs: {len(used)} of {len(runs)} match a planned method ({steps} steps, {opts.workers} workers); "
         f"fp32 on seeds {', '.join(map(str, sorted(fp32_runs)))}")
-    out_rows = {}
-    for m in methods:
-        row = next(r for r in rows if r.label == m.label)
-        p = _combined(matched[m.label] if not pilot.is_fp32(m) else fp32_runs, fp32_runs, target, lower, tolerance)
-        time_s = row.seconds_for(p.steps) if p.keeps_up and p.steps is not None else None
-        out_rows[m.label] = {
-            "status": p.status, "detail": p.detail, "steps_to_target": p.steps, "gap": p.gap, "time_s": time_s,
-            "time_low_s": row.seconds_for(p.steps_low) if time_s is not None else None,
-            "time_high_s": row.seconds_for(p.steps_high) if time_s is not None else None,
-        }
+    by_label = {r.label: r for r in rows}
+    out_rows = {m.label: pilot.timed(_combined(fp32_runs if pilot.is_fp32(m) else matched[m.label], fp32_runs, target,
+                                               lower, tolerance), by_label[m.label]) for m in methods}
     curves = {f"{m.label} seed {s}": r.curve for m in methods for s, r in sorted(matched[m.label].items())}
     return {"value": target, "metric": "validation bits/byte" if lower else "test accuracy %",
             "lower_is_better": lower, "tolerance": tolerance, "pilot_steps": None, "source": "recorded",
             "recorded_steps": steps, "recorded_used": len(used), "recorded_read": len(runs),
-            "fp32_steps": statistics.mean(pilot.crossing(r.curve, target, lower) for r in good),
+            "fp32_steps": statistics.mean(pilot.crossing(r.curve, target, lower) for r in fp32_runs.values()),
             "given": opts.target is not None, "pilots": curves, "rows": out_rows}
 
 
