@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 import gradcomp.registry as registry
-from gradcomp.compressors.base import Compressor, Slot, accumulate
+from gradcomp.compressors.base import Compressor, Slot, accumulate, bind_worker
 from gradcomp.compressors.natural import NORM_CODECS
 from gradcomp.compressors.qsgd import CODINGS
 from gradcomp.compressors.sparse import POSITION_CODECS
@@ -183,7 +183,7 @@ def _sections(raw: bytes) -> list[tuple[int, int, int, int, int]]:
 def build_decoder(label: str, name: str, params: dict, n_messages: int = 4, device: bool = False) -> Decoder:
     def make() -> Compressor:
         c = registry.make(name, error_feedback=False, **params)
-        c.bind_worker(0)
+        bind_worker(c, 0)
         return c
 
     decoder = Decoder(label, make, device=device)

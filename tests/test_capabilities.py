@@ -124,3 +124,37 @@ def test_capabilities_must_be_a_capabilities():
 
         class Wrong(TopK):  # the class statement itself raises
             capabilities = {"accumulate": True}
+
+
+def test_the_base_interface_is_eight_methods():
+    """The Compressor base is the narrow core (issue: at most 8 methods): a new method writes specs, compress and
+    decompress; params, aggregate, retain and the state pair have defaults. Everything else is a function of
+    compressors.base or a class attribute."""
+    methods = sorted(n for n, v in vars(Compressor).items() if callable(v) and not n.startswith("__"))
+    assert methods == ["aggregate", "compress", "decompress", "load_state_dict", "params", "retain", "specs",
+                       "state_dict"]
+
+
+@pytest.mark.parametrize("name, kwargs, wrapped", [
+    ("cnat", {"error_feedback": True}, ["inner"]),
+    ("dgc", {}, ["selector"]),  # DGC and its sampled top-k
+])
+def test_bind_worker_gives_the_rank_to_every_wrapped_compressor(name, kwargs, wrapped):
+    """Stochastic rounding salted by the rank must see the rank inside error feedback and DGC too: else every
+    worker would round alike (correlated errors that averaging does not reduce)."""
+    c = gradcomp.make(name, **kwargs)
+    base.bind_worker(c, 3)
+    assert c.worker == 3
+    for path in wrapped:
+        target = c
+        for part in path.split("."):
+            target = getattr(target, part)
+        assert target.worker == 3, path
+
+
+def test_a_class_still_defining_bind_worker_is_refused_at_its_class_statement():
+    with pytest.raises(TypeError, match="bind_worker is never called"):
+
+        class Old(Compressor):
+            def bind_worker(self, worker):
+                self.worker = worker

@@ -13,7 +13,7 @@ from roundtrip import round_trip
 
 import gradcomp
 from gradcomp import ConfigError, Slot
-from gradcomp.compressors.base import shared_seed
+from gradcomp.compressors.base import bind_worker, shared_seed
 from gradcomp.compressors.dgc import DGC, WARMUP_DENSITIES, sample_count
 from gradcomp.experiments.run.config import TrainConfig
 from gradcomp.feedback import ErrorFeedback
@@ -198,7 +198,7 @@ def test_sample_is_seeded_by_seed_step_slot_and_worker():
 
     def chosen(seed=0, step=0, index=0, worker=0):  # the sampled threshold (the selection may be exact top-k)
         c = gradcomp.make("dgc", density=0.01, sample=0.01, seed=seed)
-        c.bind_worker(worker)
+        bind_worker(c, worker)
         tau = c.selector.threshold(x.abs(), Slot("w", index, d), step)
         assert tau == expected_threshold(x.abs(), 0.01, 0.01, seed, step, index, worker)
         return tau
@@ -379,7 +379,7 @@ def test_simulated_cluster_keeps_replicas_identical():
     references = []
     for r in range(world):
         ref = gradcomp.make("dgc", **params)
-        ref.bind_worker(r)
+        bind_worker(ref, r)
         references.append(ref)
     for s in range(3):
         for i, slot in enumerate(slots):

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 import gradcomp
 from gradcomp import ConfigError, ErrorFeedback, GradientExchange, SimulatedCluster, Slot
-from gradcomp.compressors.base import Compressor, accumulate, subtract_sent
+from gradcomp.compressors.base import Compressor, accumulate, bind_worker, subtract_sent
 from gradcomp.compressors.natural import RandomDithering
 from gradcomp.errors import NonFiniteGradientError
 from gradcomp.feedback import MomentumCorrection
@@ -127,8 +127,8 @@ def _pair(name: str, params: dict, worker: int = 1) -> tuple[ErrorFeedback, Refe
     ef = gradcomp.make(name, error_feedback=True, **params)
     assert isinstance(ef, ErrorFeedback)
     reference = ReferenceFeedback(gradcomp.make(name, error_feedback=False, **params))
-    ef.bind_worker(worker)
-    reference.inner.bind_worker(worker)
+    bind_worker(ef, worker)
+    bind_worker(reference.inner, worker)
     return ef, reference
 
 
@@ -430,7 +430,7 @@ def _worker_buffers(name: str, params: dict, slots: list[Slot], workers: int, sc
     buffers = []
     for rank in range(workers):
         compressor = gradcomp.make(name, **params)
-        compressor.bind_worker(rank)
+        bind_worker(compressor, rank)
         g = torch.Generator().manual_seed(100 + rank)
         messages = [compressor.compress(torch.randn(s.numel, generator=g) * scale, s, 3) for s in slots]
         buffers.append(encode_slots(compressor, slots, messages))
@@ -469,8 +469,8 @@ def test_qsgd_decodes_as_random_dithering_does(params):
     slot = Slot("w", 5, d)
     x = _inputs(d, 3, seed=3)[0]
     q, packed = gradcomp.make("qsgd", **params), gradcomp.make("qsgd", **{**params, "coding": "packed"})
-    q.bind_worker(2)
-    packed.bind_worker(2)
+    bind_worker(q, 2)
+    bind_worker(packed, 2)
     fields, reference_fields = q.compress(x, slot, 4), packed.compress(x, slot, 4)
     expected = RandomDithering.decompress(packed, reference_fields, slot, 4)  # the parent's whole-tensor decode
     assert _same_bits(q.decompress(fields, slot, 4), expected)

@@ -18,6 +18,7 @@ from roundtrip import f32_bits, round_trip
 
 import gradcomp
 from gradcomp import ConfigError, NonFiniteGradientError, Slot
+from gradcomp.compressors.base import bind_worker
 from gradcomp.compressors.natural import NaturalCompression, NaturalDithering, RandomDithering, TernGrad
 from gradcomp.registry import parse_param_strings
 from gradcomp.wire import HEADER_BYTES, SECTION_HEADER_BYTES, decode, encode
@@ -566,9 +567,9 @@ def test_workers_round_independently_once_bound_to_their_rank():
     slot = gc.Slot("w", 0, 4000)
     x = torch.rand(4000) + 0.5  # no powers of two: every entry is rounded at random
     first, second, again = gc.make("cnat"), gc.make("cnat"), gc.make("cnat")
-    first.bind_worker(0)
-    second.bind_worker(1)
-    again.bind_worker(0)
+    bind_worker(first, 0)
+    bind_worker(second, 1)
+    bind_worker(again, 0)
     a, b, c = (k.decompress(k.compress(x, slot, 7), slot, 7) for k in (first, second, again))
     assert torch.equal(a, c)  # reproducible for the same worker
     assert not torch.equal(a, b)  # independent draws for another worker

@@ -16,6 +16,7 @@ from roundtrip import f32_bits, round_trip
 
 import gradcomp
 from gradcomp import ConfigError, NonFiniteGradientError, Slot, WireError
+from gradcomp.compressors.base import bind_worker
 from gradcomp.compressors.natural import RandomDithering
 from gradcomp.compressors.qsgd import QSGD, elias_max_bytes
 from gradcomp.registry import parse_param_strings
@@ -54,7 +55,7 @@ def vectors() -> dict[str, torch.Tensor]:
 def levels_of(compressor: QSGD, x: torch.Tensor, slot: Slot, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(level index ξ, negative mask, norm) of one draw, read from the packed coding's codes."""
     packed = QSGD(levels=compressor.levels, seed=compressor.seed)
-    packed.bind_worker(compressor.worker)
+    bind_worker(packed, compressor.worker)
     norm, codes = packed.compress(x, slot, step)
     return codes & ((1 << packed.level_bits) - 1), (codes >> packed.level_bits) & 1 == 1, float(norm)
 
@@ -409,7 +410,7 @@ def test_deterministic_per_step_slot_and_worker():
         assert all(torch.equal(u, v) for u, v in zip(a, c.compress(x, Slot("a", 1, 500), 3)))
         assert not all(torch.equal(u, v) for u, v in zip(a, c.compress(x, Slot("a", 1, 500), 4)))
         other = QSGD(levels=2, seed=4, coding=coding)
-        other.bind_worker(1)
+        bind_worker(other, 1)
         assert not all(torch.equal(u, v) for u, v in zip(a, other.compress(x, Slot("a", 1, 500), 3)))
     # qsgd draws its own random numbers: not random_dithering's (salted by the method's name)
     q, r = QSGD(levels=7), RandomDithering(levels=7)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gradcomp
-from gradcomp.compressors.base import Slot
+from gradcomp.compressors.base import Slot, bind_worker
 from gradcomp.errors import WireError
 from gradcomp.schemes.single_round import aggregate_buffers, encode_slots
 from gradcomp.wire.refusals import StepAbandoned
@@ -22,7 +22,7 @@ SLOT = Slot("w", 0, 203)
 
 def _fields(name: str, **params):
     compressor = gradcomp.make(name, **params)
-    compressor.bind_worker(0)
+    bind_worker(compressor, 0)
     x = torch.randn(SLOT.numel, generator=torch.Generator().manual_seed(0))
     return compressor, compressor.compress(x, SLOT, 0)
 

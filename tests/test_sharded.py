@@ -16,6 +16,7 @@ from gradients import rank_order_mean, worker_gradients
 
 import gradcomp
 from gradcomp import ConfigError, GradientExchange, SimulatedCluster, Slot
+from gradcomp.compressors.base import bind_worker
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.protocols import alltoall_buffers
 from gradcomp.schemes.sharded import Sharded, shard_bounds
@@ -70,7 +71,7 @@ def hand_sharded(world, make, inputs, step=0, make_server=NoCompression, slots=S
     workers = []
     for r in range(world):
         c = make()
-        c.bind_worker(r)
+        bind_worker(c, r)
         workers.append(c)
     results = []
     for slot, per in zip(slots, zip(*[inputs(r, step, [s.numel for s in slots]) for r in range(world)])):
@@ -83,7 +84,7 @@ def hand_sharded(world, make, inputs, step=0, make_server=NoCompression, slots=S
                 total += workers[r].decompress(workers[r].compress(per[r][start:stop], shard, step), shard, step)
             aggregate = workers[0].aggregate(total, world)
             server = make_server()
-            server.bind_worker(world + j)
+            bind_worker(server, world + j)
             out[start:stop] = server.decompress(server.compress(aggregate, shard, step), shard, step)
         results.append(out)
     return results

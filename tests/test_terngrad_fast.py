@@ -12,6 +12,7 @@ import torch
 
 from gradcomp import Slot
 from gradcomp.compressors import natural
+from gradcomp.compressors.base import bind_worker
 from gradcomp.compressors.natural import TernGrad
 from gradcomp.schemes.terngrad_shared import TernGradShared
 
@@ -68,7 +69,7 @@ def test_cpu_loop_sends_the_codes_of_the_whole_tensor_path(name, clip, monkeypat
     x = INPUTS[name]()
     before = x.clone()
     c = TernGrad(clip=clip, seed=3)
-    c.bind_worker(1)
+    bind_worker(c, 1)
     slot = Slot("t", 2, x.numel())
     for step in (0, 7):
         fast, whole = compress_both(c, x, slot, step, monkeypatch)

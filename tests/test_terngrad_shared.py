@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gradcomp
-from gradcomp.compressors.base import Slot
+from gradcomp.compressors.base import Slot, bind_worker
 from gradcomp.errors import ConfigError, NonFiniteGradientError
 from gradcomp.schemes.terngrad_shared import TernGradShared
 from gradcomp.train.exchange import GradientExchange
@@ -125,7 +125,7 @@ def test_a_worker_with_a_smaller_scaler_keeps_fewer_entries():
     shared = messages(lambda: TernGradShared(clip=0.0, exchange="allreduce"))
     small = shared[0].tensor  # worker 0's int8 ternaries (its gradient is half worker 1's)
     alone = gradcomp.make("terngrad", clip=0.0)
-    alone.bind_worker(0)
+    bind_worker(alone, 0)
     _, codes = alone.compress(grads(0, 0)[0], SLOTS[0], 0)
     assert int((small != 0).sum()) < 0.75 * int((codes != 0).sum())
 

@@ -47,6 +47,7 @@ import torch
 
 import gradcomp
 from gradcomp import Slot
+from gradcomp.compressors.base import bind_worker
 from gradcomp.wire import HEADER_BYTES, decode, encode
 from wire_paths import device_path
 
@@ -181,7 +182,7 @@ def digest(label: str) -> str:
     h = hashlib.sha256()
     for input_name in inputs:
         compressor = gradcomp.make(name, **params)
-        compressor.bind_worker(worker)
+        bind_worker(compressor, worker)
         x = _input(input_name)
         slot = Slot(name=f"{label}/{input_name}", index=7, numel=x.numel())
         specs = compressor.specs(slot)

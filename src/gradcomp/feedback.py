@@ -108,6 +108,7 @@ class _FeedbackWrapper(Compressor):
     summability and aggregation, so protocols need not know that feedback is there."""
 
     capabilities = Capabilities(accumulate=True, tally=True)
+    wraps = ("inner",)
     unbiased = False
     omega = None
 
@@ -123,10 +124,6 @@ class _FeedbackWrapper(Compressor):
         self.name = inner.name
         self.summable = inner.summable
         self.scale_free = getattr(inner, "scale_free", False)  # a majority vote stays one (LocalUpdateExchange)
-
-    def bind_worker(self, worker: int) -> None:
-        super().bind_worker(worker)
-        self.inner.bind_worker(worker)
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
         return self.inner.specs(slot)

@@ -194,7 +194,12 @@ class Compressor(ABC):
     owns_momentum: ClassVar[bool] = False
     # a compressor that keeps its own residual (DGC's momentum correction): make() refuses a second one
     owns_feedback: ClassVar[bool] = False
-    worker: int = 0  # set by bind_worker(); salts randomness that must differ between workers
+    # this worker's rank, set by the exchange through bind_worker() (the server gets its own number). Randomness
+    # every worker must share (random-k positions, random blocks, hash functions) ignores it; randomness that must
+    # be independent per worker (stochastic rounding) mixes it into its seed.
+    worker: int = 0
+    # the attributes holding the compressors this one wraps: bind_worker() gives them the same rank
+    wraps: ClassVar[tuple[str, ...]] = ()
     # the optional shortcuts this class provides; set in each class's own body, never inherited
     capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
 
@@ -204,17 +209,12 @@ class Compressor(ABC):
             cls.capabilities = NO_CAPABILITIES  # a parent's shortcuts were written for the parent's decoding
         elif not isinstance(cls.__dict__["capabilities"], Capabilities):
             raise TypeError(f"{cls.__qualname__}.capabilities must be a Capabilities, got {cls.capabilities!r}")
+        if "bind_worker" in cls.__dict__:  # the method the base had: the exchange no longer calls it
+            raise TypeError(f"{cls.__qualname__}.bind_worker is never called: the exchange sets .worker through "
+                            "compressors.base.bind_worker; name the attributes of wrapped compressors in `wraps`")
         for flag, method in _CAPABILITY_METHODS.items():
             if getattr(cls.capabilities, flag) and not callable(getattr(cls, method, None)):
                 raise TypeError(f"{cls.__qualname__} declares Capabilities({flag}=True) but defines no {method}()")
-
-    def bind_worker(self, worker: int) -> None:
-        """Called by the exchange with this worker's rank (the server gets its own number).
-
-        Randomness every worker must share (random-k positions, random blocks, hash functions) ignores it;
-        randomness that must be independent per worker (stochastic rounding) mixes it into its seed.
-        """
-        self.worker = int(worker)
 
     def params(self) -> dict[str, Any]:
         """The constructor arguments, for reports and for rebuilding the same compressor."""
@@ -261,6 +261,13 @@ class Compressor(ABC):
 
 
 # ------------------------------------------------------------ the optional shortcuts, where a class declares them
+
+
+def bind_worker(compressor: Compressor, worker: int) -> None:
+    """Give ``compressor`` and every compressor it wraps (``Compressor.wraps``) the rank ``worker``."""
+    compressor.worker = int(worker)
+    for name in compressor.wraps:
+        bind_worker(getattr(compressor, name), worker)
 
 
 def accumulate(compressor: Compressor, fields: Fields, slot: Slot, step: int, out: Tensor) -> None:

@@ -31,6 +31,7 @@ PROBE_NUMEL = 1 << 20  # the slot size at which a composition is checked when it
 class ComposedValues(Compressor):
     capabilities = Capabilities(accumulate=True, sent_entries=True)
     summable = False
+    wraps = ("inner", "values")
 
     def __init__(self, inner: Compressor, values: Compressor):
         self.inner, self.values = inner, values
@@ -45,11 +46,6 @@ class ComposedValues(Compressor):
             probe = None
         if probe is not None and not any(spec.codec == Codec.F32 for spec in probe):
             raise ConfigError(f"{self.name}: {inner.name!r} sends no fp32 values to compress")
-
-    def bind_worker(self, worker: int) -> None:
-        super().bind_worker(worker)
-        self.inner.bind_worker(worker)
-        self.values.bind_worker(worker)
 
     def params(self) -> dict[str, Any]:
         return self.inner.params()

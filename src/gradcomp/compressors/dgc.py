@@ -349,6 +349,7 @@ class DGC(Compressor):
     """Deep Gradient Compression; see the module docstring for the algorithm and every choice."""
 
     capabilities = Capabilities(accumulate=True, select_sized=True, compress_slots=True)
+    wraps = ("selector",)
     name = "dgc"
     owns_momentum = True
     owns_feedback = True  # its momentum correction keeps the residual: no error feedback on top
@@ -394,10 +395,6 @@ class DGC(Compressor):
             "positions": s.positions,
             "seed": s.seed,
         }
-
-    def bind_worker(self, worker: int) -> None:
-        super().bind_worker(worker)
-        self.selector.bind_worker(worker)
 
     def specs(self, slot: Slot) -> list[FieldSpec]:
         return self.selector.specs(slot)

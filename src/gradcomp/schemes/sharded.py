@@ -77,7 +77,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.compressors.base import Compressor, Slot, bind_worker
 from gradcomp.compressors.dense import NoCompression
 from gradcomp.errors import ConfigError
 from gradcomp.protocols import allgather_buffers, alltoall_buffers
@@ -152,8 +152,8 @@ class Sharded(Scheme):
         super().bind(rank, world_size)
         self._layouts = {}
         self._sizes, self._limits = {}, {}
-        self.compressor.bind_worker(rank)
-        self.server_compressor.bind_worker(world_size + rank)  # independent of every worker and other owner
+        bind_worker(self.compressor, rank)
+        bind_worker(self.server_compressor, world_size + rank)  # independent of every worker and other owner
 
     def params(self) -> dict:
         return {"compressor": self.compressor, "topology": self.topology, "server_compressor": self.server_compressor}

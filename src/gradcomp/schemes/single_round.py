@@ -39,6 +39,7 @@ from gradcomp.compressors.base import (
     Slot,
     Tally,
     accumulate,
+    bind_worker,
     compress_slots,
     new_tally,
     select_sized,
@@ -309,8 +310,8 @@ class SingleRound(Scheme):
         super().bind(rank, world_size)
         if not 0 <= self.root < world_size:
             raise ConfigError(f"root {self.root} is not a rank of a world of size {world_size}")
-        self.compressor.bind_worker(rank)
-        self.server_compressor.bind_worker(world_size)  # the server rounds independently of every worker
+        bind_worker(self.compressor, rank)
+        bind_worker(self.server_compressor, world_size)  # the server rounds independently of every worker
         self._sizes = {}
 
     def params(self) -> dict:

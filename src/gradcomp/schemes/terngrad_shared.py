@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradcomp.compressors.base import Slot
+from gradcomp.compressors.base import Slot, bind_worker
 from gradcomp.compressors.natural import TernGrad
 from gradcomp.errors import ConfigError
 from gradcomp.schemes.base import Scheme
@@ -69,7 +69,7 @@ class TernGradShared(Scheme):
                 f"terngrad_shared with exchange='allreduce' sums int8 ternaries: at most {_INT8_MAX_WORKERS} "
                 f"workers, got {world_size} (use exchange='allgather')"
             )
-        self.ternary.bind_worker(rank)
+        bind_worker(self.ternary, rank)
 
     def params(self) -> dict[str, Any]:
         return {**self.ternary.params(), "exchange": self.exchange}

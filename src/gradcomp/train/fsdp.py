@@ -112,7 +112,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradcomp.compressors.base import Compressor, Slot
+from gradcomp.compressors.base import Compressor, Slot, bind_worker
 from gradcomp.compressors.state import Journal, journal, plain_name
 from gradcomp.errors import ConfigError, NonFiniteGradientError, WireError
 from gradcomp.finite import all_finite, check_nonfinite, check_scaler, finite_flag, loss_scale
@@ -637,7 +637,7 @@ def check_fsdp_method(method: Any, model: nn.Module, world_size: int) -> None:
             f"{getattr(method, 'name', '') or type(method).__name__}, which owns its rounds: they assume every rank "
             "ends with the whole aggregate, which a reduce-scatter does not give"
         )
-    method.bind_worker(0)
+    bind_worker(method, 0)
     for slot in fsdp_slots(model, world_size):
         method.specs(slot)  # k larger than a chunk, ...
 
@@ -698,7 +698,7 @@ def compress_fsdp(
             f"{fsdp_group.mesh_info.shard_mesh_rank} of the FSDP mesh; the two must number the ranks alike"
         )
     world = transport.world_size
-    compressor.bind_worker(transport.rank)
+    bind_worker(compressor, transport.rank)
     state = FSDPCompressionState(compressor, transport, scaler, propagate=nonfinite == "propagate")
     for module, group in groups:
         if group is None:
