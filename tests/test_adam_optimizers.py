@@ -13,7 +13,7 @@ from distributed import run_workers
 from gradcomp import GradientAggregator, LocalUpdateExchange, NonFiniteGradientError, SimulatedCluster, make
 from gradcomp.errors import ConfigError
 from gradcomp.train.onebit_adam import OneBitAdam
-from gradcomp.train.zero_one_adam import ZeroOneAdam
+from gradcomp.train.zero_one_adam import ZeroOneAdam, schedule, steady_round
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
 
@@ -709,3 +709,17 @@ def test_an_evaluation_due_between_syncs_is_made_at_the_next_sync(tmp_path):
     assert main([*SMALL, "--steps", "16", "--local-steps", "3", "--eval-every", "5", "--simulate", "--json",
                  str(out)]) == 0
     assert [step for step, _ in json.loads(out.read_text())["accuracy_curve"]] == [6, 12, 15]
+
+
+@pytest.mark.parametrize("freeze, steps, kappa, scaler, clipper, expected", [
+    (100, 1000, 1000, 50, 2, (150, 2)),   # H = 1 for 50 steps, then 2
+    (100, 1000, 1000, 50, 4, (200, 4)),   # 1, 2, then 4 from step 200 (a round boundary, a multiple of 4)
+    (150, 1000, 16, 50, 16, None),        # H reaches 16 mid-round: its rounds start at steps not multiples of 16
+    (100, 120, 1000, 50, 4, (100, 1)),    # the run ends before H grows: within it, every step syncs
+])
+def test_zero_one_schedule_steady_round(freeze, steps, kappa, scaler, clipper, expected):
+    kinds = schedule(freeze, steps, kappa, scaler, clipper)
+    assert steady_round(kinds) == expected
+    if expected:
+        start, h = expected
+        assert [k for k, _ in kinds[start:]] == (["local"] * (h - 1) + ["sync"]) * ((steps - start) // h)

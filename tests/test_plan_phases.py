@@ -8,6 +8,7 @@ import pytest
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race.method import planned
 from gradcomp.experiments.study import phases, plan
+from gradcomp.train import zero_one_adam
 
 
 def test_one_bit_adam_is_its_warm_up_then_sharded_signs():
@@ -150,7 +151,7 @@ def test_zero_one_adams_schedule_is_the_optimizers_own(freeze, kappa, scaler, cl
 
     with SimulatedCluster(1) as cluster:
         (seen,) = cluster.run(worker)
-    assert [kind for kind, _ in phases.zero_one_steps(freeze, steps, kappa, scaler, clipper)] == seen
+    assert [kind for kind, _ in zero_one_adam.schedule(freeze, steps, kappa, scaler, clipper)] == seen
 
 
 def test_zero_one_adam_is_planned_by_its_schedule():

@@ -66,6 +66,11 @@ def test_windows_cover_each_method_s_warm_up():
     assert links.steady_from(m, cfg) == 220
     m, cfg = config("zero_one_adam", optimizer="adamw", momentum=0.0)  # its schedule never settles: all steps
     assert links.steady_from(m, cfg) is None and links.window_steps(m, cfg, 50) == 1000
+    # capped at 2 local steps: H = 1 for 50 steps after the freeze at 100, then rounds of 2 from step 150
+    m, cfg = config("zero_one_adam:freeze_step=100,var_update_scaler=1000,local_step_clipper=2", optimizer="adamw",
+                    momentum=0.0)
+    assert links.steady_from(m, cfg) == 150 and links.round_length(cfg) == 2
+    assert links.window_steps(m, cfg, 50) == 200
     m, cfg = config("topk:density=0.01,feedback=residual,dense_steps=100", steps=120)
     assert links.window_steps(m, cfg, 50) == 120  # never more than the run
 

@@ -175,3 +175,47 @@ class ZeroOneAdam(ExchangingAdam):
         if self._pending:
             self._sync(self.t)
 
+
+def schedule(freeze: int, steps: int, kappa: int, scaler: int, clipper: int) -> list[tuple[str, int]]:
+    """0/1 Adam's steps 1..steps as :class:`ZeroOneAdam`'s counters make them (``kappa``: var_update_scaler,
+    ``scaler`` / ``clipper``: local_step_scaler / local_step_clipper), for planning and timing without training:
+    per step its kind and interval, ("variance", k) for a step that updates the variance (a dense exchange),
+    ("gradient", k) for a 1-bit exchange of the gradient (k: the variance interval), ("local", H) for a local step
+    and ("sync", H) for one that syncs."""
+    out = []
+    interval, counter = 1, 0
+    for t in range(1, freeze + 1):
+        if t % interval == 0:
+            out.append(("variance", interval))
+            counter += 1
+            if counter == kappa:
+                counter, interval = 0, 2 * interval
+        else:
+            out.append(("gradient", interval))
+    interval, counter, pending = 1, 0, 0
+    for _ in range(freeze + 1, steps + 1):
+        syncing = pending + 1 == interval
+        pending = 0 if syncing else pending + 1
+        out.append(("sync" if syncing else "local", interval))
+        counter += 1
+        if counter == scaler:
+            counter, interval = 0, min(clipper, 2 * interval)
+    return out
+
+
+def steady_round(kinds: list[tuple[str, int]]) -> tuple[int, int] | None:
+    """(first step, round length H) from which ``schedule``'s steps repeat one round of H − 1 local steps and a
+    sync to the run's end, the first step a multiple of H (step indices from 0; H = the interval of the run's last
+    steps), or None when there is no such step (the interval changed mid-round, so the rounds start off the
+    multiples of H; or the run ends in its variance stage)."""
+    if not kinds or kinds[-1][0] not in ("local", "sync"):
+        return None
+    h = kinds[-1][1]
+    first = len(kinds)
+    while first > 0 and kinds[first - 1] in (("local", h), ("sync", h)):
+        first -= 1
+    for i in range(first, len(kinds) - h + 1):
+        if i % h == 0 and (i == 0 or kinds[i - 1][0] != "local") and all(
+                kinds[j][0] == ("sync" if (j - i) % h == h - 1 else "local") for j in range(i, len(kinds))):
+            return i, h
+    return None

@@ -12,8 +12,9 @@ with the steps to the target taken from the training at A. The window of a metho
 step pattern becomes steady (``steady_from``: the end of a dense warm-up, 1-bit Adam's freeze step, DGC's
 sparsity warm-up, LGC's dense and top-k stages, torch PowerSGD's ``start_iter``) and ``--link-window`` steps
 after it, rounded up to whole communication rounds: a method with H local steps communicates once in H steps,
-so its steady mean is taken over whole rounds of H. A method whose pattern never becomes steady (0/1 Adam: its
-variance is refreshed and its local-step interval grows on a schedule) is timed over all its steps at every link.
+so its steady mean is taken over whole rounds of H. 0/1 Adam is steady from the first whole round after its local-step
+interval reaches its cap (``local_step_clipper``: rounds of that many steps); where the run ends before that, it is
+timed over all its steps at every link.
 
 The full training at A is the check of the estimate: the same formula applied to A's own first window steps is
 reported beside the time A measured (``check`` in the output: their ratio). Nothing here is a network model:
@@ -35,6 +36,7 @@ from typing import Any
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race import netns
 from gradcomp.experiments.race.method import Method
+from gradcomp.train import zero_one_adam
 
 DEFAULT_WINDOW = 50  # steady steps timed at every link after the first (rounded up to whole rounds)
 
@@ -50,15 +52,27 @@ def parse_links(text: str) -> list[str]:
     return links
 
 
+def _zero_one_round(cfg) -> tuple[int, int] | None:
+    """0/1 Adam's (first steady step, round length): where its local-step interval has reached its cap."""
+    kinds = zero_one_adam.schedule(int(cfg.resolved_freeze_step()), int(cfg.steps), int(cfg.var_update_scaler),
+                                   int(cfg.local_step_scaler), int(cfg.local_step_clipper))
+    return zero_one_adam.steady_round(kinds)
+
+
 def round_length(cfg) -> int:
-    """Steps per communication round: H with local steps (local SGD, DiLoCo, SBC's local steps), else 1."""
+    """Steps per communication round: H with local steps (local SGD, DiLoCo, SBC's local steps; 0/1 Adam's capped
+    interval once reached), else 1."""
+    if cfg.optimizer == "zero_one_adam":
+        steady = _zero_one_round(cfg)
+        return steady[1] if steady else 1
     return int(cfg.local_steps) if cfg.local_steps else 1
 
 
 def steady_from(method: Method, cfg) -> int | None:
     """The step from which a method's steps repeat one pattern (every round alike); None when they never do."""
-    if cfg.optimizer == "zero_one_adam":
-        return None
+    if cfg.optimizer == "zero_one_adam":  # steady once its interval is capped (its variance is frozen by then)
+        steady = _zero_one_round(cfg)
+        return steady[0] if steady else None
     start = int(cfg.dense_steps or 0)
     if cfg.optimizer == "onebit_adam":
         start = max(start, int(cfg.resolved_freeze_step()))

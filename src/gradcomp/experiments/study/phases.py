@@ -8,7 +8,8 @@ something else, or not every step, or differently in two phases of the run:
   all-reduce; C_nat or natural dithering sharded both ways; fp16 / bf16 all-reduced), then 1-bit momentum:
   signs and one scale per shard, sharded both ways with error feedback on both sides (``efsignsgd``, topology
   ``sharded``, server ``efsignsgd``: the exchange OneBitAdam runs). F is ``freeze_step`` or 15 % of the run;
-- 0/1 Adam (``zero_one_adam``): its schedule replayed step by step as ZeroOneAdam keeps it (``zero_one_steps``).
+- 0/1 Adam (``zero_one_adam``): its schedule replayed step by step as ZeroOneAdam keeps it
+  (``train.zero_one_adam.schedule``).
   In the variance stage (the first F steps) a step that updates the variance is a warm-up exchange (as 1-bit
   Adam's), every other one a 1-bit exchange of the gradient; in the local stage a step sends nothing, except the
   sync at the end of each run of H local steps, a 1-bit exchange of the change, with H doubling every
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 from gradcomp.errors import ConfigError
 from gradcomp.experiments.race.method import Method
+from gradcomp.train.zero_one_adam import schedule as zero_one_schedule
 
 SHARDED_WARMUPS = ("cnat", "natural_dithering")  # 1-bit Adam's warm-ups that go sharded both ways (the others all-reduced)
 
@@ -105,35 +107,10 @@ def phases(method: Method, steps: int | None) -> list[Phase] | None:
                   exchange, 0, steps, every=h)]
 
 
-def zero_one_steps(freeze: int, steps: int, kappa: int, scaler: int, clipper: int) -> list[tuple[str, int]]:
-    """0/1 Adam's steps 1..steps as ZeroOneAdam's counters make them: per step its kind and interval,
-    ("variance", k) for a step that updates the variance (a dense exchange), ("gradient", k) for a 1-bit exchange
-    of the gradient (k: the variance interval), ("local", H) for a local step and ("sync", H) for one that syncs."""
-    out = []
-    interval, counter = 1, 0
-    for t in range(1, freeze + 1):
-        if t % interval == 0:
-            out.append(("variance", interval))
-            counter += 1
-            if counter == kappa:
-                counter, interval = 0, 2 * interval
-        else:
-            out.append(("gradient", interval))
-    interval, counter, pending = 1, 0, 0
-    for _ in range(freeze + 1, steps + 1):
-        syncing = pending + 1 == interval
-        pending = 0 if syncing else pending + 1
-        out.append(("sync" if syncing else "local", interval))
-        counter += 1
-        if counter == scaler:
-            counter, interval = 0, min(clipper, 2 * interval)
-    return out
-
-
 def _zero_one_phases(method: Method, steps: int, freeze: int, warmup: Method, onebit: Method, through: str
                      ) -> list[Phase]:
     cfg = method.config()
-    kinds = zero_one_steps(freeze, steps, cfg.var_update_scaler, cfg.local_step_scaler, cfg.local_step_clipper)
+    kinds = zero_one_schedule(freeze, steps, cfg.var_update_scaler, cfg.local_step_scaler, cfg.local_step_clipper)
     out: list[Phase] = []
     start = 0
     while start < len(kinds):
