@@ -109,3 +109,46 @@ def test_the_cli_writes_the_plot_and_the_json(tmp_path, capsys):
     assert "time to target s" in text and "recommendation:" in text
     assert json.loads(out.read_text())["target"]["pilot_steps"] == 12
     assert png.stat().st_size > 1000
+
+
+def test_a_language_models_pilot_is_the_first_steps_of_the_planned_run():
+    """A pilot of 12 steps of the Transformer is the first 12 steps of `train`'s 300-step run (its warm-up of 30
+    steps and its cosine over 300), not a 12-step run with the schedule squeezed into it; with --steps 1000 the
+    schedule is the 1,000-step run's. A classifier's default (an epoch, constant lr) keeps its own length."""
+    from types import SimpleNamespace
+
+    def base(steps=None, model="transformer_tiny", dataset="pystdlib"):
+        opts = SimpleNamespace(model=model, dataset=dataset, data_root=None, batch_size=None, workers=2, seed=0,
+                               steps=steps)
+        return pilot.pilot_base(opts, 12)
+
+    default, longer = base(), base(1000)
+    assert default.steps == 12 and default.schedule_steps == 300 and default.warmup_steps == 30
+    assert longer.schedule_steps == 1000
+    assert default.lr_at(11, default.schedule_steps) == pytest.approx(default.lr * 12 / 30)  # still warming up
+    assert longer.lr_at(11, longer.schedule_steps) == default.lr_at(11, default.schedule_steps)
+    assert base(model="mlp", dataset="synthetic").schedule_steps is None
+    machine = plan.machine_identity("cpu")
+    assert pilot.pilot_key(machine, default, {"m": 1}) != pilot.pilot_key(machine, longer, {"m": 1})
+
+
+def test_a_run_with_a_longer_schedule_trains_exactly_the_first_steps_of_that_run():
+    """schedule_steps: the first 6 steps of a 12-step run, bit for bit (the pilot's promise)."""
+    from gradcomp.experiments.run.runner import run_simulated
+
+    def losses(steps, schedule):
+        cfg = pilot.base_config("transformer_tiny", "pystdlib", None, 4, 2, steps, 0,
+                                run_steps=schedule)
+        cfg.eval_every = 0
+        return run_simulated(cfg)["loss_curve"]
+
+    prefix, full = losses(6, 12), losses(12, None)
+    assert prefix == [point for point in full if point[0] < 6]
+    assert losses(6, None) != prefix  # a 6-step run of its own has another schedule: the test can tell
+
+
+def test_a_schedule_shorter_than_the_run_is_refused():
+    from gradcomp.experiments.run.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="schedule_steps must be a whole number >= the run's steps"):
+        TrainConfig(model="mlp", dataset="synthetic", steps=10, schedule_steps=5).validate()

@@ -118,6 +118,9 @@ class TrainConfig:
     warmup_steps: int = 0  # linear warm-up from lr/warmup_steps to lr over the first warmup_steps steps
     lr_step_size: int | None = None
     lr_gamma: float = 0.1
+    # the length of the run whose first `steps` steps this run is: the schedule (warm-up, cosine) is that run's
+    # (gradcomp plan's pilots: the first steps of the run planned for); None: this run's own length
+    schedule_steps: int | None = None
     context: int = 128  # the window of a language model, in bytes (text datasets only)
     # True when the method applies momentum itself (set by hand_momentum_to_method): weight decay is then added
     # to each gradient before the exchange, so it goes through the method's momentum and error accumulation as
@@ -263,8 +266,14 @@ class TrainConfig:
             raise ConfigError(f"unknown --lr-schedule {self.lr_schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be a whole number >= 0, got {self.warmup_steps!r}")
-        if self.steps is not None and self.warmup_steps >= self.steps:
-            raise ConfigError(f"--warmup-steps {self.warmup_steps} leaves no step of the {self.steps} to train at "
+        if self.schedule_steps is not None and (
+                isinstance(self.schedule_steps, bool) or not isinstance(self.schedule_steps, int)
+                or self.steps is None or self.schedule_steps < self.steps):
+            raise ConfigError(f"schedule_steps must be a whole number >= the run's steps ({self.steps}), "
+                              f"got {self.schedule_steps!r}")
+        length = self.schedule_steps if self.schedule_steps is not None else self.steps
+        if length is not None and self.warmup_steps >= length:
+            raise ConfigError(f"--warmup-steps {self.warmup_steps} leaves no step of the {length} to train at "
                               "the full learning rate: give fewer warm-up steps or more --steps")
         if self.lr_schedule == "step":
             if self.lr_step_size is None:

@@ -407,7 +407,7 @@ def _train_step(cfg: TrainConfig, replica: _Replica, batches: Batches, step: int
     started = time.perf_counter()
     xb, yb = batches.get(step, device)
     replica.buffers.broadcast(replica.transport)  # rank 0's buffers on every replica first, as DDP does
-    set_lr(replica.optimizer, cfg.lr_at(step, total))
+    set_lr(replica.optimizer, cfg.lr_at(step, cfg.schedule_steps or total))
     loss = compute_gradients(replica.trained, xb, yb)  # with --ddp, backward also runs the hook's exchanges
     compute_s += time.perf_counter() - started
     if replica.delayed is None and replica.hook is None and not replica.exchanging:

@@ -30,6 +30,7 @@ def config_record(cfg: TrainConfig) -> dict[str, Any]:
         **({"outer_optimizer": cfg.outer_optimizer, "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum}
            if cfg.local_steps is not None else {}),
         "dense_steps": cfg.dense_steps,
+        **({"schedule_steps": cfg.schedule_steps} if cfg.schedule_steps is not None else {}),
         **({"lr_step_size": cfg.lr_step_size, "lr_gamma": cfg.lr_gamma} if cfg.lr_schedule == "step" else {}),
     }
 

@@ -3,7 +3,9 @@
 A step time alone answers "which step is shortest"; a user asks "which method reaches my target first". A method
 that needs three times the steps, or never gets there, is not faster. So the planner trains each method for a
 short **pilot** on the user's model and data, with ``gradcomp train``'s defaults for that model (dataset,
-optimizer, lr, schedule, batch), W simulated workers (the real training loop on an in-process transport: the
+optimizer, lr, schedule, batch), as the first steps of the run planned for (``run_length``: its warm-up and
+learning-rate schedule are that run's, ``TrainConfig.schedule_steps``; a schedule squeezed into the pilot would
+be another experiment, whose early steps favour other methods than the run's), W simulated workers (the real training loop on an in-process transport: the
 same arithmetic as gloo), evaluated ``PILOT_EVALS`` times, and an fp32 pilot on the same seed beside it.
 
 From the curves (validation bits per byte for a language model, test accuracy for a classifier):
@@ -44,7 +46,7 @@ from gradcomp.errors import ConfigError
 PILOT_STEPS = {"text": 60, "image": 100}  # default pilot lengths: about 10 minutes of plan for the Transformer
 PILOT_EVALS = 6
 TOLERANCE = {"text": 0.05, "image": 0.5}  # "behind beyond the noise": bits per byte; accuracy points
-PILOT_FORMAT = 1  # bump when what a pilot measures changes
+PILOT_FORMAT = 2  # bump when what a pilot measures changes (2: a pilot is the first steps of the planned run)
 
 
 def is_text(model: str | None) -> bool:
@@ -63,22 +65,35 @@ def pilot_steps(model: str | None, given: int | None) -> int:
 
 
 def base_config(model: str, dataset: str, data_root: str | None, batch_size: int | None, workers: int, steps: int,
-                seed: int):
+                seed: int, run_steps: int | None = None):
     """``gradcomp train``'s configuration for ``model`` (its per-model defaults: optimizer, lr, schedule, batch),
-    for a pilot of ``steps`` steps on W simulated workers, evaluated PILOT_EVALS times."""
+    for ``steps`` steps on W simulated workers, evaluated PILOT_EVALS times. ``run_steps``: the length of the run
+    these steps begin (a pilot: its warm-up and schedule are that run's, as ``train --steps run_steps`` sets them);
+    None: a run of ``steps``."""
     from gradcomp.experiments.run.config import TrainConfig
     from gradcomp.experiments.run.options import add_training_options, resolve_training_defaults
 
     parser = argparse.ArgumentParser()
     add_training_options(parser)
-    argv = ["--model", model, "--dataset", dataset, "--steps", str(steps)]
+    prefix = run_steps is not None and run_steps > steps
+    argv = ["--model", model, "--dataset", dataset, "--steps", str(run_steps if prefix else steps)]
     if data_root:
         argv += ["--data", data_root]
     if batch_size is not None:
         argv += ["--batch-size", str(batch_size)]
-    kwargs = resolve_training_defaults(parser.parse_args(argv))
+    kwargs = {**resolve_training_defaults(parser.parse_args(argv)), "steps": steps}
     return TrainConfig(**kwargs, workers=workers, seed=seed, simulate=True, progress=False,
-                       eval_every=max(1, steps // PILOT_EVALS))
+                       eval_every=max(1, steps // PILOT_EVALS), schedule_steps=run_steps if prefix else None)
+
+
+def run_length(opts) -> int | None:
+    """The length of the run a plan is for: ``--steps``, else ``gradcomp train``'s default for the model (300 steps
+    for a language model; None for a classifier, whose default is an epoch at a constant learning rate)."""
+    from gradcomp.experiments.run.options import TRANSFORMER_DEFAULTS
+
+    if getattr(opts, "steps", None):
+        return int(opts.steps)
+    return TRANSFORMER_DEFAULTS["steps"] if is_text(opts.model) else None
 
 
 def run_pilot(cfg) -> dict[str, Any]:
@@ -197,7 +212,8 @@ def pilot_key(machine: dict[str, Any], cfg, method_key: dict[str, Any]) -> dict[
     return {"what": "pilot", "format": PILOT_FORMAT, "gradcomp": machine["gradcomp"],
             "gradcomp_source": machine["gradcomp_source"], "torch": machine["torch"],
             "model": cfg.model, "dataset": cfg.dataset, "batch_size": cfg.batch_size, "workers": cfg.workers,
-            "seed": cfg.seed, "steps": cfg.steps, "optimizer": cfg.optimizer, "lr": cfg.lr, "method": method_key}
+            "seed": cfg.seed, "steps": cfg.steps, "schedule_steps": cfg.schedule_steps, "optimizer": cfg.optimizer,
+            "lr": cfg.lr, "method": method_key}
 
 
 def run_pilots(methods: Sequence[Any], base, cache, machine: dict[str, Any], log: Callable[[str], None],
@@ -329,8 +345,9 @@ def timed(p: Prediction, row) -> dict[str, Any]:
 
 
 def pilot_base(opts, steps: int):
+    """The pilot's configuration: the first ``steps`` steps of the run planned for (``run_length``)."""
     return base_config(opts.model, opts.dataset, opts.data_root, opts.batch_size, opts.workers, steps,
-                             opts.seed)
+                       opts.seed, run_steps=run_length(opts))
 
 
 def recommend_by_target(rows: Sequence[Any], target: dict[str, Any], fp32_name: str) -> str:
