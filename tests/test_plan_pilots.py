@@ -152,3 +152,23 @@ def test_a_schedule_shorter_than_the_run_is_refused():
 
     with pytest.raises(ConfigError, match="schedule_steps must be a whole number >= the run's steps"):
         TrainConfig(model="mlp", dataset="synthetic", steps=10, schedule_steps=5).validate()
+
+
+def test_pilots_after_fp32s_run_one_per_core_in_their_own_processes_with_the_same_curves(tmp_path, monkeypatch):
+    """Two pilots at once (spawned processes, one torch thread each), a diverging one among them: the same curves
+    and statuses as one after the other in this process."""
+    methods = ["none", "topk:density=0.05", "cnat", "topk:density=0.05,sgd.lr=1e6"]
+    monkeypatch.setattr(pilot, "parallel_pilots", lambda count: min(count, 2))
+    logs = []
+    together = plan.run_plan(_opts(tmp_path / "a", methods=methods, link="10kbit"), log=logs.append)
+    assert any("2 at a time" in line for line in logs)
+    monkeypatch.setattr(pilot, "parallel_pilots", lambda count: 1)
+    alone = plan.run_plan(_opts(tmp_path / "b", methods=methods, link="10kbit"))
+    for label, run in together["target"]["pilots"].items():
+        other = alone["target"]["pilots"][label]
+        assert run.get("diverged", False) == other.get("diverged", False), label
+        assert [s for s, _ in run["curve"]] == [s for s, _ in other["curve"]], label
+        assert [v for _, v in run["curve"]] == pytest.approx([v for _, v in other["curve"]], abs=1e-6), label
+    statuses = {r["label"]: r["status"] for r in together["rows"]}
+    assert statuses == {r["label"]: r["status"] for r in alone["rows"]}
+    assert statuses["topk:density=0.05,sgd.lr=1e6"] == "diverged"

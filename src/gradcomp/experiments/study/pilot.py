@@ -5,8 +5,10 @@ that needs three times the steps, or never gets there, is not faster. So the pla
 short **pilot** on the user's model and data, with ``gradcomp train``'s defaults for that model (dataset,
 optimizer, lr, schedule, batch), as the first steps of the run planned for (``run_length``: its warm-up and
 learning-rate schedule are that run's, ``TrainConfig.schedule_steps``; a schedule squeezed into the pilot would
-be another experiment, whose early steps favour other methods than the run's), W simulated workers (the real training loop on an in-process transport: the
-same arithmetic as gloo), evaluated ``PILOT_EVALS`` times, and an fp32 pilot on the same seed beside it.
+be another experiment, whose early steps favour other methods than the run's), W simulated workers (the real
+training loop on an in-process transport: the same arithmetic as gloo), evaluated ``PILOT_EVALS`` times, and an
+fp32 pilot on the same seed beside it. fp32's pilot runs first and alone; the others then run one per core, each
+in a process of its own (``parallel_pilots``).
 
 From the curves (validation bits per byte for a language model, test accuracy for a classifier):
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -228,24 +231,27 @@ def run_pilots(methods: Sequence[Any], base, cache, machine: dict[str, Any], log
                                                if m.label not in skip and not is_fp32(m)]
     pilots: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
+    pending = []  # (i, label, cfg, key) of the pilots after fp32's not in the cache
     for i, (label, method) in enumerate(runs, start=1):
         # (the hook's slots and arithmetic are the aggregator's: a pilot on simulated workers runs the aggregator)
         cfg = dataclasses.replace(method.config(base), ddp=False)
         key = pilot_key(machine, cfg, method.key())
         cached = cache.get(key)
-        if cached is None:
-            log(f"pilot {i}/{len(runs)}: {label}, {cfg.steps} steps on {cfg.workers} simulated workers ...")
-            cached = run_pilot(cfg)
-            cache.put(key, cached)
-            elapsed = time.perf_counter() - started
-            left = elapsed / i * (len(runs) - i)
-            log(f"pilot {i}/{len(runs)}: {label} done in {cached['seconds']:.0f} s"
-                + (f" (about {left / 60:.1f} min of pilots left)" if i < len(runs) else ""))
-        else:
+        if cached is not None:
             log(f"pilot {i}/{len(runs)}: {label} (cached)")
-        pilots[label] = cached
+            pilots[label] = cached
+        elif label == "fp32":  # first and alone: the target is checked against it before any other pilot
+            log(f"pilot {i}/{len(runs)}: {label}, {cfg.steps} steps on {cfg.workers} simulated workers ...")
+            pilots[label] = run_pilot(cfg)
+            cache.put(key, pilots[label])
+            log(f"pilot {i}/{len(runs)}: {label} done in {pilots[label]['seconds']:.0f} s")
+        else:
+            pending.append((i, label, cfg, key))
         if label == "fp32":
-            target = check_target(cached, target, lower, cfg.steps)
+            target = check_target(pilots[label], target, lower, cfg.steps)
+    for i, label, result in _run_in_parallel(pending, len(runs), started, log):
+        cache.put(next(key for j, _, _, key in pending if j == i), result)
+        pilots[label] = result
     fp32 = pilots["fp32"]
     fp32_steps = crossing(fp32["curve"], target, lower)
     predictions = {}
@@ -258,6 +264,58 @@ def run_pilots(methods: Sequence[Any], base, cache, machine: dict[str, Any], log
             predictions[m.label] = predict(pilots[m.label], fp32, target, lower, tolerance, fp32_steps)
     return {"target": target, "lower": lower, "tolerance": tolerance, "fp32_steps": fp32_steps,
             "pilot_steps": base.steps, "pilots": pilots, "predictions": predictions}
+
+
+def parallel_pilots(count: int) -> int:
+    """How many pilots run at once: one per core, at most ``count``. A pilot's simulated workers take turns (one
+    runs at a time), so a pilot keeps about one core busy whatever torch's thread count."""
+    return max(1, min(count, os.cpu_count() or 1))
+
+
+def _pilot_process(cfg, threads: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    return run_pilot(cfg)
+
+
+def _run_in_parallel(pending: list, total: int, started: float, log: Callable[[str], None]):
+    """Yields (i, label, pilot) for each pending (i, label, cfg, key) as it finishes, ``parallel_pilots`` at once,
+    each in a process of its own (spawned: this process holds threads) with cores / parallel torch threads."""
+    if not pending:
+        return
+    at_once = parallel_pilots(len(pending))
+    if at_once == 1:
+        for i, label, cfg, _ in pending:
+            log(f"pilot {i}/{total}: {label}, {cfg.steps} steps on {cfg.workers} simulated workers ...")
+            result = run_pilot(cfg)
+            log(f"pilot {i}/{total}: {label} done in {result['seconds']:.0f} s")
+            yield i, label, result
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    threads = max(1, (os.cpu_count() or 1) // at_once)
+    pool = concurrent.futures.ProcessPoolExecutor(at_once, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = {}
+        for i, label, cfg, _ in pending:
+            futures[pool.submit(_pilot_process, cfg, threads)] = (i, label)
+        log(f"pilots {', '.join(str(i) for i, _, _, _ in pending)} of {total}: {at_once} at a time, "
+            f"{pending[0][2].steps} steps on {pending[0][2].workers} simulated workers each ...")
+        done = 0
+        for future in concurrent.futures.as_completed(futures):
+            i, label = futures[future]
+            result = future.result()
+            done += 1
+            left = (time.perf_counter() - started) / (done + 1) * (len(pending) - done)  # fp32's pilot in the mean
+            log(f"pilot {i}/{total}: {label} done in {result['seconds']:.0f} s"
+                + (f" (about {left / 60:.1f} min of pilots left)" if done < len(pending) else ""))
+            yield i, label, result
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 def trained_as(method):
@@ -323,8 +381,10 @@ def to_target(opts, methods: Sequence[Any], rows: Sequence[Any], cache, fp32_nam
     methods = [phases.for_pilot(m, getattr(opts, "steps", None)) for m in methods]
     count = 1 + sum(1 for m in methods if m.label not in skip and not is_fp32(m))
     per_step = 1.3 * opts.workers * compute_s  # simulated workers take turns on this machine's cores
+    rounds = 1 + math.ceil((count - 1) / parallel_pilots(count - 1))  # fp32's alone, then the rest at once
     log(f"pilots: {count} of {steps} steps each ({opts.workers} simulated workers, gradcomp train's defaults for "
-        f"{opts.model}); about {max(1, round(count * steps * per_step / 60))} min unless cached")
+        f"{opts.model}; {parallel_pilots(count - 1)} at a time after fp32's); about "
+        f"{max(1, round(rounds * steps * per_step / 60))} min unless cached")
     result = run_pilots(methods, base, cache, machine, log, opts.target, skip)
     out_rows = {m.label: timed(result["predictions"][m.label], by_label[m.label]) for m in methods}
     return {"value": result["target"], "metric": "validation bits/byte" if result["lower"] else "test accuracy %",
