@@ -1,7 +1,8 @@
 """What 1-bit Adam and 0/1 Adam share: an AdamW that does its own exchange through GradientAggregators.
 
 Compressing the gradient before Adam breaks Adam's per-coordinate normalisation (error feedback turns a
-coordinate's gradient into rare bursts, the second moment sees them squared, the step shrinks). The optimizers
+coordinate's gradient into rare bursts of accumulated, stale gradient, scaled by a second moment made for another
+signal; docs/adam.md has what was measured). The optimizers
 built on this class compress something else, the momentum under a frozen variance, so they are optimizers
 that exchange, not compressors: ``step()`` replaces ``aggregator.step()`` + ``optimizer.step()``.
 
