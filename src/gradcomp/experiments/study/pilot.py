@@ -7,8 +7,9 @@ optimizer, lr, schedule, batch), as the first steps of the run planned for (``ru
 learning-rate schedule are that run's, ``TrainConfig.schedule_steps``; a schedule squeezed into the pilot would
 be another experiment, whose early steps favour other methods than the run's), W simulated workers (the real
 training loop on an in-process transport: the same arithmetic as gloo), evaluated ``PILOT_EVALS`` times, and an
-fp32 pilot on the same seed beside it. fp32's pilot runs first and alone; the others then run one per core, each
-in a process of its own (``parallel_pilots``).
+fp32 pilot on the same seed beside it. The pilots run one per core, each in a process of its own
+(``parallel_pilots``); fp32's runs first and alone when a ``--target`` is given, so that an unreachable one is
+refused before the others start.
 
 From the curves (validation bits per byte for a language model, test accuracy for a classifier):
 
@@ -230,8 +231,7 @@ def run_pilots(methods: Sequence[Any], base, cache, machine: dict[str, Any], log
     runs = [("fp32", parse_method("none"))] + [(m.label, trained_as(m)) for m in methods
                                                if m.label not in skip and not is_fp32(m)]
     pilots: dict[str, dict[str, Any]] = {}
-    started = time.perf_counter()
-    pending = []  # (i, label, cfg, key) of the pilots after fp32's not in the cache
+    pending = []  # (i, label, cfg, key) of the pilots not in the cache, run one per core
     for i, (label, method) in enumerate(runs, start=1):
         # (the hook's slots and arithmetic are the aggregator's: a pilot on simulated workers runs the aggregator)
         cfg = dataclasses.replace(method.config(base), ddp=False)
@@ -240,18 +240,20 @@ def run_pilots(methods: Sequence[Any], base, cache, machine: dict[str, Any], log
         if cached is not None:
             log(f"pilot {i}/{len(runs)}: {label} (cached)")
             pilots[label] = cached
-        elif label == "fp32":  # first and alone: the target is checked against it before any other pilot
+        elif label == "fp32" and target is not None:  # a given target is checked before any other pilot starts
             log(f"pilot {i}/{len(runs)}: {label}, {cfg.steps} steps on {cfg.workers} simulated workers ...")
             pilots[label] = run_pilot(cfg)
             cache.put(key, pilots[label])
             log(f"pilot {i}/{len(runs)}: {label} done in {pilots[label]['seconds']:.0f} s")
-        else:
+        else:  # (fp32's too when the target is its own end: nothing to check before the others)
             pending.append((i, label, cfg, key))
-        if label == "fp32":
+        if label == "fp32" and label in pilots:
             target = check_target(pilots[label], target, lower, cfg.steps)
-    for i, label, result in _run_in_parallel(pending, len(runs), started, log):
+    for i, label, result in _run_in_parallel(pending, len(runs), log):
         cache.put(next(key for j, _, _, key in pending if j == i), result)
         pilots[label] = result
+    if any(label == "fp32" for _, label, _, _ in pending):
+        target = check_target(pilots["fp32"], target, lower, base.steps)
     fp32 = pilots["fp32"]
     fp32_steps = crossing(fp32["curve"], target, lower)
     predictions = {}
@@ -279,7 +281,7 @@ def _pilot_process(cfg, threads: int) -> dict[str, Any]:
     return run_pilot(cfg)
 
 
-def _run_in_parallel(pending: list, total: int, started: float, log: Callable[[str], None]):
+def _run_in_parallel(pending: list, total: int, log: Callable[[str], None]):
     """Yields (i, label, pilot) for each pending (i, label, cfg, key) as it finishes, ``parallel_pilots`` at once,
     each in a process of its own (spawned: this process holds threads) with cores / parallel torch threads."""
     if not pending:
@@ -303,12 +305,13 @@ def _run_in_parallel(pending: list, total: int, started: float, log: Callable[[s
             futures[pool.submit(_pilot_process, cfg, threads)] = (i, label)
         log(f"pilots {', '.join(str(i) for i, _, _, _ in pending)} of {total}: {at_once} at a time, "
             f"{pending[0][2].steps} steps on {pending[0][2].workers} simulated workers each ...")
-        done = 0
+        done, seconds = 0, 0.0
         for future in concurrent.futures.as_completed(futures):
             i, label = futures[future]
             result = future.result()
             done += 1
-            left = (time.perf_counter() - started) / (done + 1) * (len(pending) - done)  # fp32's pilot in the mean
+            seconds += result["seconds"]
+            left = math.ceil((len(pending) - done) / at_once) * seconds / done  # rounds left x a pilot's mean
             log(f"pilot {i}/{total}: {label} done in {result['seconds']:.0f} s"
                 + (f" (about {left / 60:.1f} min of pilots left)" if done < len(pending) else ""))
             yield i, label, result
@@ -381,9 +384,12 @@ def to_target(opts, methods: Sequence[Any], rows: Sequence[Any], cache, fp32_nam
     methods = [phases.for_pilot(m, getattr(opts, "steps", None)) for m in methods]
     count = 1 + sum(1 for m in methods if m.label not in skip and not is_fp32(m))
     per_step = 1.3 * opts.workers * compute_s  # simulated workers take turns on this machine's cores
-    rounds = 1 + math.ceil((count - 1) / parallel_pilots(count - 1))  # fp32's alone, then the rest at once
+    alone = 1 if opts.target is not None else 0  # fp32's first and alone when a given target is to be checked
+    at_once = parallel_pilots(count - alone)
+    rounds = alone + math.ceil((count - alone) / at_once)
+    after = " after fp32's" if alone else ""
     log(f"pilots: {count} of {steps} steps each ({opts.workers} simulated workers, gradcomp train's defaults for "
-        f"{opts.model}; {parallel_pilots(count - 1)} at a time after fp32's); about "
+        f"{opts.model}; {at_once} at a time{after}); about "
         f"{max(1, round(rounds * steps * per_step / 60))} min unless cached")
     result = run_pilots(methods, base, cache, machine, log, opts.target, skip)
     out_rows = {m.label: timed(result["predictions"][m.label], by_label[m.label]) for m in methods}
