@@ -4,6 +4,8 @@ line before the other pilots, a cached pilot of another model or gradcomp versio
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gradcomp.errors import ConfigError
@@ -172,3 +174,21 @@ def test_pilots_after_fp32s_run_one_per_core_in_their_own_processes_with_the_sam
     statuses = {r["label"]: r["status"] for r in together["rows"]}
     assert statuses == {r["label"]: r["status"] for r in alone["rows"]}
     assert statuses["topk:density=0.05,sgd.lr=1e6"] == "diverged"
+
+
+def test_a_failing_pilot_stops_the_others_and_leaves_no_process(monkeypatch):
+    """A pilot that fails (not by diverging: its configuration cannot run) ends the plan with its error, and the
+    pilot still running beside it is stopped: no process is left behind."""
+    import dataclasses
+    import multiprocessing
+
+    monkeypatch.setattr(pilot, "parallel_pilots", lambda count: 2)
+    good = pilot.base_config("transformer_tiny", "pystdlib", None, 4, 2, 3000, 0)
+    bad = dataclasses.replace(good, batch_size=10**9)  # more than the data: refused when the pilot starts
+    pending = [(2, "slow", good, None), (3, "bad", bad, None)]
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match="cannot give each of 2 workers"):
+        list(pilot._run_in_parallel(pending, 3, log=lambda line: None))
+    assert multiprocessing.active_children() == []
+    # stopped, not waited for: its 3,000 steps take minutes (a bound with ample slack, not a speed target)
+    assert time.perf_counter() - started < 60

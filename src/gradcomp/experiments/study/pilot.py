@@ -275,8 +275,11 @@ def parallel_pilots(count: int) -> int:
 
 
 def _pilot_process(cfg, threads: int) -> dict[str, Any]:
+    import signal
+
     import torch
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the planner's to handle: it stops these processes
     torch.set_num_threads(threads)
     return run_pilot(cfg)
 
@@ -315,8 +318,10 @@ def _run_in_parallel(pending: list, total: int, log: Callable[[str], None]):
             log(f"pilot {i}/{total}: {label} done in {result['seconds']:.0f} s"
                 + (f" (about {left / 60:.1f} min of pilots left)" if done < len(pending) else ""))
             yield i, label, result
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
+    except BaseException:  # Ctrl-C or a pilot's error: no pilot process is left running
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown()
 
